@@ -1,0 +1,36 @@
+"""dcp-storage: storage backends, formats and planners for ``torch.distributed.checkpoint``.
+
+Drop-in readers and writers for ``dcp.load(sd, storage_reader=...)`` / ``dcp.save(sd, storage_writer=...)``
+that work on any fsspec URL (local, ``memory://``, ``s3://``, ``gs://``), read only the bytes each rank
+needs, retry transient storage failures, commit atomically and never run code from a checkpoint.
+"""
+
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DcpStorageError,
+    ShapeMismatchError,
+    TransportError,
+    UnsafeCheckpointError,
+)
+from .storage import FsspecReader, FsspecWriter
+from .transports import FsspecTransport, RetryPolicy, TransportConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FsspecReader",
+    "FsspecWriter",
+    "FsspecTransport",
+    "TransportConfig",
+    "RetryPolicy",
+    "DcpStorageError",
+    "UnsafeCheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "ShapeMismatchError",
+    "TransportError",
+    "__version__",
+]

@@ -1,0 +1,95 @@
+"""Reading and writing DCP's ``.metadata`` file without trusting it.
+
+torch writes ``.metadata`` with ``pickle.dump`` and reads it with ``pickle.load``. We write the same bytes
+(so torch's reader loads our checkpoints) but read them with an allow-list: the DCP metadata classes,
+``torch.Size``, dtypes, layouts, memory formats, enums and plain containers. Anything else raises
+:class:`~dcp_storage.errors.UnsafeCheckpointError` naming the file and the global.
+"""
+
+from __future__ import annotations
+
+import collections
+import copyreg
+import pathlib
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_fs
+import torch.distributed.checkpoint.metadata as dcp_md
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ...safe_unpickle import globals_of, safe_loads
+
+__all__ = ["METADATA_FILE", "metadata_allow_list", "load_metadata", "dump_metadata"]
+
+METADATA_FILE = ".metadata"
+
+
+def _layout_by_name(name: str) -> torch.layout:
+    """Stand-in for ``torch.serialization._get_layout`` that only looks names up."""
+    for value in vars(torch).values():
+        if isinstance(value, torch.layout) and str(value) == name:
+            return value
+    raise ValueError(f"unknown torch layout {name!r}")
+
+
+def _torch_constants() -> dict[tuple[str, str], Any]:
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): _layout_by_name,
+    }
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+def metadata_allow_list() -> dict[tuple[str, str], Any]:
+    """Every global a DCP ``.metadata`` pickle may name."""
+    allowed = _torch_constants()
+    allowed.update(
+        globals_of(
+            dcp_md,
+            [
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            ],
+        )
+    )
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_fs._StorageInfo
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    # torch's FileSystemWriter records the checkpoint path as a pathlib object in StorageMeta.
+    for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"):
+        allowed[("pathlib", name)] = getattr(pathlib, name)
+    allowed[("copyreg", "_reconstructor")] = copyreg._reconstructor
+    allowed[("copy_reg", "_reconstructor")] = copyreg._reconstructor
+    for name, obj in (("object", object), ("set", set), ("frozenset", frozenset), ("tuple", tuple), ("list", list), ("dict", dict)):
+        allowed[("builtins", name)] = obj
+        allowed[("__builtin__", name)] = obj
+    return allowed
+
+
+_ALLOWED = metadata_allow_list()
+
+
+def load_metadata(data: bytes | bytearray | memoryview, path: str) -> Metadata:
+    """Decode ``.metadata`` bytes read from ``path``; never runs code from them."""
+    metadata = safe_loads(data, path, _ALLOWED, expected=Metadata)
+    if not isinstance(metadata.state_dict_metadata, dict):
+        from ...errors import CorruptCheckpointError
+
+        raise CorruptCheckpointError(f"{path}: state_dict_metadata is not a dict")
+    return metadata
+
+
+def dump_metadata(metadata: Metadata) -> bytes:
+    """Encode ``metadata`` exactly as torch's ``FileSystemWriter`` does (``pickle.dump``)."""
+    return pickle.dumps(metadata)

@@ -1,0 +1,281 @@
+"""Locating a tensor's raw bytes inside a ``torch.save`` zip record, without loading it.
+
+DCP's native layout stores every tensor item as a complete ``torch.save`` archive (a zip of
+``data.pkl``, ``byteorder``, ``data/<key>``, ...) at ``(offset, length)`` inside a ``.distcp`` file. torch
+reads the whole archive, builds the full tensor and narrows it. We read only the first few KiB (the local
+zip headers and the tiny ``data.pkl``), learn dtype, shape, strides and where the raw storage bytes start,
+and then fetch exactly the bytes a rank needs, straight into the destination tensor.
+
+``data.pkl`` is decoded with an allow-list that admits only what a plain tensor pickles to; anything else
+(a tensor subclass, hooks, an exotic layout) is reported as unsupported and the caller falls back to
+``torch.load(weights_only=True)`` on the whole record.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import CorruptCheckpointError, UnsafeCheckpointError
+from ...safe_unpickle import AllowListUnpickler
+
+__all__ = ["TensorRecord", "UnsupportedRecord", "NeedMoreBytes", "parse_tensor_record", "load_tensor_record"]
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_LOCAL_SIG = b"PK\x03\x04"
+_ZIP64_EXTRA_ID = 0x0001
+
+
+class UnsupportedRecord(Exception):
+    """The record is valid but not a plain dense tensor we can slice; load it whole instead."""
+
+
+class NeedMoreBytes(Exception):
+    """The prefix given is too short to reach the tensor's data; retry with at least ``needed`` bytes."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(needed)
+        self.needed = needed
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where and how one saved tensor's elements lie, relative to the start of its record."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements
+    data_start: int  # byte offset of the storage bytes, relative to the record start
+    storage_nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def is_row_major(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype | None  # None for UntypedStorage (bytes)
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is None:
+            return self.numel
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class _Spec:
+    storage: _StorageRef
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+
+
+def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> _Spec:
+    if not isinstance(storage, _StorageRef) or storage.dtype is None or hooks:
+        raise UnsupportedRecord("tensor with hooks or untyped storage")
+    return _Spec(storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype)
+
+
+def _rebuild_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, metadata: Any = None) -> _Spec:
+    if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype) or hooks:
+        raise UnsupportedRecord("tensor with hooks or unknown dtype")
+    return _Spec(storage, int(storage_offset), tuple(size), tuple(stride), dtype)
+
+
+def _legacy_storage_dtypes() -> dict[str, torch.dtype]:
+    """``torch.FloatStorage`` and friends by name, read without touching the deprecated classes."""
+    import warnings
+
+    out: dict[str, torch.dtype] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in dir(torch):
+            value = getattr(torch, name, None)
+            if name.endswith("Storage") and isinstance(value, type):
+                dtype = getattr(value, "dtype", None)
+                if isinstance(dtype, torch.dtype):
+                    out[name] = dtype
+    return out
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("torch", "UntypedStorage"): _StorageType(None),
+        ("torch.storage", "UntypedStorage"): _StorageType(None),
+    }
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    for name, dtype in _legacy_storage_dtypes().items():
+        allowed[("torch", name)] = _StorageType(dtype)
+    return allowed
+
+
+_ALLOWED = _allowed()
+
+
+class _DataPklUnpickler(AllowListUnpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise UnsupportedRecord(f"global {module}.{name}") from None
+
+
+def _persistent_load(pid: Any) -> _StorageRef:
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise UnsupportedRecord(f"persistent id {pid!r}")
+    _, storage_type, key, _location, numel = pid
+    if not isinstance(storage_type, _StorageType):
+        raise UnsupportedRecord("unknown storage type")
+    return _StorageRef(str(key), storage_type.dtype, int(numel))
+
+
+def _walk_records(buf: memoryview, record_len: int, path: str) -> dict[str, tuple[int, int]]:
+    """Map zip entry names to ``(data_start, size)`` for every complete local header in ``buf``.
+
+    Stops at the central directory or at the end of ``buf``. Raises :class:`NeedMoreBytes` when the
+    prefix ends inside a header before the tensor data was reached, :class:`UnsupportedRecord` for
+    compressed entries or data descriptors, :class:`CorruptCheckpointError` for garbage.
+    """
+    entries: dict[str, tuple[int, int]] = {}
+    pos = 0
+    while True:
+        if pos + 4 > len(buf):
+            return entries  # the caller asks for more if what it needs is not here yet
+        sig = bytes(buf[pos : pos + 4])
+        if sig != _LOCAL_SIG:
+            if entries and sig[:2] == b"PK":
+                return entries  # central directory or end record
+            raise CorruptCheckpointError(
+                f"{path}: expected a torch.save zip record at byte {pos} of the item, found {sig!r}"
+            )
+        if pos + _LOCAL_HEADER.size > len(buf):
+            return entries
+        (_, _ver, flags, method, _t, _d, _crc, csize, usize, nlen, xlen) = _LOCAL_HEADER.unpack_from(buf, pos)
+        head_end = pos + _LOCAL_HEADER.size + nlen + xlen
+        if head_end > len(buf):
+            return entries
+        name = bytes(buf[pos + _LOCAL_HEADER.size : pos + _LOCAL_HEADER.size + nlen]).decode("utf-8", "replace")
+        if flags & 0x08:
+            raise UnsupportedRecord("zip data descriptor")
+        if method != 0:
+            raise UnsupportedRecord(f"compressed zip entry {name}")
+        if csize == 0xFFFFFFFF or usize == 0xFFFFFFFF:
+            extra = buf[pos + _LOCAL_HEADER.size + nlen : head_end]
+            csize = _zip64_size(extra, path)
+        entries[name] = (head_end, csize)
+        pos = head_end + csize
+        if pos > record_len:
+            raise CorruptCheckpointError(
+                f"{path}: zip entry {name!r} runs to byte {pos} but the item is only {record_len} bytes "
+                "(truncated or corrupt record)"
+            )
+
+
+def _zip64_size(extra: memoryview, path: str) -> int:
+    i = 0
+    while i + 4 <= len(extra):
+        header_id, size = struct.unpack_from("<HH", extra, i)
+        if header_id == _ZIP64_EXTRA_ID and size >= 16:
+            _usize, csize = struct.unpack_from("<QQ", extra, i + 4)
+            return int(csize)
+        i += 4 + size
+    raise CorruptCheckpointError(f"{path}: zip64 entry without a zip64 extra field")
+
+
+def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) -> TensorRecord:
+    """Parse the start of a ``torch.save`` tensor record.
+
+    ``prefix`` holds the first bytes of the record (the whole record works too); ``record_len`` is the
+    record's full length from the metadata. Raises :class:`NeedMoreBytes`, :class:`UnsupportedRecord` or
+    :class:`CorruptCheckpointError` (naming ``path``).
+    """
+    buf = memoryview(prefix).cast("B") if not isinstance(prefix, memoryview) else prefix
+    entries = _walk_records(buf, record_len, path)
+    pkl = next((n for n in entries if n.endswith("/data.pkl") or n == "data.pkl"), None)
+    if pkl is None:
+        if len(buf) < record_len:
+            raise NeedMoreBytes(min(record_len, 2 * len(buf) + 4096))
+        raise CorruptCheckpointError(f"{path}: torch.save record has no data.pkl entry")
+    root = pkl[: -len("data.pkl")]
+    start, size = entries[pkl]
+    if start + size > len(buf):
+        raise NeedMoreBytes(start + size + 4096)
+    try:
+        result = _DataPklUnpickler(io.BytesIO(bytes(buf[start : start + size])), path, _ALLOWED, _persistent_load).load()
+    except (UnsupportedRecord, UnsafeCheckpointError):
+        raise UnsupportedRecord("data.pkl is not a plain tensor") from None
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptCheckpointError(f"{path}: cannot decode the tensor's data.pkl ({exc})") from exc
+    if not isinstance(result, _Spec):
+        raise UnsupportedRecord("data.pkl is not a single tensor")
+    spec: _Spec = result
+    order = entries.get(f"{root}byteorder")
+    if order is not None and bytes(buf[order[0] : order[0] + order[1]]) != b"little":
+        raise UnsupportedRecord("big-endian record")
+    data = entries.get(f"{root}data/{spec.storage.key}")
+    if data is None:
+        if len(buf) < record_len:
+            raise NeedMoreBytes(min(record_len, 2 * len(buf) + 4096))
+        raise CorruptCheckpointError(f"{path}: torch.save record has no data/{spec.storage.key} entry")
+    data_start, data_size = data
+    if data_size != spec.storage.nbytes:
+        raise CorruptCheckpointError(
+            f"{path}: storage data/{spec.storage.key} holds {data_size} bytes, data.pkl says {spec.storage.nbytes}"
+        )
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    if any(s < 0 for s in spec.size) or any(s < 0 for s in spec.stride) or len(spec.size) != len(spec.stride):
+        raise CorruptCheckpointError(f"{path}: invalid tensor shape {spec.size} / stride {spec.stride}")
+    if all(s > 0 for s in spec.size):
+        last = spec.storage_offset + sum((s - 1) * st for s, st in zip(spec.size, spec.stride))
+        if (last + 1) * itemsize > data_size:
+            raise CorruptCheckpointError(
+                f"{path}: tensor of shape {spec.size} reaches element {last} beyond its storage ({data_size} bytes)"
+            )
+    return TensorRecord(spec.dtype, spec.size, spec.stride, spec.storage_offset, data_start, data_size)
+
+
+_FORBIDDEN = re.compile(r"(?:GLOBAL|global)\s+([\w.]+(?:\s*\.\s*\w+)?)")
+
+
+def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
+    """Load a whole record with ``torch.load(weights_only=True)``; map refusals to our errors."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - classified below
+        text = str(exc)
+        if "Weights only load failed" in text or "weights_only" in text:
+            match = _FORBIDDEN.search(text)
+            raise UnsafeCheckpointError(path, match.group(1) if match else "unknown global", "weights_only=True refused it") from None
+        raise CorruptCheckpointError(f"{path}: cannot decode a torch.save record ({type(exc).__name__}: {exc})") from exc

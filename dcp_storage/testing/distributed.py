@@ -1,0 +1,340 @@
+"""Run a function on N real gloo ranks, each in its own spawned process.
+
+Why real processes instead of threads or a fake process group: distributed
+checkpointing exercises per-rank file writes, collectives and pickling of
+plans across address spaces; only separate interpreters catch the bugs that
+live there. Why ``spawn``: forking a parent that has torch (and possibly
+s3fs/aiohttp event-loop threads) loaded is unsafe.
+
+Failure handling is the point of this module. A rank that raises is reported
+with its own traceback; a rank that hangs (the usual symptom of a collective
+mismatch) is reported with the Python stack of every unfinished rank, dumped
+via ``faulthandler`` just before the kill. No child outlives the call: ranks
+(and anything they spawned) are killed on every exit path, and on Linux a
+parent-death signal covers the parent itself being killed.
+
+Rendezvous uses a ``TCPStore`` that the parent binds to 127.0.0.1 port 0, and
+gloo is pinned to the loopback interface, so no fixed ports and no traffic
+beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+__all__ = ["RankFailedError", "RankTimeoutError", "run_ranks"]
+
+_HOST = "127.0.0.1"
+_KILL_GRACE_S = 2.0  # between SIGTERM and SIGKILL when tearing ranks down
+_EXIT_GRACE_S = 10.0  # a rank that has reported may take this long to exit
+_STACK_DUMP_WAIT_S = 0.5  # time for faulthandler to write a hung rank's stacks
+
+
+class RankFailedError(Exception):
+    """One or more ranks raised (or died) instead of returning.
+
+    ``rank`` is the lowest failing rank; ``failures`` maps every rank known to
+    have failed to its formatted traceback (or a description of how it died).
+    """
+
+    def __init__(self, failures: dict[int, str], message: str | None = None) -> None:
+        self.failures = dict(sorted(failures.items()))
+        self.rank = next(iter(self.failures))
+        if message is None:
+            message = "\n".join(
+                f"rank {rank} failed:\n{detail}" for rank, detail in self.failures.items()
+            )
+        super().__init__(message)
+
+
+class RankTimeoutError(RankFailedError):
+    """Some ranks did not finish within the timeout; all ranks were killed.
+
+    ``unfinished`` lists them; ``failures`` holds each one's stack dump.
+    """
+
+    def __init__(self, unfinished: list[int], timeout: float, stacks: dict[int, str]) -> None:
+        self.unfinished = sorted(unfinished)
+        lines = [f"ranks {self.unfinished} did not finish within {timeout:.1f}s"]
+        lines += [f"rank {rank} stacks at timeout:\n{stacks[rank]}" for rank in self.unfinished]
+        super().__init__({rank: stacks[rank] for rank in self.unfinished}, "\n".join(lines))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    ``fn``, ``args``, ``kwargs`` and the return values must be picklable, so
+    ``fn`` has to be a module-level function of an importable module. Each rank
+    runs with ``torch.set_num_threads(1)`` and an initialised default process
+    group, destroyed after ``fn`` returns. ``timeout`` (seconds) bounds the
+    whole call, process start-up included.
+
+    Returns the per-rank return values, indexed by rank. Raises
+    :class:`RankFailedError` if a rank raises or dies, and
+    :class:`RankTimeoutError` if any rank is still running at the deadline.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    import torch.distributed as dist  # deferred: keep `import dcp_storage.testing` cheap
+
+    deadline = time.monotonic() + timeout
+    ctx = multiprocessing.get_context("spawn")
+    store = dist.TCPStore(
+        _HOST,
+        0,
+        None,
+        True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    procs: list[BaseProcess] = []
+    conns: list[Connection] = []
+    with tempfile.TemporaryDirectory(prefix="run_ranks-") as tmp:
+        stack_files = [os.path.join(tmp, f"rank{rank}.stacks") for rank in range(world_size)]
+        try:
+            for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(
+                        fn, rank, world_size, store.port, timeout, os.getpid(),
+                        stack_files[rank], writer, args, kwargs,
+                    ),
+                    name=f"run_ranks-rank{rank}",
+                )
+                proc.start()
+                writer.close()  # so that the reader sees EOF when the child dies
+                procs.append(proc)
+                conns.append(reader)
+            results, failures, unfinished = _collect(procs, conns, deadline)
+            if unfinished and not failures:
+                stacks = _dump_stacks(procs, unfinished, stack_files)
+                _kill(procs)
+                raise RankTimeoutError(unfinished, timeout, stacks)
+            if failures:
+                _kill(procs)
+                raise RankFailedError(failures)
+            _reap(procs, min(_EXIT_GRACE_S, max(deadline - time.monotonic(), 1.0)))
+            return results
+        finally:
+            _kill(procs)
+            for conn in conns:
+                conn.close()
+            del store
+
+
+def _collect(
+    procs: list[BaseProcess], conns: list[Connection], deadline: float
+) -> tuple[list[Any], dict[int, str], list[int]]:
+    """Wait for every rank's report; stop early at the first failure or deadline.
+
+    Returns ``(results, failures, unfinished_ranks)``.
+    """
+    results: list[Any] = [None] * len(procs)
+    failures: dict[int, str] = {}
+    pending = set(range(len(procs)))
+    while pending and not failures:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        waitables: list[Any] = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
+        ready = set(multiprocessing.connection.wait(waitables, timeout=remaining))
+        for rank in sorted(pending):
+            if conns[rank] not in ready and procs[rank].sentinel not in ready:
+                continue
+            message: tuple[str, Any] | None = None
+            if conns[rank].poll():
+                try:
+                    message = conns[rank].recv()
+                except (EOFError, OSError):
+                    message = None
+            if message is None:
+                # Closed pipe without a report: the process died (segfault,
+                # os._exit, OOM kill). Get its exit code for the message.
+                procs[rank].join(timeout=_KILL_GRACE_S)
+                failures[rank] = (
+                    f"process exited with code {procs[rank].exitcode} without reporting a "
+                    "result (its stderr may say why, e.g. fn could not be unpickled)"
+                )
+            elif message[0] == "ok":
+                results[rank] = message[1]
+            else:
+                failures[rank] = message[1]
+            pending.discard(rank)
+    return results, failures, sorted(pending)
+
+
+def _dump_stacks(procs: list[BaseProcess], ranks: list[int], files: list[str]) -> dict[int, str]:
+    """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
+    stacks = {rank: "<no stack dump available>" for rank in ranks}
+    if not hasattr(signal, "SIGUSR1"):
+        return stacks
+    for rank in ranks:
+        if procs[rank].pid is not None and procs[rank].is_alive():
+            try:
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(_STACK_DUMP_WAIT_S)
+    for rank in ranks:
+        try:
+            with open(files[rank], encoding="utf-8", errors="replace") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            stacks[rank] = text
+    return stacks
+
+
+def _reap(procs: list[BaseProcess], grace: float) -> None:
+    """Join ranks that already reported; kill stragglers stuck in interpreter exit."""
+    end = time.monotonic() + grace
+    for proc in procs:
+        proc.join(timeout=max(end - time.monotonic(), 0.0))
+
+
+def _kill(procs: list[BaseProcess]) -> None:
+    """Terminate, then kill, every live rank and its descendants. Idempotent.
+
+    Descendants (e.g. an async-checkpoint helper process started by ``fn``)
+    are found with psutil when it is installed; without it only ranks die.
+    """
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    victims: list[Any] = []
+    for proc in procs:
+        if proc.pid is None or proc.exitcode is not None:
+            continue
+        if psutil is not None:
+            try:
+                victims.extend(psutil.Process(proc.pid).children(recursive=True))
+            except psutil.Error:
+                pass
+        proc.terminate()
+    end = time.monotonic() + _KILL_GRACE_S
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join(timeout=max(end - time.monotonic(), 0.0))
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+    if psutil is not None and victims:
+        for victim in victims:
+            try:
+                victim.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(victims, timeout=_KILL_GRACE_S)
+
+
+def _loopback_ifname() -> str:
+    """Name of the loopback interface, for ``GLOO_SOCKET_IFNAME``."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        names = set()
+    return "lo0" if "lo0" in names and "lo" not in names else "lo"
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux only)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_port: int,
+    timeout: float,
+    parent_pid: int,
+    stack_file: str,
+    conn: Connection,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """Body of one rank: set up, run ``fn``, report exactly one message on ``conn``."""
+    _die_with_parent(parent_pid)
+    import faulthandler
+
+    stack_out = open(stack_file, "w", encoding="utf-8")  # noqa: SIM115 (lives until exit)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+    os.environ["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+    # The usual torchrun variables, for code under test that reads them.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        store = dist.TCPStore(
+            _HOST, store_port, None, False, timeout=datetime.timedelta(seconds=timeout)
+        )
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        result = fn(rank, world_size, *args, **kwargs)
+        dist.destroy_process_group()
+        conn.send(("ok", result))  # pickles first, so a failure here sends nothing
+        if os.environ.get("XX_FAST_EXIT"):
+            conn.close()
+            import atexit, multiprocessing.util as mu
+            t=time.time(); mu._exit_function(); t1=time.time(); atexit._run_exitfuncs(); t2=time.time()
+            sys.stdout.flush(); sys.stderr.flush()
+            print(f"exit_function {t1-t:.3f} atexit {t2-t1:.3f}", file=sys.stderr, flush=True)
+            if os.environ["XX_FAST_EXIT"] == "1": os._exit(0)
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:  # noqa: BLE001 - parent gone; nothing left to tell
+            pass
+        _destroy_quietly()
+    finally:
+        conn.close()
+
+
+def _destroy_quietly() -> None:
+    """Best-effort process-group teardown after a failure."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass

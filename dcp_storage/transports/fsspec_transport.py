@@ -1,0 +1,439 @@
+"""The fsspec transport: bytes in and out of any fsspec URL, concurrent, retried, atomic.
+
+It knows nothing about tensors. Formats ask it for byte ranges and for atomic file writes; it turns a URL
+plus ``storage_options`` into an fsspec filesystem and adds what fsspec lacks for checkpoints:
+
+* concurrent ranged reads with coalescing of near ranges and a cap on bytes in flight;
+* retries with exponential backoff and jitter on transient errors (5xx, throttling, resets, truncation);
+* atomic commit: on a local disk a temp file, ``fsync`` and ``rename``; on an object store a single PUT or
+  a completed multipart upload (aborted on failure), never a rename and never an ``fsync``;
+* counters of requests, bytes and retries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ..errors import CheckpointNotFoundError
+from .budget import ByteBudget
+from .counters import TransportCounters
+from .local_io import preadv_exact
+from .ranges import FetchGroup, RangeRequest, plan_fetches
+from .retry import RetryPolicy, TruncatedReadError, call_with_retry
+
+__all__ = ["TransportConfig", "FsspecTransport"]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Tuning knobs; the defaults suit a local disk and an object store alike.
+
+    ``max_workers``: concurrent storage requests. ``max_inflight_bytes``: bytes of requests running at
+    once. ``coalesce_gap``: ranges of one file closer than this are fetched by one request (the gap bytes
+    are read and dropped). ``max_request_bytes``: larger ranges are split into parts fetched concurrently.
+    ``part_size``: multipart upload part size for object-store writes.
+    """
+
+    max_workers: int = 16
+    max_inflight_bytes: int = 512 * MiB
+    coalesce_gap: int = 256 * 1024
+    max_request_bytes: int = 32 * MiB
+    part_size: int = 64 * MiB
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if self.max_workers < 1:
+            raise ValueError(f"TransportConfig.max_workers must be >= 1, got {self.max_workers}")
+        if self.max_inflight_bytes < 1 or self.max_request_bytes < 1:
+            raise ValueError("TransportConfig byte limits must be >= 1")
+        if self.coalesce_gap < 0:
+            raise ValueError(f"TransportConfig.coalesce_gap must be >= 0, got {self.coalesce_gap}")
+        if self.part_size < 5 * MiB:
+            raise ValueError("TransportConfig.part_size must be >= 5 MiB (the S3 minimum part size)")
+
+
+class _CountingWriter:
+    """File wrapper that counts bytes written (and forwards everything else)."""
+
+    def __init__(self, raw: IO[bytes], counters: TransportCounters) -> None:
+        self._raw = raw
+        self._counters = counters
+        self.written = 0
+
+    def write(self, data: Any) -> int:
+        n = self._raw.write(data)
+        n = memoryview(data).nbytes if n is None else n
+        self.written += n
+        self._counters.add(bytes_written=n)
+        return n
+
+    def tell(self) -> int:
+        return self.written
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+
+class FsspecTransport:
+    """Bytes-only access to one fsspec filesystem.
+
+    Build it with :meth:`from_url`. Paths passed to its methods are paths of that filesystem (what
+    ``fsspec.core.url_to_fs`` returns), joined with :meth:`join`.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, config: TransportConfig | None = None) -> None:
+        self.fs = fs
+        self.config = config or TransportConfig()
+        self.counters = TransportCounters()
+        self.is_local = isinstance(fs, LocalFileSystem)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------------------- building
+    @classmethod
+    def from_url(
+        cls,
+        url: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        config: TransportConfig | None = None,
+    ) -> tuple[FsspecTransport, str]:
+        """Return the transport for ``url`` and the path of ``url`` on its filesystem."""
+        fs, path = fsspec.core.url_to_fs(os.fspath(url), **(storage_options or {}))
+        return cls(fs, config), path
+
+    @property
+    def protocol(self) -> str:
+        proto = self.fs.protocol
+        return proto[0] if isinstance(proto, (tuple, list)) else proto
+
+    def url(self, path: str) -> str:
+        """A human-readable URL for error messages."""
+        return path if self.is_local else self.fs.unstrip_protocol(path)
+
+    def join(self, root: str, *names: str) -> str:
+        if self.is_local:
+            return os.path.join(root, *names)
+        return posixpath.join(root.rstrip("/"), *names)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> FsspecTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="dcp-storage-io")
+            return self._pool
+
+    def _retry(self, fn: Any, describe: Any) -> Any:
+        return call_with_retry(fn, self.config.retry, describe, on_retry=lambda _e: self.counters.add(retries=1))
+
+    # ------------------------------------------------------------------------------------ queries
+    def exists(self, path: str) -> bool:
+        if self.is_local:
+            return os.path.exists(path)
+        return bool(self._retry(lambda: self.fs.exists(path), lambda: f"exists {self.url(path)}"))
+
+    def size(self, path: str) -> int:
+        """Size of the file at ``path``; :class:`CheckpointNotFoundError` if it does not exist."""
+        try:
+            if self.is_local:
+                return os.path.getsize(path)
+            return int(self._retry(lambda: self.fs.size(path), lambda: f"size of {self.url(path)}"))
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
+
+    def makedirs(self, path: str) -> None:
+        if self.is_local:
+            os.makedirs(path, exist_ok=True)
+        else:
+            self.fs.makedirs(path, exist_ok=True)
+
+    def remove(self, path: str) -> None:
+        """Delete one file if it exists."""
+        if self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self._retry(lambda: self.fs.rm_file(path), lambda: f"delete {self.url(path)}")
+
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) of the files directly under ``path``; empty if it does not exist."""
+        if self.is_local:
+            try:
+                return sorted(os.listdir(path))
+            except FileNotFoundError:
+                return []
+        try:
+            self.fs.invalidate_cache(path)
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    # ------------------------------------------------------------------------------------ reading
+    def read_file(self, path: str) -> bytes:
+        """Read a whole (small) file, retrying transient errors."""
+
+        def fetch() -> bytes:
+            if self.is_local:
+                with open(path, "rb") as f:
+                    data = f.read()
+            else:
+                data = self.fs.cat_file(path)
+            self.counters.add(requests=1, bytes_read=len(data))
+            return data
+
+        try:
+            return self._retry(fetch, lambda: f"read {self.url(path)}")
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
+
+    def read_range(self, path: str, start: int, end: int) -> memoryview:
+        """Read bytes ``[start, end)`` of one file (a convenience over :meth:`read_ranges`)."""
+        return self.read_ranges([RangeRequest(path, start, end)])[0]  # type: ignore[return-value]
+
+    def read_ranges(self, requests: Sequence[RangeRequest]) -> list[memoryview | None]:
+        """Fetch every request, concurrently, coalesced, within the in-flight byte budget.
+
+        Returns, per request, its filled buffer, or ``None`` for requests with ``on_complete`` (the
+        callback got the buffer). Raises the first failure after in-flight work has stopped; a file that
+        ends early raises :class:`~dcp_storage.errors.CorruptCheckpointError` naming it.
+        """
+        cfg = self.config
+        groups = plan_fetches(requests, cfg.coalesce_gap, cfg.max_request_bytes)
+        run = _RangeRun(self, requests, groups)
+        return run.execute()
+
+    def _fetch_group_local(self, fd: int, group: FetchGroup, views: list[memoryview]) -> None:
+        buffers: list[memoryview] = []
+        position = group.start
+        for seg, view in zip(group.segments, views):
+            if seg.start > position:
+                buffers.append(memoryview(bytearray(seg.start - position)))
+            buffers.append(view)
+            position = seg.end
+        calls = preadv_exact(fd, group.path, buffers, group.start)
+        self.counters.add(requests=calls, bytes_read=group.length)
+
+    def _fetch_group_remote(self, group: FetchGroup, views: list[memoryview]) -> None:
+        def fetch() -> bytes:
+            data = self.fs.cat_file(group.path, start=group.start, end=group.end)
+            self.counters.add(requests=1, bytes_read=len(data))
+            if len(data) != group.length:
+                raise TruncatedReadError(
+                    f"{self.url(group.path)}: got {len(data)} of {group.length} bytes for "
+                    f"[{group.start}, {group.end})"
+                )
+            return data
+
+        try:
+            data = self._retry(
+                fetch, lambda: f"read {self.url(group.path)} bytes [{group.start}, {group.end})"
+            )
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{self.url(group.path)}: no such file") from exc
+        src = memoryview(data)
+        for seg, view in zip(group.segments, views):
+            view[:] = src[seg.start - group.start : seg.end - group.start]
+
+    # ------------------------------------------------------------------------------------ writing
+    def write_file(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Atomically write a whole small file (metadata, markers): one PUT, or temp+fsync+rename."""
+        nbytes = memoryview(data).nbytes
+        if self.is_local:
+            with self.open_atomic(path) as f:
+                f.write(data)
+            return
+
+        def put() -> None:
+            self.fs.pipe_file(path, bytes(data))
+            self.counters.add(requests=1, bytes_written=nbytes)
+
+        self._retry(put, lambda: f"write {self.url(path)} ({nbytes} bytes)")
+
+    @contextlib.contextmanager
+    def open_atomic(self, path: str) -> Iterator[_CountingWriter]:
+        """Open ``path`` for writing such that it appears whole or not at all.
+
+        Local: a temp file beside it, ``fsync``, then ``os.replace`` (and the directory is synced).
+        Object store: the client's buffered writer, which commits by a single PUT or by completing a
+        multipart upload on close; on error the upload is aborted, so nothing becomes visible.
+        """
+        if self.is_local:
+            yield from self._open_atomic_local(path)
+        else:
+            yield from self._open_atomic_remote(path)
+
+    def _open_atomic_local(self, path: str) -> Iterator[_CountingWriter]:
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        raw = open(tmp, "wb")  # noqa: SIM115 - closed in both branches below
+        writer = _CountingWriter(raw, self.counters)
+        try:
+            yield writer
+            raw.flush()
+            os.fsync(raw.fileno())
+            raw.close()
+            os.replace(tmp, path)
+            self.counters.add(requests=1)
+            _fsync_dir(directory)
+        except BaseException:
+            raw.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+            raise
+
+    def _open_atomic_remote(self, path: str) -> Iterator[_CountingWriter]:
+        raw = self.fs.open(path, "wb", block_size=self.config.part_size)
+        writer = _CountingWriter(raw, self.counters)
+        try:
+            yield writer
+        except BaseException:
+            discard = getattr(raw, "discard", None)
+            if callable(discard):
+                with contextlib.suppress(Exception):
+                    discard()
+            raise
+        raw.close()
+        parts = max(1, -(-writer.written // self.config.part_size))
+        self.counters.add(requests=parts if parts == 1 else parts + 2)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Persist a rename: fsync the directory entry (POSIX only; a no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _RangeRun:
+    """One :meth:`FsspecTransport.read_ranges` call: buffers, budget, completion tracking."""
+
+    def __init__(self, transport: FsspecTransport, requests: Sequence[RangeRequest], groups: list[FetchGroup]):
+        self.t = transport
+        self.requests = requests
+        self.groups = groups
+        self.results: list[memoryview | None] = [None] * len(requests)
+        self.remaining = [0] * len(requests)
+        for g in groups:
+            for seg in g.segments:
+                self.remaining[seg.index] += 1
+        self.lock = threading.Lock()
+        self.fds: dict[str, int] = {}
+        self.budget = ByteBudget(transport.config.max_inflight_bytes)
+        self.failed = threading.Event()
+
+    def _buffer(self, index: int) -> memoryview:
+        with self.lock:
+            buf = self.results[index]
+            if buf is None:
+                req = self.requests[index]
+                buf = req.into if req.into is not None else memoryview(bytearray(req.length))
+                self.results[index] = buf
+            return buf
+
+    def _fd(self, path: str) -> int:
+        with self.lock:
+            fd = self.fds.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError as exc:
+                    raise CheckpointNotFoundError(f"{path}: no such file") from exc
+                self.fds[path] = fd
+            return fd
+
+    def _run_group(self, group: FetchGroup) -> None:
+        try:
+            views = []
+            for seg in group.segments:
+                req = self.requests[seg.index]
+                buf = self._buffer(seg.index)
+                views.append(buf[seg.start - req.start : seg.end - req.start])
+            if self.t.is_local:
+                self.t._fetch_group_local(self._fd(group.path), group, views)
+            else:
+                self.t._fetch_group_remote(group, views)
+            for seg in group.segments:
+                self._segment_done(seg.index)
+        except BaseException:
+            self.failed.set()
+            raise
+        finally:
+            self.budget.release(group.length)
+
+    def _segment_done(self, index: int) -> None:
+        with self.lock:
+            self.remaining[index] -= 1
+            done = self.remaining[index] == 0
+        req = self.requests[index]
+        if done and req.on_complete is not None:
+            buf = self.results[index]
+            req.on_complete(buf if buf is not None else memoryview(b""))
+            with self.lock:
+                self.results[index] = None
+
+    def execute(self) -> list[memoryview | None]:
+        for i, req in enumerate(self.requests):
+            if req.length == 0:
+                self._buffer(i)
+                self.remaining[i] = 1
+                self._segment_done(i)
+        pool = self.t._executor()
+        futures: list[Future[None]] = []
+        try:
+            for group in self.groups:
+                if self.failed.is_set():
+                    break
+                self.budget.acquire(group.length)
+                try:
+                    futures.append(pool.submit(self._run_group, group))
+                except BaseException:
+                    self.budget.release(group.length)
+                    raise
+            wait(futures, return_when=FIRST_EXCEPTION)
+            errors = [f.exception() for f in futures if f.done() and f.exception() is not None]
+            if errors:
+                for f in futures:
+                    f.cancel()
+                wait(futures)
+                raise errors[0]  # type: ignore[misc]
+            wait(futures)
+            return self.results
+        finally:
+            for fd in self.fds.values():
+                os.close(fd)

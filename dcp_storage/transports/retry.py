@@ -1,0 +1,192 @@
+"""Retrying transient storage failures with exponential backoff and jitter.
+
+Object stores throttle (S3 ``503 SlowDown``), reset connections and cut bodies short; a checkpoint load
+that touches thousands of ranges will meet some of these. Client libraries retry only some of them
+(boto-style clients give up on a truncated body), so the transport wraps every storage call in
+:func:`call_with_retry`. Permanent errors (missing file, access denied, bad request) are raised at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from ..errors import TransportError
+
+__all__ = ["RetryPolicy", "TruncatedReadError", "is_transient", "call_with_retry"]
+
+T = TypeVar("T")
+
+
+class TruncatedReadError(OSError):
+    """A read returned fewer bytes than asked for although the object is long enough.
+
+    Internal signal for "retry this": a body cut short by a reset connection looks like this.
+    """
+
+
+# Exception class names (matched along the MRO, so optional client libraries need not be imported) that
+# mean "the connection or the body failed, the same request may succeed".
+_TRANSIENT_CLASS_NAMES = frozenset(
+    {
+        "ClientPayloadError",  # aiohttp: body cut short
+        "ServerDisconnectedError",
+        "ClientOSError",
+        "ClientConnectionError",
+        "ServerTimeoutError",
+        "ResponseStreamingError",  # botocore
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "IncompleteReadError",
+        "IncompleteRead",  # http.client
+        "ProtocolError",  # urllib3
+        "FSTimeoutError",  # fsspec
+        "TruncatedReadError",
+    }
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.EAGAIN, errno.EREMOTEIO}
+)
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "TooManyRequests",
+    }
+)
+_TRANSIENT_TEXT = ("SlowDown", "reduce your request rate", "Service Unavailable", "InternalError")
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def _status_of(exc: BaseException) -> int | None:
+    for attr in ("status", "status_code", "code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and 100 <= value < 600:
+            return value
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    return None
+
+
+def _error_code_of(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        if isinstance(code, str):
+            return code
+    return None
+
+
+def _one_is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if any(cls.__name__ in _TRANSIENT_CLASS_NAMES for cls in type(exc).__mro__):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    status = _status_of(exc)
+    if status is not None and (status >= 500 or status == 429):
+        return True
+    code = _error_code_of(exc)
+    if code is not None:
+        return code in _TRANSIENT_CODES
+    text = str(exc)
+    return isinstance(exc, OSError) and any(marker in text for marker in _TRANSIENT_TEXT)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is worth retrying."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, _PERMANENT):
+            return False
+        if _one_is_transient(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard to retry one storage operation.
+
+    ``max_attempts`` counts the first try. ``deadline`` (seconds, ``None`` for no limit) bounds the whole
+    operation including backoff sleeps, so a permanent fault surfaces in bounded time. Backoff doubles
+    from ``initial_backoff`` up to ``max_backoff``, each sleep scaled by a random factor in
+    ``[1 - jitter, 1]`` so that many ranks do not retry in lockstep.
+    """
+
+    max_attempts: int = 6
+    initial_backoff: float = 0.1
+    max_backoff: float = 5.0
+    jitter: float = 0.5
+    deadline: float | None = 300.0
+    classify: Callable[[BaseException], bool] = field(default=is_transient, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
+        if self.initial_backoff < 0 or self.max_backoff < 0:
+            raise ValueError("RetryPolicy backoff values must be >= 0")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ValueError(f"RetryPolicy.jitter must be in [0, 1], got {self.jitter}")
+        if self.deadline is not None and self.deadline <= 0:
+            raise ValueError(f"RetryPolicy.deadline must be > 0 or None, got {self.deadline}")
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to sleep after failed attempt number ``attempt`` (1-based)."""
+        base = min(self.max_backoff, self.initial_backoff * (2 ** (attempt - 1)))
+        return base * (1.0 - self.jitter * random.random())
+
+
+def call_with_retry(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    describe: Callable[[], str],
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
+    """Call ``fn`` until it succeeds, fails permanently, or the policy gives up.
+
+    ``describe()`` names the operation for the final error, e.g. ``"read s3://b/k bytes [0, 4096)"``.
+    The final error is a :class:`TransportError` chained to the last failure; permanent errors and our
+    own project errors propagate unchanged so callers can still catch ``FileNotFoundError``.
+    """
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - classified below, never swallowed
+            if not policy.classify(exc):
+                raise
+            elapsed = time.monotonic() - started
+            sleep = policy.backoff(attempt)
+            out_of_time = policy.deadline is not None and elapsed + sleep > policy.deadline
+            if attempt >= policy.max_attempts or out_of_time:
+                why = "deadline" if out_of_time and attempt < policy.max_attempts else "attempts"
+                raise TransportError(
+                    f"{describe()} failed after {attempt} attempt(s) in {elapsed:.1f}s "
+                    f"(gave up: {why}); last error: {type(exc).__name__}: {exc}"
+                ) from exc
+            if on_retry is not None:
+                on_retry(exc)
+            time.sleep(sleep)

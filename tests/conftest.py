@@ -1,0 +1,84 @@
+"""Shared pytest fixtures: an in-memory S3 endpoint and fresh per-test buckets.
+
+Fixtures
+--------
+``moto_server`` (session)
+    A running :class:`~dcp_storage.testing.s3_server.MotoS3Server`. One per
+    session (per xdist worker) because start-up costs ~1 s; tests isolate by
+    bucket instead. If it cannot start, dependent tests are skipped with the
+    reason -- or failed when ``CI=true``, so CI never goes green by skipping.
+
+``s3_url`` (function)
+    An :class:`~dcp_storage.testing.s3_server.S3Location`, i.e. the 2-tuple
+    ``(url, storage_options)``: ``url`` is ``"s3://<fresh-bucket>/ckpt"`` (the
+    prefix does not exist yet) and ``storage_options`` is a new dict of
+    s3fs/fsspec options for the server, safe for the test to mutate and to
+    pickle into rank processes. Use as ``url, storage_options = s3_url``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+
+import pytest
+
+from dcp_storage.testing.s3_server import MotoS3Server, MotoServerError, S3Location
+
+# Tests must never reach the Hugging Face Hub (or wait on its timeouts).
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+
+
+def _clear_s3fs_instances() -> None:
+    """Drop s3fs's cached filesystem objects (and with them, cached listings)."""
+    try:
+        from s3fs import S3FileSystem
+    except ImportError:
+        return
+    S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoS3Server]:
+    """A moto S3 server for the whole session; skipped (failed on CI) if unavailable."""
+    try:
+        server = MotoS3Server()
+        server.start()
+    except (MotoServerError, OSError, ImportError) as exc:
+        message = f"moto S3 server unavailable: {exc}"
+        if _in_ci():
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_url(moto_server: MotoS3Server) -> Iterator[S3Location]:
+    """A fresh, empty bucket for this test: ``(s3://bucket/ckpt, storage_options)``.
+
+    s3fs caches filesystem *instances* keyed by their options, and each
+    instance caches directory listings. Either cache can make a test see
+    another test's (or its own earlier) view of the bucket, so the options
+    opt out of both, and the instance cache is cleared around each test.
+    """
+    _clear_s3fs_instances()
+    location = moto_server.new_location(
+        "ckpt", skip_instance_cache=True, use_listings_cache=False
+    )
+    try:
+        yield location
+    finally:
+        _clear_s3fs_instances()
+        bucket = location.url.split("/")[2]
+        try:
+            moto_server.delete_bucket(bucket)  # moto is in-memory: give it back
+        except Exception as exc:  # noqa: BLE001 - cleanup must not mask the test result
+            warnings.warn(f"could not delete test bucket {bucket}: {exc!r}", stacklevel=1)
