@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from dcp_storage.testing.distributed import RankFailedError, RankTimeoutError, run_ranks
 from dcp_storage.testing.s3_server import MotoS3Server, S3Location
+
+# The hang test warms run_ranks up first (the first call in a process pays the
+# forkserver's torch import, seconds on a loaded box); after that ranks start
+# in well under a second, so a short timeout still proves a *running* rank hung.
+_HANG_TIMEOUT_S = 3.0
 
 # --- rank bodies: module level so that spawned processes can unpickle them ---
 
@@ -34,24 +40,37 @@ def _all_reduce_rank(rank: int, world_size: int, scale: int, *, offset: int = 0)
     }
 
 
-def _raise_on_rank_one(rank: int, world_size: int) -> int:
+def _raise_on_rank_one(rank: int, world_size: int, pid_dir: str) -> int:
     import torch
     import torch.distributed as dist
 
+    _record_pid(pid_dir, rank)
     if rank == 1:
         raise ValueError("boom from rank one")
     dist.all_reduce(torch.zeros(1))  # would hang forever without rank 1
     return rank
 
 
-def _hang_on_rank_one(rank: int, world_size: int) -> int:
+def _hang_on_rank_one(rank: int, world_size: int, pid_dir: str) -> int:
+    _record_pid(pid_dir, rank)
     if rank == 1:
         time.sleep(600)
     return rank
 
 
-def _child_pids() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+def _record_pid(pid_dir: str, rank: int) -> None:
+    with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def _assert_ranks_gone(pid_dir: Path, world_size: int) -> None:
+    """Every rank that started must be dead (and reaped) once run_ranks returns."""
+    for rank in range(world_size):
+        pid_file = pid_dir / f"rank{rank}.pid"
+        if pid_file.exists():
+            pid = int(pid_file.read_text())
+            alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+            assert not alive, f"rank {rank} (pid {pid}) still running"
 
 
 # --- S3 ---
@@ -97,24 +116,28 @@ def test_run_ranks_returns_per_rank_values() -> None:
     assert [r["env_rank"] for r in results] == ["0", "1"]
 
 
-def test_run_ranks_reports_failing_rank() -> None:
-    before = _child_pids()
+def test_run_ranks_reports_failing_rank(tmp_path: Path) -> None:
     with pytest.raises(RankFailedError) as info:
-        run_ranks(_raise_on_rank_one, 2, timeout=60)
+        run_ranks(_raise_on_rank_one, 2, str(tmp_path), timeout=60)
     assert info.value.rank == 1
     assert "ValueError: boom from rank one" in info.value.failures[1]
     assert "rank 1" in str(info.value) and "boom from rank one" in str(info.value)
     assert not isinstance(info.value, RankTimeoutError)
-    assert _child_pids() <= before
+    _assert_ranks_gone(tmp_path, 2)
 
 
-def test_run_ranks_times_out_hung_rank() -> None:
-    before = _child_pids()
+def _noop_rank(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_run_ranks_times_out_hung_rank(tmp_path: Path) -> None:
+    assert run_ranks(_noop_rank, 2, timeout=60) == [0, 1]  # warm-up, see _HANG_TIMEOUT_S
     start = time.monotonic()
     with pytest.raises(RankTimeoutError) as info:
-        run_ranks(_hang_on_rank_one, 2, timeout=8)
-    assert time.monotonic() - start < 20
+        run_ranks(_hang_on_rank_one, 2, str(tmp_path), timeout=_HANG_TIMEOUT_S)
+    assert time.monotonic() - start < _HANG_TIMEOUT_S + 10
     assert info.value.unfinished == [1]
     assert "did not finish" in str(info.value)
     assert "_hang_on_rank_one" in info.value.failures[1]  # faulthandler stack dump
-    assert _child_pids() <= before
+    assert (tmp_path / "rank1.pid").exists()  # it really was hanging, not starting
+    _assert_ranks_gone(tmp_path, 2)

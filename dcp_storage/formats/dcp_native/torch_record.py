@@ -30,6 +30,8 @@ __all__ = ["TensorRecord", "UnsupportedRecord", "NeedMoreBytes", "parse_tensor_r
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_SIG = b"PK\x03\x04"
 _ZIP64_EXTRA_ID = 0x0001
+_DESCRIPTOR_SEARCH = 1 << 20  # metadata entries before the tensor data are tiny
+_STORAGE_ENTRY = re.compile(r"(?:^|/)data/[^/]+$")
 
 
 class UnsupportedRecord(Exception):
@@ -161,18 +163,42 @@ def _persistent_load(pid: Any) -> _StorageRef:
     return _StorageRef(str(key), storage_type.dtype, int(numel))
 
 
-def _walk_records(buf: memoryview, record_len: int, path: str) -> dict[str, tuple[int, int]]:
-    """Map zip entry names to ``(data_start, size)`` for every complete local header in ``buf``.
+def _descriptor_end(buf: memoryview, data_start: int) -> tuple[int, int] | None:
+    """Find the data descriptor that closes an entry starting at ``data_start``.
 
-    Stops at the central directory or at the end of ``buf``. Raises :class:`NeedMoreBytes` when the
-    prefix ends inside a header before the tensor data was reached, :class:`UnsupportedRecord` for
-    compressed entries or data descriptors, :class:`CorruptCheckpointError` for garbage.
+    torch's zip writer streams entries with general-purpose flag 3 set: the local header says size 0 and
+    the real sizes follow the data in a descriptor ``PK\\x07\\x08 crc csize usize`` (sizes 4 or 8 bytes).
+    A candidate signature is accepted only if its size field equals the distance from ``data_start``,
+    which a stray ``PK\\x07\\x08`` inside the data cannot fake by accident. Returns ``(size, next)``.
     """
-    entries: dict[str, tuple[int, int]] = {}
+    raw = bytes(buf[data_start : data_start + _DESCRIPTOR_SEARCH])
     pos = 0
     while True:
-        if pos + 4 > len(buf):
-            return entries  # the caller asks for more if what it needs is not here yet
+        p = raw.find(b"PK\x07\x08", pos)
+        if p < 0:
+            if len(raw) == _DESCRIPTOR_SEARCH:
+                raise UnsupportedRecord("zip entry too large to walk")
+            return None
+        size = p
+        for width, fmt in ((8, "<QQ"), (4, "<II")):
+            end = p + 8 + 2 * width
+            if end <= len(raw):
+                csize, usize = struct.unpack_from(fmt, raw, p + 8)
+                if csize == usize == size and (end + 2 > len(raw) or raw[end : end + 2] == b"PK"):
+                    return size, data_start + end
+        pos = p + 1
+
+
+def _walk_records(buf: memoryview, record_len: int, path: str) -> dict[str, tuple[int, int | None]]:
+    """Map zip entry names to ``(data_start, size)`` for the local headers found in ``buf``.
+
+    ``size`` is ``None`` for the last streamed entry whose closing descriptor is not in ``buf`` yet
+    (its size is then known from ``data.pkl``). Stops at the central directory or where ``buf`` ends.
+    Raises :class:`UnsupportedRecord` for compressed entries, :class:`CorruptCheckpointError` for garbage.
+    """
+    entries: dict[str, tuple[int, int | None]] = {}
+    pos = 0
+    while pos + _LOCAL_HEADER.size <= len(buf):
         sig = bytes(buf[pos : pos + 4])
         if sig != _LOCAL_SIG:
             if entries and sig[:2] == b"PK":
@@ -180,27 +206,34 @@ def _walk_records(buf: memoryview, record_len: int, path: str) -> dict[str, tupl
             raise CorruptCheckpointError(
                 f"{path}: expected a torch.save zip record at byte {pos} of the item, found {sig!r}"
             )
-        if pos + _LOCAL_HEADER.size > len(buf):
-            return entries
         (_, _ver, flags, method, _t, _d, _crc, csize, usize, nlen, xlen) = _LOCAL_HEADER.unpack_from(buf, pos)
         head_end = pos + _LOCAL_HEADER.size + nlen + xlen
         if head_end > len(buf):
             return entries
         name = bytes(buf[pos + _LOCAL_HEADER.size : pos + _LOCAL_HEADER.size + nlen]).decode("utf-8", "replace")
-        if flags & 0x08:
-            raise UnsupportedRecord("zip data descriptor")
         if method != 0:
             raise UnsupportedRecord(f"compressed zip entry {name}")
-        if csize == 0xFFFFFFFF or usize == 0xFFFFFFFF:
-            extra = buf[pos + _LOCAL_HEADER.size + nlen : head_end]
-            csize = _zip64_size(extra, path)
-        entries[name] = (head_end, csize)
-        pos = head_end + csize
+        if flags & 0x08 and _STORAGE_ENTRY.search(name):
+            entries[name] = (head_end, None)  # the tensor bytes: size comes from data.pkl; stop here
+            return entries
+        if flags & 0x08:
+            found = _descriptor_end(buf, head_end)
+            if found is None:
+                entries[name] = (head_end, None)
+                return entries
+            size, pos = found
+            entries[name] = (head_end, size)
+        else:
+            if csize == 0xFFFFFFFF or usize == 0xFFFFFFFF:
+                csize = _zip64_size(buf[pos + _LOCAL_HEADER.size + nlen : head_end], path)
+            entries[name] = (head_end, csize)
+            pos = head_end + csize
         if pos > record_len:
             raise CorruptCheckpointError(
                 f"{path}: zip entry {name!r} runs to byte {pos} but the item is only {record_len} bytes "
                 "(truncated or corrupt record)"
             )
+    return entries
 
 
 def _zip64_size(extra: memoryview, path: str) -> int:
@@ -230,8 +263,8 @@ def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) 
         raise CorruptCheckpointError(f"{path}: torch.save record has no data.pkl entry")
     root = pkl[: -len("data.pkl")]
     start, size = entries[pkl]
-    if start + size > len(buf):
-        raise NeedMoreBytes(start + size + 4096)
+    if size is None:
+        raise NeedMoreBytes(min(record_len, 2 * len(buf) + 4096))
     try:
         result = _DataPklUnpickler(io.BytesIO(bytes(buf[start : start + size])), path, _ALLOWED, _persistent_load).load()
     except (UnsupportedRecord, UnsafeCheckpointError):
@@ -242,7 +275,7 @@ def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) 
         raise UnsupportedRecord("data.pkl is not a single tensor")
     spec: _Spec = result
     order = entries.get(f"{root}byteorder")
-    if order is not None and bytes(buf[order[0] : order[0] + order[1]]) != b"little":
+    if order is not None and order[1] is not None and bytes(buf[order[0] : order[0] + order[1]]) != b"little":
         raise UnsupportedRecord("big-endian record")
     data = entries.get(f"{root}data/{spec.storage.key}")
     if data is None:
@@ -250,6 +283,12 @@ def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) 
             raise NeedMoreBytes(min(record_len, 2 * len(buf) + 4096))
         raise CorruptCheckpointError(f"{path}: torch.save record has no data/{spec.storage.key} entry")
     data_start, data_size = data
+    if data_size is None:
+        data_size = spec.storage.nbytes
+    if data_start + data_size > record_len:
+        raise CorruptCheckpointError(
+            f"{path}: tensor data ends at byte {data_start + data_size} of a {record_len}-byte record (truncated?)"
+        )
     if data_size != spec.storage.nbytes:
         raise CorruptCheckpointError(
             f"{path}: storage data/{spec.storage.key} holds {data_size} bytes, data.pkl says {spec.storage.nbytes}"
