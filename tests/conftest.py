@@ -1,5 +1,11 @@
 """Shared pytest fixtures: an in-memory S3 endpoint and fresh per-test buckets.
 
+Hooks
+-----
+``pytest_sessionstart`` pre-starts :func:`~dcp_storage.testing.distributed.run_ranks`'
+forkserver in the background, so the first multi-rank test does not pay for
+its ``import torch``.
+
 Fixtures
 --------
 ``moto_server`` (session)
@@ -24,10 +30,19 @@ from collections.abc import Iterator
 
 import pytest
 
+from dcp_storage.testing.distributed import warm_up
 from dcp_storage.testing.s3_server import MotoS3Server, MotoServerError, S3Location
 
 # Tests must never reach the Hugging Face Hub (or wait on its timeouts).
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start run_ranks' forkserver (which imports torch) while collection runs."""
+    try:
+        warm_up()
+    except Exception as exc:  # noqa: BLE001 - an optimisation; run_ranks retries
+        warnings.warn(f"could not pre-start the run_ranks forkserver: {exc!r}", stacklevel=1)
 
 
 def _in_ci() -> bool:
@@ -70,9 +85,7 @@ def s3_url(moto_server: MotoS3Server) -> Iterator[S3Location]:
     opt out of both, and the instance cache is cleared around each test.
     """
     _clear_s3fs_instances()
-    location = moto_server.new_location(
-        "ckpt", skip_instance_cache=True, use_listings_cache=False
-    )
+    location = moto_server.new_location("ckpt", skip_instance_cache=True, use_listings_cache=False)
     try:
         yield location
     finally:

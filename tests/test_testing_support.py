@@ -16,11 +16,6 @@ import pytest
 from dcp_storage.testing.distributed import RankFailedError, RankTimeoutError, run_ranks
 from dcp_storage.testing.s3_server import MotoS3Server, S3Location
 
-# The hang test warms run_ranks up first (the first call in a process pays the
-# forkserver's torch import, seconds on a loaded box); after that ranks start
-# in well under a second, so a short timeout still proves a *running* rank hung.
-_HANG_TIMEOUT_S = 3.0
-
 # --- rank bodies: module level so that spawned processes can unpickle them ---
 
 
@@ -30,13 +25,16 @@ def _all_reduce_rank(rank: int, world_size: int, scale: int, *, offset: int = 0)
 
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
+    print(f"hello from rank {rank}", flush=True)
     return {
         "rank": rank,
         "dist_rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
         "sum": value.item() * scale + offset,
+        "tensor": value * scale,  # tensors come back by value
         "threads": torch.get_num_threads(),
         "env_rank": os.environ["RANK"],
+        "env_marker": os.environ.get("DCP_TEST_MARKER"),
     }
 
 
@@ -48,6 +46,16 @@ def _raise_on_rank_one(rank: int, world_size: int, pid_dir: str) -> int:
     if rank == 1:
         raise ValueError("boom from rank one")
     dist.all_reduce(torch.zeros(1))  # would hang forever without rank 1
+    return rank
+
+
+def _noop_rank(rank: int, world_size: int) -> int:
+    return rank
+
+
+def _die_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(3)  # no traceback, no report: like a segfault or OOM kill
     return rank
 
 
@@ -69,7 +77,10 @@ def _assert_ranks_gone(pid_dir: Path, world_size: int) -> None:
         pid_file = pid_dir / f"rank{rank}.pid"
         if pid_file.exists():
             pid = int(pid_file.read_text())
-            alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+            try:
+                alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
             assert not alive, f"rank {rank} (pid {pid}) still running"
 
 
@@ -89,9 +100,14 @@ def test_moto_server_round_trip(moto_server: MotoS3Server, s3_url: S3Location) -
     fs = s3fs.S3FileSystem(**storage_options)
     fs.pipe(f"{url}/shard-0", b"payload")
     assert fs.cat(f"{url}/shard-0") == b"payload"
-    # A listing right after a second write must not be served from a cache.
-    fs.pipe(f"{url}/shard-1", b"more")
+    assert [p.rsplit("/", 1)[1] for p in fs.ls(url)] == ["shard-0"]
+    # Another filesystem object (as in another rank) writes; with s3fs's
+    # defaults `fs` would share it / serve its cached listing and miss shard-1.
+    other = s3fs.S3FileSystem(**storage_options)
+    assert other is not fs
+    other.pipe(f"{url}/shard-1", b"more")
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(url)) == ["shard-0", "shard-1"]
+    assert fs.exists(f"{url}/shard-1")
 
 
 def test_s3_url_buckets_are_fresh(s3_url: S3Location) -> None:
@@ -106,7 +122,10 @@ def test_s3_url_buckets_are_fresh(s3_url: S3Location) -> None:
 # --- distributed ---
 
 
-def test_run_ranks_returns_per_rank_values() -> None:
+def test_run_ranks_returns_per_rank_values(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    monkeypatch.setenv("DCP_TEST_MARKER", "set-after-forkserver-start")
     results = run_ranks(_all_reduce_rank, 2, 10, offset=1, timeout=60)
     assert [r["rank"] for r in results] == [0, 1]
     assert [r["dist_rank"] for r in results] == [0, 1]
@@ -114,6 +133,11 @@ def test_run_ranks_returns_per_rank_values() -> None:
     assert all(r["sum"] == 31.0 for r in results)  # (1 + 2) * 10 + 1
     assert all(r["threads"] == 1 for r in results)
     assert [r["env_rank"] for r in results] == ["0", "1"]
+    assert all(torch.equal(r["tensor"], torch.tensor([30.0])) for r in results)
+    # Ranks see the caller's environment and write to the caller's stdout.
+    assert all(r["env_marker"] == "set-after-forkserver-start" for r in results)
+    out = capfd.readouterr().out
+    assert "hello from rank 0" in out and "hello from rank 1" in out
 
 
 def test_run_ranks_reports_failing_rank(tmp_path: Path) -> None:
@@ -126,16 +150,24 @@ def test_run_ranks_reports_failing_rank(tmp_path: Path) -> None:
     _assert_ranks_gone(tmp_path, 2)
 
 
-def _noop_rank(rank: int, world_size: int) -> int:
-    return rank
+def test_run_ranks_reports_rank_that_died() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_die_on_rank_one, 2, timeout=60)
+    assert info.value.rank == 1
+    assert "exited with code 3" in info.value.failures[1]
 
 
 def test_run_ranks_times_out_hung_rank(tmp_path: Path) -> None:
-    assert run_ranks(_noop_rank, 2, timeout=60) == [0, 1]  # warm-up, see _HANG_TIMEOUT_S
+    # Size the timeout from a warm call: the first call in a process pays the
+    # forkserver's torch import, and plain spawn pays it every call. The hang
+    # must be detected in a *running* rank, not in one still starting up.
+    start = time.monotonic()
+    assert run_ranks(_noop_rank, 2, timeout=60) == [0, 1]
+    hang_timeout = 1.5 + 2 * (time.monotonic() - start)
     start = time.monotonic()
     with pytest.raises(RankTimeoutError) as info:
-        run_ranks(_hang_on_rank_one, 2, str(tmp_path), timeout=_HANG_TIMEOUT_S)
-    assert time.monotonic() - start < _HANG_TIMEOUT_S + 10
+        run_ranks(_hang_on_rank_one, 2, str(tmp_path), timeout=hang_timeout)
+    assert time.monotonic() - start < hang_timeout + 10
     assert info.value.unfinished == [1]
     assert "did not finish" in str(info.value)
     assert "_hang_on_rank_one" in info.value.failures[1]  # faulthandler stack dump

@@ -111,21 +111,33 @@ class FsspecWriter(StorageWriter):
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
 
+    def _shadowing_metadata_paths(self) -> list[str]:
+        """Metadata files that would describe this path after the save: ours, and the global one.
+
+        Loaders read the global ``.metadata`` first and fall back to ``__{rank}.metadata``; a rank-local
+        save (``use_collectives=False``) over a collective checkpoint must therefore treat the old global
+        file as the existing checkpoint (it would shadow the new one and point at overwritten files).
+        """
+        return list(dict.fromkeys([self._metadata_path(), self.transport.join(self.root, METADATA_FILE)]))
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        metadata_path = self._metadata_path()
-        if not self.overwrite and self.transport.exists(metadata_path):
-            raise CheckpointExistsError(
-                f"{self.transport.url(metadata_path)}: a checkpoint already exists here; pass overwrite=True to "
-                "replace it or save to another path"
-            )
+        if not self.overwrite:
+            for metadata_path in self._shadowing_metadata_paths():
+                if self.transport.exists(metadata_path):
+                    raise CheckpointExistsError(
+                        f"{self.transport.url(metadata_path)}: a checkpoint already exists here; pass "
+                        "overwrite=True to replace it or save to another path"
+                    )
         self.transport.makedirs(self.root)
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Runs on the coordinator before any rank writes data: retire the old checkpoint first.
-        self.transport.remove(self._metadata_path())
+        # Runs on the coordinator (every rank without collectives) before any rank writes data: retire the
+        # old checkpoint first, including a global .metadata that would shadow a rank-local one.
+        for metadata_path in self._shadowing_metadata_paths():
+            self.transport.remove(metadata_path)
         return [
             dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) if plan.storage_data is None else plan
             for i, plan in enumerate(plans)

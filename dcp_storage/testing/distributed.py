@@ -28,6 +28,14 @@ do: under forkserver the OS parent is the forkserver, which outlives the
 caller while ranks hold it open.) The forkserver itself stays up until the
 test process exits; it is multiprocessing's, shared, and not an orphan.
 
+Arguments and results cross process boundaries as plain pickles (by value),
+not through multiprocessing's pickler: torch registers reductions there that
+ship tensors through shared memory, which breaks as soon as the sending rank
+exits, and would make ranks alias the caller's tensors. Ranks also write to
+the caller's *current* stdout/stderr (passed down as file descriptors), so
+pytest's per-test capture, ``capfd`` included, sees rank output even though
+the forkserver was started during some earlier test.
+
 Rendezvous uses a ``TCPStore`` that the parent binds to 127.0.0.1 port 0, and
 gloo is pinned to the loopback interface, so no fixed ports and no traffic
 beyond 127.0.0.1.
@@ -35,10 +43,12 @@ beyond 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -47,16 +57,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ["RankFailedError", "RankTimeoutError", "run_ranks"]
+__all__ = ["RankFailedError", "RankTimeoutError", "run_ranks", "warm_up"]
 
 _HOST = "127.0.0.1"
 _KILL_GRACE_S = 2.0  # between SIGTERM and SIGKILL when tearing ranks down
 _EXIT_GRACE_S = 10.0  # a rank that has reported may take this long to exit
-_STACK_DUMP_WAIT_S = 0.5  # time for faulthandler to write a hung rank's stacks
+_FAILURE_GRACE_S = 0.5  # after one rank fails, how long others may still report
+_STACK_DUMP_WAIT_S = 1.0  # most time allowed for faulthandler to write stacks
 _START_METHOD_ENV = "DCP_STORAGE_RUN_RANKS_START_METHOD"
 # Imported once by the forkserver so that ranks fork with them already loaded.
 # "__main__" is multiprocessing's own default preload, kept for other users of
@@ -67,17 +79,20 @@ _FORKSERVER_PRELOAD = ["__main__", "torch", "torch.distributed", __name__]
 class RankFailedError(Exception):
     """One or more ranks raised (or died) instead of returning.
 
-    ``rank`` is the lowest failing rank; ``failures`` maps every rank known to
-    have failed to its formatted traceback (or a description of how it died).
+    ``failures`` maps each rank known to have failed to its formatted
+    traceback (or how it died), in the order the failures arrived; ``rank`` is
+    the first of them, usually the root cause (its peers then tend to fail
+    with "connection closed by peer" and similar).
     """
 
     def __init__(self, failures: dict[int, str], message: str | None = None) -> None:
-        self.failures = dict(sorted(failures.items()))
+        self.failures = dict(failures)
         self.rank = next(iter(self.failures))
         if message is None:
-            message = "\n".join(
-                f"rank {rank} failed:\n{detail}" for rank, detail in self.failures.items()
-            )
+            first, *others = self.failures.items()
+            lines = [f"rank {first[0]} failed:\n{first[1]}"]
+            lines += [f"rank {rank} failed too:\n{detail}" for rank, detail in others]
+            message = "\n".join(lines)
         super().__init__(message)
 
 
@@ -118,6 +133,9 @@ def run_ranks(
     import torch.distributed as dist  # deferred: keep `import dcp_storage.testing` cheap
 
     deadline = time.monotonic() + timeout
+    # Pickled here, once: an unpicklable fn or argument fails fast in the
+    # caller, and every rank gets its own copy.
+    payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     ctx = _context()
     store = dist.TCPStore(
         _HOST,
@@ -139,8 +157,17 @@ def run_ranks(
                 proc = ctx.Process(
                     target=_rank_main,
                     args=(
-                        fn, rank, world_size, store.port, timeout, dict(os.environ),
-                        stack_files[rank], writer, lifeline_r, args, kwargs,
+                        payload,
+                        rank,
+                        world_size,
+                        store.port,
+                        timeout,
+                        dict(os.environ),
+                        _InheritedFd.of(1),
+                        _InheritedFd.of(2),
+                        stack_files[rank],
+                        writer,
+                        lifeline_r,
                     ),
                     name=f"run_ranks-rank{rank}",
                 )
@@ -150,7 +177,7 @@ def run_ranks(
                 conns.append(reader)
             lifeline_r.close()
             results, failures, unfinished = _collect(procs, conns, deadline)
-            if unfinished and not failures:
+            if not failures and unfinished:
                 stacks = _dump_stacks(procs, unfinished, stack_files)
                 _kill(procs)
                 raise RankTimeoutError(unfinished, timeout, stacks)
@@ -166,7 +193,22 @@ def run_ranks(
             del store
 
 
-def _context() -> multiprocessing.context.BaseContext:
+def warm_up() -> None:
+    """Start the rank forkserver now, in the background, without waiting for it.
+
+    The first :func:`run_ranks` call in a process otherwise pays the
+    forkserver's ``import torch`` (seconds on a small box). Calling this early
+    (e.g. from ``pytest_sessionstart``) overlaps that with other start-up
+    work. A no-op when ranks are started with ``spawn``.
+    """
+    ctx = _context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def _context() -> Any:  # typeshed's BaseContext lacks .Process; concrete contexts have it
     """The multiprocessing context for ranks: preloaded forkserver, else spawn."""
     method = os.environ.get(_START_METHOD_ENV) or "forkserver"
     if method not in multiprocessing.get_all_start_methods() or method == "fork":
@@ -181,42 +223,55 @@ def _context() -> multiprocessing.context.BaseContext:
 def _collect(
     procs: list[BaseProcess], conns: list[Connection], deadline: float
 ) -> tuple[list[Any], dict[int, str], list[int]]:
-    """Wait for every rank's report; stop early at the first failure or deadline.
+    """Wait for every rank's report, until the deadline or shortly after a failure.
 
-    Returns ``(results, failures, unfinished_ranks)``.
+    After the first failure, other ranks get ``_FAILURE_GRACE_S`` to report
+    theirs: the root cause is not always the first report, and its peers'
+    errors ("connection closed by peer") help to tell. Returns ``(results,
+    failures in arrival order, unfinished ranks)``.
     """
     results: list[Any] = [None] * len(procs)
     failures: dict[int, str] = {}
     pending = set(range(len(procs)))
-    while pending and not failures:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+    while pending:
+        now = time.monotonic()
+        if now >= deadline:
             break
         waitables: list[Any] = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
-        ready = set(multiprocessing.connection.wait(waitables, timeout=remaining))
+        ready = set(multiprocessing.connection.wait(waitables, timeout=deadline - now))
         for rank in sorted(pending):
             if conns[rank] not in ready and procs[rank].sentinel not in ready:
                 continue
+            pending.discard(rank)
             message: tuple[str, Any] | None = None
             if conns[rank].poll():
                 try:
-                    message = conns[rank].recv()
+                    message = pickle.loads(conns[rank].recv_bytes())
                 except (EOFError, OSError):
                     message = None
+                except Exception:  # noqa: BLE001 - e.g. result's class not importable here
+                    message = ("error", "result could not be unpickled:\n" + traceback.format_exc())
             if message is None:
                 # Closed pipe without a report: the process died (segfault,
                 # os._exit, OOM kill). Get its exit code for the message.
                 procs[rank].join(timeout=_KILL_GRACE_S)
-                failures[rank] = (
-                    f"process exited with code {procs[rank].exitcode} without reporting a "
-                    "result (its stderr may say why, e.g. fn could not be unpickled)"
-                )
+                failures[rank] = f"process {_how_it_ended(procs[rank].exitcode)} without reporting a result"
             elif message[0] == "ok":
                 results[rank] = message[1]
             else:
                 failures[rank] = message[1]
-            pending.discard(rank)
+            if len(failures) == 1 and rank in failures:
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
     return results, failures, sorted(pending)
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"exited with code {exitcode}"
 
 
 def _dump_stacks(procs: list[BaseProcess], ranks: list[int], files: list[str]) -> dict[int, str]:
@@ -225,12 +280,18 @@ def _dump_stacks(procs: list[BaseProcess], ranks: list[int], files: list[str]) -
     if not hasattr(signal, "SIGUSR1"):
         return stacks
     for rank in ranks:
-        if procs[rank].pid is not None and procs[rank].is_alive():
-            try:
-                os.kill(procs[rank].pid, signal.SIGUSR1)
-            except OSError:
-                pass
-    time.sleep(_STACK_DUMP_WAIT_S)
+        pid = procs[rank].pid
+        if pid is not None and procs[rank].is_alive():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+    # faulthandler writes from the signal handler in one go; poll until every
+    # rank has written something (or the wait runs out), then read once more.
+    end = time.monotonic() + _STACK_DUMP_WAIT_S
+    while time.monotonic() < end:
+        if all(os.path.exists(files[r]) and os.path.getsize(files[r]) for r in ranks):
+            time.sleep(0.05)  # let a multi-thread dump finish
+            break
+        time.sleep(0.02)
     for rank in ranks:
         try:
             with open(files[rank], encoding="utf-8", errors="replace") as f:
@@ -285,6 +346,43 @@ def _kill(procs: list[BaseProcess]) -> None:
         psutil.wait_procs(victims, timeout=_KILL_GRACE_S)
 
 
+class _InheritedFd:
+    """A file descriptor of the caller, duplicated into the rank on unpickling.
+
+    multiprocessing transfers it (pass_fds under spawn, SCM_RIGHTS to the
+    forkserver) because ``DupFd`` is called while the Process is pickled.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def of(cls, fd: int) -> _InheritedFd | None:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return None  # closed in the caller: let the rank keep its own
+        return cls(fd)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_detach_fd, (reduction.DupFd(self.fd),))
+
+
+def _detach_fd(dup: Any) -> int:
+    return int(dup.detach())
+
+
+def _redirect(fd: int | None, target: int) -> None:
+    """Point ``target`` (1 or 2) at ``fd``, flushing Python's buffers first."""
+    if fd is None or fd == target:  # spawn passes the fd under its own number
+        return
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os.dup2(fd, target)
+    os.close(fd)
+
+
 def _loopback_ifname() -> str:
     """Name of the loopback interface, for ``GLOO_SOCKET_IFNAME``."""
     try:
@@ -305,26 +403,26 @@ def _exit_when_closed(lifeline: Connection) -> None:
 
 
 def _rank_main(
-    fn: Callable[..., Any],
+    payload: bytes,
     rank: int,
     world_size: int,
     store_port: int,
     timeout: float,
     env: dict[str, str],
+    stdout_fd: int | None,
+    stderr_fd: int | None,
     stack_file: str,
     conn: Connection,
     lifeline: Connection,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
 ) -> None:
     """Body of one rank: set up, run ``fn``, report exactly one message on ``conn``."""
-    threading.Thread(
-        target=_exit_when_closed, args=(lifeline,), name="run_ranks-lifeline", daemon=True
-    ).start()
+    threading.Thread(target=_exit_when_closed, args=(lifeline,), name="run_ranks-lifeline", daemon=True).start()
     # A forkserver child inherits the forkserver's environment, which is
     # frozen at its start; give the rank the caller's environment of now.
     os.environ.clear()
     os.environ.update(env)
+    _redirect(stdout_fd, 1)
+    _redirect(stderr_fd, 2)
     import faulthandler
 
     stack_out = open(stack_file, "w", encoding="utf-8")  # noqa: SIM115 (lives until exit)
@@ -339,9 +437,8 @@ def _rank_main(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        store = dist.TCPStore(
-            _HOST, store_port, None, False, timeout=datetime.timedelta(seconds=timeout)
-        )
+        fn, args, kwargs = pickle.loads(payload)
+        store = dist.TCPStore(_HOST, store_port, None, False, timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group(
             "gloo",
             store=store,
@@ -349,14 +446,19 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        # init returns on a rank once *its* side of gloo's mesh is connected; a
+        # rank whose fn returns at once could then tear the group down under a
+        # peer still connecting ("Connection closed by peer"). Sync first.
+        dist.barrier()
         result = fn(rank, world_size, *args, **kwargs)
         dist.destroy_process_group()
-        conn.send(("ok", result))  # pickles first, so a failure here sends nothing
+        # Pickle before sending, so a result that cannot be pickled is reported
+        # as this rank's error rather than leaving a half-written message.
+        message = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+        conn.send_bytes(message)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except Exception:  # noqa: BLE001 - parent gone; nothing left to tell
-            pass
+        with contextlib.suppress(Exception):  # if the parent is gone, nobody is left to tell
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         _destroy_quietly()
     finally:
         conn.close()
@@ -366,7 +468,5 @@ def _destroy_quietly() -> None:
     """Best-effort process-group teardown after a failure."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass

@@ -26,7 +26,10 @@ import urllib.error
 import urllib.request
 import uuid
 from types import TracebackType
-from typing import IO, Any, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["MotoS3Server", "MotoServerError", "S3Location"]
 
@@ -85,7 +88,7 @@ class MotoS3Server:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def __enter__(self) -> MotoS3Server:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -121,9 +124,7 @@ class MotoS3Server:
             env=env,
         )
         assert self._proc.stdout is not None
-        self._reader = threading.Thread(
-            target=self._drain, args=(self._proc.stdout,), name="moto-log", daemon=True
-        )
+        self._reader = threading.Thread(target=self._drain, args=(self._proc.stdout,), name="moto-log", daemon=True)
         self._reader.start()
         try:
             self._wait_ready(time.monotonic() + self._startup_timeout)
@@ -189,10 +190,7 @@ class MotoS3Server:
 
     def _startup_error(self, what: str) -> MotoServerError:
         tail = "\n".join(list(self._log)[-30:]) or "<no output>"
-        return MotoServerError(
-            f"moto S3 server {what} (timeout {self._startup_timeout}s); "
-            f"output tail:\n{tail}"
-        )
+        return MotoServerError(f"moto S3 server {what} (timeout {self._startup_timeout}s); output tail:\n{tail}")
 
     # ----------------------------------------------------------------- accessors
 
@@ -267,9 +265,7 @@ class MotoS3Server:
                 client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
         uploads = client.list_multipart_uploads(Bucket=name).get("Uploads", [])
         for upload in uploads:
-            client.abort_multipart_upload(
-                Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"]
-            )
+            client.abort_multipart_upload(Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"])
         client.delete_bucket(Bucket=name)
 
     def reset(self) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..errors import TransportError
+from ..errors import DcpStorageError, TransportError
 
 __all__ = ["RetryPolicy", "TruncatedReadError", "is_transient", "call_with_retry"]
 
@@ -116,11 +116,14 @@ def is_transient(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, _PERMANENT):
+        # Our own errors are decisions already taken (a TransportError means retries were exhausted;
+        # retrying it again would multiply the attempts), whatever they were raised from.
+        if isinstance(current, (DcpStorageError, *_PERMANENT)):
             return False
         if _one_is_transient(current):
             return True
-        current = current.__cause__ or current.__context__
+        # Follow ``raise ... from cause``, and the implicit context unless ``from None`` suppressed it.
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     return False
 
 

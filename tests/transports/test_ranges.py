@@ -1,0 +1,199 @@
+"""plan_fetches: coalescing, splitting and the invariants the transport's vectored reads rely on."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dcp_storage.transports.ranges import FetchGroup, RangeRequest, plan_fetches
+
+
+def R(path: str, start: int, end: int) -> RangeRequest:
+    return RangeRequest(path, start, end)
+
+
+def spans(groups: list[FetchGroup]) -> list[tuple[str, int, int]]:
+    return [(g.path, g.start, g.end) for g in groups]
+
+
+def seg_tuples(group: FetchGroup) -> list[tuple[int, int, int]]:
+    return [(s.index, s.start, s.end) for s in group.segments]
+
+
+# ------------------------------------------------------------------------------------ coalescing
+
+
+def test_adjacent_ranges_merge_into_one_group() -> None:
+    reqs = [R("a", i * 10, i * 10 + 10) for i in range(10)]
+    groups = plan_fetches(reqs, coalesce_gap=0, max_request_bytes=1 << 20)
+    assert spans(groups) == [("a", 0, 100)]
+    assert seg_tuples(groups[0]) == [(i, i * 10, i * 10 + 10) for i in range(10)]
+
+
+def test_gap_at_most_coalesce_gap_merges_larger_gap_splits() -> None:
+    reqs = [R("a", 0, 10), R("a", 15, 20), R("a", 26, 30)]  # gaps of 5 then 6
+    assert spans(plan_fetches(reqs, coalesce_gap=5, max_request_bytes=1000)) == [("a", 0, 20), ("a", 26, 30)]
+    assert spans(plan_fetches(reqs, coalesce_gap=6, max_request_bytes=1000)) == [("a", 0, 30)]
+    assert spans(plan_fetches(reqs, coalesce_gap=4, max_request_bytes=1000)) == [
+        ("a", 0, 10),
+        ("a", 15, 20),
+        ("a", 26, 30),
+    ]
+
+
+def test_unsorted_input_is_sorted_and_indices_kept() -> None:
+    reqs = [R("a", 20, 30), R("a", 0, 10), R("a", 10, 20)]
+    (group,) = plan_fetches(reqs, coalesce_gap=0, max_request_bytes=1000)
+    assert (group.start, group.end) == (0, 30)
+    assert seg_tuples(group) == [(1, 0, 10), (2, 10, 20), (0, 20, 30)]
+
+
+def test_no_merge_across_paths() -> None:
+    reqs = [R("a", 0, 10), R("b", 10, 20), R("a", 10, 20)]
+    groups = plan_fetches(reqs, coalesce_gap=1000, max_request_bytes=1000)
+    assert spans(groups) == [("a", 0, 20), ("b", 10, 20)]
+    assert {s.index for s in groups[0].segments} == {0, 2}
+
+
+def test_overlapping_ranges_start_new_group() -> None:
+    reqs = [R("a", 0, 10), R("a", 5, 15), R("a", 15, 20)]
+    groups = plan_fetches(reqs, coalesce_gap=100, max_request_bytes=1000)
+    # [5, 15) overlaps [0, 10): new group; [15, 20) abuts [5, 15): merged into the second
+    assert spans(groups) == [("a", 0, 10), ("a", 5, 20)]
+
+
+def test_identical_ranges_get_separate_groups() -> None:
+    reqs = [R("a", 0, 8), R("a", 0, 8)]
+    groups = plan_fetches(reqs, coalesce_gap=100, max_request_bytes=1000)
+    assert spans(groups) == [("a", 0, 8), ("a", 0, 8)]
+    assert sorted(s.index for g in groups for s in g.segments) == [0, 1]
+
+
+def test_merge_stops_at_max_request_bytes() -> None:
+    reqs = [R("a", i * 10, i * 10 + 10) for i in range(10)]
+    groups = plan_fetches(reqs, coalesce_gap=0, max_request_bytes=35)
+    assert spans(groups) == [("a", 0, 30), ("a", 30, 60), ("a", 60, 90), ("a", 90, 100)]
+
+
+def test_gap_bytes_count_toward_max_request_bytes() -> None:
+    reqs = [R("a", 0, 10), R("a", 30, 40)]
+    assert spans(plan_fetches(reqs, coalesce_gap=20, max_request_bytes=40)) == [("a", 0, 40)]
+    assert spans(plan_fetches(reqs, coalesce_gap=20, max_request_bytes=39)) == [("a", 0, 10), ("a", 30, 40)]
+
+
+# ------------------------------------------------------------------------------------ splitting
+
+
+def test_large_request_split_into_max_sized_parts() -> None:
+    groups = plan_fetches([R("a", 100, 1100)], coalesce_gap=0, max_request_bytes=300)
+    assert spans(groups) == [("a", 100, 400), ("a", 400, 700), ("a", 700, 1000), ("a", 1000, 1100)]
+    assert all(seg_tuples(g) == [(0, g.start, g.end)] for g in groups)
+
+
+def test_request_of_exactly_max_is_not_split() -> None:
+    groups = plan_fetches([R("a", 0, 300)], coalesce_gap=0, max_request_bytes=300)
+    assert spans(groups) == [("a", 0, 300)]
+
+
+def test_split_tail_can_merge_with_a_neighbour() -> None:
+    reqs = [R("a", 0, 250), R("a", 250, 260)]
+    groups = plan_fetches(reqs, coalesce_gap=0, max_request_bytes=100)
+    assert spans(groups) == [("a", 0, 100), ("a", 100, 200), ("a", 200, 260)]
+    assert seg_tuples(groups[-1]) == [(0, 200, 250), (1, 250, 260)]
+
+
+# ------------------------------------------------------------------------------------ edge cases
+
+
+def test_zero_length_requests_produce_no_groups() -> None:
+    reqs = [R("a", 5, 5), R("a", 0, 10), R("b", 0, 0)]
+    groups = plan_fetches(reqs, coalesce_gap=0, max_request_bytes=100)
+    assert spans(groups) == [("a", 0, 10)]
+    assert seg_tuples(groups[0]) == [(1, 0, 10)]
+
+
+def test_empty_request_list() -> None:
+    assert plan_fetches([], coalesce_gap=0, max_request_bytes=1) == []
+
+
+@pytest.mark.parametrize(("gap", "max_bytes"), [(-1, 10), (0, 0), (0, -5)])
+def test_invalid_planner_arguments_raise(gap: int, max_bytes: int) -> None:
+    with pytest.raises(ValueError):
+        plan_fetches([R("a", 0, 1)], coalesce_gap=gap, max_request_bytes=max_bytes)
+
+
+@pytest.mark.parametrize(("start", "end"), [(-1, 5), (10, 5)])
+def test_invalid_range_request_raises(start: int, end: int) -> None:
+    with pytest.raises(ValueError, match="invalid byte range"):
+        RangeRequest("a", start, end)
+
+
+def test_into_buffer_validation() -> None:
+    with pytest.raises(ValueError, match="holds 4 bytes, expected 5"):
+        RangeRequest("a", 0, 5, into=memoryview(bytearray(4)))
+    with pytest.raises(ValueError, match="writable"):
+        RangeRequest("a", 0, 4, into=memoryview(b"abcd"))
+    # a non-byte format is cast to bytes
+    import array
+
+    req = RangeRequest("a", 0, 8, into=memoryview(array.array("i", [0, 0])))
+    assert req.into is not None and req.into.format == "B" and req.into.nbytes == 8
+
+
+# ------------------------------------------------------------------------------------ properties
+
+_request = st.builds(
+    lambda path, start, length: (path, start, start + length),
+    st.sampled_from(["a", "b", "c"]),
+    st.integers(0, 400),
+    st.integers(0, 120),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    raw=st.lists(_request, max_size=40),
+    gap=st.integers(0, 64),
+    max_bytes=st.integers(1, 200),
+)
+def test_plan_invariants(raw: list[tuple[str, int, int]], gap: int, max_bytes: int) -> None:
+    reqs = [R(*r) for r in raw]
+    groups = plan_fetches(reqs, coalesce_gap=gap, max_request_bytes=max_bytes)
+
+    covered: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(reqs))}
+    for g in groups:
+        assert g.segments, "a group without segments would be a wasted request"
+        assert g.start == g.segments[0].start and g.end == g.segments[-1].end
+        # a group is one storage request: never longer than max_request_bytes (split pieces are <= max too)
+        single_split_piece = len(g.segments) == 1 and reqs[g.segments[0].index].length > max_bytes
+        assert g.length <= max_bytes or single_split_piece
+        assert g.length <= max_bytes
+        prev_end = None
+        for seg in g.segments:
+            req = reqs[seg.index]
+            assert req.path == g.path
+            assert req.start <= seg.start < seg.end <= req.end
+            if prev_end is not None:
+                assert seg.start >= prev_end, "segments within a group are sorted and disjoint"
+                assert seg.start - prev_end <= gap, "only gaps up to coalesce_gap are bridged"
+            prev_end = seg.end
+            covered[seg.index].append((seg.start, seg.end))
+
+    for i, req in enumerate(reqs):
+        pieces = sorted(covered[i])
+        if req.length == 0:
+            assert pieces == []
+            continue
+        # every requested byte is covered exactly once
+        pos = req.start
+        for s, e in pieces:
+            assert s == pos, f"request {i} {req} not tiled exactly by {pieces}"
+            pos = e
+        assert pos == req.end
+
+    # groups of one path never overlap in a way that hides a mergeable neighbour: consecutive groups of a
+    # path that are disjoint and close enough would have been merged unless the size cap forbade it
+    for a, b in zip(groups, groups[1:]):
+        if a.path == b.path and a.end <= b.segments[0].start and b.segments[0].start - a.end <= gap:
+            assert b.segments[0].end - a.start > max_bytes
