@@ -119,10 +119,13 @@ def run_ranks(
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
     ``fn``, ``args``, ``kwargs`` and the return values must be picklable, so
-    ``fn`` has to be a module-level function of an importable module. Each rank
-    runs with ``torch.set_num_threads(1)`` and an initialised default process
-    group, destroyed after ``fn`` returns. ``timeout`` (seconds) bounds the
-    whole call, process start-up included.
+    ``fn`` has to be a module-level function of an importable module; they
+    travel by value (each rank gets its own copy of tensor arguments). Each
+    rank runs with ``torch.set_num_threads(1)``, ``RANK``/``WORLD_SIZE``/
+    ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` set, and an initialised (and
+    barrier-synchronised) default gloo process group, destroyed after ``fn``
+    returns. ``timeout`` (seconds) bounds the whole call, start-up included,
+    and is also the process group's collective timeout.
 
     Returns the per-rank return values, indexed by rank. Raises
     :class:`RankFailedError` if a rank raises or dies, and

@@ -34,6 +34,7 @@ from .counters import TransportCounters
 from .local_io import preadv_exact
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import RetryPolicy, TruncatedReadError, call_with_retry
+from .s3_stream import ScatterSink, can_stream, stream_range
 
 __all__ = ["TransportConfig", "FsspecTransport"]
 
@@ -249,21 +250,13 @@ class FsspecTransport:
         self.counters.add(requests=calls, bytes_read=group.length)
 
     def _fetch_group_remote(self, group: FetchGroup, views: list[memoryview]) -> None:
-        def fetch() -> bytes:
-            data = self.fs.cat_file(group.path, start=group.start, end=group.end)
-            self.counters.add(requests=1, bytes_read=len(data))
-            if len(data) != group.length:
-                self._raise_if_ends_before(group.path, group.end)  # a short object is not transient
-                raise TruncatedReadError(
-                    f"{self.url(group.path)}: got {len(data)} of {group.length} bytes for "
-                    f"[{group.start}, {group.end})"
-                )
-            return data
-
+        pieces = [(seg.start - group.start, seg.end - group.start, view) for seg, view in zip(group.segments, views)]
+        if can_stream(self.fs):
+            fetch = self._streaming_fetch(group, ScatterSink(pieces))
+        else:
+            fetch = self._buffered_fetch(group, pieces)
         try:
-            data = self._retry(
-                fetch, lambda: f"read {self.url(group.path)} bytes [{group.start}, {group.end})"
-            )
+            self._retry(fetch, lambda: f"read {self.url(group.path)} bytes [{group.start}, {group.end})")
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(group.path)}: no such file") from exc
         except DcpStorageError:
@@ -272,9 +265,46 @@ class FsspecTransport:
             # A range starting past the end fails outright (S3: 416 InvalidRange, s3fs: OSError EINVAL).
             self._raise_if_ends_before(group.path, group.end, exc)
             raise
-        src = memoryview(data)
-        for seg, view in zip(group.segments, views):
-            view[:] = src[seg.start - group.start : seg.end - group.start]
+
+    def _short_read(self, group: FetchGroup, got: int) -> TruncatedReadError:
+        self._raise_if_ends_before(group.path, group.end)  # a short object is not transient
+        return TruncatedReadError(
+            f"{self.url(group.path)}: got {got} of {group.length} bytes for [{group.start}, {group.end})"
+        )
+
+    def _buffered_fetch(self, group: FetchGroup, pieces: list[tuple[int, int, memoryview]]) -> Any:
+        def fetch() -> None:
+            data = self.fs.cat_file(group.path, start=group.start, end=group.end)
+            self.counters.add(requests=1, bytes_read=len(data))
+            if len(data) != group.length:
+                raise self._short_read(group, len(data))
+            src = memoryview(data)
+            for lo, hi, view in pieces:
+                view[:] = src[lo:hi]
+
+        return fetch
+
+    def _streaming_fetch(self, group: FetchGroup, sink: ScatterSink) -> Any:
+        done = 0  # bytes already in place: a retry after a cut-off body resumes from here
+
+        def fetch() -> None:
+            nonlocal done
+            base = done
+            sink.reset()
+
+            def emit(offset: int, chunk: memoryview) -> None:
+                nonlocal done
+                sink.write(base + offset, chunk)
+                done = base + offset + len(chunk)
+
+            try:
+                stream_range(self.fs, group.path, group.start + base, group.end, emit)
+            finally:
+                self.counters.add(requests=1, bytes_read=done - base)
+            if done != group.length:
+                raise self._short_read(group, done)
+
+        return fetch
 
     def _raise_if_ends_before(self, path: str, end: int, cause: BaseException | None = None) -> None:
         """Raise :class:`CorruptCheckpointError` if the object at ``path`` is shorter than ``end`` bytes."""

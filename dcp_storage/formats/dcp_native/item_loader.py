@@ -148,10 +148,9 @@ class DcpItemLoader:
         self._probe_headers(probe, whole, records)
         self._fetch_whole(whole)  # records the probe could not slice
 
+        byte_entries = {entries[id(i)] for i in items if i.type == LoadItemType.BYTE_IO}  # a set: O(1) lookups
         for entry, raw in whole.items():
-            if raw is None:
-                continue
-            if any(entries[id(i)] == entry and i.type == LoadItemType.BYTE_IO for i in items):
+            if raw is None or entry in byte_entries:
                 continue
             data = self._untransform(entry, raw)
             where = self._where(entry)
