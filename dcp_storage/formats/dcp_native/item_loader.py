@@ -18,9 +18,8 @@ Records we cannot slice (tensor subclasses, compressed zips, big-endian) are loa
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,9 +27,8 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTra
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ...errors import CorruptCheckpointError, ShapeMismatchError
-from ...tensor_buffers import host_buffer, writable_bytes
 from ...transports import FsspecTransport, RangeRequest
-from .slices import count_runs, slice_runs
+from ..tensor_reads import SliceRead, StoredTensor, plan_slice_read, read_slices
 from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, load_tensor_record, parse_tensor_record
 
 __all__ = ["ItemLoaderConfig", "DcpItemLoader"]
@@ -63,21 +61,6 @@ class _Entry:
     offset: int
     length: int
     transforms: tuple[str, ...] = ()
-
-
-@dataclass
-class _Work:
-    """A tensor read item resolved to its destination and the request(s) that fill it."""
-
-    item: ReadItem
-    dest: torch.Tensor
-    staging: torch.Tensor | None = None
-    view: tuple[int, tuple[int, ...], int] | None = None  # (byte offset into staging, stride, elem offset)
-    requests: list[RangeRequest] = field(default_factory=list)
-
-    @property
-    def staging_bytes(self) -> int:
-        return 0 if self.staging is None else self.staging.numel() * self.staging.element_size()
 
 
 class DcpItemLoader:
@@ -163,7 +146,7 @@ class DcpItemLoader:
                     raise CorruptCheckpointError(f"{where}: record holds a {type(tensor).__name__}, not a tensor") from None
                 decoded[entry] = tensor
 
-        ranged: list[_Work] = []
+        ranged: list[SliceRead] = []
         for item in items:
             entry = entries[id(item)]
             if item.type == LoadItemType.BYTE_IO:
@@ -246,68 +229,25 @@ class DcpItemLoader:
         dest.copy_(src)
         planner.commit_tensor(item, dest)
 
-    def _plan_ranged(self, item: ReadItem, entry: _Entry, rec: TensorRecord) -> _Work:
-        dest = self._destination(item)
-        offsets, lengths = list(item.storage_offsets), list(item.lengths)
-        if len(offsets) != len(rec.shape) or any(o + n > s for o, n, s in zip(offsets, lengths, rec.shape)):
-            raise ShapeMismatchError(
-                f"{item.storage_index.fqn}: slice offsets {offsets} lengths {lengths} do not fit the saved "
-                f"chunk of shape {rec.shape} in {self._where(entry)}"
-            )
-        path = self._path(entry)
-        itemsize = rec.itemsize
-        base = entry.offset + rec.data_start
-        work = _Work(item, dest)
-        if math.prod(lengths) == 0:
-            return work
-        direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == rec.dtype
-        n_runs = count_runs(rec.shape, offsets, lengths) if rec.is_row_major else 0
-        if rec.is_row_major and n_runs <= self.config.max_runs_per_item:
-            target = dest if direct else host_buffer(lengths, rec.dtype, dest.device)
-            if not direct:
-                work.staging = target
-            starts, run_bytes = slice_runs(rec.shape, offsets, lengths, itemsize, base + rec.storage_offset * itemsize)
-            view = writable_bytes(target)
-            work.requests = [
-                RangeRequest(path, s, s + run_bytes, into=view[i * run_bytes : (i + 1) * run_bytes])
-                for i, s in enumerate(starts)
-            ]
-            return work
-        # Strided record, or a slice of very many tiny runs: read the bounding byte range and copy.
-        first = rec.storage_offset + sum(o * st for o, st in zip(offsets, rec.stride))
-        last = first + sum((n - 1) * st for n, st in zip(lengths, rec.stride))
-        span = last - first + 1
-        staging = host_buffer((span,), rec.dtype, dest.device)
-        work.staging = staging
-        work.view = (0, tuple(rec.stride), 0)
-        view = writable_bytes(staging)
-        work.requests = [RangeRequest(path, base + first * itemsize, base + (last + 1) * itemsize, into=view)]
-        return work
+    def _plan_ranged(self, item: ReadItem, entry: _Entry, rec: TensorRecord) -> SliceRead:
+        stored = StoredTensor(
+            self._path(entry),
+            entry.offset + rec.data_start,
+            rec.dtype,
+            rec.shape,
+            rec.stride,
+            rec.storage_offset,
+            where=f"{self._where(entry)} (tensor {item.storage_index.fqn!r})",
+        )
+        return plan_slice_read(
+            item, stored, item.storage_offsets, item.lengths, self._destination(item), self.config.max_runs_per_item
+        )
 
-    def _run_ranged(self, works: list[_Work], planner: LoadPlanner) -> None:
-        batch: list[_Work] = []
-        held = 0
-        for work in works:
-            if batch and held + work.staging_bytes > self.config.staging_bytes:
-                self._finish_batch(batch, planner)
-                batch, held = [], 0
-            batch.append(work)
-            held += work.staging_bytes
-        if batch:
-            self._finish_batch(batch, planner)
+    def _run_ranged(self, works: list[SliceRead], planner: LoadPlanner) -> None:
+        def commit(work: SliceRead) -> None:
+            planner.commit_tensor(work.key, work.dest)  # type: ignore[arg-type]
 
-    def _finish_batch(self, batch: list[_Work], planner: LoadPlanner) -> None:
-        self.transport.read_ranges([r for w in batch for r in w.requests])
-        for work in batch:
-            if work.staging is not None:
-                src = work.staging
-                if work.view is not None:
-                    _, stride, _ = work.view
-                    src = src.as_strided(tuple(work.item.lengths), stride, 0)
-                work.dest.copy_(src)
-            planner.commit_tensor(work.item, work.dest)
-            work.requests.clear()
-            work.staging = None
+        read_slices(self.transport, works, commit, self.config.staging_bytes)
 
 
 def _tensor_from_bytes(data: memoryview, rec: TensorRecord) -> torch.Tensor:

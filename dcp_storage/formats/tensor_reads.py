@@ -1,0 +1,166 @@
+"""Reading slices of stored tensors with ranged reads, straight into their destinations.
+
+Shared by every format whose tensors lie as raw elements in a file (DCP's ``torch.save`` records,
+safetensors, torch.save archives): the format says where a tensor's elements start and how they are laid
+out (:class:`StoredTensor`); this module turns "the slice ``offsets``/``lengths`` of it, into ``dest``" into
+byte-range requests and delivers them.
+
+A row-major slice becomes one byte run per contiguous stretch (one for a ``Shard(0)`` slice, one per row
+for ``Shard(1)``); runs land directly in ``dest`` when it is a contiguous CPU tensor of the stored dtype,
+otherwise in a (pinned, for GPUs) staging buffer that is copied into ``dest`` afterwards, which also casts
+dtypes. Strided tensors, and slices of more than ``max_runs`` runs, read their bounding byte range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ShapeMismatchError
+from ..tensor_buffers import host_buffer, writable_bytes
+from ..transports import FsspecTransport, RangeRequest
+from .slices import count_runs, slice_runs
+
+__all__ = ["StoredTensor", "SliceRead", "plan_slice_read", "read_slices"]
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor's elements in a file: element ``i`` of storage is at byte ``data_offset + i * itemsize``."""
+
+    path: str
+    data_offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0
+    where: str = ""  # how to name it in errors: "s3://b/k (tensor 'w')"
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def is_row_major(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    @staticmethod
+    def contiguous(path: str, data_offset: int, dtype: torch.dtype, shape: Sequence[int], where: str = "") -> StoredTensor:
+        shape = tuple(int(s) for s in shape)
+        stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+        return StoredTensor(path, data_offset, dtype, shape, stride, 0, where)
+
+
+@dataclass
+class SliceRead:
+    """One slice on its way into ``dest``; ``key`` is the caller's handle (a ReadItem, say)."""
+
+    key: object
+    dest: torch.Tensor
+    lengths: tuple[int, ...]
+    staging: torch.Tensor | None = None
+    strided: tuple[int, ...] | None = None  # stride to view ``staging`` with, for bounding-range reads
+    requests: list[RangeRequest] = field(default_factory=list)
+
+    @property
+    def staging_bytes(self) -> int:
+        return 0 if self.staging is None else self.staging.numel() * self.staging.element_size()
+
+    def deliver(self) -> None:
+        """Copy staged bytes into ``dest`` (a no-op when they landed there directly)."""
+        if self.staging is not None:
+            src = self.staging
+            if self.strided is not None:
+                src = src.as_strided(self.lengths, self.strided, 0)
+            else:
+                src = src.view(self.lengths)
+            self.dest.copy_(src)
+        self.staging = None
+        self.requests = []
+
+
+def plan_slice_read(
+    key: object,
+    stored: StoredTensor,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    dest: torch.Tensor,
+    max_runs: int = 65536,
+) -> SliceRead:
+    """Requests that bring ``stored[offsets : offsets + lengths]`` into ``dest``.
+
+    Raises :class:`ShapeMismatchError` naming the tensor when the slice does not fit the stored shape
+    or ``dest`` does not have the slice's shape.
+    """
+    offsets, lengths = tuple(int(o) for o in offsets), tuple(int(n) for n in lengths)
+    if len(offsets) != len(stored.shape) or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, stored.shape)):
+        raise ShapeMismatchError(
+            f"{stored.where}: slice offsets {list(offsets)} lengths {list(lengths)} do not fit the stored shape "
+            f"{list(stored.shape)}"
+        )
+    if tuple(dest.shape) != lengths:
+        raise ShapeMismatchError(
+            f"{stored.where}: destination has shape {list(dest.shape)} but the stored slice is {list(lengths)}"
+        )
+    work = SliceRead(key, dest, lengths)
+    if math.prod(lengths) == 0:
+        return work
+    itemsize = stored.itemsize
+    direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == stored.dtype
+    if stored.is_row_major and count_runs(stored.shape, offsets, lengths) <= max_runs:
+        target = dest if direct else host_buffer(lengths, stored.dtype, dest.device)
+        if not direct:
+            work.staging = target
+        base = stored.data_offset + stored.storage_offset * itemsize
+        starts, run_bytes = slice_runs(stored.shape, offsets, lengths, itemsize, base)
+        view = writable_bytes(target)
+        work.requests = [
+            RangeRequest(stored.path, s, s + run_bytes, into=view[i * run_bytes : (i + 1) * run_bytes])
+            for i, s in enumerate(starts)
+        ]
+        return work
+    first = stored.storage_offset + sum(o * st for o, st in zip(offsets, stored.stride))
+    last = first + sum((n - 1) * st for n, st in zip(lengths, stored.stride))
+    staging = host_buffer((last - first + 1,), stored.dtype, dest.device)
+    work.staging = staging
+    work.strided = tuple(stored.stride)
+    start = stored.data_offset + first * itemsize
+    work.requests = [RangeRequest(stored.path, start, start + (last - first + 1) * itemsize, into=writable_bytes(staging))]
+    return work
+
+
+def read_slices(
+    transport: FsspecTransport,
+    works: Sequence[SliceRead],
+    on_done: Callable[[SliceRead], None],
+    staging_bytes: int = 256 * 1024 * 1024,
+) -> None:
+    """Fetch every slice, in batches holding at most ``staging_bytes`` of staging buffers.
+
+    ``on_done(work)`` runs in the calling thread once ``work.dest`` holds its bytes (commit it there).
+    """
+    batch: list[SliceRead] = []
+    held = 0
+    for work in works:
+        if batch and held + work.staging_bytes > staging_bytes:
+            _finish(transport, batch, on_done)
+            batch, held = [], 0
+        batch.append(work)
+        held += work.staging_bytes
+    if batch:
+        _finish(transport, batch, on_done)
+
+
+def _finish(transport: FsspecTransport, batch: list[SliceRead], on_done: Callable[[SliceRead], None]) -> None:
+    transport.read_ranges([r for w in batch for r in w.requests])
+    for work in batch:
+        work.deliver()
+        on_done(work)
