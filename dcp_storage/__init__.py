@@ -14,6 +14,8 @@ from .errors import (
     TransportError,
     UnsafeCheckpointError,
 )
+from . import registry
+from .opening import UnknownFormatError, detect_format, open_reader, open_writer
 from .storage import FsspecReader, FsspecWriter
 from .transports import FsspecTransport, RetryPolicy, TransportConfig
 
@@ -32,5 +34,10 @@ __all__ = [
     "CorruptCheckpointError",
     "ShapeMismatchError",
     "TransportError",
+    "registry",
+    "open_reader",
+    "open_writer",
+    "detect_format",
+    "UnknownFormatError",
     "__version__",
 ]

@@ -1,0 +1,77 @@
+"""What a format plugin provides: a sniffer and reader/writer factories.
+
+A format registers a :class:`FormatSpec` under the ``dcp_storage.formats`` entry-point group.
+:func:`dcp_storage.open_reader` builds one :class:`Probe` of the URL (a directory listing, or the first
+bytes of a file) and asks every format's ``sniff``; the best score wins.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..transports import FsspecTransport
+
+__all__ = ["FormatSpec", "Probe"]
+
+HEAD_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What format detection may look at, fetched once: cheap for a bucket prefix or a big file."""
+
+    url: str
+    transport: FsspecTransport
+    path: str
+    is_dir: bool
+    names: tuple[str, ...] = ()  # entries of the directory (names, not paths)
+    head: bytes = b""  # first bytes of the file (empty for a directory)
+    size: int = 0
+
+    @classmethod
+    def of(cls, url: str, storage_options: dict[str, Any] | None = None) -> Probe:
+        transport, path = FsspecTransport.from_url(url, storage_options)
+        names = transport.listdir(path)
+        if names:
+            return cls(url, transport, path, True, tuple(names))
+        if not transport.exists(path):
+            from ..errors import CheckpointNotFoundError
+
+            raise CheckpointNotFoundError(f"{transport.url(path)}: no such file or directory")
+        size = transport.size(path)
+        head = bytes(transport.read_range(path, 0, min(size, HEAD_BYTES))) if size else b""
+        return cls(url, transport, path, False, (), head, size)
+
+    @property
+    def basename(self) -> str:
+        return posixpath.basename(self.path.rstrip("/"))
+
+    def head_of(self, name: str, nbytes: int = HEAD_BYTES) -> bytes:
+        """The first ``nbytes`` of ``name`` inside the probed directory."""
+        path = self.transport.join(self.path, name)
+        size = self.transport.size(path)
+        return bytes(self.transport.read_range(path, 0, min(size, nbytes))) if size else b""
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """A checkpoint format: ``name/version`` descriptor, detection, and reader/writer factories.
+
+    ``sniff(probe)`` returns a score (higher is more specific) when the probe looks like this format, or
+    ``None``. ``open_reader(url, storage_options=..., **options)`` returns a DCP ``StorageReader``;
+    ``open_writer`` a ``StorageWriter`` (``None`` for read-only formats).
+    """
+
+    name: str
+    version: str
+    sniff: Callable[[Probe], int | None]
+    open_reader: Callable[..., Any]
+    open_writer: Callable[..., Any] | None = None
+    description: str = ""
+
+    @property
+    def descriptor(self) -> str:
+        return f"{self.name}/{self.version}"

@@ -1,0 +1,87 @@
+"""``open_reader`` / ``open_writer``: pick the right reader or writer for a URL.
+
+Formats come from the registry (``dcp_storage.formats`` entry points), so an installed plugin's format is
+detected like the built-in ones.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import registry
+from .errors import DcpStorageError
+from .formats.spec import FormatSpec, Probe
+
+__all__ = ["UnknownFormatError", "open_reader", "open_writer", "detect_format"]
+
+
+class UnknownFormatError(DcpStorageError, ValueError):
+    """No format (or more than one, equally) recognised the input; the message lists what was tried."""
+
+
+def _formats() -> dict[str, FormatSpec]:
+    return {name: spec for name, spec in registry.load_all("formats").items() if isinstance(spec, FormatSpec)}
+
+
+def _describe(probe: Probe) -> str:
+    if probe.is_dir:
+        shown = ", ".join(probe.names[:8]) + (", ..." if len(probe.names) > 8 else "")
+        return f"a directory holding [{shown}]"
+    return f"a {probe.size}-byte file starting with {probe.head[:16]!r}"
+
+
+def detect_format(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> FormatSpec:
+    """The format whose sniffer scores ``url`` highest; :class:`UnknownFormatError` if none or a tie."""
+    probe = Probe.of(os.fspath(url), storage_options)
+    specs = _formats()
+    scores: dict[str, int] = {}
+    failures: list[str] = []
+    for name, spec in specs.items():
+        try:
+            score = spec.sniff(probe)
+        except DcpStorageError as exc:
+            failures.append(f"{name}: {exc}")
+            continue
+        if score is not None:
+            scores[name] = score
+    broken = [f"{p.name} ({p.distribution}): {p.error}" for p in registry.list("formats") if p.status == "failed"]
+    if not scores:
+        tried = ", ".join(sorted(specs)) or "none"
+        extra = ("; errors: " + "; ".join(failures)) if failures else ""
+        extra += ("; plugins that failed to import: " + "; ".join(broken)) if broken else ""
+        raise UnknownFormatError(
+            f"{probe.transport.url(probe.path)}: unrecognised checkpoint ({_describe(probe)}); tried formats: "
+            f"{tried}{extra}. Pass format=... to choose one."
+        )
+    best = max(scores.values())
+    winners = sorted(n for n, s in scores.items() if s == best)
+    if len(winners) > 1:
+        raise UnknownFormatError(
+            f"{probe.transport.url(probe.path)}: ambiguous checkpoint ({_describe(probe)}): formats "
+            f"{', '.join(winners)} all match; pass format=... to choose one"
+        )
+    return specs[winners[0]]
+
+
+def open_reader(
+    url: str | os.PathLike[str], format: str | None = None, storage_options: dict[str, Any] | None = None, **options: Any
+) -> Any:
+    """A DCP ``StorageReader`` for ``url``: ``dcp.load(sd, storage_reader=open_reader(url))``.
+
+    ``format`` names a registered format (``"dcp"``, ``"safetensors"``, ``"torch_save"``, or a plugin's);
+    without it the format is detected.
+    """
+    spec = registry.get("formats", format) if format is not None else detect_format(url, storage_options)
+    return spec.open_reader(os.fspath(url), storage_options=storage_options, **options)
+
+
+def open_writer(
+    url: str | os.PathLike[str], format: str = "dcp", storage_options: dict[str, Any] | None = None, **options: Any
+) -> Any:
+    """A DCP ``StorageWriter`` for ``url`` in ``format`` (``"dcp"`` or ``"safetensors"``, or a plugin's)."""
+    spec = registry.get("formats", format)
+    if spec.open_writer is None:
+        raise UnknownFormatError(f"format {format!r} is read-only; writable formats: "
+                                 + ", ".join(n for n, s in _formats().items() if s.open_writer is not None))
+    return spec.open_writer(os.fspath(url), storage_options=storage_options, **options)

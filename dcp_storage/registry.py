@@ -1,0 +1,236 @@
+"""The plugin registry: named transports, formats, strategies, planners and extensions.
+
+Third-party distributions add entries through entry points, exactly as dcp-storage registers its own
+built-ins (see ``[project.entry-points]`` in pyproject.toml)::
+
+    [project.entry-points."dcp_storage.formats"]
+    myformat = "my_package.formats:FORMAT"
+
+Targets are ``module:attr`` import strings, imported on first use. A plugin that fails to import is
+reported (its distribution name and the error) by :func:`list` and :func:`get`; it never breaks the core
+or other plugins.
+
+Conflicts: when two distributions claim the same ``(kind, name)``, dcp-storage's own entry wins over a
+third party's, and between third parties the distribution whose name sorts first wins; a warning names
+both. :func:`register` (programmatic, e.g. in tests) replaces an entry only with ``replace=True``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+from .errors import DcpStorageError
+
+__all__ = [
+    "KINDS",
+    "PluginInfo",
+    "PluginError",
+    "PluginNotFoundError",
+    "PluginImportError",
+    "list",
+    "get",
+    "register",
+    "unregister",
+    "registered",
+    "reload",
+]
+
+KINDS: tuple[str, ...] = ("transports", "formats", "strategies", "planners", "extensions")
+OWN_DISTRIBUTION = "dcp-storage"
+PROGRAMMATIC = "<register()>"
+
+
+class PluginError(DcpStorageError):
+    """Base class of registry errors."""
+
+
+class PluginNotFoundError(PluginError, KeyError):
+    """No plugin of that kind has that name; the message lists the names that exist."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class PluginImportError(PluginError, ImportError):
+    """A plugin's target could not be imported; names the distribution and the error."""
+
+
+@dataclass
+class PluginInfo:
+    """One registry entry, as :func:`list` reports it."""
+
+    kind: str
+    name: str
+    target: str | object
+    distribution: str
+    status: str = "not loaded"  # "not loaded", "loaded" or "failed"
+    error: str | None = None
+    _value: Any = field(default=None, repr=False)
+
+    @property
+    def target_name(self) -> str:
+        return self.target if isinstance(self.target, str) else f"{type(self.target).__name__} object"
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[str, dict[str, PluginInfo]] | None = None
+
+    # ------------------------------------------------------------------ discovery
+    def _discover(self) -> dict[str, dict[str, PluginInfo]]:
+        with self._lock:
+            if self._entries is None:
+                entries: dict[str, dict[str, PluginInfo]] = {kind: {} for kind in KINDS}
+                for kind in KINDS:
+                    for ep in importlib_metadata.entry_points(group=f"dcp_storage.{kind}"):
+                        dist = ep.dist.name if ep.dist is not None else "<unknown>"
+                        self._add(entries[kind], PluginInfo(kind, ep.name, ep.value, dist))
+                self._entries = entries
+            return self._entries
+
+    @staticmethod
+    def _rank(dist: str) -> tuple[int, str]:
+        return (0 if dist.replace("_", "-").lower() == OWN_DISTRIBUTION else 1, dist.lower())
+
+    def _add(self, table: dict[str, PluginInfo], info: PluginInfo) -> None:
+        old = table.get(info.name)
+        if old is None:
+            table[info.name] = info
+            return
+        if old.distribution == info.distribution and old.target == info.target:
+            return  # the same distribution seen twice on sys.path
+        keep, drop = (old, info) if self._rank(old.distribution) <= self._rank(info.distribution) else (info, old)
+        warnings.warn(
+            f"dcp-storage: {info.kind} plugin {info.name!r} is claimed by {old.distribution!r} ({old.target_name}) "
+            f"and {info.distribution!r} ({info.target_name}); using {keep.distribution!r}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        table[info.name] = keep
+        del drop
+
+    # ------------------------------------------------------------------ API
+    def list(self, kind: str | None = None) -> list[PluginInfo]:
+        entries = self._discover()
+        kinds = [_check_kind(kind)] if kind is not None else [*KINDS]
+        return [entries[k][n] for k in kinds for n in sorted(entries[k])]
+
+    def get(self, kind: str, name: str) -> Any:
+        table = self._discover()[_check_kind(kind)]
+        with self._lock:
+            info = table.get(name)
+            if info is None:
+                known = ", ".join(sorted(table)) or "none"
+                raise PluginNotFoundError(f"no {kind} plugin named {name!r} (installed: {known})")
+            if info.status == "loaded":
+                return info._value
+            if not isinstance(info.target, str):
+                info._value, info.status = info.target, "loaded"
+                return info._value
+            try:
+                value = _import_target(info.target)
+            except Exception as exc:  # noqa: BLE001 - reported, never propagated raw
+                info.status, info.error = "failed", f"{type(exc).__name__}: {exc}"
+                raise PluginImportError(
+                    f"{kind} plugin {name!r} from distribution {info.distribution!r} failed to import "
+                    f"({info.target}): {info.error}"
+                ) from exc
+            info._value, info.status, info.error = value, "loaded", None
+            return value
+
+    def load_all(self, kind: str) -> dict[str, Any]:
+        """Every plugin of ``kind`` that imports; failures stay recorded in :func:`list`."""
+        out = {}
+        for info in self.list(kind):
+            try:
+                out[info.name] = self.get(kind, info.name)
+            except PluginImportError:
+                continue
+        return out
+
+    def register(self, kind: str, name: str, target: str | object, *, replace: bool = False) -> None:
+        table = self._discover()[_check_kind(kind)]
+        with self._lock:
+            if name in table and not replace:
+                raise PluginError(
+                    f"{kind} plugin {name!r} already registered by {table[name].distribution!r}; pass replace=True"
+                )
+            table[name] = PluginInfo(kind, name, target, PROGRAMMATIC)
+
+    def unregister(self, kind: str, name: str) -> None:
+        with self._lock:
+            self._discover()[_check_kind(kind)].pop(name, None)
+
+    def reload(self) -> None:
+        with self._lock:
+            self._entries = None
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise PluginError(f"unknown plugin kind {kind!r}; kinds are {', '.join(KINDS)}")
+    return kind
+
+
+def _import_target(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+_REGISTRY = _Registry()
+
+
+def list(kind: str | None = None) -> list[PluginInfo]:  # noqa: A001 - the documented name
+    """Every known entry (of ``kind``, or of all kinds), with its import status."""
+    return _REGISTRY.list(kind)
+
+
+def get(kind: str, name: str) -> Any:
+    """The object a plugin names, imported on first use."""
+    return _REGISTRY.get(kind, name)
+
+
+def load_all(kind: str) -> dict[str, Any]:
+    """``{name: object}`` for every plugin of ``kind`` that imports."""
+    return _REGISTRY.load_all(kind)
+
+
+def register(kind: str, name: str, target: str | object, *, replace: bool = False) -> None:
+    """Add an entry programmatically (an import string or the object itself)."""
+    _REGISTRY.register(kind, name, target, replace=replace)
+
+
+def unregister(kind: str, name: str) -> None:
+    _REGISTRY.unregister(kind, name)
+
+
+def reload() -> None:
+    """Forget everything and rediscover entry points on next use (after installing a plugin)."""
+    _REGISTRY.reload()
+
+
+@contextmanager
+def registered(kind: str, name: str, target: str | object) -> Iterator[None]:
+    """Register for the duration of a ``with`` block (tests); restores what was there before."""
+    table = _REGISTRY._discover()[_check_kind(kind)]
+    previous = table.get(name)
+    register(kind, name, target, replace=True)
+    try:
+        yield
+    finally:
+        with _REGISTRY._lock:
+            if previous is None:
+                table.pop(name, None)
+            else:
+                table[name] = previous

@@ -1,0 +1,52 @@
+"""open_reader / open_writer: detection by probing, explicit formats, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_storage
+from dcp_storage import FsspecReader, FsspecWriter, UnknownFormatError, open_reader, open_writer, registry
+from dcp_storage.formats.spec import FormatSpec
+
+
+def test_detects_dcp_directory(tmp_path: Path) -> None:
+    sd = {"w": torch.arange(12.0).reshape(3, 4)}
+    dcp.save(sd, storage_writer=open_writer(str(tmp_path), "dcp"))
+    reader = open_reader(str(tmp_path))
+    assert isinstance(reader, FsspecReader)
+    out = {"w": torch.zeros(3, 4)}
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["w"], sd["w"])
+    assert isinstance(open_writer(str(tmp_path / "x"), "dcp"), FsspecWriter)
+
+
+def test_unknown_input_lists_what_was_tried(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(UnknownFormatError, match=r"notes\.txt.*tried formats: .*dcp"):
+        open_reader(str(tmp_path))
+    with pytest.raises(UnknownFormatError, match="starting with b'hello'"):
+        open_reader(str(tmp_path / "notes.txt"))
+
+
+def test_missing_input(tmp_path: Path) -> None:
+    with pytest.raises(dcp_storage.CheckpointNotFoundError, match="no such file"):
+        open_reader(str(tmp_path / "nope"))
+
+
+def test_plugin_format_is_detected_and_ties_are_ambiguous(tmp_path: Path) -> None:
+    (tmp_path / "blob.magic").write_bytes(b"MAGIC123" + bytes(100))
+    sentinel = object()
+    spec = FormatSpec("magic", "1", lambda p: 50 if p.head.startswith(b"MAGIC") else None, lambda url, **kw: sentinel)
+    with registry.registered("formats", "magic", spec):
+        assert open_reader(str(tmp_path / "blob.magic")) is sentinel
+        twin = FormatSpec("magic2", "1", spec.sniff, spec.open_reader)
+        with registry.registered("formats", "magic2", twin):
+            with pytest.raises(UnknownFormatError, match="ambiguous.*magic, magic2"):
+                open_reader(str(tmp_path / "blob.magic"))
+    with pytest.raises(UnknownFormatError, match="read-only"):
+        with registry.registered("formats", "magic", spec):
+            open_writer(str(tmp_path / "out"), "magic")
