@@ -193,15 +193,17 @@ class FsspecTransport:
         if self.is_local:
             try:
                 names = os.listdir(path)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 return []
             # Hide in-progress atomic writes (see _open_atomic_local).
             return sorted(n for n in names if not (n.startswith(".") and n.endswith(".tmp")))
         try:
             self.fs.invalidate_cache(path)
             entries = self.fs.ls(path, detail=False)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
+        if len(entries) == 1 and entries[0].rstrip("/") == path.rstrip("/"):
+            return []  # fsspec lists a file as itself
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
     # ------------------------------------------------------------------------------------ reading

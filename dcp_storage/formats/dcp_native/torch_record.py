@@ -94,8 +94,23 @@ class _Spec:
 
 
 class _StorageType:
+    """Stand-in for ``torch.FloatStorage`` & co. in the allow-list; one shared instance per name.
+
+    Immutable on purpose: pickle's ``BUILD`` opcode can target any object on the stack, so a malicious
+    ``data.pkl`` could otherwise rewrite a shared instance's ``dtype`` and make every later record
+    (of any checkpoint, in this process) decode with the wrong dtype.
+    """
+
+    __slots__ = ("dtype",)
+
     def __init__(self, dtype: torch.dtype | None) -> None:
-        self.dtype = dtype
+        object.__setattr__(self, "dtype", dtype)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
 
 
 def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> _Spec:
