@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,13 +19,19 @@ from .errors import CorruptCheckpointError, UnsafeCheckpointError
 __all__ = ["AllowListUnpickler", "safe_loads"]
 
 
-class AllowListUnpickler(pickle.Unpickler):
+class AllowListUnpickler(pickle._Unpickler):  # type: ignore[misc,name-defined]
     """An unpickler that resolves only allow-listed globals.
 
     ``allowed`` maps ``(module, name)`` to the object to return for it (the real class, or a stand-in).
     ``persistent_load`` may be given for formats that use persistent ids (torch.save's storages);
     without it a persistent id is refused.
+
+    It is built on the pure-Python unpickler so that ``BUILD`` can be checked too: a stream may only
+    set state on instances it created, never on an allow-listed class, function or module (which would
+    let it rewire, say, ``PosixPath.__new__`` for the whole process).
     """
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
     def __init__(
         self,
@@ -37,6 +44,18 @@ class AllowListUnpickler(pickle.Unpickler):
         self._path = path
         self._allowed = allowed
         self._persistent = persistent_load
+
+    def _load_build_checked(self) -> None:
+        target = self.stack[-2] if len(self.stack) >= 2 else None  # [-1] is the state
+        if isinstance(target, (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)) or callable(
+            target
+        ) and any(target is obj for obj in self._allowed.values()):
+            raise UnsafeCheckpointError(
+                self._path, getattr(target, "__qualname__", type(target).__name__), "the stream tried to modify it"
+            )
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = _load_build_checked
 
     def find_class(self, module: str, name: str) -> Any:
         try:

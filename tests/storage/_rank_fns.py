@@ -46,7 +46,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def save_fsdp2(rank: int, world: int, targets: list[tuple[str, dict[str, Any]]], optim_dir: str, optim_full_path: str) -> dict[str, Any]:
+def save_fsdp2(
+    rank: int, world: int, targets: list[tuple[str, dict[str, Any]]], optim_dir: str, optim_full_path: str
+) -> dict[str, Any]:
     """Save ``{"model": fsdp2.state_dict()}`` to every target, then an Adam checkpoint to ``optim_dir``.
 
     Rank 0 writes the full (unsharded) post-step model and optimizer state to ``optim_full_path``.

@@ -8,6 +8,7 @@ Rank bodies live in :mod:`._rank_fns`; they check bit-exactness in place and rep
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,10 +48,11 @@ def saved(moto_server: MotoS3Server, tmp_path_factory: pytest.TempPathFactory) -
     try:
         yield paths
     finally:
+        bucket = s3.url.split("/")[2]
         try:
-            moto_server.delete_bucket(s3.url.split("/")[2])
-        except Exception:  # noqa: BLE001 - cleanup must not mask the result
-            pass
+            moto_server.delete_bucket(bucket)  # moto is in-memory: give it back
+        except Exception as exc:  # noqa: BLE001 - cleanup must not mask the result
+            warnings.warn(f"could not delete test bucket {bucket}: {exc!r}", stacklevel=1)
 
 
 def _sources(saved: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

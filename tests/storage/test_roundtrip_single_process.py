@@ -53,7 +53,9 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
 def assert_bit_exact(actual: Any, expected: Any, key: str) -> None:
     assert isinstance(actual, torch.Tensor), f"{key}: got {type(actual).__name__}"
     assert actual.dtype == expected.dtype, f"{key}: dtype {actual.dtype} != {expected.dtype}"
-    assert tuple(actual.shape) == tuple(expected.shape), f"{key}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{key}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     assert torch.equal(raw_bytes(actual), raw_bytes(expected)), f"{key}: bytes differ"
 
 
@@ -202,7 +204,7 @@ class RoundtripConformance:
         return fsspec.core.url_to_fs(url, **options)
 
     def file_path(self, location: tuple[str, dict[str, Any]], name: str) -> str:
-        fs, root = self.fs(location)
+        _fs, root = self.fs(location)
         return f"{root.rstrip('/')}/{name}"
 
     def read_raw(self, location: tuple[str, dict[str, Any]], name: str) -> bytes:
@@ -653,3 +655,87 @@ def test_stream_extension_records(tmp_path: Path) -> None:
     dest = destination_like(sd)
     dcp.load(dest, storage_reader=FsspecReader(str(tmp_path), extension_registry=registry))
     assert_state_equal(dest, sd)
+
+
+# ------------------------------------------------------------------------------------------ hardening
+def _zip_record(data_pkl: bytes) -> bytes:
+    """A torch.save-shaped zip whose ``data.pkl`` is ``data_pkl``."""
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", data_pkl)
+        z.writestr("archive/byteorder", "little")
+    return out.getvalue()
+
+
+def _point_item_at(ckpt: Path, fqn: str, record: bytes) -> None:
+    (ckpt / "evil.distcp").write_bytes(record)
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn == fqn)
+    metadata.storage_data[index] = _StorageInfo("evil.distcp", 0, len(record))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize(
+    "data_pkl",
+    [
+        # BUILD with a dict state on the allow-list's shared ``torch.FloatStorage`` stand-in ...
+        b"\x80\x02ctorch\nFloatStorage\n}X\x05\x00\x00\x00dtypectorch\nint32\nsb0N.",
+        # ... and with a (None, slot-state) pair, which BUILD applies with setattr.
+        b"\x80\x02ctorch\nFloatStorage\nN}X\x05\x00\x00\x00dtypectorch\nint32\ns\x86b0N.",
+    ],
+    ids=["dict_state", "slot_state"],
+)
+def test_malicious_record_cannot_poison_later_loads(tmp_path: Path, data_pkl: bytes) -> None:
+    """A record's data.pkl must not be able to rewrite the allow-list (legit float32 would read as int32)."""
+    from dcp_storage.formats.dcp_native import torch_record
+
+    good = {"w": torch.randn(8, 8)}
+    dcp.save(good, storage_writer=FsspecWriter(str(tmp_path / "good")))
+    dcp.save({"w": torch.randn(8, 8)}, storage_writer=FsspecWriter(str(tmp_path / "bad")))
+    _point_item_at(tmp_path / "bad", "w", _zip_record(data_pkl))
+    try:
+        with pytest.raises(CheckpointException) as info:
+            dcp.load({"w": torch.empty(8, 8)}, storage_reader=FsspecReader(str(tmp_path / "bad")))
+        assert isinstance(unwrap(info.value), (CorruptCheckpointError, UnsafeCheckpointError))
+        assert "evil.distcp" in str(info.value)
+        dest = {"w": torch.empty(8, 8)}
+        dcp.load(dest, storage_reader=FsspecReader(str(tmp_path / "good")))
+        assert_bit_exact(dest["w"], good["w"], "w")
+    finally:  # never leave a poisoned allow-list behind for the rest of the session
+        truth = torch_record._legacy_storage_dtypes()
+        for (_module, name), value in torch_record._ALLOWED.items():
+            if isinstance(value, torch_record._StorageType) and name in truth and value.dtype != truth[name]:
+                object.__setattr__(value, "dtype", truth[name])
+
+
+def test_malicious_byte_item_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "MARKER"
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.randn(3), "step": 5}, storage_writer=FsspecWriter(str(ckpt)))
+    buf = io.BytesIO()
+    torch.save(evil_reduce(marker), buf)
+    _point_item_at(ckpt, "step", buf.getvalue())
+    try:
+        with pytest.raises(CheckpointException) as info:
+            dcp.load({"w": torch.empty(3), "step": None}, storage_reader=FsspecReader(str(ckpt)))
+        assert isinstance(unwrap(info.value), UnsafeCheckpointError)
+    finally:
+        assert not marker.exists(), "the BYTE_IO payload ran"
+
+
+def test_malicious_metadata_cannot_mutate_allowed_classes(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from dcp_storage.formats.dcp_native.metadata_io import load_metadata
+
+    # GLOBAL Metadata; (None, {"dcp_storage_test_pwned": 1}); BUILD; POP; None; STOP
+    payload = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\nN}X\x16\x00\x00\x00dcp_storage_test_pwnedK\x01s\x86b0N."
+    try:
+        with pytest.raises(DcpStorageError):
+            load_metadata(payload, str(tmp_path / ".metadata"))
+        assert not hasattr(Metadata, "dcp_storage_test_pwned"), "a .metadata pickle set an attribute on Metadata"
+    finally:
+        if "dcp_storage_test_pwned" in vars(Metadata):
+            delattr(Metadata, "dcp_storage_test_pwned")

@@ -29,7 +29,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...transports import FsspecTransport, RangeRequest
 from ..tensor_reads import SliceRead, StoredTensor, plan_slice_read, read_slices
-from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, load_tensor_record, parse_tensor_record
+from .torch_record import (
+    NeedMoreBytes,
+    TensorRecord,
+    UnsupportedRecord,
+    check_byte_item,
+    load_tensor_record,
+    parse_tensor_record,
+)
 
 __all__ = ["ItemLoaderConfig", "DcpItemLoader"]
 
@@ -39,12 +46,20 @@ MiB = 1024 * KiB
 
 @dataclass(frozen=True)
 class ItemLoaderConfig:
-    """Knobs of :class:`DcpItemLoader` (see the module docstring)."""
+    """Knobs of :class:`DcpItemLoader` (see the module docstring).
+
+    ``trust_byte_items``: non-tensor items (``BYTE_IO``: step counters, extra state, Python objects) are
+    handed to the planner's ``load_bytes``, and torch's ``DefaultLoadPlanner`` unpickles them with
+    ``weights_only=False``. By default each one is first checked with a ``weights_only=True`` decode and
+    refused with :class:`~dcp_storage.errors.UnsafeCheckpointError` if it needs anything more; set this to
+    ``True`` only for checkpoints from a trusted source that store custom objects.
+    """
 
     probe_bytes: int = 4 * KiB
     small_item_bytes: int = 256 * KiB
     staging_bytes: int = 256 * MiB
     max_runs_per_item: int = 65536
+    trust_byte_items: bool = False
 
     def __post_init__(self) -> None:
         if self.probe_bytes < 512:
@@ -150,8 +165,10 @@ class DcpItemLoader:
         for item in items:
             entry = entries[id(item)]
             if item.type == LoadItemType.BYTE_IO:
-                raw = whole[entry]
-                planner.load_bytes(item, io.BytesIO(bytes(self._untransform(entry, raw))))  # type: ignore[arg-type]
+                data = bytes(self._untransform(entry, whole[entry]))  # type: ignore[arg-type]
+                if not self.config.trust_byte_items:
+                    check_byte_item(data, f"{self._where(entry)} (item {item.storage_index.fqn!r})")
+                planner.load_bytes(item, io.BytesIO(data))
                 continue
             if entry in decoded:
                 self._deliver_decoded(item, entry, decoded[entry], planner)

@@ -333,3 +333,21 @@ def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
             match = _FORBIDDEN.search(text)
             raise UnsafeCheckpointError(path, match.group(1) if match else "unknown global", "weights_only=True refused it") from None
         raise CorruptCheckpointError(f"{path}: cannot decode a torch.save record ({type(exc).__name__}: {exc})") from exc
+
+
+def check_byte_item(data: bytes, path: str) -> None:
+    """Refuse a ``BYTE_IO`` payload that a ``weights_only=True`` load would refuse; run nothing from it.
+
+    Payloads that are not ``torch.save`` output at all (raw bytes a planner wrote) pass unchanged.
+    """
+    if not (data.startswith(b"PK\x03\x04") or data[:1] == b"\x80"):
+        return
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - only refusals matter here
+        text = str(exc)
+        if "Weights only load failed" in text:
+            match = _FORBIDDEN.search(text)
+            raise UnsafeCheckpointError(
+                path, match.group(1) if match else "unknown global", "pass trust_byte_items=True only if you trust it"
+            ) from None
