@@ -12,18 +12,33 @@ from .errors import (
     DcpStorageError,
     ShapeMismatchError,
     TransportError,
+    NonTensorStateError,
     UnsafeCheckpointError,
+    UnsupportedDtypeError,
 )
 from . import registry
 from .opening import UnknownFormatError, detect_format, open_reader, open_writer
-from .storage import FsspecReader, FsspecWriter
+from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
+from .storage import FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
+from .storage import BroadcastingTorchSaveReader
+from .strategies import Broadcasting, share_object
 from .transports import FsspecTransport, RetryPolicy, TransportConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "RemappingLoadPlanner",
+    "DynamicMetaLoadPlanner",
+    "KeyMap",
+    "KeyRules",
+    "DtypePolicy",
     "FsspecReader",
     "FsspecWriter",
+    "SafetensorsReader",
+    "SafetensorsWriter",
+    "BroadcastingTorchSaveReader",
+    "Broadcasting",
+    "share_object",
     "FsspecTransport",
     "TransportConfig",
     "RetryPolicy",
@@ -31,6 +46,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "CheckpointNotFoundError",
     "CheckpointExistsError",
+    "NonTensorStateError",
+    "UnsupportedDtypeError",
     "CorruptCheckpointError",
     "ShapeMismatchError",
     "TransportError",

@@ -18,6 +18,8 @@ __all__ = [
     "CorruptCheckpointError",
     "TransportError",
     "ShapeMismatchError",
+    "UnsupportedDtypeError",
+    "NonTensorStateError",
 ]
 
 
@@ -34,11 +36,15 @@ class UnsafeCheckpointError(DcpStorageError):
     def __init__(self, path: str, forbidden: str, detail: str = "") -> None:
         self.path = path
         self.forbidden = forbidden
+        self.detail = detail
         msg = f"{path}: refusing to unpickle forbidden global {forbidden!r}"
         if detail:
             msg += f" ({detail})"
         msg += "; the file may be malicious, nothing from it was executed"
         super().__init__(msg)
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
+        return (type(self), (self.path, self.forbidden, self.detail))
 
 
 class CheckpointNotFoundError(DcpStorageError, FileNotFoundError):
@@ -59,3 +65,34 @@ class TransportError(DcpStorageError, OSError):
 
 class ShapeMismatchError(DcpStorageError, ValueError):
     """A destination tensor does not have the shape the checkpoint says (names the key and both shapes)."""
+
+
+class UnsupportedDtypeError(DcpStorageError, TypeError):
+    """Tensors whose dtype the target format cannot store (names every key and its dtype)."""
+
+    def __init__(self, keys: dict[str, object], format_name: str = "safetensors") -> None:
+        self.keys = dict(keys)
+        self.format_name = format_name
+        listed = ", ".join(f"{k!r} ({v})" for k, v in sorted(self.keys.items()))
+        super().__init__(
+            f"{format_name} has no dtype for {listed}; cast these tensors to a supported dtype before saving"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
+        return (type(self), (self.keys, self.format_name))
+
+
+class NonTensorStateError(DcpStorageError, TypeError):
+    """State dict entries that are not tensors (ints, lists, ...) where the format stores only tensors."""
+
+    def __init__(self, keys: list[str], format_name: str = "safetensors", fix: str = "") -> None:
+        self.keys = sorted(keys)
+        self.format_name = format_name
+        self.fix = fix
+        msg = f"{format_name} stores only tensors, but these entries are not: {', '.join(map(repr, self.keys))}"
+        if fix:
+            msg += f"; {fix}"
+        super().__init__(msg)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.keys, self.format_name, self.fix))

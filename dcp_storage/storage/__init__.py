@@ -2,5 +2,8 @@
 
 from .fsspec_reader import FsspecReader
 from .fsspec_writer import FsspecWriter
+from .safetensors_reader import SafetensorsReader
+from .safetensors_writer import SafetensorsWriter
+from .torch_save_reader import BroadcastingTorchSaveReader
 
-__all__ = ["FsspecReader", "FsspecWriter"]
+__all__ = ["FsspecReader", "FsspecWriter", "SafetensorsReader", "SafetensorsWriter", "BroadcastingTorchSaveReader"]

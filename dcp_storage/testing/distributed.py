@@ -442,8 +442,12 @@ def _rank_main(
         torch.set_num_threads(1)
         fn, args, kwargs = pickle.loads(payload)
         store = dist.TCPStore(_HOST, store_port, None, False, timeout=datetime.timedelta(seconds=timeout))
+        # GPU checks run the same helper with NCCL (benchmarks/gpu_check.py): one device per rank.
+        backend = os.environ.get("DCP_STORAGE_RUN_RANKS_BACKEND", "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store,
             rank=rank,
             world_size=world_size,

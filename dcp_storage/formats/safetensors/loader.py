@@ -1,0 +1,113 @@
+"""Loading the items of a DCP load plan from safetensors blobs: exactly the bytes each item needs.
+
+The storage map (:mod:`.metadata`) already says where every stored chunk's elements lie, so there is no
+header round here: each tensor item becomes the byte runs of its slice (one for a ``Shard(0)`` slice,
+one per row for ``Shard(1)``, coalesced by the transport), delivered straight into the destination
+tensor when it is a contiguous CPU tensor of the stored dtype (see :mod:`..tensor_reads`). Non-tensor
+items (DCP ``.metadata`` layouts only) are fetched whole and handed to ``planner.load_bytes``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ...errors import CorruptCheckpointError, ShapeMismatchError
+from ...transports import FsspecTransport, RangeRequest
+from ..tensor_reads import SliceRead, plan_slice_read, read_slices
+from .layout import check_relative, resolve
+from .metadata import StoredBytes, StoredChunk
+
+__all__ = ["LoaderConfig", "SafetensorsItemLoader"]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """``staging_bytes``: most staging memory held at once; ``max_runs_per_item``: slices with more byte
+    runs than this read their bounding range instead."""
+
+    staging_bytes: int = 256 * MiB
+    max_runs_per_item: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.staging_bytes < 1 or self.max_runs_per_item < 1:
+            raise ValueError("LoaderConfig sizes must be positive")
+
+
+class SafetensorsItemLoader:
+    """Reads one rank's load plan. Built per ``read_data`` call."""
+
+    def __init__(
+        self,
+        transport: FsspecTransport,
+        root: str,
+        storage_data: Mapping[Any, Any],
+        config: LoaderConfig | None = None,
+    ) -> None:
+        self.transport = transport
+        self.root = root
+        self.storage_data = storage_data
+        self.config = config or LoaderConfig()
+
+    def _entry(self, item: ReadItem) -> StoredChunk | StoredBytes:
+        entry = self.storage_data.get(item.storage_index)
+        if not isinstance(entry, (StoredChunk, StoredBytes)):
+            raise CorruptCheckpointError(
+                f"{self.transport.url(self.root)}: metadata has no storage entry for {item.storage_index}"
+            )
+        return entry
+
+    def _path(self, file: str) -> str:
+        return resolve(self.transport, self.root, check_relative(file, self.transport.url(self.root)))
+
+    def load(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
+        """Fetch and deliver every item: ``load_bytes`` for bytes, ``resolve/commit_tensor`` for tensors."""
+        byte_items: list[tuple[ReadItem, StoredBytes]] = []
+        works: list[SliceRead] = []
+        for item in items:
+            entry = self._entry(item)
+            if item.type == LoadItemType.BYTE_IO:
+                if not isinstance(entry, StoredBytes):
+                    raise CorruptCheckpointError(f"{item.storage_index.fqn!r}: stored as a tensor, loaded as bytes")
+                byte_items.append((item, entry))
+            elif isinstance(entry, StoredChunk):
+                works.append(self._plan_tensor(item, entry, planner))
+            else:
+                raise CorruptCheckpointError(f"{item.storage_index.fqn!r}: stored as bytes, loaded as a tensor")
+        self._load_bytes(byte_items, planner)
+
+        def commit(work: SliceRead) -> None:
+            planner.commit_tensor(work.key, work.dest)  # type: ignore[arg-type]
+
+        read_slices(self.transport, works, commit, self.config.staging_bytes)
+
+    def _plan_tensor(self, item: ReadItem, entry: StoredChunk, planner: LoadPlanner) -> SliceRead:
+        path = self._path(entry.file)
+        dest: torch.Tensor = planner.resolve_tensor(item).detach()
+        if tuple(dest.shape) != tuple(item.lengths):
+            raise ShapeMismatchError(
+                f"{item.dest_index.fqn}: destination has shape {tuple(dest.shape)} but the checkpoint slice is "
+                f"{tuple(item.lengths)}"
+            )
+        stored = entry.stored(path, self.transport.url(path))
+        return plan_slice_read(item, stored, item.storage_offsets, item.lengths, dest, self.config.max_runs_per_item)
+
+    def _load_bytes(self, byte_items: list[tuple[ReadItem, StoredBytes]], planner: LoadPlanner) -> None:
+        if not byte_items:
+            return
+        for item, entry in byte_items:
+            if entry.transforms:
+                raise CorruptCheckpointError(
+                    f"{self.transport.url(self._path(entry.file))}: item {item.storage_index.fqn!r} was saved "
+                    f"through stream extensions {list(entry.transforms)}, which SafetensorsReader does not undo"
+                )
+        reqs = [RangeRequest(self._path(e.file), e.offset, e.offset + e.length) for _, e in byte_items]
+        for (item, _), buf in zip(byte_items, self.transport.read_ranges(reqs)):
+            planner.load_bytes(item, io.BytesIO(bytes(buf)))  # type: ignore[arg-type]

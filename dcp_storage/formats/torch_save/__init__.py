@@ -1,0 +1,18 @@
+"""The ``torch.save`` file format: a zip archive indexed by ranged reads, ``data.pkl`` decoded safely.
+
+* :mod:`.zip_index` - the archive's records from its central directory (no record is read);
+* :mod:`.pickle_tree` - ``data.pkl`` through an allow-list, tensors as descriptors (no storage is read);
+* :mod:`.archive` - both together: DCP ``Metadata`` and where each tensor's elements lie.
+"""
+
+from .archive import ArchiveConfig, TorchSaveArchive, UnsupportedFormatError, flatten_tree
+from .pickle_tree import TensorDescriptor, decode_data_pkl
+
+__all__ = [
+    "ArchiveConfig",
+    "TorchSaveArchive",
+    "TensorDescriptor",
+    "UnsupportedFormatError",
+    "decode_data_pkl",
+    "flatten_tree",
+]

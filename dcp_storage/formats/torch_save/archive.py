@@ -1,0 +1,276 @@
+"""A ``torch.save`` file as a DCP checkpoint: its index, its tensors, its ``Metadata``.
+
+:meth:`TorchSaveArchive.open` reads, with ranged reads through the transport, only the zip's end records
+and central directory, ``byteorder`` and ``data.pkl`` (decoded with the allow-list of
+:mod:`.pickle_tree`). The result knows every tensor's dtype, shape, stride and record, and every non-tensor
+value, without having read any tensor data. From that it builds DCP ``Metadata`` (one full-size chunk per
+tensor, ``BytesStorageMetadata`` for other values, keys flattened as DCP flattens state dicts) and tells
+:func:`~dcp_storage.formats.tensor_reads.plan_slice_read` where each tensor's elements lie.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ...errors import CorruptCheckpointError, DcpStorageError
+from ...transports import FsspecTransport
+from ..tensor_reads import StoredTensor, plan_slice_read, read_slices
+from .pickle_tree import LegacyNeedsMoreBytes, TensorDescriptor, decode_data_pkl, is_legacy_head, scan_legacy
+from .zip_index import STORED, NotAZipError, ZipIndex, data_starts, read_entry, read_zip_index
+
+__all__ = ["ArchiveConfig", "TorchSaveArchive", "UnsupportedFormatError", "flatten_tree"]
+
+MiB = 1024 * 1024
+
+
+class UnsupportedFormatError(DcpStorageError, ValueError):
+    """A valid file in a layout this reader does not read (legacy ``torch.save``, big-endian, compressed)."""
+
+
+@dataclass(frozen=True)
+class ArchiveConfig:
+    """Limits on what :meth:`TorchSaveArchive.open` reads before any tensor data."""
+
+    max_pickle_bytes: int = 512 * MiB  # data.pkl larger than this is refused
+    legacy_scan_bytes: int = 64 * MiB  # how much of a legacy-format file is vetted for unsafe globals
+
+    def __post_init__(self) -> None:
+        if self.max_pickle_bytes < 1 or self.legacy_scan_bytes < 1:
+            raise ValueError("ArchiveConfig limits must be positive")
+
+
+class TorchSaveArchive:
+    """One indexed ``torch.save`` archive. Build with :meth:`open`; tensors are read on request."""
+
+    def __init__(
+        self,
+        transport: FsspecTransport,
+        index: ZipIndex,
+        prefix: str,
+        tree: Mapping[str, Any],
+        flat: dict[str, Any],
+        mappings: dict[str, tuple[str | int, ...]],
+    ) -> None:
+        self.transport = transport
+        self.index = index
+        self.prefix = prefix
+        self.tree = tree
+        self.flat = flat
+        self.mappings = mappings
+        self.tensors = {k: v for k, v in flat.items() if isinstance(v, TensorDescriptor)}
+        self._starts: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, transport: FsspecTransport, path: str, config: ArchiveConfig | None = None) -> TorchSaveArchive:
+        """Index the archive at ``path``; raises our errors, each naming the file, for anything else."""
+        config = config or ArchiveConfig()
+        try:
+            index = read_zip_index(transport, path)
+        except NotAZipError as exc:
+            _refuse_not_zip(transport, path, exc, config)
+            raise  # unreachable: _refuse_not_zip always raises
+        url = index.url
+        prefix = _archive_prefix(index)
+        order_name = prefix + "byteorder"
+        if order_name in index.entries:
+            order = read_entry(transport, index, order_name, 64)
+            if order != b"little":
+                raise UnsupportedFormatError(f"{url}: byte order {order!r}: only little-endian archives are supported")
+        pkl = read_entry(transport, index, prefix + "data.pkl", config.max_pickle_bytes)
+        tree, storages = decode_data_pkl(pkl, f"{url} (data.pkl)")
+        if not isinstance(tree, Mapping):
+            raise UnsupportedFormatError(
+                f"{url}: the file holds a {type(tree).__name__}, not a state dict; only dicts of tensors and "
+                "values can be loaded through DCP"
+            )
+        for key, nbytes in storages.items():
+            name = f"{prefix}data/{key}"
+            entry = index.entries.get(name)
+            if entry is None:
+                raise CorruptCheckpointError(f"{url}: data.pkl refers to storage {key!r} but record {name!r} is missing")
+            if entry.method != STORED:
+                raise UnsupportedFormatError(f"{url}: storage record {name!r} is compressed; it cannot be read by ranges")
+            if entry.size < nbytes:
+                raise CorruptCheckpointError(f"{url}: storage record {name!r} holds {entry.size} bytes, data.pkl needs {nbytes}")
+        flat, mappings = flatten_tree(tree, url)
+        return cls(transport, index, prefix, tree, flat, mappings)
+
+    @property
+    def url(self) -> str:
+        return self.index.url
+
+    # ------------------------------------------------------------------------------------- metadata
+    def metadata(self) -> Metadata:
+        """DCP ``Metadata``: one full chunk per tensor, ``BytesStorageMetadata`` for other values."""
+        md: dict[str, Any] = {}
+        for fqn, value in self.flat.items():
+            if isinstance(value, TensorDescriptor):
+                shape = torch.Size(value.shape)
+                chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)
+                md[fqn] = TensorStorageMetadata(TensorProperties(dtype=value.dtype), shape, [chunk])
+            else:
+                md[fqn] = BytesStorageMetadata()
+        meta = StorageMeta(checkpoint_id=self.url, load_id=uuid.uuid4().hex)
+        return Metadata(state_dict_metadata=md, planner_data=dict(self.mappings), storage_meta=meta)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(d.nbytes for d in self.tensors.values())
+
+    # ------------------------------------------------------------------------------------- tensors
+    def _data_starts(self) -> dict[str, int]:
+        if self._starts is None:
+            keys = {d.storage_key for d in self.tensors.values()}
+            names = {f"{self.prefix}data/{k}": k for k in keys}
+            # Headers lie between tensors: with an object store's coalescing gap, fetching them together
+            # would read the small tensors between them too. Read them exactly (same counters, same fs).
+            exact = FsspecTransport(self.transport.fs, dataclasses.replace(self.transport.config, coalesce_gap=0))
+            exact.counters = self.transport.counters
+            try:
+                starts = data_starts(exact, self.index, names)
+            finally:
+                exact.close()
+            self._starts = {names[n]: s for n, s in starts.items()}
+        return self._starts
+
+    def stored(self, fqn: str) -> StoredTensor:
+        """Where tensor ``fqn``'s elements lie in the file, for :func:`plan_slice_read`."""
+        desc = self.tensors[fqn]
+        return StoredTensor(
+            self.index.path,
+            self._data_starts()[desc.storage_key],
+            desc.dtype,
+            desc.shape,
+            desc.stride,
+            desc.storage_offset,
+            where=f"{self.url} (tensor {fqn!r})",
+        )
+
+    def file_order(self) -> list[str]:
+        """Tensor keys in the order their bytes lie in the file (sequential reads)."""
+        starts = self._data_starts()
+        return sorted(self.tensors, key=lambda k: (starts[self.tensors[k].storage_key], self.tensors[k].storage_offset))
+
+    def read_tensor(self, desc: TensorDescriptor, where: str = "") -> torch.Tensor:
+        """Read one whole tensor (for tensors nested inside non-tensor values)."""
+        starts = self._data_starts()
+        stored = StoredTensor(self.index.path, starts[desc.storage_key], desc.dtype, desc.shape, desc.stride,
+                              desc.storage_offset, where or self.url)
+        dest = torch.empty(desc.shape, dtype=desc.dtype)
+        work = plan_slice_read(None, stored, [0] * len(desc.shape), desc.shape, dest)
+        read_slices(self.transport, [work], lambda _w: None)
+        return dest
+
+    def value_bytes(self, fqn: str) -> bytes:
+        """The non-tensor value ``fqn`` as ``torch.save`` bytes (what DCP's ``load_bytes`` expects).
+
+        The value was decoded by the allow-list, so it holds only plain objects; tensors nested in it are
+        read whole first.
+        """
+        value = self._materialize(self.flat[fqn], fqn)
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        return buf.getvalue()
+
+    def _materialize(self, value: Any, fqn: str) -> Any:
+        if isinstance(value, TensorDescriptor):
+            return self.read_tensor(value, f"{self.url} (tensor in {fqn!r})")
+        if isinstance(value, dict):
+            out = type(value)() if type(value) is not dict else {}
+            for k, v in value.items():
+                out[k] = self._materialize(v, fqn)
+            return out
+        if isinstance(value, list):
+            return [self._materialize(v, fqn) for v in value]
+        if isinstance(value, tuple) and not isinstance(value, torch.Size):
+            return tuple(self._materialize(v, fqn) for v in value)
+        return value
+
+
+def flatten_tree(tree: Mapping[str, Any], url: str = "") -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]]:
+    """Flatten like DCP's ``flatten_state_dict``, treating :class:`TensorDescriptor` leaves as tensors.
+
+    Keys are the object paths joined by dots; lists holding tensors or mappings are traversed, other
+    values (tuples, lists of plain values, scalars) are leaves.
+    """
+    from torch.distributed.checkpoint import _version
+    from torch.distributed.checkpoint._traverse import traverse_state_dict, traverse_state_dict_v_2_3
+
+    flat: dict[str, Any] = {}
+    mappings: dict[str, tuple[str | int, ...]] = {}
+
+    def visit(path: tuple[str | int, ...], value: Any) -> None:
+        fqn = ".".join(map(str, path))
+        if fqn in flat:
+            raise UnsupportedFormatError(f"{url}: two values flatten to the same key {fqn!r}")
+        flat[fqn] = value
+        mappings[fqn] = path
+
+    traverse = traverse_state_dict_v_2_3 if _version._derived_version == "2_3" else traverse_state_dict
+    traverse(tree, visit, keep_traversing=lambda v: isinstance(v, TensorDescriptor))  # type: ignore[arg-type]
+    return flat, mappings
+
+
+def _archive_prefix(index: ZipIndex) -> str:
+    """The archive's top directory (torch names it after the file), found through its ``data.pkl``."""
+    candidates = [n[: -len("data.pkl")] for n in index.entries if n.endswith("/data.pkl") and n.count("/") == 1]
+    if "data.pkl" in index.entries:
+        candidates.append("")
+    if not candidates:
+        raise CorruptCheckpointError(f"{index.url}: a zip archive without a top-level data.pkl: not a torch.save file")
+    if len(candidates) > 1:
+        first = next(iter(index.entries))  # torch reads the archive named by the first record
+        top = first.split("/", 1)[0] + "/" if "/" in first else ""
+        if top in candidates:
+            return top
+    return candidates[0]
+
+
+def _refuse_not_zip(transport: FsspecTransport, path: str, exc: NotAZipError, config: ArchiveConfig) -> None:
+    """Raise the most useful error for a file without a zip end record."""
+    url = transport.url(path)
+    if not exc.head:
+        raise exc
+    if is_legacy_head(exc.head):
+        size = transport.size(path)
+        n = min(size, 1 * MiB)
+        while True:
+            prefix = bytes(transport.read_range(path, 0, n))
+            try:
+                scan_legacy(prefix, url, complete=n >= size)
+            except LegacyNeedsMoreBytes:
+                if n >= min(size, config.legacy_scan_bytes):
+                    break
+                n = min(size, 4 * n, config.legacy_scan_bytes)
+                continue
+            break
+        raise UnsupportedFormatError(
+            f"{url}: legacy torch.save format (saved with _use_new_zipfile_serialization=False or torch < 1.6) is "
+            "not supported: its tensors cannot be located without reading the whole file. Re-save it in the "
+            "default zip format: torch.save(torch.load(path, weights_only=True), new_path)"
+        )
+    if exc.head.startswith(b"PK\x03\x04"):
+        raise CorruptCheckpointError(
+            f"{url}: starts like a zip archive but has no end-of-central-directory record: the file is truncated "
+            "(an interrupted save, upload or copy?)"
+        ) from None
+    raise CorruptCheckpointError(
+        f"{url}: not a torch.save archive (no zip end record; first bytes {exc.head[:16]!r}); the file is corrupt "
+        "or in another format"
+    ) from None

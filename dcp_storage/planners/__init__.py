@@ -1,0 +1,37 @@
+"""Load planners: key remapping, dtype casting, strict/partial key reports, metadata from the state dict.
+
+* :class:`RemappingLoadPlanner`: ``dcp.load(sd, storage_reader=..., planner=RemappingLoadPlanner(
+  KeyMap.add_prefix("module."), strict=False))``, then ``planner.result.missing_keys``.
+* :class:`DynamicMetaLoadPlanner`: drop-in for torch's (torch.save files), with the same extras.
+
+Both are one implementation (:mod:`.planner` over the pure functions of :mod:`.matching`) composed from a
+:class:`KeyMap`, a :class:`KeyRules`, a :class:`DtypePolicy` and a :class:`MetadataSource`.
+"""
+
+from .dtype_policy import DtypePolicy
+from .errors import (
+    DtypeMismatchError,
+    IncompatibleKeysError,
+    KeyCollisionError,
+    UnsupportedValueError,
+    ValueTypeMismatchError,
+)
+from .key_map import KeyMap
+from .matching import KeyRules
+from .planner import DynamicMetaLoadPlanner, MetadataSource, RemappingLoadPlanner
+from .report import LoadResult
+
+__all__ = [
+    "DtypeMismatchError",
+    "DtypePolicy",
+    "DynamicMetaLoadPlanner",
+    "IncompatibleKeysError",
+    "KeyCollisionError",
+    "KeyMap",
+    "KeyRules",
+    "LoadResult",
+    "MetadataSource",
+    "RemappingLoadPlanner",
+    "UnsupportedValueError",
+    "ValueTypeMismatchError",
+]

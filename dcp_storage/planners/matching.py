@@ -1,0 +1,234 @@
+"""The planners' core: match state-dict keys to checkpoint keys, check them, and build the read items.
+
+Pure functions over a *flattened* state dict and a ``Metadata``; the planner classes only feed them.
+
+Read items name both sides: ``dest_index.fqn`` is the state-dict key (the planner's ``resolve_tensor``,
+``commit_tensor`` and ``load_bytes`` look it up in the state dict) and ``storage_index.fqn`` the checkpoint
+key (readers look it up in the checkpoint's storage map). torch's resharding helper builds items with one
+name for both; we build them with the checkpoint key and rename the destination side. Any reader that
+follows the DCP contract (torch's ``FileSystemReader``, ours) then works with renamed keys unchanged.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items
+from torch.distributed.tensor import DTensor
+
+from ..errors import ShapeMismatchError
+from .dtype_policy import DtypePolicy
+from .errors import (
+    KEYS_SHOWN,
+    DtypeMismatchError,
+    IncompatibleKeysError,
+    KeyCollisionError,
+    UnsupportedValueError,
+    ValueTypeMismatchError,
+)
+from .report import LoadResult, suggest_key_map
+
+__all__ = ["KeyMatch", "KeyRules", "build_read_items", "check_values", "match_keys", "metadata_from_state_dict"]
+
+
+@dataclass(frozen=True)
+class KeyMatch:
+    """``pairs``: state-dict key -> checkpoint key, for keys the checkpoint has; the rest, as in LoadResult."""
+
+    pairs: dict[str, str]
+    missing: list[str]
+    unexpected: list[str]
+
+
+@dataclass(frozen=True)
+class KeyRules:
+    """Which key mismatches fail a load.
+
+    ``strict()`` is ``nn.Module.load_state_dict(strict=True)``; ``partial()`` is ``strict=False``;
+    ``missing_only()`` is DCP's ``DefaultLoadPlanner(allow_partial_load=False)`` (checkpoint keys the
+    state dict does not ask for are never an error there). ``ignore_unexpected`` holds ``fnmatch``
+    patterns of checkpoint keys that are fine to leave unread (e.g. ``"optim.*"`` when loading a model
+    from a training checkpoint); they are not reported as unexpected.
+    """
+
+    fail_on_missing: bool
+    fail_on_unexpected: bool
+    ignore_unexpected: tuple[str, ...] = ()
+
+    @staticmethod
+    def strict(ignore_unexpected: Iterable[str] = ()) -> KeyRules:
+        return KeyRules(True, True, tuple(ignore_unexpected))
+
+    @staticmethod
+    def partial(ignore_unexpected: Iterable[str] = ()) -> KeyRules:
+        return KeyRules(False, False, tuple(ignore_unexpected))
+
+    @staticmethod
+    def missing_only() -> KeyRules:
+        return KeyRules(True, False)
+
+    def is_ignored(self, checkpoint_key: str) -> bool:
+        return any(fnmatch.fnmatchcase(checkpoint_key, p) for p in self.ignore_unexpected)
+
+    def enforce(self, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+        bad_missing = list(missing) if self.fail_on_missing else []
+        bad_unexpected = list(unexpected) if self.fail_on_unexpected else []
+        if bad_missing or bad_unexpected:
+            raise IncompatibleKeysError(bad_missing, bad_unexpected, suggest_key_map(missing, unexpected))
+
+
+def match_keys(
+    state_dict_keys: Iterable[str],
+    checkpoint_keys: Iterable[str],
+    key_map: Callable[[str], str],
+    rules: KeyRules,
+) -> KeyMatch:
+    """Map every state-dict key through ``key_map``; raise ``KeyCollisionError`` if two share a target."""
+    target_of: dict[str, str] = {}
+    sources: dict[str, list[str]] = {}
+    for key in state_dict_keys:
+        target = key_map(key)
+        target_of[key] = target
+        sources.setdefault(target, []).append(key)
+    collisions = {ckpt: srcs for ckpt, srcs in sources.items() if len(srcs) > 1}
+    if collisions:
+        raise KeyCollisionError(collisions, key_map)
+    ckpt = checkpoint_keys if isinstance(checkpoint_keys, Mapping) else dict.fromkeys(checkpoint_keys)
+    pairs = {k: t for k, t in target_of.items() if t in ckpt}
+    missing = [k for k, t in target_of.items() if t not in ckpt]
+    unexpected = [c for c in ckpt if c not in sources and not rules.is_ignored(c)]
+    return KeyMatch(pairs, missing, unexpected)
+
+
+def _size_of(value: Any) -> torch.Size | None:
+    size = getattr(value, "size", None)
+    return size() if callable(size) else None
+
+
+def _dtype_of(value: Any) -> torch.dtype | None:
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    metadata = getattr(value, "metadata", None)  # ShardedTensor
+    props = getattr(metadata(), "tensor_properties", None) if callable(metadata) else None
+    return getattr(props, "dtype", None)
+
+
+def check_values(
+    state_dict: Mapping[str, Any],
+    metadata: Metadata,
+    pairs: Mapping[str, str],
+    dtype_policy: DtypePolicy,
+) -> dict[str, tuple[torch.dtype, torch.dtype]]:
+    """Check type, shape and dtype of every matched value; return the casts the load will do.
+
+    Raises (after looking at every key, so one error lists them all) ``ValueTypeMismatchError``, then
+    ``ShapeMismatchError``, then ``DtypeMismatchError``.
+    """
+    kinds: list[str] = []
+    shapes: list[str] = []
+    dtypes: list[str] = []
+    casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    for key, ckpt_key in pairs.items():
+        md = metadata.state_dict_metadata[ckpt_key]
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        value = state_dict[key]
+        named = _named(key, ckpt_key)
+        size = _size_of(value)
+        if size is None:
+            kinds.append(
+                f"{named}: checkpoint holds a tensor of shape {tuple(md.size)}, state dict a {type(value).__name__}"
+            )
+            continue
+        if tuple(md.size) != tuple(size):
+            shapes.append(f"{named}: checkpoint has shape {tuple(md.size)}, state dict has {tuple(size)}")
+            continue
+        dest = _dtype_of(value)
+        stored = md.properties.dtype
+        if dest is None or stored is None or dest == stored:
+            continue
+        if dtype_policy.allows(stored, dest):
+            casts[key] = (stored, dest)
+        else:
+            dtypes.append(f"{named}: checkpoint stores {stored}, destination is {dest}")
+    if kinds:
+        raise ValueTypeMismatchError(
+            _listing(kinds, "value(s) are not tensors where the checkpoint has tensors")
+            + "; put a tensor of the saved shape and dtype in the state dict"
+        )
+    if shapes:
+        raise ShapeMismatchError(_listing(shapes, "tensor(s) do not have the checkpoint's shape"))
+    if dtypes:
+        raise DtypeMismatchError(
+            _listing(dtypes, f"dtype conversion(s) refused by {dtype_policy!r}") + f"; {dtype_policy.fix}"
+        )
+    return casts
+
+
+def build_read_items(state_dict: Mapping[str, Any], metadata: Metadata, pairs: Mapping[str, str]) -> list[ReadItem]:
+    """The read items of the matched keys, resharding as torch does, with destinations renamed."""
+    items: list[ReadItem] = []
+    for key, ckpt_key in pairs.items():
+        value = state_dict[key]
+        # A DTensor on a submesh this rank is not part of has nothing to load here (as in torch).
+        if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
+            continue
+        for item in _create_read_items(ckpt_key, metadata.state_dict_metadata[ckpt_key], value):
+            if key != ckpt_key:
+                dest = item.dest_index
+                item = replace(item, dest_index=MetadataIndex(key, dest.offset, dest.index))
+            items.append(item)
+    return items
+
+
+def metadata_from_state_dict(
+    state_dict: Mapping[str, Any], key_map: Callable[[str], str], planner_name: str
+) -> Metadata:
+    """torch's ``DynamicMetaLoadPlanner`` metadata, under the checkpoint keys ``key_map`` gives.
+
+    Each tensor is described by its own size, dtype and *local* chunks (as torch does). Non-tensor values
+    raise ``UnsupportedValueError`` (a ``RuntimeError``, as torch's does). Colliding keys are left to
+    :func:`match_keys` to report.
+    """
+    described: dict[str, STORAGE_TYPES] = {}
+    for key, value in state_dict.items():
+        if not torch.is_tensor(value):
+            raise UnsupportedValueError(
+                f"Non-tensor value identified at {key}. At this time {planner_name} only supports loading "
+                f"Tensors (found a {type(value).__name__}); leave it out of the state dict or load it separately"
+            )
+        described[key_map(key)] = TensorStorageMetadata(
+            TensorProperties(dtype=value.dtype), value.size(), _create_chunk_list(value)
+        )
+    return Metadata(state_dict_metadata=described)
+
+
+def _named(key: str, ckpt_key: str) -> str:
+    return repr(key) if key == ckpt_key else f"{key!r} (checkpoint key {ckpt_key!r})"
+
+
+def _listing(problems: list[str], what: str) -> str:
+    shown = "; ".join(problems[:KEYS_SHOWN])
+    more = len(problems) - KEYS_SHOWN
+    return f"{len(problems)} {what}: {shown}" + (f"; ... and {more} more" if more > 0 else "")
+
+
+def result_of(match: KeyMatch, casts: dict[str, tuple[torch.dtype, torch.dtype]]) -> LoadResult:
+    return LoadResult(
+        missing_keys=list(match.missing),
+        unexpected_keys=list(match.unexpected),
+        renamed={k: c for k, c in match.pairs.items() if k != c},
+        casts=casts,
+    )

@@ -1,0 +1,244 @@
+"""The load planners: :class:`RemappingLoadPlanner` and the drop-in :class:`DynamicMetaLoadPlanner`.
+
+One implementation, four swappable parts (see :mod:`.matching` for the core):
+
+* ``key_map`` (:class:`~.key_map.KeyMap`): state-dict key -> checkpoint key;
+* ``strict`` (``True``/``False`` or a :class:`~.matching.KeyRules`): which missing/unexpected keys fail;
+* ``dtype_policy`` (:class:`~.dtype_policy.DtypePolicy`): which dtype conversions are accepted;
+* ``metadata_source`` (:class:`MetadataSource`): the checkpoint's own metadata, or metadata built from
+  the state dict for formats that carry none (torch.save files).
+
+Call order (``dcp.load`` drives it; every rank calls every step unless noted):
+
+1. ``set_up_planner(state_dict, metadata, is_coordinator)``: flattens the state dict as torch's
+   ``DefaultLoadPlanner`` does (nested dicts become ``"model.embed.weight"`` keys) and picks the metadata.
+2. ``create_local_plan()``: maps keys, raises for collisions, strict key mismatches, non-tensor
+   destinations, shape and refused dtype mismatches (all before any I/O), sets ``planner.result``
+   (a :class:`~.report.LoadResult`) and returns the read items.
+3. ``create_global_plan`` (coordinator only) / ``finish_plan``: unchanged, as torch's.
+4. During the reader's ``read_data``: ``resolve_tensor``/``commit_tensor`` for tensors (destinations
+   looked up by state-dict key; the reader's ``copy_`` casts dtypes), ``load_bytes`` for other values,
+   decoded with ``torch.load(weights_only=True)`` (:mod:`.safe_bytes`).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint import _version
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict as _flatten
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+
+from .dtype_policy import DtypePolicy
+from .key_map import KeyMap, KeyMapLike
+from .matching import (
+    KeyMatch,
+    KeyRules,
+    build_read_items,
+    check_values,
+    match_keys,
+    metadata_from_state_dict,
+    result_of,
+)
+from .report import LoadResult
+from .safe_bytes import safe_load_bytes
+
+__all__ = ["DynamicMetaLoadPlanner", "MetadataSource", "RemappingLoadPlanner"]
+
+
+@dataclass(frozen=True)
+class MetadataSource:
+    """Where the planner's checkpoint description comes from; build with the named factories."""
+
+    name: str
+    choose: Callable[[Mapping[str, Any], Metadata | None, KeyMap, str], Metadata | None]
+
+    def __repr__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def storage() -> MetadataSource:
+        """The metadata the storage reader returned (DCP's default)."""
+        return MetadataSource("MetadataSource.storage()", lambda sd, md, key_map, who: md)
+
+    @staticmethod
+    def state_dict() -> MetadataSource:
+        """Always describe the checkpoint from the state dict, ignoring the reader's metadata.
+
+        What torch's ``DynamicMetaLoadPlanner.set_up_planner`` does: one ``TensorStorageMetadata`` per
+        tensor with its size, dtype and local chunks, and nothing else (no storage or planner data);
+        non-tensor values raise. Keys are the checkpoint keys the key map gives.
+        """
+        return MetadataSource(
+            "MetadataSource.state_dict()", lambda sd, md, key_map, who: metadata_from_state_dict(sd, key_map, who)
+        )
+
+    @staticmethod
+    def state_dict_if_empty() -> MetadataSource:
+        """The reader's metadata when it describes any key, else the state dict's (as ``state_dict()``)."""
+
+        def choose(sd: Mapping[str, Any], md: Metadata | None, key_map: KeyMap, who: str) -> Metadata | None:
+            if md is not None and md.state_dict_metadata:
+                return md
+            return metadata_from_state_dict(sd, key_map, who)
+
+        return MetadataSource("MetadataSource.state_dict_if_empty()", choose)
+
+
+class RemappingLoadPlanner(DefaultLoadPlanner):
+    """A ``DefaultLoadPlanner`` that renames keys, checks dtypes and shapes up front, and reports keys.
+
+    Args:
+        key_map: state-dict key -> checkpoint key: a :class:`KeyMap`, a ``{sd key: ckpt key}`` dict or a
+            callable; ``None`` loads every key from the checkpoint key of the same name.
+        strict: ``True`` (default) raises :class:`~.errors.IncompatibleKeysError` when a state-dict key
+            is missing from the checkpoint or a checkpoint key is unexpected, like
+            ``nn.Module.load_state_dict``; ``False`` loads what matches and reports the rest in
+            ``planner.result``. A :class:`KeyRules` chooses finer (e.g.
+            ``KeyRules.strict(ignore_unexpected=["optim.*"])`` to load a model from a training checkpoint).
+        dtype_policy: which stored -> destination dtype conversions to accept; default
+            ``DtypePolicy.cast()`` (any conversion within float, int or complex).
+        metadata_source: default ``MetadataSource.storage()``.
+        safe_globals: classes/functions ``BYTE_IO`` values may contain beyond torch's ``weights_only``
+            allow-list (only for checkpoints you trust). Readers that vet ``BYTE_IO`` themselves before
+            calling ``load_bytes`` (``FsspecReader``) do not see this list: for those, wrap ``dcp.load``
+            in ``torch.serialization.safe_globals([...])``, which both honour.
+        flatten_state_dict, flatten_sharded_tensors: as in torch's ``DefaultLoadPlanner``.
+
+    After ``create_local_plan`` (so after ``dcp.load``), ``planner.result`` is a :class:`LoadResult`.
+    """
+
+    def __init__(
+        self,
+        key_map: KeyMapLike | None = None,
+        *,
+        strict: bool | KeyRules = True,
+        dtype_policy: DtypePolicy | None = None,
+        metadata_source: MetadataSource | None = None,
+        safe_globals: Sequence[Any] = (),
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+    ) -> None:
+        if isinstance(strict, KeyRules):
+            rules = strict
+        elif isinstance(strict, bool):
+            rules = KeyRules.strict() if strict else KeyRules.partial()
+        else:
+            raise TypeError(f"strict must be a bool or a KeyRules, got {type(strict).__name__}")
+        if dtype_policy is not None and not isinstance(dtype_policy, DtypePolicy):
+            raise TypeError(f"dtype_policy must be a DtypePolicy, got {type(dtype_policy).__name__}")
+        if metadata_source is not None and not isinstance(metadata_source, MetadataSource):
+            raise TypeError(f"metadata_source must be a MetadataSource, got {type(metadata_source).__name__}")
+        super().__init__(
+            flatten_state_dict=flatten_state_dict,
+            flatten_sharded_tensors=flatten_sharded_tensors,
+            allow_partial_load=not rules.fail_on_missing,
+        )
+        self.key_map = KeyMap.coerce(key_map)
+        self.key_rules = rules
+        self.dtype_policy = dtype_policy or DtypePolicy.cast()
+        self.metadata_source = metadata_source or MetadataSource.storage()
+        self.safe_globals = tuple(safe_globals)
+        self.result: LoadResult | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(key_map={self.key_map!r}, strict={self.key_rules!r}, "
+            f"dtype_policy={self.dtype_policy!r}, metadata_source={self.metadata_source!r})"
+        )
+
+    # ------------------------------------------------------------------------------- LoadPlanner API
+    def set_up_planner(
+        self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self.result = None
+        self.metadata = self.metadata_source.choose(self.state_dict, metadata, self.key_map, type(self).__name__)
+
+    def create_local_plan(self) -> LoadPlan:
+        if self.metadata is None:
+            raise RuntimeError(f"{type(self).__name__}.create_local_plan called before set_up_planner gave it metadata")
+        match = self._match(self.metadata)
+        self.key_rules.enforce(match.missing, match.unexpected)
+        casts = check_values(self.state_dict, self.metadata, match.pairs, self.dtype_policy)
+        items = build_read_items(self.state_dict, self.metadata, match.pairs)
+        self.result = result_of(match, casts)
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key, ckpt_key = read_item.dest_index.fqn, read_item.storage_index.fqn
+        where = f"checkpoint key {ckpt_key!r}" + ("" if key == ckpt_key else f" (state-dict key {key!r})")
+        obj = safe_load_bytes(value, where, self.safe_globals)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[key], obj)
+        else:
+            self.state_dict[key] = obj
+
+    # ------------------------------------------------------------------------------------- helpers
+    def _match(self, metadata: Metadata) -> KeyMatch:
+        ckpt_keys = metadata.state_dict_metadata
+        match = match_keys(self.state_dict, ckpt_keys, self.key_map, self.key_rules)
+        if not self.flatten_state_dict:
+            return match
+        # Checkpoints saved before torch 2.4 flattened nested containers differently. Like torch's
+        # DefaultLoadPlanner: if some checkpoint keys are not asked for and the old flattening (through
+        # the key map) asks for them, use the old flattening.
+        wanted = set(match.pairs.values())
+        leftover = {c for c in ckpt_keys if c not in wanted}
+        if not leftover:
+            return match
+        _version._derived_version = "2_3"
+        try:
+            old_state_dict, old_mappings = _flatten(self.original_state_dict)
+        finally:
+            _version._derived_version = None
+        if any(self.key_map(k) in leftover for k in old_state_dict):
+            self.state_dict, self.mappings = old_state_dict, old_mappings
+            return match_keys(self.state_dict, ckpt_keys, self.key_map, self.key_rules)
+        return match
+
+
+class DynamicMetaLoadPlanner(RemappingLoadPlanner):
+    """Drop-in for ``torch.distributed.checkpoint.format_utils.DynamicMetaLoadPlanner``.
+
+    Same constructor arguments and behaviour: ``set_up_planner`` ignores the reader's metadata and
+    describes the checkpoint from the state dict (each tensor's size, dtype and local chunks; non-tensor
+    values raise :class:`~.errors.UnsupportedValueError`, a ``RuntimeError``), for formats that carry no
+    metadata, such as torch.save files read with ``BroadcastingTorchSaveReader``. ``allow_partial_load``
+    means what it means for ``DefaultLoadPlanner``.
+
+    Unlike torch's: ``key_map`` (the described keys are the checkpoint keys it gives), ``dtype_policy``
+    (no effect with ``MetadataSource.state_dict()``, which describes the destination dtypes; the reader's
+    ``copy_`` casts), ``metadata_source`` (``MetadataSource.state_dict_if_empty()`` uses the reader's
+    metadata when it has any), ``BYTE_IO`` decoded with ``weights_only=True``, ``planner.result``.
+
+    Note: torch's ``BroadcastingTorchSaveReader`` looks up ``planner.state_dict[<checkpoint key>]`` on
+    non-coordinator ranks, so with a renaming ``key_map`` it works only on a single rank.
+    """
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        allow_partial_load: bool = False,
+        *,
+        key_map: KeyMapLike | None = None,
+        dtype_policy: DtypePolicy | None = None,
+        metadata_source: MetadataSource | None = None,
+        safe_globals: Sequence[Any] = (),
+    ) -> None:
+        super().__init__(
+            key_map,
+            strict=KeyRules.partial() if allow_partial_load else KeyRules.missing_only(),
+            dtype_policy=dtype_policy,
+            metadata_source=metadata_source or MetadataSource.state_dict(),
+            safe_globals=safe_globals,
+            flatten_state_dict=flatten_state_dict,
+            flatten_sharded_tensors=flatten_sharded_tensors,
+        )

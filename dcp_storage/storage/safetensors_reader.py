@@ -1,0 +1,213 @@
+"""``SafetensorsReader``: a drop-in DCP ``StorageReader`` for safetensors checkpoints on any fsspec URL.
+
+Reads a single ``.safetensors`` file, a directory of them, a Hugging Face ``model.safetensors.index.json``
+(sharded ``save_pretrained`` output), torch's ``HuggingFaceStorageWriter`` output (with or without
+``save_distributed``) and torch's ``FileSystemWriter(serialization_format=SAFETENSORS)`` output, into any
+state dict ``dcp.load`` accepts: plain tensors, or DTensors resharded any way. See
+:mod:`dcp_storage.formats.safetensors.layout` for how each layout is recognised.
+
+Call order (torch's ``dcp.load`` drives it; every rank calls every step unless noted):
+
+1. ``reset(checkpoint_id)`` - point at a checkpoint (also done by the constructor).
+2. ``read_metadata()`` - builds DCP ``Metadata`` from the safetensors headers (8-byte length + JSON,
+   fetched with one small ranged read per file, all files concurrently). When a process group of more
+   than one rank exists, only its coordinator reads storage and broadcasts the ``Metadata`` (a collective:
+   every rank of the group must call it, as ``dcp.load`` does), so header requests grow with files, not
+   with ranks x files. A coordinator's failure is re-raised on every rank.
+3. ``set_up_storage_reader(metadata, is_coordinator)`` - keeps the storage map.
+4. ``prepare_local_plan`` / ``prepare_global_plan`` (coordinator only) - unchanged plans.
+5. ``read_data(plan, planner)`` - fetches exactly the byte ranges of this rank's plan, coalesced and
+   concurrent, straight into the destination tensors where it can.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .. import errors
+from ..errors import CheckpointNotFoundError, DcpStorageError
+from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
+from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
+from ..formats.safetensors.scan import ScanConfig, scan_metadata
+from ..transports import FsspecTransport, TransportConfig
+
+__all__ = ["SafetensorsReader"]
+
+
+class SafetensorsReader(StorageReader):
+    """Read safetensors checkpoints with ``dcp.load`` from a local path or any fsspec URL.
+
+    Args:
+        url: a ``.safetensors`` file, a ``*.index.json`` file, or a directory (local path, ``file://``,
+            ``memory://``, ``s3://bucket/key``, anything fsspec resolves).
+        storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
+        transport_config: concurrency, coalescing, in-flight and retry settings.
+        scan_config: how much of each file the first header request fetches.
+        loader_config: staging limit and run limits for data reads.
+        transport: an existing transport to share (its counters then add up across readers).
+        process_group: the group whose coordinator reads the headers and broadcasts the metadata; the
+            default group if ``None``. Pass the same group as to ``dcp.load``.
+        coordinator_rank: the rank, within ``process_group``, that reads the headers.
+        broadcast_metadata: set ``False`` when not every rank of the group calls ``dcp.load`` (for example
+            one rank loading with ``no_dist=True``): each caller then reads the headers itself.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        *,
+        transport_config: TransportConfig | None = None,
+        scan_config: ScanConfig | None = None,
+        loader_config: LoaderConfig | None = None,
+        transport: FsspecTransport | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        coordinator_rank: int = 0,
+        broadcast_metadata: bool = True,
+    ) -> None:
+        super().__init__()
+        if coordinator_rank < 0:
+            raise ValueError(f"coordinator_rank must be >= 0, got {coordinator_rank}")
+        self.storage_options = dict(storage_options or {})
+        self.transport_config = transport_config
+        self.scan_config = scan_config or ScanConfig()
+        self.loader_config = loader_config or LoaderConfig()
+        self.process_group = process_group
+        self.coordinator_rank = coordinator_rank
+        self.broadcast_metadata = broadcast_metadata
+        self._given_transport = transport
+        self.storage_data: dict[Any, Any] = {}
+        self.load_id = uuid.uuid4().hex
+        self._open(url)
+
+    def _open(self, url: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(url)
+        if self._given_transport is not None:
+            self.transport = self._given_transport
+            self.target = self.transport.fs._strip_protocol(self.path)
+        else:
+            self.transport, self.target = FsspecTransport.from_url(self.path, self.storage_options, self.transport_config)
+        self.root = self.target  # replaced by the layout's root once metadata is read
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Requests, bytes read and retries so far (see :class:`~dcp_storage.transports.TransportCounters`)."""
+        return self.transport.counters.snapshot()
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
+            self._open(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+
+    # ---------------------------------------------------------------------------------------- metadata
+    def _scan(self) -> tuple[str, Metadata]:
+        layout = discover(self.transport, self.target)
+        return layout.root, scan_metadata(self.transport, layout, self.scan_config)
+
+    def _group(self) -> Any:
+        if not self.broadcast_metadata or not dist.is_available() or not dist.is_initialized():
+            return None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # dcp.load asks for per-rank metadata only after the global read failed; there is none here.
+            raise CheckpointNotFoundError(f"{self.path}: safetensors checkpoints have no per-rank metadata")
+        group = self._group()
+        if group is None:
+            root, metadata = self._scan()
+        else:
+            root, metadata = self._scan_and_broadcast(group)
+        self.root = root
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
+
+    def _scan_and_broadcast(self, group: Any) -> tuple[str, Metadata]:
+        is_coordinator = dist.get_rank(group) == self.coordinator_rank
+        failure: BaseException | None = None
+        payload: tuple[Any, ...] = ()
+        if is_coordinator:
+            try:
+                payload = ("ok", *self._scan())
+            except Exception as exc:  # noqa: BLE001 - peers must hear of any failure, or they hang
+                failure = exc
+                payload = ("error", type(exc).__name__, str(exc))
+        box: list[Any] = [payload]
+        dist.broadcast_object_list(box, group=group, group_src=self.coordinator_rank, device=_object_device(group))
+        if failure is not None:
+            raise failure
+        result = box[0]
+        if result[0] != "ok":
+            raise _rebuild(result[1], result[2], self.coordinator_rank)
+        return result[1], result[2]
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CheckpointNotFoundError(f"{self.path}: metadata carries no storage map")
+        self.storage_data = metadata.storage_data
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    # -------------------------------------------------------------------------------------------- data
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        SafetensorsItemLoader(self.transport, self.root, self.storage_data, self.loader_config).load(plan.items, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Only URLs that name a safetensors file or index; directories are ambiguous without I/O."""
+        text = os.fspath(checkpoint_id)
+        return text.endswith(SUFFIX) or text.endswith(INDEX_FILE)
+
+
+def _object_device(group: Any) -> Any:
+    """The device object collectives of ``group`` must use: its default device under NCCL, else ``None``."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        from torch.distributed.distributed_c10d import _get_pg_default_device
+
+        return _get_pg_default_device(group)
+    return None
+
+
+# Our errors whose constructor takes just the message (others are rebuilt as DcpStorageError).
+_MESSAGE_ERRORS: dict[str, type[DcpStorageError]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.DcpStorageError,
+        errors.CheckpointNotFoundError,
+        errors.CorruptCheckpointError,
+        errors.TransportError,
+        errors.ShapeMismatchError,
+    )
+}
+
+
+def _rebuild(name: str, message: str, coordinator: int) -> Exception:
+    """The coordinator's error, re-raised on a peer (same class when it is one of ours)."""
+    cls = _MESSAGE_ERRORS.get(name)
+    if cls is not None:
+        return cls(message)
+    return DcpStorageError(f"coordinator rank {coordinator} could not read the checkpoint metadata: {name}: {message}")

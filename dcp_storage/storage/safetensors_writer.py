@@ -1,0 +1,513 @@
+"""``SafetensorsWriter``: a DCP ``StorageWriter`` that saves Hugging Face safetensors checkpoints directly.
+
+``dcp.save(state_dict, storage_writer=SafetensorsWriter(url))`` writes ``model.safetensors`` (or
+``model-0000k-of-0000N.safetensors`` plus ``model.safetensors.index.json``) that
+``safetensors.torch.load_file`` and ``transformers``' ``from_pretrained`` read as they are: full,
+consolidated tensors, even when the state dict holds DTensor shards spread over many ranks. There is no
+second consolidation pass and no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import re
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..errors import CheckpointExistsError, DcpStorageError, NonTensorStateError, UnsupportedDtypeError
+from ..formats.safetensors.dtypes import safetensors_dtype
+from ..formats.safetensors.encode import as_memoryview, pwrite_all, tensor_bytes
+from ..formats.safetensors.write_plan import (
+    ChunkWrite,
+    LocalOrder,
+    RankWrites,
+    SavePlanResult,
+    TensorSchedule,
+    index_name,
+    parse_size,
+    plan_save,
+    single_name,
+)
+from ..transports import FsspecTransport, TransportConfig
+from ..transports.fsspec_transport import _fsync_dir
+from .fsspec_reader import _is_fsspec_url
+
+__all__ = ["SafetensorsWriter", "EXTRA_STATE_FILE"]
+
+EXTRA_STATE_FILE = "extra_state.pt"
+_STATUS_OK, _STATUS_FAILED = 1, 0
+
+
+@dataclass(frozen=True)
+class _ExtraState:
+    """``WriteResult.storage_data`` of a ``BYTE_IO`` item: its bytes travel to the coordinator's ``finish``."""
+
+    fqn: str
+    data: bytes
+
+
+class SafetensorsWriter(StorageWriter):
+    """Save a DCP state dict as Hugging Face safetensors on a local path or any fsspec URL.
+
+    Args:
+        url: output directory (local path or fsspec URL such as ``s3://bucket/model``).
+        storage_options: passed to the fsspec filesystem.
+        max_shard_size: data bytes per file, an int or a string like ``"500MB"``/``"5GB"`` (powers of 10)
+            or ``"2GiB"`` (powers of 2). Everything fits: one ``{prefix}.safetensors``. Otherwise:
+            ``{prefix}-0000k-of-0000N.safetensors`` plus ``{prefix}.safetensors.index.json``. A tensor larger
+            than the limit gets a file of its own (as in ``huggingface_hub``).
+        overwrite: ``False`` (the default) refuses a directory that already holds ``{prefix}.safetensors``
+            or the index with :class:`~dcp_storage.errors.CheckpointExistsError`; ``True`` deletes the old
+            files (and stale temp files of an interrupted save) before any rank writes.
+        filename_prefix: the ``model`` in the file names.
+        allow_extra_state: ``False`` (the default) refuses non-tensor entries (ints, lists, optimizer step
+            counters) with :class:`~dcp_storage.errors.NonTensorStateError` naming them. ``True`` writes
+            them, as DCP serialized them, to ``extra_state.pt``: ``torch.save`` of ``{fqn: bytes}``; read
+            with ``torch.load(path, weights_only=True)`` and ``torch.load(io.BytesIO(value))``. The values
+            travel to the coordinator with the write results, so keep them small.
+        metadata: extra ``__metadata__`` strings for every file header (``{"format": "pt"}`` is always
+            there; ``transformers`` requires it).
+        process_group: the group given to ``dcp.save`` (default: the default group); object-store saves
+            send chunks to the coordinator over it.
+        transport_config: concurrency, part size and retry settings.
+        transport: an existing transport to share.
+
+    How bytes reach storage (chosen per filesystem, not by a flag):
+
+    * Local filesystems (must be shared by all ranks, as for torch's ``FileSystemWriter``): positioned
+      writes. In ``prepare_global_plan`` the coordinator plans every file, creates each one at its full
+      size under a hidden temp name ``.{name}.{save_id}.tmp`` and writes its header. Each rank then
+      ``pwrite``s its own chunks at their final offsets (a ``Shard(0)`` chunk is one run, a ``Shard(1)``
+      chunk one run per row) and ``fsync``s. In ``finish`` the coordinator renames the files into place
+      and writes the index last, so an interrupted save never looks complete. Each byte is written once.
+    * Object stores (any non-local fsspec filesystem): objects cannot be written at offsets, so the
+      coordinator streams each file in order through one atomic upload (single PUT or multipart upload),
+      tensor by tensor. In ``write_data`` every rank sends its chunks to the coordinator over the process
+      group (on the group's device: CPU for gloo, CUDA for NCCL) in the planned global order; the
+      coordinator writes ``Shard(0)`` chunks straight through and assembles other shardings one tensor at
+      a time, so its memory is bounded by the largest tensor. Files are committed one by one and the
+      index is written last. If any rank fails mid-stream, the others finish the exchange (failed chunks
+      are announced, not sent) so no rank waits for the process-group timeout, and the current upload is
+      aborted.
+    * Without a process group (one process) both paths just write the process's own tensors.
+
+    Replicated tensors (the same chunk on several ranks) are written once: DCP's planner deduplicates
+    them and this writer drops any duplicate box that remains. Dtypes safetensors lacks raise
+    :class:`~dcp_storage.errors.UnsupportedDtypeError` naming each key and dtype. An interrupted local save
+    leaves its hidden temp files behind; the next ``overwrite=True`` save removes them.
+
+    Call order (torch's ``dcp.save`` drives it): ``reset`` and ``set_up_storage_writer`` (every rank),
+    ``prepare_local_plan`` (every rank: dtype and non-tensor checks; the coordinator refuses existing
+    output), ``prepare_global_plan`` (coordinator: plan files and offsets, retire old output, create the
+    temp files), ``write_data`` (every rank), ``finish`` (coordinator: extra state, renames, index).
+    DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) is not supported.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        *,
+        max_shard_size: int | str = "5GB",
+        overwrite: bool = False,
+        filename_prefix: str = "model",
+        allow_extra_state: bool = False,
+        metadata: Mapping[str, str] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        transport_config: TransportConfig | None = None,
+        transport: FsspecTransport | None = None,
+    ) -> None:
+        super().__init__()
+        self.max_shard_size = parse_size(max_shard_size)
+        if not filename_prefix or "/" in filename_prefix or os.sep in filename_prefix or filename_prefix.startswith("."):
+            raise ValueError(f"filename_prefix must be a plain, non-hidden file name, got {filename_prefix!r}")
+        header_md = {"format": "pt"}
+        for k, v in (metadata or {}).items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"metadata must map str to str; {k!r}: {type(v).__name__} is not")
+            header_md[k] = v
+        self.header_metadata = header_md
+        self.storage_options = dict(storage_options or {})
+        self.overwrite = overwrite
+        self.filename_prefix = filename_prefix
+        self.allow_extra_state = allow_extra_state
+        self.process_group = process_group
+        self.transport_config = transport_config
+        self._given_transport = transport
+        self.is_coordinator = False
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.save_id = uuid.uuid4().hex
+        self._planned: SavePlanResult | None = None
+        self._open(url)
+
+    # ------------------------------------------------------------------------------------ set-up
+    def _open(self, url: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(url)
+        if self._given_transport is not None:
+            self.transport = self._given_transport
+            self.root = self.transport.fs._strip_protocol(self.path)
+        else:
+            self.transport, self.root = FsspecTransport.from_url(self.path, self.storage_options, self.transport_config)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.transport.counters.snapshot()
+
+    def _path(self, name: str) -> str:
+        return self.transport.join(self.root, name)
+
+    def _tmp_path(self, name: str, save_id: str) -> str:
+        return self._path(f".{name}.{save_id}.tmp")
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
+            self._open(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._planned = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _is_fsspec_url(checkpoint_id)
+
+    # ------------------------------------------------------------------------------------ planning
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        bad_dtypes: dict[str, object] = {}
+        byte_keys: list[str] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                byte_keys.append(item.index.fqn)
+            elif item.tensor_data is not None and safetensors_dtype(item.tensor_data.properties.dtype) is None:
+                bad_dtypes[item.index.fqn] = item.tensor_data.properties.dtype
+        if bad_dtypes:
+            raise UnsupportedDtypeError(bad_dtypes)
+        if byte_keys and not self.allow_extra_state:
+            raise NonTensorStateError(
+                byte_keys,
+                fix=f"pass allow_extra_state=True to write them to {EXTRA_STATE_FILE} beside the weights, "
+                "or leave them out of the state dict",
+            )
+        if self.is_coordinator:
+            if not self.overwrite:
+                for name in (single_name(self.filename_prefix), index_name(self.filename_prefix)):
+                    if self.transport.exists(self._path(name)):
+                        raise CheckpointExistsError(
+                            f"{self.transport.url(self._path(name))}: a checkpoint already exists here; pass "
+                            "overwrite=True to replace it or save to another path"
+                        )
+            self.transport.makedirs(self.root)
+        fqns = tuple(dict.fromkeys(i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO))
+        return dataclasses.replace(plan, storage_data=LocalOrder(fqns))
+
+    def _coordinator_index(self, n_plans: int) -> int:
+        if n_plans == 1:
+            return 0
+        if self.rank is not None:
+            return self.rank
+        return dist.get_rank(self.process_group)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        mode = "pwrite" if self.transport.is_local else "stream"
+        planned = plan_save(
+            plans,
+            max_shard_size=self.max_shard_size,
+            prefix=self.filename_prefix,
+            metadata=self.header_metadata,
+            coordinator=self._coordinator_index(len(plans)),
+            mode=mode,
+            save_id=self.save_id,
+        )
+        # Retire the old checkpoint before any rank writes: a crash then leaves no index naming new files.
+        if self.overwrite:
+            self._remove_old_output()
+        if mode == "pwrite":
+            self._create_temp_files(planned)
+        self._planned = planned
+        return [dataclasses.replace(p, storage_data=rw) for p, rw in zip(plans, planned.rank_writes)]
+
+    def _remove_old_output(self) -> None:
+        prefix = re.escape(self.filename_prefix)
+        ours = re.compile(rf"^{prefix}(-\d{{5}}-of-\d{{5}})?\.safetensors$")
+        stale_tmp = re.compile(rf"^\.{prefix}(-\d{{5}}-of-\d{{5}})?\.safetensors\.[0-9a-f]+\.tmp$")
+        index = index_name(self.filename_prefix)
+        self.transport.remove(self._path(index))  # first: the old checkpoint stops looking complete
+        names = self.transport.listdir(self.root)
+        if self.transport.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                names = sorted(set(names) | set(os.listdir(self.root)))  # listdir hides temp files
+        for name in names:
+            if ours.match(name) or stale_tmp.match(name) or name == EXTRA_STATE_FILE:
+                self.transport.remove(self._path(name))
+
+    def _create_temp_files(self, planned: SavePlanResult) -> None:
+        created: list[str] = []
+        try:
+            for f in planned.files:
+                tmp = self._tmp_path(f.name, self.save_id)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                created.append(tmp)
+                try:
+                    os.ftruncate(fd, f.size)
+                    pwrite_all(fd, memoryview(f.header), 0)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self.transport.counters.add(requests=1, bytes_written=len(f.header))
+        except BaseException:
+            for tmp in created:
+                self.transport.remove(tmp)
+            raise
+
+    # ------------------------------------------------------------------------------------ writing
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rw = plan.storage_data
+        if not isinstance(rw, RankWrites):
+            raise DcpStorageError(
+                "SafetensorsWriter.write_data got a plan its prepare_global_plan did not make "
+                f"(storage_data is {type(rw).__name__}); DCP plan caching is not supported"
+            )
+        results: list[WriteResult] = []
+        tensor_items: list[WriteItem] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)  # type: ignore[arg-type]
+                results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=_ExtraState(item.index.fqn, raw)))
+            else:
+                tensor_items.append(item)
+        if rw.mode == "pwrite":
+            results += self._pwrite_chunks(rw, tensor_items, planner)
+        elif rw.rank == rw.coordinator:
+            results += self._stream_files(rw, tensor_items, planner)
+        else:
+            results += self._send_chunks(rw, tensor_items, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _chunk_bytes(self, cw: ChunkWrite, item: WriteItem, planner: SavePlanner) -> torch.Tensor:
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"{cw.fqn}: tensor item resolved to {type(data).__name__}")
+        raw = tensor_bytes(data)
+        if raw.numel() != cw.nbytes:
+            raise DcpStorageError(
+                f"{cw.fqn}: the chunk at offsets {list(item.index.offset or ())} has {raw.numel()} bytes but the "
+                f"plan expects {cw.nbytes}; the state dict changed between planning and writing?"
+            )
+        return raw
+
+    def _pwrite_chunks(self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        results = []
+        fds: dict[int, int] = {}
+        try:
+            for item in items:
+                cw = rw.chunks.get(item.index)
+                if cw is None:  # an empty chunk, or a replica another rank writes
+                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+                    continue
+                src = as_memoryview(self._chunk_bytes(cw, item, planner).cpu())
+                fd = fds.get(cw.file)
+                if fd is None:
+                    fd = fds[cw.file] = os.open(self._tmp_path(rw.files[cw.file], rw.save_id), os.O_WRONLY)
+                n, length = 0, cw.runs.length
+                for j, offset in enumerate(cw.runs.offsets()):
+                    pwrite_all(fd, src[j * length : (j + 1) * length], cw.begin + offset)
+                    n += 1
+                self.transport.counters.add(requests=n, bytes_written=cw.nbytes)
+                results.append(WriteResult(index=item.index, size_in_bytes=cw.nbytes, storage_data=rw.files[cw.file]))
+            for fd in fds.values():
+                os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return results
+
+    def _comm_device(self) -> torch.device:
+        from torch.distributed.distributed_c10d import _get_pg_default_device
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            device = _get_pg_default_device(self.process_group)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    def _send_chunks(self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """Stream mode, non-coordinator: send each planned chunk (status, then bytes) in the global order."""
+        by_index = {item.index: item for item in items}
+        device = self._comm_device()
+        group, dst = self.process_group, rw.coordinator
+        failure: BaseException | None = None
+        for index in rw.sends:
+            cw = rw.chunks[index]
+            payload = None
+            if failure is None:
+                try:
+                    payload = self._chunk_bytes(cw, by_index[index], planner).to(device)
+                except Exception as exc:  # noqa: BLE001 - announced to the coordinator, then re-raised
+                    failure = exc
+            status = torch.tensor([_STATUS_OK if payload is not None else _STATUS_FAILED], dtype=torch.uint8, device=device)
+            dist.send(status, group=group, group_dst=dst)
+            if payload is not None:
+                dist.send(payload, group=group, group_dst=dst)
+        if failure is not None:
+            raise failure
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=rw.chunks[item.index].nbytes if item.index in rw.chunks else 0,
+                storage_data=rw.files[rw.chunks[item.index].file] if item.index in rw.chunks else None,
+            )
+            for item in items
+        ]
+
+    def _stream_files(self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """Stream mode, coordinator: write every file in order, receiving other ranks' chunks as they come."""
+        assert rw.schedule is not None  # set by plan_save for the coordinator  # noqa: S101
+        own = {item.index: item for item in items}
+        source = _ChunkSource(self, rw, own, planner)
+        try:
+            for fs in rw.schedule:
+                with self.transport.open_atomic(self._path(fs.name)) as out:
+                    out.write(fs.header)
+                    for ts in fs.tensors:
+                        _write_tensor(out, ts, source)
+        except BaseException as exc:
+            source.drain(exc)
+            raise
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=rw.chunks[item.index].nbytes if item.index in rw.chunks else 0,
+                storage_data=rw.files[rw.chunks[item.index].file] if item.index in rw.chunks else None,
+            )
+            for item in items
+        ]
+
+    # ------------------------------------------------------------------------------------ finishing
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        planned = self._planned
+        if planned is None:
+            raise DcpStorageError("SafetensorsWriter.finish called without prepare_global_plan on this writer")
+        extra = {wr.storage_data.fqn: wr.storage_data.data for rank in results for wr in rank if isinstance(wr.storage_data, _ExtraState)}
+        if extra:
+            buf = io.BytesIO()
+            torch.save(extra, buf)
+            self.transport.write_file(self._path(EXTRA_STATE_FILE), buf.getbuffer())
+        if self.transport.is_local:
+            for f in planned.files:
+                os.replace(self._tmp_path(f.name, self.save_id), self._path(f.name))
+                self.transport.counters.add(requests=1)
+            _fsync_dir(self.root)
+        if planned.sharded:
+            self.transport.write_file(self._path(index_name(self.filename_prefix)), planned.index_json())
+        self._planned = None
+
+
+class _RemoteChunkError(DcpStorageError):
+    """Another rank announced that it could not produce a chunk (its own error says why)."""
+
+
+class _ChunkSource:
+    """The coordinator's side of the stream: chunks in schedule order, own ones resolved, others received."""
+
+    def __init__(self, writer: SafetensorsWriter, rw: RankWrites, own: dict[MetadataIndex, WriteItem], planner: SavePlanner) -> None:
+        self.writer = writer
+        self.rw = rw
+        self.own = own
+        self.planner = planner
+        self.order = [c for fs in rw.schedule or () for ts in fs.tensors for c in ts.chunks]
+        self.pos = 0
+        self.device = writer._comm_device() if rw.world > 1 else torch.device("cpu")
+        self.broken = False  # a collective failed: the group is unusable, do not drain
+
+    def next(self, cw: ChunkWrite) -> torch.Tensor:
+        """The bytes of ``cw`` (a CPU uint8 tensor); chunks must be asked for in schedule order."""
+        if self.order[self.pos] is not cw:
+            raise RuntimeError(f"chunk of {cw.fqn} asked out of schedule order")
+        if cw.rank == self.rw.rank:
+            self.pos += 1
+            return self.writer._chunk_bytes(cw, self.own[cw.index], self.planner).cpu()
+        status = torch.empty(1, dtype=torch.uint8, device=self.device)
+        try:
+            dist.recv(status, group=self.writer.process_group, group_src=cw.rank)
+            if int(status.item()) != _STATUS_OK:
+                self.pos += 1
+                raise _RemoteChunkError(f"rank {cw.rank} could not produce its chunk of {cw.fqn!r} (see its error)")
+            buf = torch.empty(cw.nbytes, dtype=torch.uint8, device=self.device)
+            dist.recv(buf, group=self.writer.process_group, group_src=cw.rank)
+        except _RemoteChunkError:
+            raise
+        except BaseException:
+            self.broken = True
+            raise
+        self.pos += 1
+        return buf.cpu()
+
+    def drain(self, cause: BaseException) -> None:
+        """After a failure: receive (and drop) every chunk still due, so senders do not block until timeout."""
+        if self.broken:
+            return
+        try:
+            for cw in self.order[self.pos :]:
+                if cw.rank == self.rw.rank:
+                    continue
+                status = torch.empty(1, dtype=torch.uint8, device=self.device)
+                dist.recv(status, group=self.writer.process_group, group_src=cw.rank)
+                if int(status.item()) == _STATUS_OK:
+                    scratch = torch.empty(cw.nbytes, dtype=torch.uint8, device=self.device)
+                    dist.recv(scratch, group=self.writer.process_group, group_src=cw.rank)
+        except Exception as exc:  # noqa: BLE001 - the original failure is what the caller raises
+            cause.__context__ = exc
+        finally:
+            self.pos = len(self.order)
+
+
+def _write_tensor(out: Any, ts: TensorSchedule, source: _ChunkSource) -> None:
+    """Write one tensor's bytes: chunk by chunk if they are consecutive single runs, else assembled first."""
+    if ts.nbytes == 0:
+        return
+    position, straight = 0, True
+    for c in ts.chunks:
+        if c.runs.count != 1 or c.runs.start != position:
+            straight = False
+            break
+        position += c.runs.length
+    if straight and position == ts.nbytes:
+        for c in ts.chunks:
+            out.write(as_memoryview(source.next(c)))
+        return
+    full = torch.empty(ts.nbytes, dtype=torch.uint8)
+    for c in ts.chunks:
+        data = source.next(c)
+        r = c.runs
+        # The runs are a strided view of the full tensor's bytes; the chunk's bytes fill it in order.
+        dest = full.as_strided((*r.counts, r.length), (*r.strides, 1), r.start)
+        dest.copy_(data.view(*r.counts, r.length))
+    out.write(as_memoryview(full))

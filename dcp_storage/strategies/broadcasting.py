@@ -1,0 +1,298 @@
+"""``Broadcasting(reader)``: any ``StorageReader``, read by one rank, its slices sent to the others.
+
+For storage that only one host can reach, or to cut request counts at scale: only the coordinator calls
+the wrapped reader's ``read_metadata``, ``set_up_storage_reader``, ``prepare_*_plan`` and ``read_data``;
+every other rank gets the metadata by broadcast and its slices point to point (see
+:mod:`.slice_delivery`), never touching storage::
+
+    dcp.load(sd, storage_reader=Broadcasting(FsspecReader("s3://bucket/ckpt")))
+
+How ``read_data`` works on the coordinator: it runs the wrapped reader's ``read_data`` over every rank's
+items, in chunks of at most ``staging_bytes``, with a routing planner in place of the real one. For its own
+items the routing planner defers to the real planner; for another rank's items ``resolve_tensor`` hands out
+a staging tensor (the stored dtype) and ``commit_tensor``/``load_bytes`` send it to that rank.
+
+Call order (``dcp.load`` drives it; "all" = every rank of the process group):
+
+1. ``reset(checkpoint_id)`` (all; passed on to the wrapped reader, which must not do I/O in it).
+2. ``read_metadata()`` (all, collective) - coordinator reads, all receive the Metadata or the error.
+3. ``set_up_storage_reader`` (all; the wrapped reader's on the coordinator only).
+4. ``prepare_local_plan`` (all, unchanged) / ``prepare_global_plan`` (DCP's coordinator, which must be
+   this wrapper's coordinator): the wrapped reader's ``prepare_local_plan`` on each rank's plan, then its
+   ``prepare_global_plan``; the results are remembered.
+5. ``read_data`` (all, point to point).
+
+The wrapped reader must hand the planner the ``ReadItem`` objects of the plan it was given (DCP's and this
+package's readers do) and must be usable for several ``read_data`` calls per load.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import io
+import math
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..errors import CorruptCheckpointError, DcpStorageError
+from ..tensor_buffers import host_buffer
+from .group import GroupView, group_view
+from .metadata_sharing import share_object
+from .slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, item_key, receive_items
+
+__all__ = ["Broadcasting"]
+
+
+class Broadcasting(StorageReader):
+    """Make ``reader`` coordinator-only: one rank reads storage, every rank gets the slices it needs.
+
+    Args:
+        reader: any DCP ``StorageReader`` (e.g. :class:`~dcp_storage.FsspecReader`).
+        coordinator_rank: the rank of ``process_group`` that reads; must be DCP's coordinator.
+        process_group: the group ``dcp.load`` uses; ``None``: the default group (or none at all).
+        delivery_config: in-flight and staging limits of the coordinator.
+    """
+
+    def __init__(
+        self,
+        reader: StorageReader,
+        coordinator_rank: int = 0,
+        process_group: Any = None,
+        *,
+        delivery_config: DeliveryConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(reader, StorageReader):
+            raise TypeError(f"Broadcasting wraps a StorageReader, got {type(reader).__name__}")
+        if coordinator_rank < 0:
+            raise ValueError(f"coordinator_rank must be >= 0, got {coordinator_rank}")
+        self.reader = reader
+        self.coordinator_rank = coordinator_rank
+        self.process_group = process_group
+        self.delivery_config = delivery_config or DeliveryConfig()
+        self._metadata: Metadata | None = None
+        self._plans: list[LoadPlan] | None = None
+        self.delivery = DeliveryStats()
+
+    @property
+    def checkpoint_id(self) -> Any:
+        return getattr(self.reader, "checkpoint_id", None)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        out = self.delivery.as_dict()
+        counters = getattr(self.reader, "counters", None)
+        if isinstance(counters, dict):
+            out["storage"] = dict(counters)
+        return out
+
+    def _view(self) -> GroupView:
+        view = group_view(self.process_group)
+        view.check_src(self.coordinator_rank, "coordinator_rank")
+        return view
+
+    # ------------------------------------------------------------------------------------ steps
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.reader.reset(checkpoint_id)
+        self._metadata = None
+        self._plans = None
+        self.delivery = DeliveryStats()
+
+    def read_metadata(self) -> Metadata:  # type: ignore[override]
+        self._view()
+        self._metadata = share_object(self.reader.read_metadata, group=self.process_group, src_rank=self.coordinator_rank)
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        view = self._view()
+        if is_coordinator != (view.rank == self.coordinator_rank):
+            raise ValueError(
+                f"Broadcasting(coordinator_rank={self.coordinator_rank}) on rank {view.rank}: DCP's coordinator "
+                f"{'is' if is_coordinator else 'is not'} this rank; pass dcp.load's coordinator and process group"
+            )
+        self._metadata = metadata
+        if is_coordinator:
+            if "kwargs" in inspect.signature(self.reader.set_up_storage_reader).parameters:
+                self.reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            else:
+                self.reader.set_up_storage_reader(metadata, is_coordinator)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = [self.reader.prepare_local_plan(p) for p in plans]
+        plans = self.reader.prepare_global_plan(plans)
+        self._plans = list(plans)
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        view = self._view()
+        self.delivery = DeliveryStats()
+        if view.rank == self.coordinator_rank:
+            self._serve(view, plan, planner)
+        else:
+            receive_items(plan.items, planner, view, self.coordinator_rank, self._stored_dtype, self.delivery)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # a wrapper is never picked by checkpoint_id; wrap an explicit reader
+
+    # ------------------------------------------------------------------------------------ internals
+    def _stored_dtype(self, item: ReadItem) -> torch.dtype:
+        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn) if self._metadata else None
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{self.checkpoint_id}: no tensor {item.storage_index.fqn!r} in the metadata")
+        return md.properties.dtype
+
+    def _serve(self, view: GroupView, plan: LoadPlan, planner: LoadPlanner) -> None:
+        plans = list(self._plans) if self._plans is not None else [plan]
+        if len(plans) != view.world:
+            raise DcpStorageError(
+                f"Broadcasting: the coordinator saw {len(plans)} plans for a group of {view.world} ranks "
+                "(was prepare_global_plan called on this rank?)"
+            )
+        plans[view.rank] = plan
+        sender = SliceSender(view, {r: len(p.items) for r, p in enumerate(plans)}, self.delivery, self.delivery_config)
+        try:
+            router = _RoutingPlanner(planner, view.rank, sender, self._stored_dtype, self.delivery)
+            jobs = []
+            for rank, p in enumerate(plans):
+                for index, item in enumerate(canonical_order(p.items)):
+                    jobs.append((rank, index, item))
+            jobs.sort(key=lambda j: (item_key(j[2])[1:5], j[0]))  # storage order: neighbours coalesce
+            for chunk in self._chunks(jobs, view.rank):
+                router.route(chunk)
+                inner_plan = LoadPlan([item for _r, _i, item in chunk], plan.storage_data, plan.planner_data)
+                self.reader.read_data(inner_plan, router).wait()
+                router.check_done()
+            sender.finish()
+        except BaseException as exc:
+            sender.abort(exc)
+            raise
+
+    def _chunks(self, jobs: list[tuple[int, int, ReadItem]], me: int) -> list[list[tuple[int, int, ReadItem]]]:
+        chunks: list[list[tuple[int, int, ReadItem]]] = []
+        current: list[tuple[int, int, ReadItem]] = []
+        held = 0
+        for job in jobs:
+            rank, _index, item = job
+            size = 0
+            if rank != me and item.type != LoadItemType.BYTE_IO:
+                size = math.prod(int(n) for n in item.lengths) * torch.empty((), dtype=self._stored_dtype(item)).element_size()
+            if current and held + size > self.delivery_config.staging_bytes:
+                chunks.append(current)
+                current, held = [], 0
+            current.append(job)
+            held += size
+        if current:
+            chunks.append(current)
+        return chunks
+
+
+class _RoutingPlanner(LoadPlanner):
+    """Stands in for the real planner inside the wrapped reader's ``read_data`` on the coordinator."""
+
+    def __init__(self, real: LoadPlanner, me: int, sender: SliceSender, stored_dtype: Any, stats: DeliveryStats) -> None:
+        self._real = real
+        self._me = me
+        self._sender = sender
+        self._stored_dtype = stored_dtype
+        self._stats = stats
+        self._by_id: dict[int, tuple[int, int, ReadItem]] = {}
+        self._by_value: dict[ReadItem, collections.deque[tuple[int, int, ReadItem]]] = {}
+        self._staged: dict[int, tuple[tuple[int, int, ReadItem], torch.Tensor]] = {}
+        self._open = 0
+
+    def __getattr__(self, name: str) -> Any:  # anything else a reader may look at: the real planner's
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._real, name)
+
+    def route(self, chunk: list[tuple[int, int, ReadItem]]) -> None:
+        self._by_id = {id(item): job for job in chunk for item in [job[2]]}
+        self._by_value = {}
+        for job in chunk:
+            self._by_value.setdefault(job[2], collections.deque()).append(job)
+        self._staged = {}
+        self._open = len(chunk)
+
+    def _claim(self, item: ReadItem) -> tuple[int, int, ReadItem]:
+        job = self._by_id.pop(id(item), None)
+        if job is not None:
+            queue = self._by_value.get(job[2])
+            if queue is not None and job in queue:
+                queue.remove(job)
+            return job
+        queue = self._by_value.get(item)
+        if not queue:
+            raise DcpStorageError(f"Broadcasting: the wrapped reader delivered an unplanned item {item.dest_index.fqn!r}")
+        job = queue.popleft()
+        self._by_id.pop(id(job[2]), None)
+        return job
+
+    def check_done(self) -> None:
+        if self._open:
+            raise DcpStorageError(f"Broadcasting: the wrapped reader left {self._open} planned items undelivered")
+
+    # ----------------------------------------------------------------------------- planner API
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        raise DcpStorageError("Broadcasting: the routing planner is only used inside read_data")
+
+    def create_local_plan(self) -> LoadPlan:
+        raise DcpStorageError("Broadcasting: the routing planner is only used inside read_data")
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        raise DcpStorageError("Broadcasting: the routing planner is only used inside read_data")
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        raise DcpStorageError("Broadcasting: the routing planner is only used inside read_data")
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        rank, index, item = self._claim(read_item)
+        self._open -= 1
+        if rank == self._me:
+            data = value.read() if hasattr(value, "read") else bytes(value)
+            self._stats.bytes_local += len(data)
+            self._real.load_bytes(item, io.BytesIO(data))
+        else:
+            self._sender.send_bytes(rank, index, value.read() if hasattr(value, "read") else bytes(value))
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        job = self._claim(read_item)
+        rank, _index, item = job
+        if rank == self._me:
+            tensor = self._real.resolve_tensor(item)
+        else:
+            lengths = tuple(int(n) for n in item.lengths)
+            tensor = host_buffer(lengths, self._stored_dtype(item), self._sender.view.device)
+        self._staged[id(read_item)] = (job, tensor)
+        if tensor.numel():
+            self._staged[-tensor.data_ptr()] = (job, tensor)  # for readers that hand back another ReadItem
+        return tensor
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        entry = self._staged.pop(id(read_item), None)
+        if entry is None and tensor.numel():
+            entry = self._staged.pop(-tensor.data_ptr(), None)
+        if entry is None:
+            raise DcpStorageError(f"Broadcasting: commit of an unresolved item {read_item.dest_index.fqn!r}")
+        (rank, index, item), staged = entry
+        if staged.numel():
+            self._staged.pop(-staged.data_ptr(), None)
+        self._open -= 1
+        if rank == self._me:
+            self._stats.bytes_local += staged.numel() * staged.element_size()
+            self._real.commit_tensor(item, tensor)
+        else:
+            self._sender.send_tensor(rank, index, staged)

@@ -1,0 +1,111 @@
+"""Compute something on one rank, give the result (or the error) to every rank.
+
+Readers whose metadata only one rank should read (a single file behind one host's credentials, or just to
+cut request counts at scale) call :func:`share_object` in ``read_metadata``. The source rank runs the
+function; the broadcast *always* happens, carrying either the value or the error, so a bad checkpoint
+fails on every rank at once instead of leaving the other ranks waiting for a collective timeout.
+
+Errors cross ranks as (class, message, simple attributes) rather than as pickled exception objects
+(whose constructors often take other arguments than their message). On the other ranks a
+:class:`~dcp_storage.errors.DcpStorageError` subclass of this package is rebuilt as the same class with
+the same message; any other error becomes a :class:`~dcp_storage.errors.DcpStorageError` whose message
+names the original class. The source rank re-raises its original exception.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..errors import DcpStorageError
+from .group import group_view
+
+__all__ = ["share_object", "encode_error", "decode_error"]
+
+T = TypeVar("T")
+_SIMPLE = (str, int, float, bool, type(None))
+
+
+def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -> T:
+    """Run ``fn`` on ``src_rank`` (a rank of ``group``) and return its result on every rank.
+
+    Collective: every rank of ``group`` must call it. Without a process group (or at world size 1) it
+    just calls ``fn``. If ``fn`` raises, every rank raises (see the module docstring for which class).
+    The result must be picklable; if it is not, that too is raised on every rank.
+    """
+    view = group_view(group)
+    view.check_src(src_rank, "src_rank")
+    if not view.distributed or view.world == 1:
+        return fn()
+    import torch.distributed as dist
+
+    error: BaseException | None = None
+    value: Any = None
+    if view.rank == src_rank:
+        try:
+            value = fn()
+            payload = pickle.dumps(("ok", value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+            error = exc
+            payload = pickle.dumps(("error", encode_error(exc, view.rank)), protocol=pickle.HIGHEST_PROTOCOL)
+        box: list[Any] = [payload]
+    else:
+        box = [None]
+    dist.broadcast_object_list(box, group=group, group_src=src_rank)
+    if view.rank == src_rank:
+        if error is not None:
+            raise error
+        return value
+    kind, body = pickle.loads(box[0])  # bytes from our own peer rank, not from storage
+    if kind == "error":
+        raise decode_error(body)
+    return body
+
+
+def encode_error(exc: BaseException, rank: int) -> dict[str, Any]:
+    """A plain-data description of ``exc`` for :func:`decode_error` on another rank."""
+    cls = type(exc)
+    attrs = {k: v for k, v in vars(exc).items() if isinstance(v, _SIMPLE) and not k.startswith("_")}
+    return {"module": cls.__module__, "qualname": cls.__qualname__, "message": str(exc), "attrs": attrs, "rank": rank}
+
+
+def decode_error(info: dict[str, Any]) -> DcpStorageError:
+    """Rebuild an error described by :func:`encode_error`: same class if it is one of ours, else wrapped."""
+    cls = _our_error_class(info["module"], info["qualname"])
+    message = info["message"]
+    if cls is None:
+        exc: DcpStorageError = DcpStorageError(f"{info['qualname']} on rank {info['rank']}: {message}")
+    else:
+        try:
+            exc = cls(message)
+        except Exception:  # noqa: BLE001 - a constructor with other arguments: build it by hand
+            exc = cls.__new__(cls)
+            BaseException.__init__(exc, message)
+        if str(exc) != message:  # a constructor that decorates its argument
+            exc = cls.__new__(cls)
+            BaseException.__init__(exc, message)
+        for key, value in info["attrs"].items():
+            try:
+                setattr(exc, key, value)
+            except AttributeError:
+                pass
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"(raised on rank {info['rank']} and shared with every rank)")
+    return exc
+
+
+def _our_error_class(module: str, qualname: str) -> type[DcpStorageError] | None:
+    """The class, if it is a :class:`DcpStorageError` defined in this package (never imports others)."""
+    if module != "dcp_storage" and not module.startswith("dcp_storage."):
+        return None
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    if isinstance(obj, type) and issubclass(obj, DcpStorageError):
+        return obj
+    return None

@@ -1,0 +1,307 @@
+"""Sending each rank exactly the slices of its load plan, point to point, from one coordinator.
+
+Used by every coordinator-reads strategy (:class:`~dcp_storage.strategies.Broadcasting`,
+:class:`~dcp_storage.BroadcastingTorchSaveReader`). The coordinator knows every rank's final ``LoadPlan``
+(it saw them in ``prepare_global_plan``); the other ranks know their own.
+
+Protocol, per receiving rank, over the process group (tensors on the group's device: CPU for gloo, the
+current CUDA device for NCCL):
+
+* Both sides number a rank's read items the same way: :func:`canonical_order` sorts them by a key made
+  of the item's own fields, so the numbering does not depend on list order.
+* For every item the coordinator sends a header ``int64[3] = (kind, item number, payload bytes)``
+  followed, unless the payload is empty, by the payload: the slice's elements in the *stored* dtype
+  (the receiver casts into its destination) or, for ``BYTE_IO`` items, the bytes for ``load_bytes``.
+  Items may be sent in any order (the header names the item); each receiving rank gets exactly one
+  message per item.
+* If the coordinator fails, it sends every rank that still expects messages an error header followed by
+  the error (see :mod:`.metadata_sharing`), so no rank waits for a collective timeout; the receivers raise
+  the same error class.
+
+The coordinator bounds the memory it holds: :meth:`SliceSender.reserve` waits for earlier sends to
+complete before more than ``max_inflight_bytes`` are in flight (a single larger item goes alone).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ..errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from ..tensor_buffers import writable_bytes
+from .group import GroupView
+from .metadata_sharing import decode_error, encode_error
+
+__all__ = ["DeliveryStats", "SliceSender", "canonical_order", "item_key", "receive_items", "DeliveryConfig"]
+
+MiB = 1024 * 1024
+_TENSOR, _BYTES, _ERROR = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class DeliveryConfig:
+    """``max_inflight_bytes``: payload bytes the coordinator lets sit in unfinished sends.
+    ``staging_bytes``: bytes of slices the coordinator reads ahead of sending them."""
+
+    max_inflight_bytes: int = 128 * MiB
+    staging_bytes: int = 64 * MiB
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_bytes < 1 or self.staging_bytes < 1:
+            raise ValueError("DeliveryConfig sizes must be >= 1")
+
+
+@dataclass
+class DeliveryStats:
+    """Payload bytes and messages moved by one ``read_data``: what a rank received, what it sent."""
+
+    bytes_received: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    messages_sent: int = 0
+    bytes_local: int = 0  # the coordinator's own items, delivered without a send
+    sent_per_rank: dict[int, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bytes_received": self.bytes_received,
+            "messages_received": self.messages_received,
+            "bytes_sent": self.bytes_sent,
+            "messages_sent": self.messages_sent,
+            "bytes_local": self.bytes_local,
+            "sent_per_rank": dict(self.sent_per_rank),
+        }
+
+
+def item_key(item: ReadItem) -> tuple[Any, ...]:
+    """A total order on read items computed from their fields only (the same on every rank)."""
+    s, d = item.storage_index, item.dest_index
+    return (
+        int(item.type.value) if hasattr(item.type, "value") else int(item.type),
+        s.fqn,
+        tuple(s.offset) if s.offset is not None else (),
+        tuple(item.storage_offsets),
+        tuple(item.lengths),
+        d.fqn,
+        tuple(d.offset) if d.offset is not None else (),
+        tuple(item.dest_offsets),
+    )
+
+
+def canonical_order(items: Sequence[ReadItem]) -> list[ReadItem]:
+    return sorted(items, key=item_key)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class SliceSender:
+    """The coordinator's side: sends headers and payloads, bounded in flight, and aborts cleanly.
+
+    ``expected`` maps each receiving rank to how many items it will receive; :meth:`abort` uses it to
+    reach every rank still waiting.
+    """
+
+    def __init__(
+        self,
+        view: GroupView,
+        expected: dict[int, int],
+        stats: DeliveryStats,
+        config: DeliveryConfig | None = None,
+    ) -> None:
+        self.view = view
+        self.remaining = {r: n for r, n in expected.items() if r != view.rank and n > 0}
+        self.stats = stats
+        self.config = config or DeliveryConfig()
+        self._inflight: collections.deque[tuple[list[Any], list[Any], int]] = collections.deque()
+        self._inflight_bytes = 0
+
+    # ---------------------------------------------------------------------------------- sending
+    def reserve(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more can be held without exceeding the in-flight budget."""
+        while self._inflight and self._inflight_bytes + nbytes > self.config.max_inflight_bytes:
+            self._wait_oldest()
+
+    def send_tensor(self, rank: int, index: int, tensor: torch.Tensor) -> None:
+        """Send item ``index`` of ``rank``: ``tensor`` (contiguous, CPU, the stored dtype) as raw elements."""
+        payload = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0, dtype=torch.uint8)
+        self._send(rank, _TENSOR, index, payload, keep=tensor)
+
+    def send_bytes(self, rank: int, index: int, data: bytes) -> None:
+        """Send item ``index`` of ``rank``: the bytes to hand to its planner's ``load_bytes``."""
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        self._send(rank, _BYTES, index, payload, keep=None)
+
+    def _send(self, rank: int, kind: int, index: int, payload: torch.Tensor, keep: Any) -> None:
+        import torch.distributed as dist
+
+        if self.remaining.get(rank, 0) <= 0:
+            raise DcpStorageError(f"internal error: a message for rank {rank} that expects no more (item {index})")
+        nbytes = payload.numel()
+        self.reserve(nbytes)
+        device = self.view.device
+        header = torch.tensor([kind, index, nbytes], dtype=torch.int64).to(device)
+        if nbytes and payload.device != device:
+            payload = payload.to(device, non_blocking=True)
+        works = [dist.isend(header, group=self.view.group, group_dst=rank)]
+        if nbytes:
+            works.append(dist.isend(payload, group=self.view.group, group_dst=rank))
+        self._inflight.append((works, [header, payload, keep], nbytes))
+        self._inflight_bytes += nbytes
+        self.remaining[rank] -= 1
+        self.stats.bytes_sent += nbytes
+        self.stats.messages_sent += 1
+        self.stats.sent_per_rank[rank] = self.stats.sent_per_rank.get(rank, 0) + nbytes
+
+    def _wait_oldest(self) -> None:
+        works, _buffers, nbytes = self._inflight.popleft()
+        for w in works:
+            if w is not None:
+                w.wait()
+        self._inflight_bytes -= nbytes
+
+    def finish(self) -> None:
+        """Wait for every send; check every rank got all its items."""
+        while self._inflight:
+            self._wait_oldest()
+        missing = {r: n for r, n in self.remaining.items() if n}
+        if missing:
+            err = DcpStorageError(f"internal error: items never sent to ranks {missing}")
+            self.abort(err)
+            raise err
+
+    def abort(self, exc: BaseException) -> None:
+        """Tell every rank still expecting items that the load failed (best effort, never raises)."""
+        import torch.distributed as dist
+
+        text = pickle.dumps(encode_error(exc, self.view.rank), protocol=pickle.HIGHEST_PROTOCOL)
+        body = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.view.device)
+        works = []
+        for rank, left in list(self.remaining.items()):
+            if left <= 0:
+                continue
+            try:
+                header = torch.tensor([_ERROR, -1, body.numel()], dtype=torch.int64).to(self.view.device)
+                works.append((dist.isend(header, group=self.view.group, group_dst=rank), header))
+                works.append((dist.isend(body, group=self.view.group, group_dst=rank), body))
+            except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
+                pass
+            self.remaining[rank] = 0
+        for w, _buf in [*((w, b) for ws, b, _n in self._inflight for w in ws), *works]:
+            try:
+                if w is not None:
+                    w.wait()
+            except Exception:  # noqa: BLE001
+                pass
+        self._inflight.clear()
+        self._inflight_bytes = 0
+
+
+def receive_items(
+    items: Sequence[ReadItem],
+    planner: LoadPlanner,
+    view: GroupView,
+    src: int,
+    stored_dtype: Callable[[ReadItem], torch.dtype],
+    stats: DeliveryStats,
+) -> None:
+    """A receiving rank's side: one message per item of ``items`` from ``src``, into the planner.
+
+    Tensor payloads land directly in the destination when it is a contiguous tensor of the stored dtype
+    on the transfer device, else in a staging buffer copied (and cast) into it; ``commit_tensor`` follows.
+    A local failure (a destination of the wrong shape) does not stop the protocol: remaining messages are
+    drained and the first error is raised at the end, so the coordinator never blocks on this rank.
+    """
+    import torch.distributed as dist
+
+    ordered = canonical_order(items)
+    seen = [False] * len(ordered)
+    header = torch.empty(3, dtype=torch.int64, device=view.device)
+    failure: BaseException | None = None
+    for _ in range(len(ordered)):
+        dist.recv(header, group=view.group, group_src=src)
+        kind, index, nbytes = (int(v) for v in header.tolist())
+        if kind == _ERROR:
+            body = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
+            dist.recv(body, group=view.group, group_src=src)
+            raise decode_error(pickle.loads(_to_bytes(body)))  # from our own coordinator rank
+        if not 0 <= index < len(ordered) or seen[index] or kind not in (_TENSOR, _BYTES):
+            raise DcpStorageError(f"slice delivery out of step: message ({kind}, {index}, {nbytes}) from rank {src}")
+        seen[index] = True
+        item = ordered[index]
+        stats.messages_received += 1
+        stats.bytes_received += nbytes
+        try:
+            if kind == _BYTES:
+                body = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
+                if nbytes:
+                    dist.recv(body, group=view.group, group_src=src)
+                if item.type != LoadItemType.BYTE_IO:
+                    raise DcpStorageError(f"{item.dest_index.fqn}: got bytes for a tensor item")
+                planner.load_bytes(item, io.BytesIO(_to_bytes(body)))
+            else:
+                _receive_tensor(item, nbytes, planner, view, src, stored_dtype(item))
+        except _PayloadPending as pending:  # keep draining so the coordinator is never left blocked
+            failure = failure or pending.cause
+            if nbytes:
+                dist.recv(torch.empty(nbytes, dtype=torch.uint8, device=view.device), group=view.group, group_src=src)
+        except Exception as exc:  # noqa: BLE001 - the payload was taken; remember the first failure
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+
+
+class _PayloadPending(Exception):
+    """Internal: a failure raised before the payload of the current message was received."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _receive_tensor(
+    item: ReadItem, nbytes: int, planner: LoadPlanner, view: GroupView, src: int, dtype: torch.dtype
+) -> None:
+    import torch.distributed as dist
+
+    lengths = tuple(int(n) for n in item.lengths)
+    try:
+        expected = math.prod(lengths) * _dtype_size(dtype)
+        if nbytes != expected:
+            raise CorruptCheckpointError(
+                f"{item.dest_index.fqn}: received {nbytes} bytes for a slice of {expected} bytes ({dtype}, {list(lengths)})"
+            )
+        dest = planner.resolve_tensor(item).detach()
+        if tuple(dest.shape) != lengths:
+            raise ShapeMismatchError(
+                f"{item.dest_index.fqn}: destination has shape {list(dest.shape)} but the checkpoint slice is {list(lengths)}"
+            )
+    except Exception as exc:  # noqa: BLE001
+        raise _PayloadPending(exc) from exc
+    if nbytes:
+        direct = dest.device == view.device and dest.dtype == dtype and dest.is_contiguous()
+        target = dest if direct else torch.empty(lengths, dtype=dtype, device=view.device)
+        dist.recv(target.reshape(-1).view(torch.uint8), group=view.group, group_src=src)
+        if not direct:
+            dest.copy_(target)
+    planner.commit_tensor(item, dest)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    if t.numel() == 0:
+        return b""
+    t = t.cpu().contiguous()
+    return bytes(writable_bytes(t))

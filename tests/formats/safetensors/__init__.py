@@ -1,0 +1,1 @@
+"""Safetensors format tests (a package, so that rank functions are importable by rank processes)."""
