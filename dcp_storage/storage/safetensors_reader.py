@@ -94,7 +94,9 @@ class SafetensorsReader(StorageReader):
             self.transport = self._given_transport
             self.target = self.transport.fs._strip_protocol(self.path)
         else:
-            self.transport, self.target = FsspecTransport.from_url(self.path, self.storage_options, self.transport_config)
+            self.transport, self.target = FsspecTransport.from_url(
+                self.path, self.storage_options, self.transport_config
+            )
         self.root = self.target  # replaced by the layout's root once metadata is read
 
     @property
@@ -171,7 +173,9 @@ class SafetensorsReader(StorageReader):
 
     # -------------------------------------------------------------------------------------------- data
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        SafetensorsItemLoader(self.transport, self.root, self.storage_data, self.loader_config).load(plan.items, planner)
+        SafetensorsItemLoader(self.transport, self.root, self.storage_data, self.loader_config).load(
+            plan.items, planner
+        )
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -180,7 +184,7 @@ class SafetensorsReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Only URLs that name a safetensors file or index; directories are ambiguous without I/O."""
         text = os.fspath(checkpoint_id)
-        return text.endswith(SUFFIX) or text.endswith(INDEX_FILE)
+        return text.endswith((SUFFIX, INDEX_FILE))
 
 
 def _object_device(group: Any) -> Any:

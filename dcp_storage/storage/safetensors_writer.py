@@ -45,7 +45,7 @@ from ..transports import FsspecTransport, TransportConfig
 from ..transports.fsspec_transport import _fsync_dir
 from .fsspec_reader import _is_fsspec_url
 
-__all__ = ["SafetensorsWriter", "EXTRA_STATE_FILE"]
+__all__ = ["EXTRA_STATE_FILE", "SafetensorsWriter"]
 
 EXTRA_STATE_FILE = "extra_state.pt"
 _STATUS_OK, _STATUS_FAILED = 1, 0
@@ -132,7 +132,12 @@ class SafetensorsWriter(StorageWriter):
     ) -> None:
         super().__init__()
         self.max_shard_size = parse_size(max_shard_size)
-        if not filename_prefix or "/" in filename_prefix or os.sep in filename_prefix or filename_prefix.startswith("."):
+        if (
+            not filename_prefix
+            or "/" in filename_prefix
+            or os.sep in filename_prefix
+            or filename_prefix.startswith(".")
+        ):
             raise ValueError(f"filename_prefix must be a plain, non-hidden file name, got {filename_prefix!r}")
         header_md = {"format": "pt"}
         for k, v in (metadata or {}).items():
@@ -232,6 +237,11 @@ class SafetensorsWriter(StorageWriter):
         return dist.get_rank(self.process_group)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not all(getattr(p, "usable", True) for p in plans):
+            raise DcpStorageError(
+                "SafetensorsWriter does not support DCP plan caching (enable_plan_caching=True): each save "
+                "plans its own files and temp names"
+            )
         mode = "pwrite" if self.transport.is_local else "stream"
         planned = plan_save(
             plans,
@@ -293,19 +303,31 @@ class SafetensorsWriter(StorageWriter):
             )
         results: list[WriteResult] = []
         tensor_items: list[WriteItem] = []
+        early: BaseException | None = None  # in stream mode, raised only after the exchange (no rank may hang)
         for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
+            if item.type != WriteItemType.BYTE_IO:
+                tensor_items.append(item)
+                continue
+            try:
                 data = planner.resolve_data(item)
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)  # type: ignore[arg-type]
-                results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=_ExtraState(item.index.fqn, raw)))
-            else:
-                tensor_items.append(item)
+            except Exception as exc:
+                if rw.mode == "pwrite":
+                    raise
+                early = early or exc
+                continue
+            extra = _ExtraState(item.index.fqn, raw)
+            results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=extra))
         if rw.mode == "pwrite":
-            results += self._pwrite_chunks(rw, tensor_items, planner)
+            self._pwrite_chunks(rw, tensor_items, planner)
         elif rw.rank == rw.coordinator:
-            results += self._stream_files(rw, tensor_items, planner)
+            self._stream_files(rw, tensor_items, planner, early)
         else:
-            results += self._send_chunks(rw, tensor_items, planner)
+            self._send_chunks(rw, tensor_items, planner, early)
+        for item in tensor_items:
+            cw = rw.chunks.get(item.index)  # None: an empty chunk, or a replica another rank writes
+            where = rw.files[cw.file] if cw is not None else None
+            results.append(WriteResult(index=item.index, size_in_bytes=cw.nbytes if cw else 0, storage_data=where))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -322,14 +344,12 @@ class SafetensorsWriter(StorageWriter):
             )
         return raw
 
-    def _pwrite_chunks(self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        results = []
+    def _pwrite_chunks(self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner) -> None:
         fds: dict[int, int] = {}
         try:
             for item in items:
                 cw = rw.chunks.get(item.index)
-                if cw is None:  # an empty chunk, or a replica another rank writes
-                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+                if cw is None:
                     continue
                 src = as_memoryview(self._chunk_bytes(cw, item, planner).cpu())
                 fd = fds.get(cw.file)
@@ -340,13 +360,11 @@ class SafetensorsWriter(StorageWriter):
                     pwrite_all(fd, src[j * length : (j + 1) * length], cw.begin + offset)
                     n += 1
                 self.transport.counters.add(requests=n, bytes_written=cw.nbytes)
-                results.append(WriteResult(index=item.index, size_in_bytes=cw.nbytes, storage_data=rw.files[cw.file]))
             for fd in fds.values():
                 os.fsync(fd)
         finally:
             for fd in fds.values():
                 os.close(fd)
-        return results
 
     def _comm_device(self) -> torch.device:
         from torch.distributed.distributed_c10d import _get_pg_default_device
@@ -358,64 +376,61 @@ class SafetensorsWriter(StorageWriter):
             device = torch.device("cuda", torch.cuda.current_device())
         return device
 
-    def _send_chunks(self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        """Stream mode, non-coordinator: send each planned chunk (status, then bytes) in the global order."""
+    def _send_chunks(
+        self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner, failure: BaseException | None
+    ) -> None:
+        """Stream mode, non-coordinator: send each planned chunk (status, then bytes) in the global order.
+
+        After a failure the remaining chunks are announced as failed instead of sent, so the coordinator
+        stays in step and aborts its upload; the failure is raised once the exchange is over.
+        """
         by_index = {item.index: item for item in items}
         device = self._comm_device()
         group, dst = self.process_group, rw.coordinator
-        failure: BaseException | None = None
         for index in rw.sends:
-            cw = rw.chunks[index]
             payload = None
             if failure is None:
                 try:
-                    payload = self._chunk_bytes(cw, by_index[index], planner).to(device)
+                    payload = self._chunk_bytes(rw.chunks[index], by_index[index], planner).to(device)
                 except Exception as exc:  # noqa: BLE001 - announced to the coordinator, then re-raised
                     failure = exc
-            status = torch.tensor([_STATUS_OK if payload is not None else _STATUS_FAILED], dtype=torch.uint8, device=device)
-            dist.send(status, group=group, group_dst=dst)
+            ok = _STATUS_OK if payload is not None else _STATUS_FAILED
+            dist.send(torch.tensor([ok], dtype=torch.uint8, device=device), group=group, group_dst=dst)
             if payload is not None:
                 dist.send(payload, group=group, group_dst=dst)
         if failure is not None:
             raise failure
-        return [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=rw.chunks[item.index].nbytes if item.index in rw.chunks else 0,
-                storage_data=rw.files[rw.chunks[item.index].file] if item.index in rw.chunks else None,
-            )
-            for item in items
-        ]
 
-    def _stream_files(self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _stream_files(
+        self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner, failure: BaseException | None
+    ) -> None:
         """Stream mode, coordinator: write every file in order, receiving other ranks' chunks as they come."""
-        assert rw.schedule is not None  # set by plan_save for the coordinator  # noqa: S101
-        own = {item.index: item for item in items}
-        source = _ChunkSource(self, rw, own, planner)
+        if rw.schedule is None:
+            raise DcpStorageError("stream-mode plan for the coordinator carries no schedule")
+        source = _ChunkSource(self, rw, {item.index: item for item in items}, planner)
         try:
+            if failure is not None:
+                raise failure
             for fs in rw.schedule:
                 with self.transport.open_atomic(self._path(fs.name)) as out:
                     out.write(fs.header)
                     for ts in fs.tensors:
                         _write_tensor(out, ts, source)
         except BaseException as exc:
-            source.drain(exc)
+            source.drain(exc)  # let the other ranks finish sending, so none waits for the timeout
             raise
-        return [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=rw.chunks[item.index].nbytes if item.index in rw.chunks else 0,
-                storage_data=rw.files[rw.chunks[item.index].file] if item.index in rw.chunks else None,
-            )
-            for item in items
-        ]
 
     # ------------------------------------------------------------------------------------ finishing
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         planned = self._planned
         if planned is None:
             raise DcpStorageError("SafetensorsWriter.finish called without prepare_global_plan on this writer")
-        extra = {wr.storage_data.fqn: wr.storage_data.data for rank in results for wr in rank if isinstance(wr.storage_data, _ExtraState)}
+        extra = {
+            wr.storage_data.fqn: wr.storage_data.data
+            for rank in results
+            for wr in rank
+            if isinstance(wr.storage_data, _ExtraState)
+        }
         if extra:
             buf = io.BytesIO()
             torch.save(extra, buf)
@@ -437,7 +452,9 @@ class _RemoteChunkError(DcpStorageError):
 class _ChunkSource:
     """The coordinator's side of the stream: chunks in schedule order, own ones resolved, others received."""
 
-    def __init__(self, writer: SafetensorsWriter, rw: RankWrites, own: dict[MetadataIndex, WriteItem], planner: SavePlanner) -> None:
+    def __init__(
+        self, writer: SafetensorsWriter, rw: RankWrites, own: dict[MetadataIndex, WriteItem], planner: SavePlanner
+    ) -> None:
         self.writer = writer
         self.rw = rw
         self.own = own

@@ -96,7 +96,9 @@ def encode_header(entries: Iterable[HeaderEntry], metadata: Mapping[str, str] | 
     position = 0
     for e in entries:
         if e.begin != position or e.end < e.begin:
-            raise ValueError(f"{e.name}: data_offsets [{e.begin}, {e.end}) leave a gap or overlap (expected start {position})")
+            raise ValueError(
+                f"{e.name}: data_offsets [{e.begin}, {e.end}) leave a gap or overlap (expected start {position})"
+            )
         header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
         position = e.end
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -106,7 +108,7 @@ def encode_header(entries: Iterable[HeaderEntry], metadata: Mapping[str, str] | 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The row-major bytes of ``tensor`` as a 1-d ``uint8`` tensor on the tensor's device (no copy if possible)."""
-    t = tensor.detach()
+    t = tensor.detach().resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     flat = t.reshape(-1)

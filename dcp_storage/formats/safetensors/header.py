@@ -12,6 +12,7 @@ reason. Sizes are Python ints throughout, so a huge shape cannot overflow into a
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -27,10 +28,10 @@ __all__ = [
     "LENGTH_BYTES",
     "MAX_HEADER_BYTES",
     "METADATA_KEY",
-    "SHARDING_INFO_KEY",
     "SAVED_OFFSETS_KEY",
-    "TensorEntry",
+    "SHARDING_INFO_KEY",
     "SafetensorsHeader",
+    "TensorEntry",
     "header_length",
     "parse_header",
     "saved_offsets",
@@ -138,9 +139,10 @@ def parse_header(header: bytes | bytearray | memoryview, data_size: int, where: 
         raise CorruptCheckpointError(f"{where}: file ends before its header does (truncated?)")
 
     metadata = doc.pop(METADATA_KEY, None)
-    if metadata is not None:
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise CorruptCheckpointError(f"{where}: {METADATA_KEY!r} must map strings to strings")
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise CorruptCheckpointError(f"{where}: {METADATA_KEY!r} must map strings to strings")
 
     tensors = {name: _entry(name, info, data_size, where) for name, info in doc.items()}
     _check_overlaps(tensors.values(), where)
@@ -184,7 +186,7 @@ def _entry(name: str, info: Any, data_size: int, where: str) -> TensorEntry:
 
 def _check_overlaps(entries: Any, where: str) -> None:
     spans = sorted((e for e in entries if e.nbytes > 0), key=lambda e: (e.begin, e.end))
-    for prev, cur in zip(spans, spans[1:]):
+    for prev, cur in itertools.pairwise(spans):
         if cur.begin < prev.end:
             raise CorruptCheckpointError(
                 f"{where}: tensors {prev.name!r} [{prev.begin}, {prev.end}) and {cur.name!r} "

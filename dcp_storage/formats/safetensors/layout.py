@@ -36,10 +36,10 @@ __all__ = [
     "INDEX_FILE",
     "SUFFIX",
     "Layout",
+    "check_relative",
     "discover",
     "looks_like_safetensors",
     "parse_index",
-    "check_relative",
     "resolve",
 ]
 
@@ -56,7 +56,10 @@ def looks_like_safetensors(head: bytes | bytearray | memoryview, size: int) -> b
     if len(head) < LENGTH_BYTES + 1 or size < LENGTH_BYTES + 2:
         return False
     (length,) = struct.unpack("<Q", bytes(head[:LENGTH_BYTES]))
-    return 2 <= length <= min(size - LENGTH_BYTES, MAX_HEADER_BYTES) and bytes(head[LENGTH_BYTES : LENGTH_BYTES + 1]) == b"{"
+    return (
+        2 <= length <= min(size - LENGTH_BYTES, MAX_HEADER_BYTES)
+        and bytes(head[LENGTH_BYTES : LENGTH_BYTES + 1]) == b"{"
+    )
 
 
 @dataclass

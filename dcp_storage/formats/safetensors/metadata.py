@@ -34,7 +34,7 @@ from ..tensor_reads import StoredTensor
 from .header import SafetensorsHeader, TensorEntry, saved_offsets
 from .layout import Layout
 
-__all__ = ["Blob", "StoredChunk", "StoredBytes", "build_metadata", "MAX_OVERLAP_CHECK_CHUNKS"]
+__all__ = ["MAX_OVERLAP_CHECK_CHUNKS", "Blob", "StoredBytes", "StoredChunk", "build_metadata"]
 
 # Pairwise overlap checks cost O(chunks^2) per tensor; past this many chunks only coverage is checked.
 MAX_OVERLAP_CHECK_CHUNKS = 1024
@@ -59,7 +59,9 @@ class StoredChunk:
     tensor: str
 
     def stored(self, path: str, url: str) -> StoredTensor:
-        return StoredTensor.contiguous(path, self.data_offset, self.dtype, self.shape, f"{url} (tensor {self.tensor!r})")
+        return StoredTensor.contiguous(
+            path, self.data_offset, self.dtype, self.shape, f"{url} (tensor {self.tensor!r})"
+        )
 
 
 @dataclass(frozen=True)
@@ -162,8 +164,7 @@ def _assemble(name: str, found: list[_Piece], urls: Mapping[str, str]) -> tuple[
 
 def _overlap(a: _Piece, b: _Piece) -> bool:
     return all(
-        ao < bo + bs and bo < ao + as_
-        for ao, as_, bo, bs in zip(a.offsets, a.entry.shape, b.offsets, b.entry.shape)
+        ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.entry.shape, b.offsets, b.entry.shape)
     )
 
 
@@ -205,5 +206,7 @@ def _from_dcp_metadata(layout: Layout, headers: Mapping[Blob, SafetensorsHeader]
                 f"{blob_url}: tensor {index.fqn!r} is the piece at {list(stored_at)} but {md_url} says "
                 f"{list(chunk_offsets)}"
             )
-        storage[index] = StoredChunk(file, offset + header.data_start + entry.begin, entry.dtype, entry.shape, index.fqn)
+        storage[index] = StoredChunk(
+            file, offset + header.data_start + entry.begin, entry.dtype, entry.shape, index.fqn
+        )
     return dataclasses.replace(md, storage_data=storage)

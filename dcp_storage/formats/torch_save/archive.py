@@ -65,6 +65,7 @@ class TorchSaveArchive:
         tree: Mapping[str, Any],
         flat: dict[str, Any],
         mappings: dict[str, tuple[str | int, ...]],
+        storages: dict[str, int],
     ) -> None:
         self.transport = transport
         self.index = index
@@ -72,6 +73,7 @@ class TorchSaveArchive:
         self.tree = tree
         self.flat = flat
         self.mappings = mappings
+        self.storages = storages  # storage key -> bytes, for every tensor anywhere in the tree
         self.tensors = {k: v for k, v in flat.items() if isinstance(v, TensorDescriptor)}
         self._starts: dict[str, int] | None = None
 
@@ -109,7 +111,7 @@ class TorchSaveArchive:
             if entry.size < nbytes:
                 raise CorruptCheckpointError(f"{url}: storage record {name!r} holds {entry.size} bytes, data.pkl needs {nbytes}")
         flat, mappings = flatten_tree(tree, url)
-        return cls(transport, index, prefix, tree, flat, mappings)
+        return cls(transport, index, prefix, tree, flat, mappings, storages)
 
     @property
     def url(self) -> str:
@@ -136,8 +138,7 @@ class TorchSaveArchive:
     # ------------------------------------------------------------------------------------- tensors
     def _data_starts(self) -> dict[str, int]:
         if self._starts is None:
-            keys = {d.storage_key for d in self.tensors.values()}
-            names = {f"{self.prefix}data/{k}": k for k in keys}
+            names = {f"{self.prefix}data/{k}": k for k in self.storages}
             # Headers lie between tensors: with an object store's coalescing gap, fetching them together
             # would read the small tensors between them too. Read them exactly (same counters, same fs).
             exact = FsspecTransport(self.transport.fs, dataclasses.replace(self.transport.config, coalesce_gap=0))
@@ -246,7 +247,7 @@ def _refuse_not_zip(transport: FsspecTransport, path: str, exc: NotAZipError, co
     """Raise the most useful error for a file without a zip end record."""
     url = transport.url(path)
     if not exc.head:
-        raise exc
+        raise CorruptCheckpointError(str(exc)) from None
     if is_legacy_head(exc.head):
         size = transport.size(path)
         n = min(size, 1 * MiB)

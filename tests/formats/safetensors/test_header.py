@@ -139,7 +139,9 @@ def test_rejects_bad_sharding_info(info: str, words: list[str]) -> None:
         assert word in str(exc.value)
 
 
-@pytest.mark.parametrize("name", ["../x.safetensors", "a/../../x", "/etc/passwd", "s3://other/x", "C:\\x", "", 5, "a//b"])
+@pytest.mark.parametrize(
+    "name", ["../x.safetensors", "a/../../x", "/etc/passwd", "s3://other/x", "C:\\x", "", 5, "a//b"]
+)
 def test_index_entries_that_escape_are_refused(name: object) -> None:
     index = json.dumps({"weight_map": {"w": name}}).encode()
     with pytest.raises(CorruptCheckpointError) as exc:
@@ -160,17 +162,34 @@ _json_leaf = st.one_of(
     st.sampled_from(["F32", "BF16", "U8", "F8_E8M0", "C64", "Q4", "", "__metadata__", "DCP_SHARDING_INFO"]),
     st.text(max_size=8),
 )
-_json = st.recursive(_json_leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=20)
-_shape = st.lists(st.one_of(st.integers(min_value=-2, max_value=6), st.integers(min_value=2**31, max_value=2**66), _json_leaf), max_size=4)
+_json = st.recursive(
+    _json_leaf,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+_shape = st.lists(
+    st.one_of(st.integers(min_value=-2, max_value=6), st.integers(min_value=2**31, max_value=2**66), _json_leaf),
+    max_size=4,
+)
 _offsets = st.lists(st.one_of(st.integers(min_value=-4, max_value=300), _json_leaf), max_size=3)
-_tensor_entry = st.fixed_dictionaries(
-    {"dtype": st.one_of(st.sampled_from(["F32", "F16", "U8", "BOOL", "I64", "F8_E4M3", "XX"]), _json_leaf), "shape": _shape, "data_offsets": _offsets}
-) | _json
-_header_obj = st.dictionaries(
-    st.one_of(st.text(max_size=6), st.just("__metadata__")),
-    _tensor_entry,
-    max_size=5,
-) | _json
+_tensor_entry = (
+    st.fixed_dictionaries(
+        {
+            "dtype": st.one_of(st.sampled_from(["F32", "F16", "U8", "BOOL", "I64", "F8_E4M3", "XX"]), _json_leaf),
+            "shape": _shape,
+            "data_offsets": _offsets,
+        }
+    )
+    | _json
+)
+_header_obj = (
+    st.dictionaries(
+        st.one_of(st.text(max_size=6), st.just("__metadata__")),
+        _tensor_entry,
+        max_size=5,
+    )
+    | _json
+)
 
 
 def _check(data: bytes) -> None:
@@ -189,7 +208,11 @@ def _check(data: bytes) -> None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(header=_header_obj, data_size=st.integers(min_value=0, max_value=400), fudge=st.integers(min_value=-12, max_value=12))
+@given(
+    header=_header_obj,
+    data_size=st.integers(min_value=0, max_value=400),
+    fudge=st.integers(min_value=-12, max_value=12),
+)
 def test_fuzzed_headers_raise_only_our_errors(header: object, data_size: int, fudge: int) -> None:
     raw = json.dumps(header, allow_nan=True).encode()
     _check(blob(raw, bytes(data_size), length=max(0, len(raw) + fudge) if fudge % 3 == 0 else None))
@@ -205,7 +228,9 @@ def test_garbage_bytes_raise_only_our_errors(data: bytes) -> None:
 @given(position=st.integers(min_value=0, max_value=10_000), value=st.integers(min_value=0, max_value=255))
 def test_flipped_bytes_in_a_real_file_raise_only_our_errors(position: int, value: int) -> None:
     tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
-    data = bytearray(safetensors.torch.save(tensors, metadata={"DCP_SHARDING_INFO": json.dumps({"a": {"saved_offsets": [0, 0]}})}))
+    data = bytearray(
+        safetensors.torch.save(tensors, metadata={"DCP_SHARDING_INFO": json.dumps({"a": {"saved_offsets": [0, 0]}})})
+    )
     data[position % len(data)] = value
     _check(bytes(data))
     _check(bytes(data[: position % len(data)]))  # truncated anywhere

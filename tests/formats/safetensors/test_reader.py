@@ -11,6 +11,7 @@ Bit-exactness is checked on raw bytes. Broken checkpoints must fail with errors 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -126,10 +127,8 @@ def ckpts(moto_server: MotoS3Server, tmp_path_factory: pytest.TempPathFactory) -
     try:
         yield c
     finally:
-        try:
+        with contextlib.suppress(Exception):  # cleanup must not mask the result
             moto_server.delete_bucket(s3.url.split("/")[2])
-        except Exception:  # noqa: BLE001 - cleanup must not mask the result
-            pass
 
 
 def _sentinel(full: torch.Tensor) -> torch.Tensor:
@@ -277,7 +276,10 @@ def rank_reports(ckpts: Checkpoints) -> dict[int, list[dict[str, Any]]]:
     counted = ckpts.url(SOURCES["hf_sharded"], "s3")
     broken = ckpts.url("broken_sharded", "s3")
     refs = str(ckpts.root / "refs.pt")
-    return {world: run_ranks(R.load_everything, world, sources, refs, counted, broken, timeout=TIMEOUT_S) for world in (2, 3)}
+    return {
+        world: run_ranks(R.load_everything, world, sources, refs, counted, broken, timeout=TIMEOUT_S)
+        for world in (2, 3)
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -289,8 +291,6 @@ def test_dtensor_state_dicts(ckpts: Checkpoints, rank_reports: dict[int, list[di
         header_bytes[name] = reader.counters["bytes_read"]
     reports = rank_reports[world]
     assert len(reports) == world
-    for rep in reports:
-        print(world, round(rep["seconds"], 2), [(l["name"], l["url"][:2], round(l["seconds"], 3)) for l in rep["loads"]])
     for rank, report in enumerate(reports):
         assert len(report["loads"]) == 2 * 2 * len(SOURCES)
         for load in report["loads"]:

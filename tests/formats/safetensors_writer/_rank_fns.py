@@ -77,7 +77,9 @@ def _save(state: dict[str, Any], url: str, options: dict[str, Any], **kwargs: An
     return writer.counters
 
 
-def _expect_failure(state: dict[str, Any], url: str, options: dict[str, Any], planner: Any = None, **kwargs: Any) -> dict[str, Any]:
+def _expect_failure(
+    state: dict[str, Any], url: str, options: dict[str, Any], planner: Any = None, **kwargs: Any
+) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -95,7 +97,9 @@ def _expect_failure(state: dict[str, Any], url: str, options: dict[str, Any], pl
     return {"raised": False}
 
 
-def save_all(rank: int, world: int, root: str, s3: dict[str, tuple[str, dict[str, Any]]], llama_path: str) -> dict[str, Any]:
+def save_all(
+    rank: int, world: int, root: str, s3: dict[str, tuple[str, dict[str, Any]]], llama_path: str | None
+) -> dict[str, Any]:
     """Every 2-rank save of the module, local and S3, then the failure cases."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -103,11 +107,12 @@ def save_all(rank: int, world: int, root: str, s3: dict[str, tuple[str, dict[str
 
     mesh = init_device_mesh("cpu", (world,))
     fsdp2_sd = fsdp2_shard(build_model(SEED, **SHAPE)).state_dict()
-    llama = _shard0_state(torch.load(llama_path, weights_only=True), mesh)
     report: dict[str, Any] = {}
     report["fsdp2_local"] = _save(fsdp2_sd, f"{root}/fsdp2", {}, max_shard_size=MAX_SHARD)
     report["shard1_local"] = _save(_shard1_state(mesh), f"{root}/shard1", {})
-    report["llama_local"] = _save(llama, f"{root}/llama", {})
+    if llama_path is not None:  # each rank holds Shard(0) of every weight
+        llama = _shard0_state(torch.load(llama_path, weights_only=True), mesh)
+        report["llama_local"] = _save(llama, f"{root}/llama", {})
     url, opts = s3["fsdp2"]
     report["fsdp2_s3"] = _save(fsdp2_sd, url, opts, max_shard_size=MAX_SHARD)
     url, opts = s3["shard1"]

@@ -17,8 +17,8 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -144,13 +144,15 @@ def test_sharded_output_index_and_files(location: str) -> None:
     out = read_checkpoint(location)  # checks every file loads and matches the index
     n = len(out["files"])
     assert n > 2
-    assert listing(location) == sorted([f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)] + ["model.safetensors.index.json"])
+    assert listing(location) == sorted(
+        [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)] + ["model.safetensors.index.json"]
+    )
     assert mismatches(out["tensors"], sd) == []
     assert set(out["index"]["weight_map"]) == set(sd)
     # Files follow the state dict's order, each within the limit (no tensor here exceeds it alone).
     file_of = out["index"]["weight_map"]
     assert [file_of[k] for k in sd] == sorted(file_of[k] for k in sd)
-    for name, data in out["files"].items():
+    for name in out["files"]:
         tensors = [k for k, f in file_of.items() if f == name]
         assert sum(sd[k].numel() * sd[k].element_size() for k in tensors) <= limit, name
     ratio = writer.counters["bytes_written"] / checkpoint_bytes(location)
@@ -159,7 +161,9 @@ def test_sharded_output_index_and_files(location: str) -> None:
 
 def test_prefix_and_metadata(location: str) -> None:
     sd = {"a": torch.arange(6, dtype=torch.int32)}
-    dcp.save(sd, storage_writer=SafetensorsWriter(location, filename_prefix="adapter_model", metadata={"source": "test"}))
+    dcp.save(
+        sd, storage_writer=SafetensorsWriter(location, filename_prefix="adapter_model", metadata={"source": "test"})
+    )
     assert listing(location) == ["adapter_model.safetensors"]
     fs, root = fsspec.core.url_to_fs(location)
     from safetensors import safe_open
@@ -237,7 +241,10 @@ def test_overwrite_refused_when_only_the_index_exists(location: str) -> None:
 
 
 def test_overwrite_true_replaces_and_removes_stale_shards(location: str) -> None:
-    dcp.save(model_like_state_dict(), storage_writer=SafetensorsWriter(location, max_shard_size=12_000, allow_extra_state=True))
+    dcp.save(
+        model_like_state_dict(),
+        storage_writer=SafetensorsWriter(location, max_shard_size=12_000, allow_extra_state=True),
+    )
     assert len(listing(location)) > 3
     second = {"w": torch.arange(5.0)}
     dcp.save(second, storage_writer=SafetensorsWriter(location, overwrite=True))
@@ -269,7 +276,11 @@ class FailingPlanner(DefaultSavePlanner):
 def test_interrupted_save_never_looks_complete(location: str, max_shard_size: int | str) -> None:
     sd = model_like_state_dict()
     with pytest.raises(CheckpointException, match="simulated crash"):
-        dcp.save(sd, storage_writer=SafetensorsWriter(location, max_shard_size=max_shard_size), planner=FailingPlanner("layers.2.mlp.weight"))
+        dcp.save(
+            sd,
+            storage_writer=SafetensorsWriter(location, max_shard_size=max_shard_size),
+            planner=FailingPlanner("layers.2.mlp.weight"),
+        )
     names = listing(location)
     assert "model.safetensors" not in names and "model.safetensors.index.json" not in names
     # A retry with overwrite=True succeeds and clears what the crash left (hidden local temp files).

@@ -46,7 +46,9 @@ def test_parse_size_rejects_types(bad: object) -> None:
         parse_size(bad)  # type: ignore[arg-type]
 
 
-def _expected_bytes(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int) -> list[int]:
+def _expected_bytes(
+    shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int
+) -> list[int]:
     """Brute force: the byte offsets, in chunk order, that the box occupies in the row-major tensor."""
     ids = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64).reshape(shape) if shape else torch.tensor(0)
     box = ids[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] if shape else ids
@@ -88,7 +90,11 @@ def test_chunk_runs_random_boxes() -> None:
         offsets = tuple(rng.randint(0, s - 1) for s in shape)
         sizes = tuple(rng.randint(1, s - o) for s, o in zip(shape, offsets))
         itemsize = rng.choice([1, 2, 4, 8])
-        assert _run_bytes(shape, offsets, sizes, itemsize) == _expected_bytes(shape, offsets, sizes, itemsize), (shape, offsets, sizes)
+        assert _run_bytes(shape, offsets, sizes, itemsize) == _expected_bytes(shape, offsets, sizes, itemsize), (
+            shape,
+            offsets,
+            sizes,
+        )
 
 
 def test_chunk_runs_rejects_out_of_bounds() -> None:
@@ -129,7 +135,7 @@ def test_header_and_order_match_safetensors_byte_for_byte() -> None:
     metadata = {"format": 'p"t\\'}  # one key: safetensors writes several in hash order
     try:
         expected = st_save(tensors, metadata=metadata)
-    except Exception as exc:  # pragma: no cover - a safetensors build without some dtype
+    except Exception as exc:  # noqa: BLE001  # pragma: no cover - a safetensors build without some dtype
         pytest.skip(f"installed safetensors cannot write every dtype: {exc}")
 
     ordered = data_order([(k, _st_name(v.dtype)) for k, v in tensors.items()])
