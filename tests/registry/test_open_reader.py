@@ -50,3 +50,23 @@ def test_plugin_format_is_detected_and_ties_are_ambiguous(tmp_path: Path) -> Non
     with pytest.raises(UnknownFormatError, match="read-only"):
         with registry.registered("formats", "magic", spec):
             open_writer(str(tmp_path / "out"), "magic")
+
+
+def test_detects_safetensors_layouts(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from dcp_storage import SafetensorsReader, SafetensorsWriter
+
+    sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    save_file(sd, str(tmp_path / "one.safetensors"))
+    assert isinstance(open_reader(str(tmp_path / "one.safetensors")), SafetensorsReader)
+    assert isinstance(open_reader(str(tmp_path)), SafetensorsReader)  # a directory of .safetensors files
+    out_dir = tmp_path / "sharded"
+    dcp.save(sd, storage_writer=open_writer(str(out_dir), "safetensors", max_shard_size=20))
+    assert isinstance(open_writer(str(tmp_path / "x"), "safetensors"), SafetensorsWriter)
+    assert (out_dir / "model.safetensors.index.json").exists()
+    reader = open_reader(str(out_dir / "model.safetensors.index.json"))
+    out = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"])
+    assert isinstance(open_reader(str(out_dir)), SafetensorsReader)

@@ -78,40 +78,40 @@ def _bad(data: bytes, *words: str) -> None:
         assert word in message, message
 
 
-@pytest.mark.parametrize(
-    "data, words",
-    [
-        (b"\x01\x02\x03", ["too short"]),
-        (struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", ["absurd"]),
-        (struct.pack("<Q", 2**64 - 1) + b"{}", ["absurd"]),
-        (struct.pack("<Q", 1000) + b"{}", ["runs past the end"]),
-        (blob(b"{not json"), ["not valid JSON"]),
-        (blob(b"\xff\xfe{}"), ["not valid JSON"]),
-        (blob(b"[" * 100_000 + b"]" * 100_000), ["not valid JSON"]),
-        (blob(b'{"a": 1, "a": 2}'), ["'a' twice"]),
-        (blob([1, 2]), ["expected an object"]),
-        (blob({"w": [1]}), ["'w'", "expected an object"]),
-        (blob({"w": entry("F99", [1], 0, 4)}, bytes(4)), ["'w'", "unknown dtype 'F99'"]),
-        (blob({"w": {"dtype": 5, "shape": [1], "data_offsets": [0, 4]}}, bytes(4)), ["'w'", "'dtype'"]),
-        (blob({"w": {"dtype": "F32", "shape": 4, "data_offsets": [0, 16]}}, bytes(16)), ["'w'", "'shape'"]),
-        (blob({"w": entry("F32", [-1, 4], 0, 16)}, bytes(16)), ["'w'", "'shape'"]),
-        (blob({"w": entry("F32", [1.5], 0, 4)}, bytes(4)), ["'w'", "'shape'"]),
-        (blob({"w": entry("F32", [True], 0, 4)}, bytes(4)), ["'w'", "'shape'"]),
-        (blob({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, bytes(4)), ["'w'", "data_offsets"]),
-        (blob({"w": entry("F32", [1], -4, 0)}, bytes(4)), ["'w'", "data_offsets"]),
-        (blob({"w": entry("F32", [1], 4, 0)}, bytes(4)), ["'w'", "end before they begin"]),
-        (blob({"w": entry("F32", [2, 3], 0, 20)}, bytes(20)), ["'w'", "needs 24 bytes", "hold 20"]),
-        # 2**62 * 2**62 elements would wrap a 64-bit byte count to 0: Python ints do not.
-        (blob({"w": entry("F32", [2**62, 2**62], 0, 0)}), ["'w'", "needs"]),
-        (blob({"w": entry("F32", [4], 0, 16)}, bytes(8)), ["'w'", "run past the end", "truncated"]),
-        (
-            blob({"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 4, 12)}, bytes(12)),
-            ["'a'", "'b'", "overlap"],
-        ),
-        (blob({"__metadata__": {"k": 1}}), ["__metadata__"]),
-        (blob({"__metadata__": [1]}), ["__metadata__"]),
-    ],
-)
+REJECTS: list[tuple[bytes, list[str]]] = [
+    (b"\x01\x02\x03", ["too short"]),
+    (struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", ["absurd"]),
+    (struct.pack("<Q", 2**64 - 1) + b"{}", ["absurd"]),
+    (struct.pack("<Q", 1000) + b"{}", ["runs past the end"]),
+    (blob(b"{not json"), ["not valid JSON"]),
+    (blob(b"\xff\xfe{}"), ["not valid JSON"]),
+    (blob(b"[" * 100_000 + b"]" * 100_000), ["not valid JSON"]),
+    (blob(b'{"a": 1, "a": 2}'), ["'a' twice"]),
+    (blob([1, 2]), ["expected an object"]),
+    (blob({"w": [1]}), ["'w'", "expected an object"]),
+    (blob({"w": entry("F99", [1], 0, 4)}, bytes(4)), ["'w'", "unknown dtype 'F99'"]),
+    (blob({"w": {"dtype": 5, "shape": [1], "data_offsets": [0, 4]}}, bytes(4)), ["'w'", "'dtype'"]),
+    (blob({"w": {"dtype": "F32", "shape": 4, "data_offsets": [0, 16]}}, bytes(16)), ["'w'", "'shape'"]),
+    (blob({"w": entry("F32", [-1, 4], 0, 16)}, bytes(16)), ["'w'", "'shape'"]),
+    (blob({"w": entry("F32", [1.5], 0, 4)}, bytes(4)), ["'w'", "'shape'"]),
+    (blob({"w": entry("F32", [True], 0, 4)}, bytes(4)), ["'w'", "'shape'"]),
+    (blob({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, bytes(4)), ["'w'", "data_offsets"]),
+    (blob({"w": entry("F32", [1], -4, 0)}, bytes(4)), ["'w'", "data_offsets"]),
+    (blob({"w": entry("F32", [1], 4, 0)}, bytes(4)), ["'w'", "end before they begin"]),
+    (blob({"w": entry("F32", [2, 3], 0, 20)}, bytes(20)), ["'w'", "needs 24 bytes", "hold 20"]),
+    # 2**62 * 2**62 elements would wrap a 64-bit byte count to 0: Python ints do not.
+    (blob({"w": entry("F32", [2**62, 2**62], 0, 0)}), ["'w'", "needs"]),
+    (blob({"w": entry("F32", [4], 0, 16)}, bytes(8)), ["'w'", "run past the end", "truncated"]),
+    (
+        blob({"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 4, 12)}, bytes(12)),
+        ["'a'", "'b'", "overlap"],
+    ),
+    (blob({"__metadata__": {"k": 1}}), ["__metadata__"]),
+    (blob({"__metadata__": [1]}), ["__metadata__"]),
+]
+
+
+@pytest.mark.parametrize("data, words", REJECTS, ids=[f"{i}-{w[-1]}" for i, (_, w) in enumerate(REJECTS)])
 def test_rejects(data: bytes, words: list[str]) -> None:
     _bad(data, *words)
 

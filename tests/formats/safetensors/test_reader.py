@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from dcp_storage import SafetensorsReader
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError
+from dcp_storage.formats.safetensors.scan import ScanConfig
 from dcp_storage.storage import FsspecWriter
 from dcp_storage.testing.distributed import run_ranks
 from dcp_storage.testing.s3_server import MotoS3Server
@@ -188,6 +189,14 @@ def test_a_plain_load_reads_headers_in_one_request_per_file(ckpts: Checkpoints) 
     assert reader.counters["requests"] == 1 + 3  # the index, then one header probe per shard
 
 
+def test_headers_longer_than_the_probe_take_a_second_request(ckpts: Checkpoints) -> None:
+    url, _ = ckpts.url(SOURCES["hf_sharded"], "local")
+    whole = SafetensorsReader(url).read_metadata()
+    reader = SafetensorsReader(url, scan_config=ScanConfig(probe_bytes=64))
+    assert reader.read_metadata().state_dict_metadata == whole.state_dict_metadata
+    assert reader.counters["requests"] == 1 + 2 * 3  # the index, then two reads per shard
+
+
 # ------------------------------------------------------------------------------------------ errors
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_missing_shard_named_by_the_index(ckpts: Checkpoints, backend: str) -> None:
@@ -248,6 +257,13 @@ def test_torch_distributed_layout_with_a_shard_file_gone(ckpts: Checkpoints, tmp
     (ckpt / "shard-00001-model-00001-of-00001.safetensors").unlink()
     with pytest.raises(CorruptCheckpointError, match=r"tensor '\w+'.*shard-00002.*shard file is missing"):
         SafetensorsReader(str(ckpt)).read_metadata()
+
+
+def test_the_same_piece_in_two_files(tmp_path: Path) -> None:
+    safetensors.torch.save_file({"w": torch.ones(2, 2)}, str(tmp_path / "a.safetensors"))
+    safetensors.torch.save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "b.safetensors"))
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*a\.safetensors.*b\.safetensors.*stale"):
+        SafetensorsReader(str(tmp_path)).read_metadata()
 
 
 def test_native_dcp_checkpoint_points_at_fsspec_reader(tmp_path: Path) -> None:

@@ -1,0 +1,53 @@
+"""Format registration for safetensors: single files, directories, HF indexes, torch's DCP layouts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..spec import HEAD_BYTES, FormatSpec, Probe
+from .layout import looks_like_safetensors
+
+__all__ = ["FORMAT"]
+
+INDEX_SUFFIX = ".safetensors.index.json"
+_UNKNOWN_SIZE = 1 << 62  # a directory probe reads heads only; the reader checks real sizes
+
+
+def _sniff(probe: Probe) -> int | None:
+    if not probe.is_dir:
+        if probe.basename.endswith(INDEX_SUFFIX) and probe.head.lstrip().startswith(b"{"):
+            return 100
+        return 100 if looks_like_safetensors(probe.head, probe.size) else None
+    names = set(probe.names)
+    if any(n.endswith(INDEX_SUFFIX) for n in names):
+        return 90
+    tensors = sorted(n for n in names if n.endswith(".safetensors"))
+    if tensors:
+        return 80 if looks_like_safetensors(probe.head_of(tensors[0], HEAD_BYTES), _UNKNOWN_SIZE) else None
+    if ".metadata" in names:  # FileSystemWriter(serialization_format=SAFETENSORS): .distcp files are safetensors
+        data = sorted(n for n in names if n.endswith(".distcp"))
+        if data and looks_like_safetensors(probe.head_of(data[0], HEAD_BYTES), _UNKNOWN_SIZE):
+            return 100
+    return None
+
+
+def _reader(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
+    from ...storage import SafetensorsReader
+
+    return SafetensorsReader(url, storage_options, **options)
+
+
+def _writer(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
+    from ...storage import SafetensorsWriter
+
+    return SafetensorsWriter(url, storage_options, **options)
+
+
+FORMAT = FormatSpec(
+    name="safetensors",
+    version="1",
+    sniff=_sniff,
+    open_reader=_reader,
+    open_writer=_writer,
+    description="safetensors: a file, a directory, an HF model.safetensors.index.json, torch's DCP layouts",
+)
