@@ -70,3 +70,20 @@ def test_detects_safetensors_layouts(tmp_path: Path) -> None:
     dcp.load(out, storage_reader=reader)
     assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"])
     assert isinstance(open_reader(str(out_dir)), SafetensorsReader)
+
+
+def test_detects_torch_save_files(tmp_path: Path) -> None:
+    from dcp_storage import BroadcastingTorchSaveReader, DynamicMetaLoadPlanner
+    from dcp_storage.formats.torch_save.spec import looks_like_legacy_torch_pickle
+
+    sd = {"w": torch.arange(10.0), "b": torch.ones(2, 2)}
+    torch.save(sd, tmp_path / "model.pt")
+    reader = open_reader(str(tmp_path / "model.pt"))
+    assert isinstance(reader, BroadcastingTorchSaveReader)
+    out = {"w": torch.zeros(10), "b": torch.zeros(2, 2)}
+    dcp.load(out, storage_reader=reader, planner=DynamicMetaLoadPlanner(), checkpoint_id=str(tmp_path / "model.pt"))
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
+    torch.save(sd, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert looks_like_legacy_torch_pickle((tmp_path / "legacy.pt").read_bytes()[:64])
+    with pytest.raises(UnknownFormatError, match="read-only"):
+        open_writer(str(tmp_path / "out.pt"), "torch_save")
