@@ -144,7 +144,7 @@ class BroadcastingTorchSaveReader(StorageReader):
     # ------------------------------------------------------------------------------------ metadata
     def read_metadata(self) -> Metadata:  # type: ignore[override]  # no rank-local metadata: no **kwargs
         """Index the file on the coordinator; every rank gets the Metadata, or raises the coordinator's error."""
-        view = self._view()
+        self._view()  # checks coordinator_rank against the group
 
         def build() -> Metadata:
             return self._open_archive().metadata()
@@ -205,7 +205,9 @@ class BroadcastingTorchSaveReader(StorageReader):
         expected = {r: len(p.items) for r, p in enumerate(plans)}
         sender = SliceSender(view, expected, self.delivery, self.delivery_config)
         try:
-            _Server(self._open_archive(), planner, view, plans, sender, self.delivery_config, self.delivery).run()
+            archive = self._open_archive()
+            _check_global_shapes(archive, planner, plans)
+            _Server(archive, planner, view, plans, sender, self.delivery_config, self.delivery).run()
             sender.finish()
         except BaseException as exc:
             sender.abort(exc)
@@ -231,7 +233,9 @@ def _check_item(archive: TorchSaveArchive, item: ReadItem, rank: int) -> None:
     fqn = item.storage_index.fqn
     if item.type == LoadItemType.BYTE_IO:
         if fqn not in archive.flat or fqn in archive.tensors:
-            raise CorruptCheckpointError(f"{archive.url}: rank {rank} loads value {fqn!r}, which the file does not hold")
+            raise CorruptCheckpointError(
+                f"{archive.url}: rank {rank} loads value {fqn!r}, which the file does not hold"
+            )
         return
     desc = archive.tensors.get(fqn)
     if desc is None:
@@ -244,6 +248,24 @@ def _check_item(archive: TorchSaveArchive, item: ReadItem, rank: int) -> None:
             f"{archive.url}: tensor {fqn!r} has shape {list(desc.shape)} in the file, but rank {rank} loads the slice "
             f"at {list(offsets)} of size {list(lengths)} (does the state dict have the file's shapes?)"
         )
+
+
+def _check_global_shapes(archive: TorchSaveArchive, planner: LoadPlanner, plans: Sequence[LoadPlan]) -> None:
+    """Refuse a file tensor whose shape differs from the one the planner describes.
+
+    A planner that builds Metadata from the state dict (``DynamicMetaLoadPlanner``) plans slices of the
+    *destination's* shape; a smaller destination would otherwise silently get a corner of a bigger tensor.
+    """
+    md = getattr(getattr(planner, "metadata", None), "state_dict_metadata", None)
+    if not isinstance(md, dict):
+        return
+    for fqn in {item.storage_index.fqn for plan in plans for item in plan.items}:
+        entry, desc = md.get(fqn), archive.tensors.get(fqn)
+        if isinstance(entry, TensorStorageMetadata) and desc is not None and tuple(entry.size) != desc.shape:
+            raise ShapeMismatchError(
+                f"{archive.url}: tensor {fqn!r} has shape {list(desc.shape)} in the file but {list(entry.size)} in "
+                "the state dict being loaded"
+            )
 
 
 def _global_offsets(item: ReadItem) -> tuple[int, ...]:

@@ -12,4 +12,4 @@ from .broadcasting import Broadcasting
 from .metadata_sharing import share_object
 from .slice_delivery import DeliveryConfig, DeliveryStats
 
-__all__ = ["Broadcasting", "share_object", "DeliveryConfig", "DeliveryStats"]
+__all__ = ["Broadcasting", "DeliveryConfig", "DeliveryStats", "share_object"]

@@ -107,7 +107,9 @@ class Broadcasting(StorageReader):
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]
         self._view()
-        self._metadata = share_object(self.reader.read_metadata, group=self.process_group, src_rank=self.coordinator_rank)
+        self._metadata = share_object(
+            self.reader.read_metadata, group=self.process_group, src_rank=self.coordinator_rank
+        )
         return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -189,7 +191,10 @@ class Broadcasting(StorageReader):
             rank, _index, item = job
             size = 0
             if rank != me and item.type != LoadItemType.BYTE_IO:
-                size = math.prod(int(n) for n in item.lengths) * torch.empty((), dtype=self._stored_dtype(item)).element_size()
+                size = (
+                    math.prod(int(n) for n in item.lengths)
+                    * torch.empty((), dtype=self._stored_dtype(item)).element_size()
+                )
             if current and held + size > self.delivery_config.staging_bytes:
                 chunks.append(current)
                 current, held = [], 0
@@ -203,7 +208,9 @@ class Broadcasting(StorageReader):
 class _RoutingPlanner(LoadPlanner):
     """Stands in for the real planner inside the wrapped reader's ``read_data`` on the coordinator."""
 
-    def __init__(self, real: LoadPlanner, me: int, sender: SliceSender, stored_dtype: Any, stats: DeliveryStats) -> None:
+    def __init__(
+        self, real: LoadPlanner, me: int, sender: SliceSender, stored_dtype: Any, stats: DeliveryStats
+    ) -> None:
         self._real = real
         self._me = me
         self._sender = sender
@@ -236,7 +243,9 @@ class _RoutingPlanner(LoadPlanner):
             return job
         queue = self._by_value.get(item)
         if not queue:
-            raise DcpStorageError(f"Broadcasting: the wrapped reader delivered an unplanned item {item.dest_index.fqn!r}")
+            raise DcpStorageError(
+                f"Broadcasting: the wrapped reader delivered an unplanned item {item.dest_index.fqn!r}"
+            )
         job = queue.popleft()
         self._by_id.pop(id(job[2]), None)
         return job

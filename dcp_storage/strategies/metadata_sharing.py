@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from ..errors import DcpStorageError
 from .group import group_view
 
-__all__ = ["share_object", "encode_error", "decode_error"]
+__all__ = ["decode_error", "encode_error", "share_object"]
 
 T = TypeVar("T")
 _SIMPLE = (str, int, float, bool, type(None))
@@ -67,8 +67,21 @@ def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -
 def encode_error(exc: BaseException, rank: int) -> dict[str, Any]:
     """A plain-data description of ``exc`` for :func:`decode_error` on another rank."""
     cls = type(exc)
-    attrs = {k: v for k, v in vars(exc).items() if isinstance(v, _SIMPLE) and not k.startswith("_")}
+    attrs = {k: v for k, v in vars(exc).items() if _plain(v) and not k.startswith("_")}
     return {"module": cls.__module__, "qualname": cls.__qualname__, "message": str(exc), "attrs": attrs, "rank": rank}
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Plain data (what ``__reduce__`` of our errors needs): scalars, and lists/tuples/dicts of them."""
+    if isinstance(value, _SIMPLE):
+        return True
+    if depth > 3:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, _SIMPLE) and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def decode_error(info: dict[str, Any]) -> DcpStorageError:

@@ -25,6 +25,7 @@ complete before more than ``max_inflight_bytes`` are in flight (a single larger 
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import math
 import pickle
@@ -40,7 +41,7 @@ from ..tensor_buffers import writable_bytes
 from .group import GroupView
 from .metadata_sharing import decode_error, encode_error
 
-__all__ = ["DeliveryStats", "SliceSender", "canonical_order", "item_key", "receive_items", "DeliveryConfig"]
+__all__ = ["DeliveryConfig", "DeliveryStats", "SliceSender", "canonical_order", "item_key", "receive_items"]
 
 MiB = 1024 * 1024
 _TENSOR, _BYTES, _ERROR = 0, 1, 2
@@ -51,8 +52,8 @@ class DeliveryConfig:
     """``max_inflight_bytes``: payload bytes the coordinator lets sit in unfinished sends.
     ``staging_bytes``: bytes of slices the coordinator reads ahead of sending them."""
 
-    max_inflight_bytes: int = 128 * MiB
-    staging_bytes: int = 64 * MiB
+    max_inflight_bytes: int = 32 * MiB
+    staging_bytes: int = 32 * MiB
 
     def __post_init__(self) -> None:
         if self.max_inflight_bytes < 1 or self.staging_bytes < 1:
@@ -171,6 +172,10 @@ class SliceSender:
         for w in works:
             if w is not None:
                 w.wait()
+        if self.view.device.type == "cuda":
+            # NCCL's wait() only orders the current stream after the send; block the host too, so the
+            # in-flight budget bounds device memory and not just queued work.
+            torch.cuda.current_stream(self.view.device).synchronize()
         self._inflight_bytes -= nbytes
 
     def finish(self) -> None:
@@ -193,19 +198,16 @@ class SliceSender:
         for rank, left in list(self.remaining.items()):
             if left <= 0:
                 continue
-            try:
+            # The peer may already be gone: the original error is what matters, so failures are ignored.
+            with contextlib.suppress(Exception):
                 header = torch.tensor([_ERROR, -1, body.numel()], dtype=torch.int64).to(self.view.device)
                 works.append((dist.isend(header, group=self.view.group, group_dst=rank), header))
                 works.append((dist.isend(body, group=self.view.group, group_dst=rank), body))
-            except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
-                pass
             self.remaining[rank] = 0
         for w, _buf in [*((w, b) for ws, b, _n in self._inflight for w in ws), *works]:
-            try:
-                if w is not None:
+            if w is not None:
+                with contextlib.suppress(Exception):
                     w.wait()
-            except Exception:  # noqa: BLE001
-                pass
         self._inflight.clear()
         self._inflight_bytes = 0
 
@@ -253,7 +255,7 @@ def receive_items(
                     raise DcpStorageError(f"{item.dest_index.fqn}: got bytes for a tensor item")
                 planner.load_bytes(item, io.BytesIO(_to_bytes(body)))
             else:
-                _receive_tensor(item, nbytes, planner, view, src, stored_dtype(item))
+                _receive_tensor(item, nbytes, planner, view, src, stored_dtype)
         except _PayloadPending as pending:  # keep draining so the coordinator is never left blocked
             failure = failure or pending.cause
             if nbytes:
@@ -273,12 +275,18 @@ class _PayloadPending(Exception):
 
 
 def _receive_tensor(
-    item: ReadItem, nbytes: int, planner: LoadPlanner, view: GroupView, src: int, dtype: torch.dtype
+    item: ReadItem,
+    nbytes: int,
+    planner: LoadPlanner,
+    view: GroupView,
+    src: int,
+    stored_dtype: Callable[[ReadItem], torch.dtype],
 ) -> None:
     import torch.distributed as dist
 
     lengths = tuple(int(n) for n in item.lengths)
     try:
+        dtype = stored_dtype(item)
         expected = math.prod(lengths) * _dtype_size(dtype)
         if nbytes != expected:
             raise CorruptCheckpointError(
@@ -289,7 +297,7 @@ def _receive_tensor(
             raise ShapeMismatchError(
                 f"{item.dest_index.fqn}: destination has shape {list(dest.shape)} but the checkpoint slice is {list(lengths)}"
             )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise _PayloadPending(exc) from exc
     if nbytes:
         direct = dest.device == view.device and dest.dtype == dtype and dest.is_contiguous()

@@ -76,7 +76,9 @@ def _check_dtensors(state: dict[str, Any], reference: dict[str, torch.Tensor]) -
 
 
 # ---------------------------------------------------------------------------------------------- loads
-def load_torch_save(rank: int, world: int, local_path: str, sources: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+def load_torch_save(
+    rank: int, world: int, local_path: str, sources: list[tuple[str, dict[str, Any]]]
+) -> list[dict[str, Any]]:
     """Every source loaded into Shard(0) and Shard(1) DTensors and into plain full tensors.
 
     DTensor and full loads use torch's ``DynamicMetaLoadPlanner``; one more full load uses DCP's default
@@ -110,7 +112,9 @@ def load_torch_save(rank: int, world: int, local_path: str, sources: list[tuple[
                 bad = [k for k, v in reference.items() if not _same_bits(state[k], v)]
                 needed = sum(_nbytes(v) for v in reference.values())
             values = (state.get("step"), state.get("tag")) if case == "full+values" else None
-            reports.append({"url": url, "case": case, "mismatched": bad, "needed": needed, "values": values, **reader.stats})
+            reports.append(
+                {"url": url, "case": case, "mismatched": bad, "needed": needed, "values": values, **reader.stats}
+            )
     return reports
 
 
@@ -125,7 +129,9 @@ def save_fsdp2_dcp(rank: int, world: int, directory: str) -> None:
     dcp.save({"model": model.state_dict()}, checkpoint_id=directory)
 
 
-def world2(rank: int, world: int, local_path: str, sources: list[tuple[str, dict[str, Any]]], dcp_dir: str) -> dict[str, Any]:
+def world2(
+    rank: int, world: int, local_path: str, sources: list[tuple[str, dict[str, Any]]], dcp_dir: str
+) -> dict[str, Any]:
     save_fsdp2_dcp(rank, world, dcp_dir)
     return {"loads": load_torch_save(rank, world, local_path, sources)}
 
@@ -173,6 +179,68 @@ def check_share_object(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def load_small_budgets(rank: int, world: int, local_path: str) -> dict[str, Any]:
+    """Shard(1) with tiny staging and in-flight budgets: many batches, a send wait before each."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import DynamicMetaLoadPlanner
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dcp_storage import BroadcastingTorchSaveReader
+    from dcp_storage.strategies import DeliveryConfig
+
+    saved = torch.load(local_path, weights_only=True)
+    reference = {k: v for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    state = _dtensors(reference, init_device_mesh("cpu", (world,)), 1)
+    config = DeliveryConfig(max_inflight_bytes=1, staging_bytes=64 * 1024)
+    reader = BroadcastingTorchSaveReader(local_path, delivery_config=config)
+    dcp.load(state, storage_reader=reader, planner=DynamicMetaLoadPlanner())
+    bad, needed = _check_dtensors(state, reference)
+    return {"mismatched": bad, "needed": needed, **reader.stats}
+
+
+def fail_mid_transfer(rank: int, world: int, local_path: str) -> dict[str, Any]:
+    """The coordinator's third read batch fails: every rank must raise that error, promptly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import DynamicMetaLoadPlanner
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dcp_storage.storage.torch_save_reader as module
+    from dcp_storage import BroadcastingTorchSaveReader
+    from dcp_storage.errors import CorruptCheckpointError
+    from dcp_storage.strategies import DeliveryConfig
+
+    saved = torch.load(local_path, weights_only=True)
+    reference = {k: v for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    state = _dtensors(reference, init_device_mesh("cpu", (world,)), 0)
+    original = module.read_slices
+    calls = [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise CorruptCheckpointError(f"{local_path}: injected failure mid-transfer")
+        return original(*args, **kwargs)
+
+    if rank == 0:
+        module.read_slices = failing  # type: ignore[assignment]
+    start = time.monotonic()
+    try:
+        reader = BroadcastingTorchSaveReader(local_path, delivery_config=DeliveryConfig(staging_bytes=64 * 1024))
+        dcp.load(state, storage_reader=reader, planner=DynamicMetaLoadPlanner())
+        return {"raised": None}
+    except CheckpointException as exc:
+        mine = exc.failures.get(rank)
+        return {
+            "raised": type(mine[0]).__name__ if mine else None,
+            "text": str(mine[0]) if mine else str(exc),
+            "seconds": time.monotonic() - start,
+            "received": reader.stats["bytes_received"],
+        }
+    finally:
+        module.read_slices = original  # type: ignore[assignment]
+
+
 def world3(
     rank: int, world: int, local_path: str, sources: list[tuple[str, dict[str, Any]]], dcp_dir: str
 ) -> dict[str, Any]:
@@ -180,6 +248,8 @@ def world3(
         "loads": load_torch_save(rank, world, local_path, sources),
         "broadcasting": load_broadcasting_fsspec(rank, world, dcp_dir),
         "share": check_share_object(rank, world),
+        "small_budgets": load_small_budgets(rank, world, local_path),
+        "mid_transfer": fail_mid_transfer(rank, world, local_path),
     }
 
 
@@ -205,7 +275,12 @@ def load_bad_files(rank: int, world: int, files: dict[str, str]) -> dict[str, An
             report["direct"] = {"type": type(exc).__name__, "module": type(exc).__module__, "text": str(exc)}
         state = {"w": torch.zeros(4)}
         try:
-            dcp.load(state, storage_reader=BroadcastingTorchSaveReader(), planner=DynamicMetaLoadPlanner(), checkpoint_id=path)
+            dcp.load(
+                state,
+                storage_reader=BroadcastingTorchSaveReader(),
+                planner=DynamicMetaLoadPlanner(),
+                checkpoint_id=path,
+            )
             report["dcp"] = None
         except CheckpointException as exc:
             report["dcp"] = {"type": "CheckpointException", "text": str(exc)}

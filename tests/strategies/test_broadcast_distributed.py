@@ -11,6 +11,7 @@ Three ``run_ranks`` spawns in all (each pays process start-up):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -58,10 +59,8 @@ def files(moto_server: MotoS3Server, tmp_path_factory: pytest.TempPathFactory) -
             "root": root,
         }
     finally:
-        try:
+        with contextlib.suppress(Exception):  # cleanup must not mask the result
             moto_server.delete_bucket(s3.url.split("/")[2])
-        except Exception:  # noqa: BLE001 - cleanup must not mask the result
-            pass
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +119,23 @@ def test_broadcasting_fsspec_reader_world3(world3: list[dict[str, Any]]) -> None
             assert 0.99 <= ratio <= R.MAX_RECEIVE_RATIO, f"rank {rank}: received {ratio:.3f}x its shards"
 
 
+def test_small_budgets_world3(world3: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(world3):
+        rep = res["small_budgets"]
+        assert rep["mismatched"] == [], f"rank {rank}: {rep['mismatched']}"
+        if rank != 0:
+            assert rep["bytes_received"] <= R.MAX_RECEIVE_RATIO * rep["needed"]
+
+
+def test_failure_mid_transfer_reaches_every_rank(world3: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(world3):
+        rep = res["mid_transfer"]
+        assert rep["raised"] == "CorruptCheckpointError", f"rank {rank}: {rep}"
+        assert "injected failure mid-transfer" in rep["text"], f"rank {rank}: {rep['text']}"
+        assert rep["seconds"] < 10, f"rank {rank} took {rep['seconds']:.1f}s to fail"
+    assert any(res["mid_transfer"]["received"] > 0 for res in world3[1:]), "the failure should come after some data"
+
+
 def test_share_object_world3(world3: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(world3):
         share = res["share"]
@@ -146,12 +162,18 @@ def _bad_files(root: Path, good: str) -> tuple[dict[str, str], list[Path]]:
         "evil_legacy": root / "evil_legacy.pt",
     }
     out["empty"].write_bytes(b"")
-    out["random"].write_bytes(torch.randint(0, 256, (100_000,), generator=torch.Generator().manual_seed(5), dtype=torch.uint8).numpy().tobytes())
+    out["random"].write_bytes(
+        torch.randint(0, 256, (100_000,), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+        .numpy()
+        .tobytes()
+    )
     out["truncated"].write_bytes(data[: len(data) * 2 // 3])
     torch.save({"w": torch.ones(4)}, out["legacy"], _use_new_zipfile_serialization=False)
     markers = [root / "pwned_zip", root / "pwned_legacy"]
     torch.save({"w": torch.ones(4), "evil": _Marker(str(markers[0]))}, out["evil_zip"])
-    torch.save({"w": torch.ones(4), "evil": _Marker(str(markers[1]))}, out["evil_legacy"], _use_new_zipfile_serialization=False)
+    torch.save(
+        {"w": torch.ones(4), "evil": _Marker(str(markers[1]))}, out["evil_legacy"], _use_new_zipfile_serialization=False
+    )
     return {k: str(v) for k, v in out.items()}, markers
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dcp_storage import Broadcasting, FsspecReader, FsspecWriter, share_object
 from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError, UnsafeCheckpointError
@@ -48,8 +48,14 @@ def test_errors_cross_ranks_as_the_same_class() -> None:
 
 def test_canonical_order_ignores_list_order() -> None:
     def item(fqn: str, off: int) -> ReadItem:
-        return ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, (off,)), torch.Size([off]), MetadataIndex(fqn, (0,)),
-                        torch.Size([off]), torch.Size([2]))
+        return ReadItem(
+            LoadItemType.TENSOR,
+            MetadataIndex(fqn, (off,)),
+            torch.Size([off]),
+            MetadataIndex(fqn, (0,)),
+            torch.Size([off]),
+            torch.Size([2]),
+        )
 
     items = [item("b", 0), item("a", 4), item("a", 0)]
     assert canonical_order(items) == canonical_order(list(reversed(items)))

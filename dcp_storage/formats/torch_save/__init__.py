@@ -10,8 +10,8 @@ from .pickle_tree import TensorDescriptor, decode_data_pkl
 
 __all__ = [
     "ArchiveConfig",
-    "TorchSaveArchive",
     "TensorDescriptor",
+    "TorchSaveArchive",
     "UnsupportedFormatError",
     "decode_data_pkl",
     "flatten_tree",

@@ -105,11 +105,17 @@ class TorchSaveArchive:
             name = f"{prefix}data/{key}"
             entry = index.entries.get(name)
             if entry is None:
-                raise CorruptCheckpointError(f"{url}: data.pkl refers to storage {key!r} but record {name!r} is missing")
+                raise CorruptCheckpointError(
+                    f"{url}: data.pkl refers to storage {key!r} but record {name!r} is missing"
+                )
             if entry.method != STORED:
-                raise UnsupportedFormatError(f"{url}: storage record {name!r} is compressed; it cannot be read by ranges")
+                raise UnsupportedFormatError(
+                    f"{url}: storage record {name!r} is compressed; it cannot be read by ranges"
+                )
             if entry.size < nbytes:
-                raise CorruptCheckpointError(f"{url}: storage record {name!r} holds {entry.size} bytes, data.pkl needs {nbytes}")
+                raise CorruptCheckpointError(
+                    f"{url}: storage record {name!r} holds {entry.size} bytes, data.pkl needs {nbytes}"
+                )
         flat, mappings = flatten_tree(tree, url)
         return cls(transport, index, prefix, tree, flat, mappings, storages)
 
@@ -171,8 +177,15 @@ class TorchSaveArchive:
     def read_tensor(self, desc: TensorDescriptor, where: str = "") -> torch.Tensor:
         """Read one whole tensor (for tensors nested inside non-tensor values)."""
         starts = self._data_starts()
-        stored = StoredTensor(self.index.path, starts[desc.storage_key], desc.dtype, desc.shape, desc.stride,
-                              desc.storage_offset, where or self.url)
+        stored = StoredTensor(
+            self.index.path,
+            starts[desc.storage_key],
+            desc.dtype,
+            desc.shape,
+            desc.stride,
+            desc.storage_offset,
+            where or self.url,
+        )
         dest = torch.empty(desc.shape, dtype=desc.dtype)
         work = plan_slice_read(None, stored, [0] * len(desc.shape), desc.shape, dest)
         read_slices(self.transport, [work], lambda _w: None)

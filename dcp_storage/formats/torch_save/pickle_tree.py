@@ -29,7 +29,7 @@ import torch
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...safe_unpickle import AllowListUnpickler
 
-__all__ = ["TensorDescriptor", "decode_data_pkl", "scan_legacy", "LEGACY_MAGIC", "LegacyNeedsMoreBytes"]
+__all__ = ["LEGACY_MAGIC", "LegacyNeedsMoreBytes", "TensorDescriptor", "decode_data_pkl", "scan_legacy"]
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.serialization.MAGIC_NUMBER
 
@@ -124,7 +124,9 @@ class _Decoder:
 
     def _encode(self, text: Any, encoding: Any = "utf-8") -> bytes:
         if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
-            raise CorruptCheckpointError(f"{self.where}: unexpected _codecs.encode({type(text).__name__}, {encoding!r})")
+            raise CorruptCheckpointError(
+                f"{self.where}: unexpected _codecs.encode({type(text).__name__}, {encoding!r})"
+            )
         return codecs.encode(text, encoding)
 
     def _device(self, spec: Any, index: Any = None) -> torch.device:
@@ -141,23 +143,36 @@ class _Decoder:
         storage_type, key, numel = pid[1], pid[2], pid[4]
         if len(pid) == 6 and pid[5] is not None:
             raise CorruptCheckpointError(f"{self.where}: legacy storage views are not supported")
-        if not isinstance(storage_type, _StorageType) or not isinstance(key, str) or type(numel) is not int or numel < 0:
+        if (
+            not isinstance(storage_type, _StorageType)
+            or not isinstance(key, str)
+            or type(numel) is not int
+            or numel < 0
+        ):
             raise CorruptCheckpointError(f"{self.where}: malformed storage reference {pid!r:.200}")
         nbytes = numel if storage_type.dtype is None else numel * _itemsize(storage_type.dtype)
         ref = _StorageRef(key, nbytes, storage_type.dtype)
         seen = self.storages.setdefault(key, ref)
         if seen.nbytes != ref.nbytes:
-            raise CorruptCheckpointError(f"{self.where}: storage {key!r} is referenced with sizes {seen.nbytes} and {ref.nbytes}")
+            raise CorruptCheckpointError(
+                f"{self.where}: storage {key!r} is referenced with sizes {seen.nbytes} and {ref.nbytes}"
+            )
         return ref
 
     # ------------------------------------------------------------------------------------ tensors
-    def _tensor(self, storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: torch.dtype) -> TensorDescriptor:
+    def _tensor(
+        self, storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: torch.dtype
+    ) -> TensorDescriptor:
         if not isinstance(storage, _StorageRef):
-            raise CorruptCheckpointError(f"{self.where}: a tensor's storage is a {type(storage).__name__}, not a storage")
+            raise CorruptCheckpointError(
+                f"{self.where}: a tensor's storage is a {type(storage).__name__}, not a storage"
+            )
         shape = _ints(size, "shape", self.where)
         strides = _ints(stride, "stride", self.where)
         if len(shape) != len(strides) or type(storage_offset) is not int or storage_offset < 0:
-            raise CorruptCheckpointError(f"{self.where}: tensor shape {shape}, stride {strides}, offset {storage_offset!r} disagree")
+            raise CorruptCheckpointError(
+                f"{self.where}: tensor shape {shape}, stride {strides}, offset {storage_offset!r} disagree"
+            )
         itemsize = _itemsize(dtype)
         if all(shape):
             last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides))
@@ -168,14 +183,31 @@ class _Decoder:
                 )
         return TensorDescriptor(storage.key, dtype, shape, strides, int(storage_offset), storage.nbytes)
 
-    def _rebuild_v2(self, storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False,
-                    backward_hooks: Any = None, metadata: Any = None) -> TensorDescriptor:
+    def _rebuild_v2(
+        self,
+        storage: Any,
+        storage_offset: Any,
+        size: Any,
+        stride: Any,
+        requires_grad: Any = False,
+        backward_hooks: Any = None,
+        metadata: Any = None,
+    ) -> TensorDescriptor:
         if not isinstance(storage, _StorageRef) or storage.dtype is None:
             raise CorruptCheckpointError(f"{self.where}: _rebuild_tensor_v2 needs a typed storage")
         return self._tensor(storage, storage_offset, size, stride, storage.dtype)
 
-    def _rebuild_v3(self, storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
-                    backward_hooks: Any, dtype: Any, metadata: Any = None) -> TensorDescriptor:
+    def _rebuild_v3(
+        self,
+        storage: Any,
+        storage_offset: Any,
+        size: Any,
+        stride: Any,
+        requires_grad: Any,
+        backward_hooks: Any,
+        dtype: Any,
+        metadata: Any = None,
+    ) -> TensorDescriptor:
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"{self.where}: _rebuild_tensor_v3 with dtype {dtype!r}")
         return self._tensor(storage, storage_offset, size, stride, dtype)
@@ -251,7 +283,9 @@ def scan_legacy(prefix: bytes, where: str, complete: bool) -> None:
             raise LegacyNeedsMoreBytes() from None
         raise CorruptCheckpointError(f"{where}: truncated legacy torch.save pickle ({exc})") from None
     except Exception as exc:  # noqa: BLE001
-        raise CorruptCheckpointError(f"{where}: not a valid legacy torch.save pickle ({type(exc).__name__}: {exc})") from None
+        raise CorruptCheckpointError(
+            f"{where}: not a valid legacy torch.save pickle ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def is_legacy_head(head: bytes) -> bool:

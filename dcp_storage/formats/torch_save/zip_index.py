@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ...errors import CorruptCheckpointError
 from ...transports import FsspecTransport, RangeRequest
 
-__all__ = ["ZipEntry", "ZipIndex", "NotAZipError", "read_zip_index", "data_starts", "read_entry"]
+__all__ = ["NotAZipError", "ZipEntry", "ZipIndex", "data_starts", "read_entry", "read_zip_index"]
 
 _EOCD = struct.Struct("<4sHHHHIIH")  # end of central directory record, 22 bytes + comment
 _EOCD64_LOCATOR = struct.Struct("<4sIQI")  # 20 bytes, just before the end record
@@ -220,8 +220,12 @@ def read_entry(transport: FsspecTransport, index: ZipIndex, name: str, max_bytes
     """The (decompressed, CRC-checked) bytes of one small entry: local header and data in one read."""
     e = index.entries[name]
     if e.size > max_bytes:
-        raise CorruptCheckpointError(f"{index.url}: record {name!r} is {e.size} bytes, more than the {max_bytes} allowed")
-    end = min(e.header_offset + _LOCAL.size + len(name.encode()) + _LOCAL_SLACK + e.compressed_size, index.central_offset)
+        raise CorruptCheckpointError(
+            f"{index.url}: record {name!r} is {e.size} bytes, more than the {max_bytes} allowed"
+        )
+    end = min(
+        e.header_offset + _LOCAL.size + len(name.encode()) + _LOCAL_SLACK + e.compressed_size, index.central_offset
+    )
     buf = bytes(transport.read_range(index.path, e.header_offset, end))
     if len(buf) < _LOCAL.size or buf[:4] != _LOCAL_SIG:
         raise CorruptCheckpointError(f"{index.url}: no local zip header for {name!r} at byte {e.header_offset}")

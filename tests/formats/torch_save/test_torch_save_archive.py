@@ -117,8 +117,13 @@ def test_descriptors_read_back_bit_exact(saved: tuple[str, dict[str, Any]]) -> N
 def test_slices_of_strided_and_row_major_tensors(saved: tuple[str, dict[str, Any]]) -> None:
     path, loaded = saved
     archive = open_archive(path)
-    for key, offsets, lengths in [("fp32", (2, 0), (5, 10)), ("fp32", (0, 3), (12, 4)), ("transposed", (1, 2), (6, 7)),
-                                  ("every_other", (4, 1), (3, 3)), ("bf16", (0, 16), (33, 1))]:
+    for key, offsets, lengths in [
+        ("fp32", (2, 0), (5, 10)),
+        ("fp32", (0, 3), (12, 4)),
+        ("transposed", (1, 2), (6, 7)),
+        ("every_other", (4, 1), (3, 3)),
+        ("bf16", (0, 16), (33, 1)),
+    ]:
         dest = torch.empty(lengths, dtype=loaded[key].dtype)
         work = plan_slice_read(key, archive.stored(key), offsets, lengths, dest)
         read_slices(archive.transport, [work], lambda _w: None)
@@ -170,7 +175,10 @@ def test_dcp_load_without_process_group(saved: tuple[str, dict[str, Any]], tmp_p
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor) and k not in ("pair_with_tensor",)}
     for url, options in _sources(tmp_path, path, s3_url):
         # torch's DynamicMetaLoadPlanner: tensors only, into plain tensors (NaN-filled: misses show).
-        state = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else torch.zeros_like(v) for k, v in tensors.items()}
+        state = {
+            k: torch.full_like(v, float("nan")) if v.is_floating_point() else torch.zeros_like(v)
+            for k, v in tensors.items()
+        }
         reader = BroadcastingTorchSaveReader(storage_options=options)
         dcp.load(state, storage_reader=reader, planner=DynamicMetaLoadPlanner(), checkpoint_id=url)
         bad = [k for k, v in tensors.items() if not same_bits(state[k], v)]
@@ -179,15 +187,26 @@ def test_dcp_load_without_process_group(saved: tuple[str, dict[str, Any]], tmp_p
 
         # DCP's default planner with our Metadata: nested structure and non-tensor values too.
         target: dict[str, Any] = {
-            "fp32": torch.zeros(12, 10), "bf16": torch.zeros(33, 17, dtype=torch.bfloat16),
+            "fp32": torch.zeros(12, 10),
+            "bf16": torch.zeros(33, 17, dtype=torch.bfloat16),
             "nested": {"inner": {"w": torch.zeros(4, 4)}, "lst": [torch.zeros(2), torch.ones(3)]},
-            "step": 0, "name": "", "blob": b"", "ids": set(), "pair_with_tensor": None, "nothing": 1,
+            "step": 0,
+            "name": "",
+            "blob": b"",
+            "ids": set(),
+            "pair_with_tensor": None,
+            "nothing": 1,
         }
         dcp.load(target, storage_reader=BroadcastingTorchSaveReader(url, storage_options=options))
         assert same_bits(target["nested"]["inner"]["w"], loaded["nested"]["inner"]["w"])
         assert same_bits(target["nested"]["lst"][1], loaded["nested"]["lst"][1])
         assert (target["step"], target["name"], target["blob"], target["ids"], target["nothing"]) == (
-            42, "tiny", b"\x00\xffbytes", {1, 2, 3}, None)
+            42,
+            "tiny",
+            b"\x00\xffbytes",
+            {1, 2, 3},
+            None,
+        )
         assert target["pair_with_tensor"][0] == 1 and same_bits(target["pair_with_tensor"][1], torch.arange(3))
 
 
@@ -208,12 +227,26 @@ def test_dtype_cast_on_load(saved: tuple[str, dict[str, Any]]) -> None:
 def test_wrong_shape_and_missing_key_name_the_tensor(saved: tuple[str, dict[str, Any]]) -> None:
     path, _ = saved
     with pytest.raises(CheckpointException) as info:
-        dcp.load({"fp32": torch.zeros(13, 10)}, storage_reader=BroadcastingTorchSaveReader(path), planner=DynamicMetaLoadPlanner())
-    (exc, _), = info.value.failures.values()
+        dcp.load(
+            {"fp32": torch.zeros(13, 10)},
+            storage_reader=BroadcastingTorchSaveReader(path),
+            planner=DynamicMetaLoadPlanner(),
+        )
+    ((exc, _),) = info.value.failures.values()
     assert isinstance(exc, ShapeMismatchError) and "'fp32'" in str(exc) and "[12, 10]" in str(exc)
+    with pytest.raises(CheckpointException) as info:  # smaller than the file: no silent partial load
+        dcp.load(
+            {"fp32": torch.zeros(11, 10)},
+            storage_reader=BroadcastingTorchSaveReader(path),
+            planner=DynamicMetaLoadPlanner(),
+        )
+    ((exc, _),) = info.value.failures.values()
+    assert isinstance(exc, ShapeMismatchError) and "[11, 10]" in str(exc) and "[12, 10]" in str(exc)
     with pytest.raises(CheckpointException) as info:
-        dcp.load({"nope": torch.zeros(2)}, storage_reader=BroadcastingTorchSaveReader(path), planner=DynamicMetaLoadPlanner())
-    (exc, _), = info.value.failures.values()
+        dcp.load(
+            {"nope": torch.zeros(2)}, storage_reader=BroadcastingTorchSaveReader(path), planner=DynamicMetaLoadPlanner()
+        )
+    ((exc, _),) = info.value.failures.values()
     assert isinstance(exc, CorruptCheckpointError) and "'nope'" in str(exc)
 
 
@@ -235,7 +268,11 @@ def test_malicious_pickle_never_runs(tmp_path: Path, zip_format: bool) -> None:
         BroadcastingTorchSaveReader(str(path)).read_metadata()
     assert str(path) in str(info.value) and "open" in info.value.forbidden
     with pytest.raises(CheckpointException, match="forbidden global"):
-        dcp.load({"w": torch.zeros(2)}, storage_reader=BroadcastingTorchSaveReader(str(path)), planner=DynamicMetaLoadPlanner())
+        dcp.load(
+            {"w": torch.zeros(2)},
+            storage_reader=BroadcastingTorchSaveReader(str(path)),
+            planner=DynamicMetaLoadPlanner(),
+        )
     assert not marker.exists()
     # The payload is real: an unsafe load does run it.
     control = tmp_path / "control"
