@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..transports import FsspecTransport
+from ..transports.factory import open_transport
 
 __all__ = ["FormatSpec", "Probe"]
 
@@ -33,7 +34,7 @@ class Probe:
 
     @classmethod
     def of(cls, url: str, storage_options: dict[str, Any] | None = None) -> Probe:
-        transport, path = FsspecTransport.from_url(url, storage_options)
+        transport, path = open_transport(url, storage_options)
         names = transport.listdir(path)
         if names:
             return cls(url, transport, path, True, tuple(names))

@@ -29,6 +29,7 @@ from ..errors import CheckpointNotFoundError
 from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
 from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
 from ..transports import FsspecTransport, TransportConfig
+from ..transports.factory import open_transport
 
 __all__ = ["FsspecReader"]
 
@@ -72,7 +73,7 @@ class FsspecReader(StorageReader):
             self.transport = self._given_transport
             self.root = self.transport.fs._strip_protocol(self.path)
         else:
-            self.transport, self.root = FsspecTransport.from_url(self.path, self.storage_options, self.transport_config)
+            self.transport, self.root = open_transport(self.path, self.storage_options, self.transport_config)
 
     @property
     def checkpoint_id(self) -> str:

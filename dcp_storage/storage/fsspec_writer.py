@@ -33,6 +33,7 @@ from torch.futures import Future
 from ..errors import CheckpointExistsError
 from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
 from ..transports import FsspecTransport, TransportConfig
+from ..transports.factory import open_transport
 from .fsspec_reader import _is_fsspec_url
 
 __all__ = ["FsspecWriter"]
@@ -87,7 +88,7 @@ class FsspecWriter(StorageWriter):
             self.transport = self._given_transport
             self.root = self.transport.fs._strip_protocol(self.path)
         else:
-            self.transport, self.root = FsspecTransport.from_url(self.path, self.storage_options, self.transport_config)
+            self.transport, self.root = open_transport(self.path, self.storage_options, self.transport_config)
 
     @property
     def checkpoint_id(self) -> str:

@@ -38,6 +38,7 @@ from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
 from ..transports import FsspecTransport, TransportConfig
+from ..transports.factory import open_transport
 
 __all__ = ["SafetensorsReader"]
 
@@ -94,7 +95,7 @@ class SafetensorsReader(StorageReader):
             self.transport = self._given_transport
             self.target = self.transport.fs._strip_protocol(self.path)
         else:
-            self.transport, self.target = FsspecTransport.from_url(
+            self.transport, self.target = open_transport(
                 self.path, self.storage_options, self.transport_config
             )
         self.root = self.target  # replaced by the layout's root once metadata is read

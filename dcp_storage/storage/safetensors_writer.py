@@ -42,6 +42,7 @@ from ..formats.safetensors.write_plan import (
     single_name,
 )
 from ..transports import FsspecTransport, TransportConfig
+from ..transports.factory import open_transport
 from ..transports.fsspec_transport import _fsync_dir
 from .fsspec_reader import _is_fsspec_url
 
@@ -166,7 +167,7 @@ class SafetensorsWriter(StorageWriter):
             self.transport = self._given_transport
             self.root = self.transport.fs._strip_protocol(self.path)
         else:
-            self.transport, self.root = FsspecTransport.from_url(self.path, self.storage_options, self.transport_config)
+            self.transport, self.root = open_transport(self.path, self.storage_options, self.transport_config)
 
     @property
     def checkpoint_id(self) -> str:

@@ -50,6 +50,7 @@ from ..strategies.metadata_sharing import share_object
 from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, receive_items
 from ..tensor_buffers import host_buffer
 from ..transports import FsspecTransport, TransportConfig
+from ..transports.factory import open_transport
 
 __all__ = ["BroadcastingTorchSaveReader"]
 
@@ -130,7 +131,7 @@ class BroadcastingTorchSaveReader(StorageReader):
         if self._given_transport is not None:
             self._transport = self._given_transport
             return self._transport, self._transport.fs._strip_protocol(self.checkpoint_id)
-        transport, path = FsspecTransport.from_url(self.checkpoint_id, self.storage_options, self.transport_config)
+        transport, path = open_transport(self.checkpoint_id, self.storage_options, self.transport_config)
         if self._transport is None:
             self._transport = transport
         return self._transport, path
