@@ -23,6 +23,7 @@ from .storage import FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsW
 from .storage import BroadcastingTorchSaveReader
 from .strategies import Broadcasting, share_object
 from .transports import FsspecTransport, RetryPolicy, TransportConfig
+from . import fsdp
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "ShapeMismatchError",
     "TransportError",
     "registry",
+    "fsdp",
     "open_reader",
     "open_writer",
     "detect_format",
