@@ -60,6 +60,7 @@ class ItemLoaderConfig:
     staging_bytes: int = 256 * MiB
     max_runs_per_item: int = 65536
     trust_byte_items: bool = False
+    map_runs_above: int = 16
 
     def __post_init__(self) -> None:
         if self.probe_bytes < 512:
@@ -257,7 +258,13 @@ class DcpItemLoader:
             where=f"{self._where(entry)} (tensor {item.storage_index.fqn!r})",
         )
         return plan_slice_read(
-            item, stored, item.storage_offsets, item.lengths, self._destination(item), self.config.max_runs_per_item
+            item,
+            stored,
+            item.storage_offsets,
+            item.lengths,
+            self._destination(item),
+            self.config.max_runs_per_item,
+            map_runs_above=self.config.map_runs_above if self.transport.is_local else None,
         )
 
     def _run_ranged(self, works: list[SliceRead], planner: LoadPlanner) -> None:

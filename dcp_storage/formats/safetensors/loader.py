@@ -35,6 +35,7 @@ class LoaderConfig:
 
     staging_bytes: int = 256 * MiB
     max_runs_per_item: int = 65536
+    map_runs_above: int = 16  # local files: slices of more runs are copied from a memory map
 
     def __post_init__(self) -> None:
         if self.staging_bytes < 1 or self.max_runs_per_item < 1:
@@ -97,7 +98,15 @@ class SafetensorsItemLoader:
                 f"{tuple(item.lengths)}"
             )
         stored = entry.stored(path, self.transport.url(path))
-        return plan_slice_read(item, stored, item.storage_offsets, item.lengths, dest, self.config.max_runs_per_item)
+        return plan_slice_read(
+            item,
+            stored,
+            item.storage_offsets,
+            item.lengths,
+            dest,
+            self.config.max_runs_per_item,
+            map_runs_above=self.config.map_runs_above if self.transport.is_local else None,
+        )
 
     def _load_bytes(self, byte_items: list[tuple[ReadItem, StoredBytes]], planner: LoadPlanner) -> None:
         if not byte_items:
