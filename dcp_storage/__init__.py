@@ -23,6 +23,8 @@ from .storage import FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsW
 from .storage import BroadcastingTorchSaveReader
 from .strategies import Broadcasting, share_object
 from .transports import FsspecTransport, RetryPolicy, TransportConfig
+from .conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
+from .inspection import describe, verify
 from . import fsdp
 
 __version__ = "0.1.0"
@@ -58,5 +60,12 @@ __all__ = [
     "open_writer",
     "detect_format",
     "UnknownFormatError",
+    "convert",
+    "ConvertResult",
+    "dcp_to_torch_save",
+    "torch_save_to_dcp",
+    "merge_fsdp_weights",
+    "describe",
+    "verify",
     "__version__",
 ]

@@ -1,0 +1,67 @@
+"""``dcp-storage convert SRC DST``: any checkpoint format/store to any other, one tensor in memory at a time."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from . import _common
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint between dcp, safetensors and torch.save, on any store",
+        description="Convert SRC (a DCP directory, safetensors file/directory/index, or torch.save file; local or "
+        "any fsspec URL) into DST, streaming tensor by tensor: memory stays near the largest tensor.",
+    )
+    p.add_argument("src", metavar="SRC", help="input checkpoint URL (format detected)")
+    p.add_argument("dst", metavar="DST", help="output URL: a directory, or a .safetensors / .pt / .bin file")
+    p.add_argument("--to", choices=["dcp", "safetensors", "torch"], help="output format (default: from DST's suffix)")
+    p.add_argument("--from", dest="src_format", metavar="FORMAT", help="input format name (default: detected)")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="largest output file, e.g. 5GB or 500MiB (safetensors/torch directories: default 5GB; dcp: one file)")
+    p.add_argument("--dtype", metavar="DTYPE", help="cast float16/bfloat16/float32/float64 tensors: bf16, fp16, fp32, fp64")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--drop-non-tensors", action="store_true",
+                   help="leave non-tensor values out of outputs that hold only tensors (safetensors, sharded torch)")
+    _common.add_storage_options(p, sides=True)
+    _common.add_json(p)
+    _common.add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..conversion import convert
+    from ..conversion.engine import _normalize_target
+    from ..conversion.plan import parse_dtype
+    from ..formats.safetensors.write_plan import parse_size
+
+    try:
+        _normalize_target(args.to, args.dst)
+        parse_dtype(args.dtype)
+        if args.max_shard_size is not None:
+            parse_size(args.max_shard_size)
+    except (ValueError, TypeError) as exc:
+        raise _common.UsageError(str(exc)) from None
+    with _common.progress_bar("convert") as bar:
+        result = convert(
+            args.src, args.dst, to=args.to, src_format=args.src_format, max_shard_size=args.max_shard_size,
+            dtype=args.dtype, storage_options=_common.storage_options(args),
+            src_storage_options=_common.storage_options(args, "src") ,
+            dst_storage_options=_common.storage_options(args, "dst"),
+            overwrite=args.overwrite, drop_non_tensors=args.drop_non_tensors,
+            progress=bar.update, on_start=lambda _source, total: _common.set_total(bar, total),
+        )
+    if args.json:
+        _common.emit_json(result.as_dict())
+        return 0
+    size = sum(f.size for f in result.files)
+    print(
+        f"converted {result.src} ({result.src_format}, {result.tensors} tensors, {_common.human_bytes(result.tensor_bytes)}"
+        f"{f', {result.values} values' if result.values else ''}) -> {result.output} ({result.to}, "
+        f"{len(result.files)} files, {_common.human_bytes(size)}) in {result.seconds:.1f} s"
+    )
+    if result.dropped_values:
+        print(f"left out {len(result.dropped_values)} non-tensor values: {', '.join(result.dropped_values)}")
+    return 0

@@ -1,0 +1,105 @@
+"""Streaming a DCP native checkpoint (``__0_N.distcp`` + ``.metadata``), one tensor in memory at a time.
+
+The bytes are what torch's ``FileSystemWriter`` (and our :class:`~dcp_storage.FsspecWriter`) write for a
+single-rank save: each tensor a ``torch.save`` record appended to a data file, non-tensor values (their
+``torch.save`` bytes) first in the first file, and a pickled ``Metadata`` whose ``planner_data`` is DCP's
+flatten mapping, so ``dcp.load``, ``FileSystemReader`` and ``dcp_to_torch_save`` read the result.
+
+Commit order: an old ``.metadata`` is removed first (``overwrite=True``), each data file is committed
+atomically, and the new ``.metadata`` is written last, so an interrupted conversion never looks complete.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ..errors import CheckpointExistsError
+from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
+from ..formats.safetensors.write_plan import TensorSpec, pack_files
+from ..storage.fsspec_writer import DATA_SUFFIX, DCP_VERSION
+from .plan import Destination, Fetch, OutTensor, OutValue
+
+__all__ = ["write_dcp"]
+
+
+def _groups(tensors: Sequence[OutTensor], max_shard_size: int | None) -> list[list[OutTensor]]:
+    if max_shard_size is None:
+        return [list(tensors)]
+    by_key = {t.key: t for t in tensors}
+    specs = [TensorSpec(t.key, "U8", (t.nbytes,), 1) for t in tensors]
+    return [[by_key[s.fqn] for s in group] for group in pack_files(specs, max_shard_size)]
+
+
+def write_dcp(
+    dest: Destination,
+    tensors: Sequence[OutTensor],
+    values: Sequence[OutValue],
+    fetch: Fetch,
+    *,
+    max_shard_size: int | None = None,
+) -> None:
+    """Write ``tensors`` and ``values`` as a DCP checkpoint in the directory ``dest``."""
+    transport = dest.transport
+    metadata_path = dest.join(METADATA_FILE)
+    if transport.exists(metadata_path):
+        if not dest.overwrite:
+            raise CheckpointExistsError(
+                f"{dest.url_of(metadata_path)}: a checkpoint already exists here; pass overwrite=True (--overwrite) "
+                "to replace it"
+            )
+        transport.remove(metadata_path)  # retire the old checkpoint before any data file is replaced
+    transport.makedirs(dest.path)
+
+    state: dict[str, object] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for i, group in enumerate(_groups(tensors, max_shard_size)):
+        name = f"__0_{i}{DATA_SUFFIX}"
+        first = i == 0
+        if not group and not (first and values):
+            continue
+        with transport.open_atomic(dest.join(name)) as stream:
+            for value in values if first else ():
+                data = fetch.value_bytes(value)
+                offset = stream.tell()
+                stream.write(data)
+                storage[MetadataIndex(value.key)] = _StorageInfo(name, offset, stream.tell() - offset)
+                state[value.key] = BytesStorageMetadata()
+            for out in group:
+                tensor = fetch.tensor(out)
+                offset = stream.tell()
+                torch.save(tensor, stream)  # type: ignore[arg-type]
+                del tensor
+                zeros = torch.Size([0] * len(out.shape))
+                storage[MetadataIndex(out.key, zeros, 0)] = _StorageInfo(name, offset, stream.tell() - offset)
+                size = torch.Size(out.shape)
+                state[out.key] = TensorStorageMetadata(
+                    TensorProperties(dtype=out.dtype), size, [ChunkStorageMetadata(offsets=zeros, sizes=size)]
+                )
+                dest.advance(out.nbytes)
+            written = stream.tell()
+        dest.record(name, written)
+
+    ordered = {k: state[k] for k in [*(v.key for v in values), *(t.key for t in tensors)] if k in state}
+    metadata = Metadata(
+        state_dict_metadata=ordered,  # type: ignore[arg-type]
+        planner_data={k: p for k, p in [*((v.key, v.path) for v in values), *((t.key, t.path) for t in tensors)]},
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=dest.url, save_id=uuid.uuid4().hex),
+    )
+    metadata.version = DCP_VERSION
+    data = dump_metadata(metadata)
+    transport.write_file(metadata_path, data)
+    dest.record(METADATA_FILE, len(data))

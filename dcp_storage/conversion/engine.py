@@ -1,0 +1,275 @@
+"""``convert``: any checkpoint format on any store to any format on any store, one tensor at a time.
+
+Memory: the writer asks for each tensor just before it writes it (:class:`_Fetch`); the source reads
+that tensor alone (:class:`~.source.TensorSource`), and it is dropped once written. Peak memory is about
+one tensor, plus a staging copy when the read reshards or casts, plus the object store's upload part
+buffer, whatever the checkpoint's size. Metadata, headers and ``data.pkl`` are built from shapes alone.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..formats.safetensors.write_plan import parse_size
+from .dcp_out import write_dcp
+from .plan import Destination, OutTensor, OutValue, WrittenFile, parse_dtype
+from .safetensors_out import check_safetensors, write_safetensors
+from .source import TensorSource
+from .torch_out import write_torch_save
+
+__all__ = ["TARGETS", "ConvertResult", "convert", "infer_target"]
+
+TARGETS = ("dcp", "safetensors", "torch")
+_ALIASES = {"dcp": "dcp", "safetensors": "safetensors", "torch": "torch", "torch_save": "torch", "pt": "torch", "bin": "torch"}
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})  # float8 stays quantized
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion read and wrote."""
+
+    src: str
+    src_format: str
+    dst: str
+    to: str
+    output: str  # the URL to open the result with (a file, an index, or a directory)
+    files: list[WrittenFile] = field(default_factory=list)
+    tensors: int = 0
+    tensor_bytes: int = 0
+    values: int = 0
+    dropped_values: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def same_location(
+    a: str, a_opts: dict[str, Any] | None, b: str, b_opts: dict[str, Any] | None, *, inside: bool = False
+) -> bool:
+    """Whether URLs ``a`` and ``b`` name the same place (or, with ``inside``, ``b`` lies within ``a``)."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs_a, path_a = fsspec.core.url_to_fs(a, **(a_opts or {}))
+    fs_b, path_b = fsspec.core.url_to_fs(b, **(b_opts or {}))
+    if type(fs_a) is not type(fs_b):
+        return False
+    norm_a, norm_b = path_a.rstrip("/"), path_b.rstrip("/")
+    if isinstance(fs_a, LocalFileSystem):
+        norm_a, norm_b = os.path.realpath(norm_a), os.path.realpath(norm_b)
+    return norm_a == norm_b or (inside and norm_b.startswith(norm_a.rstrip("/") + "/"))
+
+
+def _basename(url: str) -> str:
+    return posixpath.basename(url.rstrip("/").replace(os.sep, "/"))
+
+
+def infer_target(dst: str) -> str | None:
+    """The output format a destination's name implies, or ``None`` (a plain directory name)."""
+    name = _basename(dst).lower()
+    if name.endswith((".safetensors", ".safetensors.index.json")):
+        return "safetensors"
+    if name.endswith(_TORCH_SUFFIXES):
+        return "torch"
+    return None
+
+
+class TargetError(ValueError):
+    """The output format cannot be told from the arguments, or contradicts the destination's name."""
+
+
+def _normalize_target(to: str | None, dst: str, check_suffix: bool = True) -> str:
+    if _basename(dst).lower().endswith(".index.json"):
+        raise TargetError(f"{dst!r}: pass the output directory; the index is named and written by the converter")
+    if to is None:
+        guessed = infer_target(dst)
+        if guessed is None:
+            raise TargetError(
+                f"cannot tell the output format from {dst!r}; pass to='dcp', 'safetensors' or 'torch' (--to)"
+            )
+        return guessed
+    key = str(to).strip().lower()
+    if key not in _ALIASES:
+        raise TargetError(f"unknown output format {to!r}; choose one of {', '.join(TARGETS)}")
+    target, implied = _ALIASES[key], infer_target(dst)
+    if check_suffix and implied is not None and implied != target:
+        raise TargetError(f"{dst!r} names a {implied} file but the output format is {target}; rename it or drop --to")
+    return target
+
+
+class _Fetch:
+    """Reads each tensor (cast on the way in) and value from the source when a writer asks."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+
+    def tensor(self, out: OutTensor) -> torch.Tensor:
+        return self.source.read_tensor(out.src, out.dtype)
+
+    def value_bytes(self, out: OutValue) -> bytes:
+        return self.source.read_value_bytes(out.src)
+
+    def value(self, out: OutValue) -> Any:
+        return self.source.read_value(out.src)
+
+
+def plan_outputs(
+    source: TensorSource,
+    *,
+    dtype: torch.dtype | None = None,
+    rename: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None,
+) -> tuple[list[OutTensor], list[OutValue]]:
+    """Output entries in source order: keys renamed through ``rename`` (a path map), floats cast to ``dtype``."""
+    tensors, values, seen = [], [], {}
+    order = {fqn: i for i, fqn in enumerate(source.metadata.state_dict_metadata)}
+    for fqn, t in source.tensors.items():
+        path = rename(t.path) if rename else t.path
+        out_dtype = dtype if dtype is not None and t.dtype in CASTABLE else t.dtype
+        tensors.append(OutTensor(".".join(map(str, path)), path, fqn, out_dtype, t.shape, order[fqn]))
+    for fqn, v in source.values.items():
+        path = rename(v.path) if rename else v.path
+        values.append(OutValue(".".join(map(str, path)), path, fqn, order[fqn]))
+    for entry in [*tensors, *values]:
+        other = seen.setdefault(entry.key, entry.src)
+        if other != entry.src:
+            raise ValueError(f"{source.url}: keys {other!r} and {entry.src!r} would both be written as {entry.key!r}")
+    return tensors, values
+
+
+def write_outputs(
+    dest: Destination,
+    to: str,
+    tensors: Sequence[OutTensor],
+    values: Sequence[OutValue],
+    fetch: Any,
+    *,
+    max_shard_size: int | None,
+    drop_non_tensors: bool,
+    single_file: bool | None = None,
+    safetensors_prefix: str = "model",
+    torch_prefix: str = "pytorch_model",
+) -> tuple[str, list[str]]:
+    """Dispatch to the writer for ``to``; returns (path to open, dropped value keys)."""
+    single = (infer_target(dest.url) == to if single_file is None else single_file) and to != "dcp"
+    shard = max_shard_size if max_shard_size is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
+    if to == "dcp":
+        write_dcp(dest, tensors, values, fetch, max_shard_size=max_shard_size)
+        return dest.path, []
+    if to == "safetensors":
+        check_safetensors(tensors, values, drop_non_tensors)
+        path = write_safetensors(dest, tensors, fetch, single_file=single, max_shard_size=shard, prefix=safetensors_prefix)
+        return path, [v.key for v in values]
+    return write_torch_save(
+        dest, tensors, values, fetch, single_file=single, max_shard_size=shard,
+        drop_non_tensors=drop_non_tensors, prefix=torch_prefix,
+    )
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str | None = None,
+    src_format: str | None = None,
+    max_shard_size: int | str | None = None,
+    dtype: str | torch.dtype | None = None,
+    storage_options: dict[str, Any] | None = None,
+    src_storage_options: dict[str, Any] | None = None,
+    dst_storage_options: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    drop_non_tensors: bool = False,
+    single_file: bool | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_start: Callable[[TensorSource, int], None] | None = None,
+) -> ConvertResult:
+    """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
+
+    Args:
+        src: any checkpoint :func:`dcp_storage.open_reader` reads (DCP directory, safetensors file, directory
+            or index, ``torch.save`` file, a plugin's format), local or any fsspec URL.
+        dst: output URL. ``to="dcp"``: a directory. ``"safetensors"``/``"torch"``: a file when ``dst`` ends
+            in ``.safetensors`` / ``.pt``, ``.pth``, ``.bin``, ``.ckpt`` (one file, no sharding), otherwise a
+            directory with Hugging Face names (``model.safetensors`` / ``pytorch_model.bin``, sharded with an
+            index above ``max_shard_size``).
+        to: ``"dcp"``, ``"safetensors"`` or ``"torch"``; inferred from ``dst``'s suffix when omitted.
+        src_format: force the source format (a registry name) instead of detecting it.
+        max_shard_size: bytes per output file (int, or ``"5GB"``, ``"500MiB"``). Sharded safetensors/torch
+            outputs default to 5GB; DCP output is one data file unless given.
+        dtype: cast float16/bfloat16/float32/float64 tensors (``"bf16"``, ``"fp16"``, ``"fp32"``, or a
+            ``torch.dtype``); integer, bool, complex and float8 tensors keep their dtype.
+        storage_options / src_storage_options / dst_storage_options: fsspec options for both sides, then
+            per side (merged over the shared ones).
+        overwrite: replace an existing output (``CheckpointExistsError`` otherwise).
+        drop_non_tensors: leave non-tensor values out of formats that hold only tensors (safetensors,
+            sharded torch output) instead of raising ``NonTensorStateError``.
+        single_file: ``True`` writes safetensors/torch output as exactly the file ``dst`` whatever its name;
+            ``False`` as a directory; ``None`` decides by ``dst``'s suffix.
+        progress: called with the byte count of each tensor once it is written.
+        on_start: called once with the opened source and the total tensor bytes, before writing.
+    """
+    started = time.monotonic()
+    src, dst = os.fspath(src), os.fspath(dst)
+    target = _normalize_target(to, dst, check_suffix=single_file is None)
+    cast = parse_dtype(dtype)
+    shard = parse_size(max_shard_size) if max_shard_size is not None else None
+    src_opts = {**(storage_options or {}), **(src_storage_options or {})} or None
+    dst_opts = {**(storage_options or {}), **(dst_storage_options or {})} or None
+    if same_location(src, src_opts, dst, dst_opts):
+        raise ValueError(f"{dst!r} is the input itself; convert to another location")
+    with TensorSource.open(src, src_opts, src_format) as source:
+        tensors, values = plan_outputs(source, dtype=cast)
+        return _run(
+            source, dst, dst_opts, target, tensors, values, shard, overwrite, drop_non_tensors, progress, on_start,
+            started, single_file=single_file,
+        )
+
+
+def _run(
+    source: TensorSource,
+    dst: str,
+    dst_opts: dict[str, Any] | None,
+    target: str,
+    tensors: list[OutTensor],
+    values: list[OutValue],
+    shard: int | None,
+    overwrite: bool,
+    drop_non_tensors: bool,
+    progress: Callable[[int], None] | None,
+    on_start: Callable[[TensorSource, int], None] | None,
+    started: float,
+    **options: Any,
+) -> ConvertResult:
+    dest = Destination.of(dst, dst_opts, overwrite)
+    dest.progress = progress
+    try:
+        total = sum(t.nbytes for t in tensors)
+        if on_start is not None:
+            on_start(source, total)
+        output, dropped = write_outputs(
+            dest, target, tensors, values, _Fetch(source), max_shard_size=shard, drop_non_tensors=drop_non_tensors, **options
+        )
+    finally:
+        dest.transport.close()
+    return ConvertResult(
+        src=source.url,
+        src_format=source.spec.descriptor,
+        dst=dst,
+        to=target,
+        output=dest.url_of(output),
+        files=list(dest.written),
+        tensors=len(tensors),
+        tensor_bytes=total,
+        values=len(values) - len(dropped),
+        dropped_values=dropped,
+        seconds=round(time.monotonic() - started, 3),
+    )

@@ -1,0 +1,119 @@
+"""Streaming safetensors output: headers planned from shapes and dtypes, then tensor bytes one at a time.
+
+Every header is known before any tensor is read (it holds only names, dtypes, shapes and offsets), so each
+file is written front to back: header, then each tensor's row-major bytes in safetensors' data order. A
+file written from the same tensors is byte-identical to ``safetensors.torch.save_file(tensors,
+metadata={"format": "pt"})``. Several files are named and indexed like ``save_pretrained``
+(``model-00001-of-00002.safetensors`` + ``model.safetensors.index.json``), packed greedily by
+``max_shard_size``; the index is written last.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from ..errors import CheckpointExistsError, NonTensorStateError, UnsupportedDtypeError
+from ..formats.safetensors.dtypes import safetensors_dtype
+from ..formats.safetensors.encode import HeaderEntry, as_memoryview, encode_header, safetensors_order_key, tensor_bytes
+from ..formats.safetensors.write_plan import TensorSpec, index_name, pack_files, shard_name, single_name
+from .plan import Destination, Fetch, OutTensor, OutValue
+
+__all__ = ["check_safetensors", "hf_index_json", "write_safetensors"]
+
+HEADER_METADATA = {"format": "pt"}
+
+
+def check_safetensors(tensors: Sequence[OutTensor], values: Sequence[OutValue], drop_non_tensors: bool) -> None:
+    """Refuse, before any I/O, what safetensors cannot hold (naming every key)."""
+    bad = {t.key: t.dtype for t in tensors if safetensors_dtype(t.dtype) is None}
+    if bad:
+        raise UnsupportedDtypeError(bad)
+    if values and not drop_non_tensors:
+        raise NonTensorStateError(
+            [v.key for v in values],
+            fix="pass drop_non_tensors=True (--drop-non-tensors) to leave them out, or convert to dcp or torch",
+        )
+
+
+def hf_index_json(total_size: int, weight_map: Mapping[str, str]) -> bytes:
+    """An HF index as ``save_pretrained`` formats it (sorted keys, 2-space indent, trailing newline)."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _old_index_files(dest: Destination, index_path: str) -> set[str]:
+    try:
+        doc = json.loads(dest.transport.read_file(index_path))
+        return {str(f) for f in doc.get("weight_map", {}).values() if "/" not in str(f) and ".." not in str(f)}
+    except Exception:  # noqa: BLE001 - an unreadable old index: nothing to clean up
+        return set()
+
+
+def write_safetensors(
+    dest: Destination,
+    tensors: Sequence[OutTensor],
+    fetch: Fetch,
+    *,
+    single_file: bool,
+    max_shard_size: int,
+    prefix: str = "model",
+) -> str:
+    """Write ``tensors``; returns the path a reader should open (the file, or the index, or the directory)."""
+    transport = dest.transport
+    specs = [TensorSpec(t.key, safetensors_dtype(t.dtype) or "", t.shape, t.dtype.itemsize) for t in tensors]
+    by_key = {t.key: t for t in tensors}
+    if single_file:
+        root, only = dest.parent_and_name()
+        groups, names = [specs], [only]
+        index_path = None
+        targets = [dest.path]
+    else:
+        root = dest.path
+        groups = pack_files(specs, max_shard_size)
+        n = len(groups)
+        names = [single_name(prefix)] if n == 1 else [shard_name(prefix, k + 1, n) for k in range(n)]
+        index_path = transport.join(root, index_name(prefix))
+        targets = [transport.join(root, single_name(prefix)), index_path]
+    existing = [p for p in targets if transport.exists(p)]
+    if existing and not dest.overwrite:
+        raise CheckpointExistsError(
+            f"{dest.url_of(existing[0])}: already exists; pass overwrite=True (--overwrite) to replace it"
+        )
+    stale: set[str] = set()
+    if index_path is not None and transport.exists(index_path):
+        stale = _old_index_files(dest, index_path)
+        transport.remove(index_path)  # an old index would shadow the new files
+    if len(names) > 1 and dest.overwrite and transport.exists(transport.join(root, single_name(prefix))):
+        stale.add(single_name(prefix))  # an unsharded file left by an earlier run
+    transport.makedirs(root)
+
+    weight_map: dict[str, str] = {}
+    for name, group in zip(names, groups):
+        ordered = sorted(group, key=lambda s: safetensors_order_key(s.fqn, s.dtype))
+        entries, position = [], 0
+        for s in ordered:
+            entries.append(HeaderEntry(s.fqn, s.dtype, s.shape, position, position + s.nbytes))
+            position += s.nbytes
+        header = encode_header(entries, HEADER_METADATA)
+        with transport.open_atomic(transport.join(root, name)) as stream:
+            stream.write(header)
+            for s in ordered:
+                out = by_key[s.fqn]
+                tensor = fetch.tensor(out)
+                stream.write(as_memoryview(tensor_bytes(tensor)))
+                del tensor
+                weight_map[s.fqn] = name
+                dest.advance(out.nbytes)
+            size = stream.tell()
+        dest.record(name, size)
+    if len(names) > 1 and index_path is not None:
+        order = [t.key for t in tensors]
+        data = hf_index_json(sum(s.nbytes for s in specs), {k: weight_map[k] for k in order})
+        transport.write_file(index_path, data)
+        dest.record(index_name(prefix), len(data))
+    for old in stale - set(names):
+        transport.remove(transport.join(root, old))
+    if single_file:
+        return dest.path
+    return index_path if len(names) > 1 and index_path is not None else transport.join(root, names[0])

@@ -1,0 +1,205 @@
+"""A checkpoint opened for reading one tensor at a time, in any format the registry knows.
+
+:class:`TensorSource` opens a URL with :func:`dcp_storage.open_reader` (so plugin formats work too), reads
+its ``Metadata`` once, and then serves single tensors: for each key it allocates the full tensor and drives
+the reader with a one-key ``LoadPlan`` (``prepare_local_plan`` -> ``prepare_global_plan`` -> ``read_data``),
+exactly the calls ``dcp.load`` makes, minus re-reading the metadata for every key. Memory held is the
+tensor itself plus whatever staging the reader needs for it (a chunk, for a resharded or cast read), never
+the checkpoint.
+
+Non-tensor values (``BYTE_IO`` items: step counters, extra state) come back as the ``torch.save`` bytes
+the reader hands to ``load_bytes`` (our readers check them with ``weights_only=True`` first);
+:meth:`TensorSource.read_value` decodes them with ``weights_only=True`` too.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..errors import CorruptCheckpointError
+from ..formats.spec import FormatSpec
+
+__all__ = ["SourceTensor", "SourceValue", "TensorSource"]
+
+Path = tuple[Any, ...]  # a key's place in the nested state dict: ("model", "layer.weight")
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """A tensor of the source checkpoint: its flattened key, nested path, stored dtype and full shape."""
+
+    fqn: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class SourceValue:
+    """A non-tensor value of the source checkpoint (stored as ``torch.save`` bytes)."""
+
+    fqn: str
+    path: Path
+
+
+class _CapturePlanner(LoadPlanner):
+    """The planner half of a one-key load: destinations are narrow views of one full tensor."""
+
+    def __init__(self) -> None:
+        self.dest: dict[str, torch.Tensor] = {}
+        self.values: dict[str, bytes] = {}
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self) -> LoadPlan:  # plans are built by TensorSource
+        raise NotImplementedError
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.values[read_item.dest_index.fqn] = value.read()
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        tensor = self.dest[read_item.dest_index.fqn]
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            tensor = tensor.narrow(dim, offset, length)
+        return tensor
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def _paths(metadata: Metadata) -> dict[str, Path]:
+    """Each key's nested path from ``planner_data`` (DCP's flatten mapping) where it is sound, else ``(key,)``."""
+    data = metadata.planner_data
+    out: dict[str, Path] = {}
+    for fqn in metadata.state_dict_metadata:
+        path = data.get(fqn) if isinstance(data, Mapping) else None
+        ok = (
+            isinstance(path, tuple)
+            and path
+            and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
+            and ".".join(map(str, path)) == fqn
+        )
+        out[fqn] = path if ok else (fqn,)  # type: ignore[assignment]
+    return out
+
+
+class TensorSource:
+    """One checkpoint, read key by key. Build with :meth:`open`; use as a context manager."""
+
+    def __init__(self, url: str, spec: FormatSpec, reader: Any, metadata: Metadata) -> None:
+        self.url = url
+        self.spec = spec
+        self.reader = reader
+        self.metadata = metadata
+        paths = _paths(metadata)
+        self.tensors: dict[str, SourceTensor] = {}
+        self.values: dict[str, SourceValue] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                self.tensors[fqn] = SourceTensor(fqn, paths[fqn], md.properties.dtype, tuple(int(s) for s in md.size))
+            elif isinstance(md, BytesStorageMetadata):
+                self.values[fqn] = SourceValue(fqn, paths[fqn])
+            else:
+                raise CorruptCheckpointError(f"{url}: key {fqn!r} has unknown metadata {type(md).__name__}")
+
+    @classmethod
+    def open(
+        cls,
+        url: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        format: str | None = None,
+    ) -> TensorSource:
+        from .. import registry
+        from ..opening import detect_format
+
+        url = os.fspath(url)
+        spec = registry.get("formats", format) if format is not None else detect_format(url, storage_options)
+        reader = spec.open_reader(url, storage_options=storage_options)
+        metadata = reader.read_metadata()
+        reader.set_up_storage_reader(metadata, True)
+        return cls(url, spec, reader, metadata)
+
+    def __enter__(self) -> TensorSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        transport = getattr(self.reader, "transport", None) or getattr(self.reader, "_transport", None)
+        close = getattr(transport, "close", None)
+        if callable(close):
+            close()
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def _run(self, items: list[ReadItem], planner: _CapturePlanner) -> None:
+        plan = self.reader.prepare_local_plan(LoadPlan(items))
+        plan = self.reader.prepare_global_plan([plan])[0]
+        self.reader.read_data(plan, planner).wait()
+
+    def read_tensor(self, fqn: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full tensor ``fqn`` (cast to ``dtype`` on the way in, if given), read on its own."""
+        info = self.tensors[fqn]
+        md = self.metadata.state_dict_metadata[fqn]
+        dest = torch.empty(info.shape, dtype=dtype or info.dtype)
+        if dest.numel() == 0:
+            return dest
+        full = ChunkStorageMetadata(offsets=torch.Size([0] * len(info.shape)), sizes=torch.Size(info.shape))
+        items = create_read_items_for_chunk_list(fqn, md, [full])  # type: ignore[arg-type]
+        covered = sum(math.prod(int(n) for n in item.lengths) for item in items)
+        if covered != dest.numel():
+            raise CorruptCheckpointError(
+                f"{self.url}: the stored chunks of {fqn!r} cover {covered} of its {dest.numel()} elements "
+                "(chunks missing from the metadata, or overlapping)"
+            )
+        planner = _CapturePlanner()
+        planner.dest[fqn] = dest
+        self._run(items, planner)
+        return dest
+
+    def read_value_bytes(self, fqn: str) -> bytes:
+        """The ``torch.save`` bytes of non-tensor value ``fqn``."""
+        index = MetadataIndex(fqn)
+        zero = torch.Size((0,))
+        item = ReadItem(LoadItemType.BYTE_IO, index, zero, index, zero, zero)
+        planner = _CapturePlanner()
+        self._run([item], planner)
+        if fqn not in planner.values:
+            raise CorruptCheckpointError(f"{self.url}: the reader delivered no bytes for value {fqn!r}")
+        return planner.values[fqn]
+
+    def read_value(self, fqn: str) -> Any:
+        """Non-tensor value ``fqn``, decoded with ``torch.load(weights_only=True)`` (never runs code)."""
+        from ..formats.dcp_native.torch_record import load_tensor_record  # maps refusals to our errors
+
+        return load_tensor_record(self.read_value_bytes(fqn), f"{self.url} (value {fqn!r})")

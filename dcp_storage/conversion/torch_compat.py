@@ -1,0 +1,46 @@
+"""Drop-ins for ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` / ``torch_save_to_dcp``.
+
+Same names, arguments and results (the ``torch.save`` file holds the nested state dict DCP saved,
+non-tensor values included; the DCP checkpoint is what ``dcp.save`` writes for the file's state dict), with
+three differences: both paths may be any fsspec URL (pass ``storage_options``), memory stays near one
+tensor instead of the whole checkpoint, and ``torch_save_to_dcp`` never unpickles with
+``weights_only=False`` (torch's does): the file's ``data.pkl`` is decoded through an allow-list, so a
+file holding custom classes raises :class:`~dcp_storage.errors.UnsafeCheckpointError` instead of running
+code. Like torch's, both replace an existing output.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .engine import ConvertResult, convert
+
+__all__ = ["dcp_to_torch_save", "torch_save_to_dcp"]
+
+
+def dcp_to_torch_save(
+    dcp_checkpoint_dir: str | os.PathLike[str],
+    torch_save_path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> ConvertResult:
+    """Convert the DCP checkpoint in ``dcp_checkpoint_dir`` into one ``torch.save`` file."""
+    return convert(
+        dcp_checkpoint_dir, torch_save_path, to="torch", src_format="dcp", single_file=True,
+        storage_options=storage_options, overwrite=True,
+    )
+
+
+def torch_save_to_dcp(
+    torch_save_path: str | os.PathLike[str],
+    dcp_checkpoint_dir: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> ConvertResult:
+    """Convert the ``torch.save`` file at ``torch_save_path`` into a DCP checkpoint directory."""
+    return convert(
+        torch_save_path, dcp_checkpoint_dir, to="dcp", src_format="torch_save", single_file=False,
+        storage_options=storage_options, overwrite=True,
+    )
+

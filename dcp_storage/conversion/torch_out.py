@@ -1,0 +1,229 @@
+"""Streaming ``torch.save`` output: the zip built record by record, one tensor in memory at a time.
+
+``torch.save`` pickles the whole object first and then writes every storage, so it needs every tensor in
+memory at once. Here ``data.pkl`` is pickled from the metadata alone: each tensor is a placeholder that
+pickles exactly as torch pickles a plain tensor (``torch._utils._rebuild_tensor_v2`` over a persistent
+``("storage", torch.FloatStorage, key, "cpu", numel)``, or ``_rebuild_tensor_v3`` over an
+``UntypedStorage`` for the dtypes torch saves that way). The archive is then written by torch's own zip
+writer (``torch._C.PyTorchFileWriter``, the one ``torch.save`` uses: same records, 64-byte alignment,
+CRC32s): ``data.pkl``, the version and byte-order records, then ``data/0``, ``data/1``... each read from
+the source just before it is written. ``torch.load(weights_only=True)`` loads the result.
+
+Directory outputs with several shards follow ``save_pretrained``'s names (``pytorch_model-00001-of-00002.bin``
++ ``pytorch_model.bin.index.json``); shards hold flat dicts of tensors, as Hugging Face's do.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
+
+from ..errors import CheckpointExistsError, NonTensorStateError
+from ..formats.safetensors.write_plan import TensorSpec, pack_files
+from .plan import Destination, Fetch, OutTensor, OutValue
+from .safetensors_out import hf_index_json
+
+__all__ = ["build_tree", "write_torch_save"]
+
+PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
+STORAGE_ALIGNMENT = 64
+
+
+class _Storage:
+    """A storage to be written as ``data/<key>``; pickled as torch's persistent id."""
+
+    __slots__ = ("key", "load", "numel", "storage_type")
+
+    def __init__(self, key: str, numel: int, storage_type: Any, load: Callable[[], torch.Tensor]) -> None:
+        self.key, self.numel, self.storage_type, self.load = key, numel, storage_type, load
+
+
+class TensorRef:
+    """A tensor in the tree to pickle, read later by ``load``."""
+
+    __slots__ = ("dtype", "load", "shape")
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], load: Callable[[], torch.Tensor]) -> None:
+        self.dtype, self.shape, self.load = dtype, tuple(shape), load
+
+
+def _legacy_storage_type(dtype: torch.dtype) -> Any:
+    """``torch.FloatStorage`` & co. for dtypes torch still pickles that way, else ``None`` (v3 dtypes)."""
+    from torch.storage import _dtype_to_storage_type_map, _new_dtypes
+
+    if dtype in _new_dtypes():
+        return None
+    name = _dtype_to_storage_type_map().get(dtype)
+    return getattr(torch, name) if name else None
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class _Pickler(pickle.Pickler):
+    """torch's pickling of a state dict, with :class:`TensorRef` (and real tensors) standing for tensors."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self.storages: list[_Storage] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Storage):
+            return ("storage", obj.storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            tensor = obj.detach().cpu().contiguous()
+            obj = TensorRef(tensor.dtype, tuple(tensor.shape), lambda t=tensor: t)
+        if not isinstance(obj, TensorRef):
+            return NotImplemented
+        key = str(len(self.storages))
+        numel = 1
+        for s in obj.shape:
+            numel *= s
+        legacy = _legacy_storage_type(obj.dtype)
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        if legacy is not None:
+            storage = _Storage(key, numel, legacy, obj.load)
+            args: tuple[Any, ...] = (storage, 0, obj.shape, _contiguous_stride(obj.shape), False, hooks)
+            rebuild = torch._utils._rebuild_tensor_v2
+        else:
+            storage = _Storage(key, numel * obj.dtype.itemsize, torch.UntypedStorage, obj.load)
+            args = (storage, 0, obj.shape, _contiguous_stride(obj.shape), False, hooks, obj.dtype)
+            rebuild = torch._utils._rebuild_tensor_v3
+        self.storages.append(storage)
+        return rebuild, args
+
+
+def _zip_writer(stream: Any) -> Any:
+    try:
+        return torch._C.PyTorchFileWriter(stream, True, STORAGE_ALIGNMENT)
+    except TypeError:  # older signatures
+        return torch._C.PyTorchFileWriter(stream)
+
+
+def write_archive(stream: Any, tree: Any, on_tensor: Callable[[int], None] | None = None) -> None:
+    """Write ``tree`` (a dict whose tensors may be :class:`TensorRef`) to ``stream`` as ``torch.save`` does."""
+    buf = io.BytesIO()
+    pickler = _Pickler(buf)
+    pickler.dump(tree)
+    data = buf.getvalue()
+    zf = _zip_writer(stream)
+    zf.write_record("data.pkl", data, len(data))
+    zf.write_record(".format_version", "1", 1)
+    zf.write_record(".storage_alignment", str(STORAGE_ALIGNMENT), len(str(STORAGE_ALIGNMENT)))
+    zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    for storage in pickler.storages:
+        tensor = storage.load().contiguous()
+        untyped = tensor.untyped_storage()
+        nbytes = tensor.numel() * tensor.element_size()
+        if untyped.nbytes() != nbytes or tensor.storage_offset() != 0:
+            tensor = tensor.clone()
+            untyped = tensor.untyped_storage()
+        zf.write_record(f"data/{storage.key}", untyped, nbytes)
+        del tensor, untyped
+        if on_tensor is not None:
+            on_tensor(nbytes)
+    zf.write_end_of_file()
+
+
+def build_tree(tensors: Sequence[OutTensor], values: Sequence[OutValue], fetch: Fetch) -> dict[str, Any]:
+    """The nested state dict to pickle: tensors as :class:`TensorRef` placeholders, values decoded."""
+    tree: dict[str, Any] = {}
+    entries: list[OutTensor | OutValue] = sorted([*values, *tensors], key=lambda e: e.order)
+    for e in entries:  # source order: the same data.pkl torch.save writes for the loaded state dict
+        if isinstance(e, OutValue):
+            set_element(tree, e.path, fetch.value(e))
+        else:
+            set_element(tree, e.path, TensorRef(e.dtype, e.shape, lambda e=e: fetch.tensor(e)))
+    return tree
+
+
+def _flat_shards(tensors: Sequence[OutTensor], max_shard_size: int) -> list[list[OutTensor]]:
+    by_key = {t.key: t for t in tensors}
+    specs = [TensorSpec(t.key, "U8", (t.nbytes,), 1) for t in tensors]
+    return [[by_key[s.fqn] for s in group] for group in pack_files(specs, max_shard_size)]
+
+
+def write_torch_save(
+    dest: Destination,
+    tensors: Sequence[OutTensor],
+    values: Sequence[OutValue],
+    fetch: Fetch,
+    *,
+    single_file: bool,
+    max_shard_size: int,
+    drop_non_tensors: bool = False,
+    prefix: str = "pytorch_model",
+) -> tuple[str, list[str]]:
+    """Write a ``torch.save`` file (or HF-named shards plus index); returns the path to open and the
+    value keys left out (``drop_non_tensors`` with several shards)."""
+    transport = dest.transport
+    if single_file:
+        groups = [list(tensors)]
+    else:
+        groups = _flat_shards(tensors, max_shard_size)
+    sharded = len(groups) > 1
+    if sharded and values and not drop_non_tensors:
+        raise NonTensorStateError(
+            [v.key for v in values],
+            format_name="sharded torch.save output",
+            fix="pass drop_non_tensors=True (--drop-non-tensors), or a larger max_shard_size for one file",
+        )
+    single_name, index_name = f"{prefix}.bin", f"{prefix}.bin.index.json"
+    if single_file:
+        root, _ = dest.parent_and_name()
+        targets = [dest.path]
+    else:
+        root = dest.path
+        targets = [transport.join(root, single_name), transport.join(root, index_name)]
+    existing = [p for p in targets if transport.exists(p)]
+    if existing and not dest.overwrite:
+        raise CheckpointExistsError(
+            f"{dest.url_of(existing[0])}: already exists; pass overwrite=True (--overwrite) to replace it"
+        )
+    if not single_file:
+        transport.remove(transport.join(root, index_name))
+    transport.makedirs(root)
+
+    n = len(groups)
+    weight_map: dict[str, str] = {}
+    for k, group in enumerate(groups):
+        if single_file:
+            path, name = dest.path, dest.parent_and_name()[1]
+            tree: Any = build_tree(group, values, fetch)
+        else:
+            name = single_name if n == 1 else f"{prefix}-{k + 1:05d}-of-{n:05d}.bin"
+            path = transport.join(root, name)
+            if n == 1:
+                tree = build_tree(group, values, fetch)
+            else:
+                tree = {t.key: TensorRef(t.dtype, t.shape, lambda t=t: fetch.tensor(t)) for t in group}
+        with transport.open_atomic(path) as stream:
+            write_archive(stream, tree, dest.advance)
+            size = stream.tell()
+        dest.record(name, size)
+        for t in group:
+            weight_map[t.key] = name
+    dropped = [v.key for v in values] if sharded else []
+    if single_file:
+        return dest.path, dropped
+    if n > 1:
+        data = hf_index_json(sum(t.nbytes for t in tensors), {t.key: weight_map[t.key] for t in tensors})
+        transport.write_file(transport.join(root, index_name), data)
+        dest.record(index_name, len(data))
+        return transport.join(root, index_name), dropped
+    return transport.join(root, single_name), dropped

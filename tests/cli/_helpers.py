@@ -1,0 +1,88 @@
+"""Running the ``dcp-storage`` CLI from tests: real subprocesses, storage options as flags, bit-exact checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BATCH = Path(__file__).with_name("_batch.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+
+    def __str__(self) -> str:
+        return f"rc={self.rc}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("DCP_STORAGE_PROGRESS_DELAY", None)
+    env.update(extra)
+    return env
+
+
+def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> Result:
+    """``python -m dcp_storage.cli ARGV`` in a fresh process."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcp_storage.cli", *argv], check=False, capture_output=True, text=True, timeout=timeout,
+        env=env or cli_env(), cwd=REPO,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_batch(commands: list[list[str]], timeout: float = 300) -> list[Result]:
+    """Several command lines through ``dcp_storage.cli.main`` in one fresh process (see ``_batch.py``)."""
+    proc = subprocess.run(
+        [sys.executable, str(BATCH)], input=json.dumps(commands), check=False, capture_output=True, text=True, timeout=timeout,
+        env=cli_env(), cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [Result(**r) for r in json.loads(proc.stdout)]
+
+
+def option_flags(options: dict[str, Any], flag: str = "--storage-option", prefix: str = "") -> list[str]:
+    """``{"client_kwargs": {"endpoint_url": u}, "key": "k"}`` -> ``[flag, "client_kwargs.endpoint_url=u", ...]``."""
+    out: list[str] = []
+    for key, value in options.items():
+        if isinstance(value, dict):
+            out += option_flags(value, flag, f"{prefix}{key}.")
+        else:
+            out += [flag, f"{prefix}{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return out
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(raw(a), raw(b))
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    bad = [k for k in want if not same_bits(got[k], want[k])]
+    assert not bad, f"tensors differ: {bad}"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> dotted keys (as DCP flattens them)."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
