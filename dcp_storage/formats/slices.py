@@ -11,7 +11,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-__all__ = ["slice_runs", "count_runs"]
+__all__ = ["slice_runs", "count_runs", "is_row_major"]
 
 
 def _split_dim(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> int:
@@ -60,3 +60,13 @@ def slice_runs(
         for idx in itertools.product(*outer_ranges)
     ]
     return starts, run_bytes
+
+
+def is_row_major(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` is the contiguous (C-order) stride of ``shape`` (size-1 dims may have any)."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True

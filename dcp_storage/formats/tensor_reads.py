@@ -26,7 +26,7 @@ import torch
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShapeMismatchError
 from ..tensor_buffers import host_buffer, writable_bytes
 from ..transports import FsspecTransport, RangeRequest
-from .slices import count_runs, slice_runs
+from .slices import count_runs, is_row_major, slice_runs
 
 __all__ = ["StoredTensor", "SliceRead", "plan_slice_read", "read_slices"]
 
@@ -49,12 +49,7 @@ class StoredTensor:
 
     @property
     def is_row_major(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
+        return is_row_major(self.shape, self.stride)
 
     @staticmethod
     def contiguous(path: str, data_offset: int, dtype: torch.dtype, shape: Sequence[int], where: str = "") -> StoredTensor:

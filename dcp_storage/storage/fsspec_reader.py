@@ -29,7 +29,7 @@ from ..errors import CheckpointNotFoundError
 from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
 from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
 from ..transports import FsspecTransport, TransportConfig
-from ..transports.factory import open_transport
+from ..transports.factory import bind_transport
 
 __all__ = ["FsspecReader"]
 
@@ -69,11 +69,9 @@ class FsspecReader(StorageReader):
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        if self._given_transport is not None:
-            self.transport = self._given_transport
-            self.root = self.transport.fs._strip_protocol(self.path)
-        else:
-            self.transport, self.root = open_transport(self.path, self.storage_options, self.transport_config)
+        self.transport, self.root = bind_transport(
+            self.path, self.storage_options, self.transport_config, self._given_transport
+        )
 
     @property
     def checkpoint_id(self) -> str:

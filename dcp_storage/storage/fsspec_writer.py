@@ -33,7 +33,7 @@ from torch.futures import Future
 from ..errors import CheckpointExistsError
 from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
 from ..transports import FsspecTransport, TransportConfig
-from ..transports.factory import open_transport
+from ..transports.factory import bind_transport
 from .fsspec_reader import _is_fsspec_url
 
 __all__ = ["FsspecWriter"]
@@ -84,11 +84,9 @@ class FsspecWriter(StorageWriter):
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        if self._given_transport is not None:
-            self.transport = self._given_transport
-            self.root = self.transport.fs._strip_protocol(self.path)
-        else:
-            self.transport, self.root = open_transport(self.path, self.storage_options, self.transport_config)
+        self.transport, self.root = bind_transport(
+            self.path, self.storage_options, self.transport_config, self._given_transport
+        )
 
     @property
     def checkpoint_id(self) -> str:

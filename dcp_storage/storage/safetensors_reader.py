@@ -38,7 +38,7 @@ from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
 from ..transports import FsspecTransport, TransportConfig
-from ..transports.factory import open_transport
+from ..transports.factory import bind_transport
 
 __all__ = ["SafetensorsReader"]
 
@@ -91,13 +91,9 @@ class SafetensorsReader(StorageReader):
 
     def _open(self, url: str | os.PathLike[str]) -> None:
         self.path = os.fspath(url)
-        if self._given_transport is not None:
-            self.transport = self._given_transport
-            self.target = self.transport.fs._strip_protocol(self.path)
-        else:
-            self.transport, self.target = open_transport(
-                self.path, self.storage_options, self.transport_config
-            )
+        self.transport, self.target = bind_transport(
+            self.path, self.storage_options, self.transport_config, self._given_transport
+        )
         self.root = self.target  # replaced by the layout's root once metadata is read
 
     @property

@@ -42,7 +42,7 @@ from ..formats.safetensors.write_plan import (
     single_name,
 )
 from ..transports import FsspecTransport, TransportConfig
-from ..transports.factory import open_transport
+from ..transports.factory import bind_transport
 from ..transports.fsspec_transport import _fsync_dir
 from .fsspec_reader import _is_fsspec_url
 
@@ -163,11 +163,9 @@ class SafetensorsWriter(StorageWriter):
     # ------------------------------------------------------------------------------------ set-up
     def _open(self, url: str | os.PathLike[str]) -> None:
         self.path = os.fspath(url)
-        if self._given_transport is not None:
-            self.transport = self._given_transport
-            self.root = self.transport.fs._strip_protocol(self.path)
-        else:
-            self.transport, self.root = open_transport(self.path, self.storage_options, self.transport_config)
+        self.transport, self.root = bind_transport(
+            self.path, self.storage_options, self.transport_config, self._given_transport
+        )
 
     @property
     def checkpoint_id(self) -> str:

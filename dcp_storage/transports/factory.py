@@ -16,7 +16,7 @@ from typing import Any
 from .. import registry
 from .fsspec_transport import FsspecTransport, TransportConfig
 
-__all__ = ["open_transport", "TRANSPORT_OPTION"]
+__all__ = ["open_transport", "bind_transport", "TRANSPORT_OPTION"]
 
 TRANSPORT_OPTION = "transport"
 BUILTIN = "fsspec"
@@ -39,3 +39,15 @@ def open_transport(
         return FsspecTransport.from_url(url, options, config)
     factory = registry.get("transports", chosen)
     return factory.from_url(url, options, config)
+
+
+def bind_transport(
+    url: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None,
+    config: TransportConfig | None,
+    given: Any = None,
+) -> tuple[Any, str]:
+    """What every reader and writer does on ``reset(checkpoint_id)``: reuse ``given`` or open one."""
+    if given is not None:
+        return given, given.fs._strip_protocol(os.fspath(url))
+    return open_transport(url, storage_options, config)

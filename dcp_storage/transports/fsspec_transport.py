@@ -379,24 +379,12 @@ class FsspecTransport:
         try:
             yield writer
         except BaseException:
-            discard = getattr(raw, "discard", None)
-            if callable(discard):
-                with contextlib.suppress(Exception):
-                    discard()
-            # Abandoned: mark it closed so its finalizer does not flush and commit it (s3fs's would
-            # raise from __del__ on the discarded buffer; others would commit the partial file).
-            with contextlib.suppress(Exception):
-                raw.closed = True
+            _abandon(raw)
             raise
         try:
             raw.close()  # commits: the single PUT, or completing the multipart upload
         except BaseException:
-            discard = getattr(raw, "discard", None)
-            if callable(discard):
-                with contextlib.suppress(Exception):
-                    discard()
-            with contextlib.suppress(Exception):
-                raw.closed = True
+            _abandon(raw)
             raise
         parts = max(1, -(-writer.written // self.config.part_size))
         self.counters.add(requests=parts if parts == 1 else parts + 2)
@@ -407,6 +395,20 @@ class FsspecTransport:
         data = buffer.getvalue()
         self._retry(lambda: self.fs.pipe_file(path, data), lambda: f"write {self.url(path)} ({len(data)} bytes)")
         self.counters.add(requests=1)
+
+
+def _abandon(raw: Any) -> None:
+    """Give up an object-store upload: abort it, and keep its finalizer from committing it.
+
+    ``discard`` aborts a multipart upload; marking the file closed stops ``__del__`` from flushing the
+    buffer (s3fs's would raise on the discarded buffer; other filesystems would commit a partial file).
+    """
+    discard = getattr(raw, "discard", None)
+    if callable(discard):
+        with contextlib.suppress(Exception):
+            discard()
+    with contextlib.suppress(Exception):
+        raw.closed = True
 
 
 def _resolve(config: TransportConfig, is_local: bool) -> TransportConfig:

@@ -24,6 +24,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...safe_unpickle import AllowListUnpickler
+from ..slices import is_row_major
 
 __all__ = ["TensorRecord", "UnsupportedRecord", "NeedMoreBytes", "parse_tensor_record", "load_tensor_record"]
 
@@ -63,12 +64,7 @@ class TensorRecord:
 
     @property
     def is_row_major(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
+        return is_row_major(self.shape, self.stride)
 
 
 @dataclass(frozen=True)
