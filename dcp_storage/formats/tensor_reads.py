@@ -10,13 +10,16 @@ for ``Shard(1)``); runs land directly in ``dest`` when it is a contiguous CPU te
 otherwise in a (pinned, for GPUs) staging buffer that is copied into ``dest`` afterwards, which also casts
 dtypes. Strided tensors, and slices of more than ``max_runs`` runs, read their bounding byte range.
 
-On a local disk a slice of many short runs (a ``Shard(1)`` slice: one run per row) skips the request
-machinery: a tight loop of ``preadv`` calls reads exactly its runs (see :func:`_copy_mapped`).
+On a local disk a slice of many runs (a ``Shard(1)`` slice: one run per row) skips the request machinery:
+runs under 1 MiB are copied out of a memory map with one strided ``copy_`` (:func:`_copy_from_map`),
+longer ones are read by a tight loop of ``preadv`` calls (:func:`_copy_mapped`); either way only the
+slice's own bytes are copied.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -171,11 +174,27 @@ def read_slices(
 def _finish(transport: FsspecTransport, batch: list[SliceRead], on_done: Callable[[SliceRead], None]) -> None:
     transport.read_ranges([r for w in batch for r in w.requests])
     mapped = [w for w in batch if w.mapped is not None]
-    if mapped:
-        _copy_mapped(transport, mapped)
+    tiny = [w for w in mapped if _run_bytes(w) < _MAP_BELOW_RUN_BYTES]
+    if tiny:
+        _copy_from_map(transport, tiny)
+    if len(tiny) < len(mapped):
+        _copy_mapped(transport, [w for w in mapped if w.mapped is not None])
     for work in batch:
         work.deliver()
         on_done(work)
+
+
+def _run_bytes(work: SliceRead) -> int:
+    stored, offsets = work.mapped  # type: ignore[misc]
+    return _first_run_bytes(stored, offsets, work.lengths)
+
+
+def _first_run_bytes(stored: StoredTensor, offsets: Sequence[int], lengths: Sequence[int]) -> int:
+    """Bytes of one contiguous run of the slice (all runs of a row-major slice have the same length)."""
+    k = len(stored.shape) - 1
+    while k >= 0 and offsets[k] == 0 and lengths[k] == stored.shape[k]:
+        k -= 1
+    return lengths[k] * math.prod(stored.shape[k + 1 :]) * stored.itemsize if k >= 0 else 0
 
 
 def _copy_mapped(transport: FsspecTransport, works: list[SliceRead]) -> None:
@@ -210,6 +229,59 @@ def _copy_mapped(transport: FsspecTransport, works: list[SliceRead]) -> None:
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
+    """Copy many-tiny-run slices of local files out of a memory map, one strided ``copy_`` each.
+
+    A syscall per run costs more than the copy for runs up to about a MiB. Measured here, 2 ranks
+    resharding 1 GiB of fp32 ``[2048, 4096]`` chunks from ``Shard(0)`` to ``Shard(1)`` (8 KiB runs):
+    8.1 GB/s aggregate from a map, 1.6-4.7 GB/s with one ``preadv`` per run, 3.7-4.0 GB/s for torch's
+    ``FileSystemReader`` (which reads every byte twice). The map is private and never written.
+    """
+    maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+    try:
+        for work in works:
+            stored, offsets = work.mapped  # type: ignore[misc]
+            if stored.path not in maps:
+                try:
+                    f = open(stored.path, "rb")  # noqa: SIM115 - closed right below
+                except FileNotFoundError as exc:
+                    raise CheckpointNotFoundError(f"{stored.where}: no such file") from exc
+                with f:
+                    if f.seek(0, 2) == 0:
+                        raise CorruptCheckpointError(f"{stored.where}: file is empty")
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                maps[stored.path] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+            mm, file_bytes = maps[stored.path]
+            item = stored.itemsize
+            base = stored.data_offset + stored.storage_offset * item
+            extent = base + (sum((s - 1) * st for s, st in zip(stored.shape, stored.stride)) + 1) * item
+            if extent > len(mm):
+                raise CorruptCheckpointError(
+                    f"{stored.where}: the tensor's data ends at byte {extent} but the file has {len(mm)} (truncated?)"
+                )
+            # In bytes: inside the file the data need not be aligned to the element size.
+            src = file_bytes.as_strided(
+                (*stored.shape[:-1], stored.shape[-1] * item), (*(st * item for st in stored.stride[:-1]), 1), base
+            )
+            for dim, (off, length) in enumerate(zip(offsets, work.lengths)):
+                scale = item if dim == len(offsets) - 1 else 1
+                src = src.narrow(dim, off * scale, length * scale)
+            target = work.staging if work.staging is not None else work.dest
+            target.view(torch.uint8).view(src.shape).copy_(src)
+            transport.counters.add(requests=1, bytes_read=src.numel())
+            work.mapped = None
+    finally:
+        for mm, tensor in maps.values():
+            del tensor
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive: the map closes when it is collected
+                pass
+
+
+_MAP_BELOW_RUN_BYTES = 1 << 20  # runs shorter than this are copied from a map, longer ones pread
 
 
 _RUNS_PER_JOB = 4096

@@ -32,7 +32,7 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["S3rverError", "S3rverServer", "ensure_installed", "S3RVER_VERSION"]
+__all__ = ["S3RVER_VERSION", "S3rverError", "S3rverServer", "ensure_installed"]
 
 S3RVER_VERSION = "3.7.1"
 _HOST = "127.0.0.1"

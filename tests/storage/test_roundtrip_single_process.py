@@ -739,3 +739,24 @@ def test_malicious_metadata_cannot_mutate_allowed_classes(tmp_path: Path) -> Non
     finally:
         if "dcp_storage_test_pwned" in vars(Metadata):
             delattr(Metadata, "dcp_storage_test_pwned")
+
+
+@pytest.mark.parametrize(("rows", "columns"), [(64, 24), (17, 270_000)])  # 96 B runs (map), 1 MiB runs (preadv)
+def test_many_run_slice_of_a_truncated_file_names_it(tmp_path: Path, rows: int, columns: int) -> None:
+    """Shard(1)-style slices of local files take the many-run path; a short file is still named."""
+    full = torch.arange(rows * 2 * columns, dtype=torch.float32).reshape(rows, 2 * columns)
+    dcp.save({"w": full}, storage_writer=FsspecWriter(str(tmp_path)))
+    offsets, lengths = (0, columns // 2), (rows, columns)
+    reader = FsspecReader(str(tmp_path), loader_config=ItemLoaderConfig(small_item_bytes=0))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    dest = torch.empty(lengths)
+    item = slice_item("w", offsets, lengths)
+    reader.read_data(LoadPlan([item]), SlicePlanner({id(item): dest})).wait()
+    assert torch.equal(dest, full[:, columns // 2 : columns // 2 + columns])
+    data_file = next(p for p in tmp_path.iterdir() if p.suffix == ".distcp" and p.stat().st_size > 1000)
+    with open(data_file, "r+b") as f:
+        f.truncate(data_file.stat().st_size // 2)
+    reader = FsspecReader(str(tmp_path), loader_config=ItemLoaderConfig(small_item_bytes=0))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    with pytest.raises(CorruptCheckpointError, match=data_file.name):
+        reader.read_data(LoadPlan([item]), SlicePlanner({id(item): torch.empty(lengths)})).wait()
