@@ -45,11 +45,10 @@ CASES = {
 def _job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     import warnings
 
+    import bench_dcp_read as b
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-
-    import bench_dcp_read as b
 
     warnings.filterwarnings("ignore")
     if world == 1:
@@ -60,9 +59,22 @@ def _job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     spy = None
     if rank == 0 and job.get("py_spy"):
         spy = subprocess.Popen(
-            [job["py_spy"], "record", "--pid", str(os.getpid()), "--format", "raw", "--rate", "250",
-             "--nonblocking", "--threads", "-o", job["spy_out"]],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                job["py_spy"],
+                "record",
+                "--pid",
+                str(os.getpid()),
+                "--format",
+                "raw",
+                "--rate",
+                "250",
+                "--nonblocking",
+                "--threads",
+                "-o",
+                job["spy_out"],
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         time.sleep(1.0)  # let it attach
     if world > 1:
@@ -127,6 +139,7 @@ def main() -> int:
     sys.path.insert(0, HERE)
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (HERE, REPO, os.environ.get("PYTHONPATH")) if x)
     import bench_dcp_read as b
+
     from dcp_storage.testing.distributed import run_ranks
 
     info = b.ensure_checkpoint(args.cache_dir, args.size_gib, args.seed)
@@ -152,8 +165,16 @@ def main() -> int:
             b.warm_files([server.object_path(b.BUCKET, f"{info['tag']}/{n}") for n, _ in b.data_files(info)])
         else:
             b.warm_files([os.path.join(info["path"], n) for n, _ in b.data_files(info)])
-        job = {"reader": args.reader, "url": url, "storage_options": so, "layout": layout, "spec": info["spec"],
-               "top": args.top, "py_spy": args.py_spy, "spy_out": spy_out}
+        job = {
+            "reader": args.reader,
+            "url": url,
+            "storage_options": so,
+            "layout": layout,
+            "spec": info["spec"],
+            "top": args.top,
+            "py_spy": args.py_spy,
+            "spy_out": spy_out,
+        }
         res = run_ranks(_job, world, job, timeout=1200)
     finally:
         if server is not None:
