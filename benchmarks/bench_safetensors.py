@@ -61,7 +61,7 @@ for _p in (REPO, HERE):
     if _p not in sys.path:
         sys.path.insert(1, _p)
 
-import bench_dcp_read as bdr  # noqa: E402  (launcher, raw-limit jobs and /proc helpers are shared)
+import bench_dcp_read as bdr
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -120,8 +120,9 @@ def ensure_checkpoint(cache_root: str, size_gib: float, seed: int) -> dict[str, 
     shutil.rmtree(root, ignore_errors=True)
     tmp = path + ".partial"
     os.makedirs(tmp)
-    print(f"[gen] writing {total / GiB:.2f} GiB HF checkpoint ({len(spec)} tensors, {n} files) to {path} ...",
-          flush=True)
+    print(
+        f"[gen] writing {total / GiB:.2f} GiB HF checkpoint ({len(spec)} tensors, {n} files) to {path} ...", flush=True
+    )
     t0 = time.perf_counter()
     sums: dict[str, dict[str, Any]] = {}
     weight_map: dict[str, str] = {}
@@ -176,6 +177,10 @@ def _make_reader(kind: str, url: str, storage_options: dict[str, Any]) -> Any:
         from dcp_storage import SafetensorsReader
 
         return SafetensorsReader(url, storage_options)
+    if kind == "ours-nobcast":  # diagnostic: every rank scans the headers itself (no metadata broadcast)
+        from dcp_storage import SafetensorsReader
+
+        return SafetensorsReader(url, storage_options, broadcast_metadata=False)
     if kind.startswith("ours-w"):  # diagnostic: ours with TransportConfig(max_workers=N)
         from dcp_storage import SafetensorsReader, TransportConfig
 
@@ -231,9 +236,24 @@ def _load_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         import subprocess
 
         spy_out = f"{job['profile_out']}.rank{rank}.txt"
-        spy = subprocess.Popen([job["pyspy"], "record", "--pid", str(os.getpid()), "--rate", "250", "--format",
-                                "raw", "--threads", "--nonblocking", "-o", spy_out],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        spy = subprocess.Popen(
+            [
+                job["pyspy"],
+                "record",
+                "--pid",
+                str(os.getpid()),
+                "--rate",
+                "250",
+                "--format",
+                "raw",
+                "--threads",
+                "-o",
+                spy_out,
+                *(["--native"] if job.get("pyspy_native") else ["--nonblocking"]),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(1.5)  # let it attach
     base = bdr._proc_status()["VmRSS"]
     hwm_reset = bdr._reset_peak_rss()
@@ -317,8 +337,9 @@ def _write_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 shape, _ = spec[name]
                 rows = shape[0] // world
                 local = f.get_slice(name)[rank * rows : (rank + 1) * rows].contiguous().clone()
-                sd[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                              stride=bdr._contig_stride(shape))
+                sd[name] = DTensor.from_local(
+                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=bdr._contig_stride(shape)
+                )
     sd = {n: sd[n] for n, _, _ in job["spec"]}  # model order
     consolidate_s: list[float] = []
     if job["writer"] == "ours":
@@ -326,7 +347,7 @@ def _write_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
         writer = SafetensorsWriter(job["out"], max_shard_size=job["max_shard_size"], overwrite=True)
     else:
-        import torch.distributed.checkpoint.hf_storage as hf_storage
+        from torch.distributed.checkpoint import hf_storage
 
         original = hf_storage.consolidate_safetensors_files
 
@@ -407,7 +428,7 @@ def wait_for_other(pattern: str) -> None:
 
     announced = False
     while True:
-        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        out = subprocess.run(["pgrep", "-f", pattern], check=False, capture_output=True, text=True).stdout.split()
         others = [p for p in out if int(p) not in (os.getpid(), os.getppid())]
         if not others:
             return
@@ -495,8 +516,9 @@ class Bench:
             return None, error
         return {"seconds": res[0]["seconds"], "ranks": res}, None
 
-    def _load_job_dict(self, reader: str, url: str, layout: str, s3: bool,
-                       storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    def _load_job_dict(
+        self, reader: str, url: str, layout: str, s3: bool, storage_options: dict[str, Any] | None
+    ) -> dict[str, Any]:
         return {
             "reader": reader,
             "url": url,
@@ -550,8 +572,12 @@ class Bench:
         row: dict[str, Any] = {"case": case, "reader": label, "kind": "raw", "runs_s": st["runs"], "error": st["error"]}
         if st["best"] is not None:
             best = st["best"]["ranks"][0]
-            row.update(gbps=best["bytes"] / best["seconds"] / GB, seconds=best["seconds"], bytes=best["bytes"],
-                       median_gbps=best["bytes"] / _median(st["runs"]) / GB)
+            row.update(
+                gbps=best["bytes"] / best["seconds"] / GB,
+                seconds=best["seconds"],
+                bytes=best["bytes"],
+                median_gbps=best["bytes"] / _median(st["runs"]) / GB,
+            )
             if "requests" in best:
                 row["requests"] = best["requests"]
             row.update(bdr._cpu_summary([best], best["seconds"], best["bytes"]))
@@ -560,17 +586,30 @@ class Bench:
     def _load_row(self, case: str, label: str, st: dict[str, Any], thunk: Any) -> dict[str, Any]:
         job = thunk.job
         s3 = job["s3"]
-        row: dict[str, Any] = {"case": case, "reader": job["reader"], "kind": "load", "layout": job["layout"],
-                               "world": thunk.world, "runs_s": st["runs"], "error": st["error"],
-                               "note": getattr(thunk, "note", "")}
+        row: dict[str, Any] = {
+            "case": case,
+            "reader": job["reader"],
+            "kind": "load",
+            "layout": job["layout"],
+            "world": thunk.world,
+            "runs_s": st["runs"],
+            "error": st["error"],
+            "note": getattr(thunk, "note", ""),
+        }
         if st["best"] is None:
             return row
         best = st["best"]["ranks"]
         t = max(r["seconds"] for r in best)
         needed = sum(r["bytes_needed"] for r in best)
-        row.update(seconds=t, bytes_needed=needed, gbps=needed / t / GB, median_gbps=needed / _median(st["runs"]) / GB,
-                   peak_extra=max(r["peak_extra"] for r in best), per_rank=best,
-                   phases_max_rank={k: max(r["phases"].get(k, 0.0) for r in best) for k in ("read_metadata", "read_data")})
+        row.update(
+            seconds=t,
+            bytes_needed=needed,
+            gbps=needed / t / GB,
+            median_gbps=needed / _median(st["runs"]) / GB,
+            peak_extra=max(r["peak_extra"] for r in best),
+            per_rank=best,
+            phases_max_rank={k: max(r["phases"].get(k, 0.0) for r in best) for k in ("read_metadata", "read_data")},
+        )
         row["phases_max_rank"]["other"] = t - sum(row["phases_max_rank"].values())
         if all("counters" in r for r in best):
             per_rank_read = [r["counters"]["bytes_read"] for r in best]
@@ -599,8 +638,17 @@ class Bench:
     def raw_entry(self, label: str, fn: Any, *a: Any) -> tuple[str, str, Any]:
         return (label, "raw", lambda: self._raw_once(fn, *a))
 
-    def load_entry(self, reader: str, url: str, layout: str, world: int, *, s3: bool = False,
-                   storage_options: dict[str, Any] | None = None, note: str = "") -> tuple[str, str, Any]:
+    def load_entry(
+        self,
+        reader: str,
+        url: str,
+        layout: str,
+        world: int,
+        *,
+        s3: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        note: str = "",
+    ) -> tuple[str, str, Any]:
         job = self._load_job_dict(reader, url, layout, s3, storage_options)
 
         def thunk() -> tuple[dict[str, Any] | None, str | None]:
@@ -613,17 +661,29 @@ class Bench:
         """One extra load (not in the table) under py-spy (every thread, every rank) or else cProfile."""
         pyspy = find_pyspy(self.args.pyspy)
         out_base = os.path.join(self.info["root"], "profile-" + key.replace(" ", "_"))
-        job = {"reader": reader, "url": url, "layout": layout, "spec": self.spec, "sums": self.info["sums"],
-               "storage_options": kw.get("storage_options") or {}, "s3": kw.get("s3", False),
-               "server_pid": self.server_pid if kw.get("s3") else None,
-               "profile": "py-spy" if pyspy else "cprofile", "pyspy": pyspy, "profile_out": out_base}
+        job = {
+            "reader": reader,
+            "url": url,
+            "layout": layout,
+            "spec": self.spec,
+            "sums": self.info["sums"],
+            "storage_options": kw.get("storage_options") or {},
+            "s3": kw.get("s3", False),
+            "server_pid": self.server_pid if kw.get("s3") else None,
+            "profile": "py-spy" if pyspy else "cprofile",
+            "pyspy": pyspy,
+            "profile_out": out_base,
+            "pyspy_native": self.args.pyspy_native,
+        }
         res, error = self._run(_load_job, world, job, timeout=900)
         if res is None:
             self.profiles[key] = {"error": error}
             return
-        prof: dict[str, Any] = {"tool": job["profile"], "seconds": [r["seconds"] for r in res],
-                                "cpu_summary": bdr._cpu_summary(res, max(r["seconds"] for r in res),
-                                                                sum(r["bytes_needed"] for r in res))}
+        prof: dict[str, Any] = {
+            "tool": job["profile"],
+            "seconds": [r["seconds"] for r in res],
+            "cpu_summary": bdr._cpu_summary(res, max(r["seconds"] for r in res), sum(r["bytes_needed"] for r in res)),
+        }
         if pyspy:
             for rank in range(world):
                 try:
@@ -637,8 +697,14 @@ class Bench:
         print(f"  [profile {key}] {job['profile']}: seconds {[round(r['seconds'], 2) for r in res]}", flush=True)
 
     def write(self, writer: str, out: str) -> dict[str, Any]:
-        job = {"writer": writer, "out": out, "spec": self.spec, "weight_map": self.info["weight_map"],
-               "src": self.info["path"], "max_shard_size": self.info["max_shard_size"]}
+        job = {
+            "writer": writer,
+            "out": out,
+            "spec": self.spec,
+            "weight_map": self.info["weight_map"],
+            "src": self.info["path"],
+            "max_shard_size": self.info["max_shard_size"],
+        }
         best: list[dict[str, Any]] | None = None
         best_sizes: Any = None
         runs: list[float] = []
@@ -698,17 +764,22 @@ class Bench:
         if "read_ratio_max_rank" in row:
             extra = f"  read/needed(max rank) {row['read_ratio_max_rank']:.3f}  peak+{row['peak_extra'] / MiB:.0f}MiB"
         runs = " ".join(f"{s:.2f}" for s in row["runs_s"])
-        print(f"  {row['case']:<22} {row['reader']:<26} {row['gbps']:.3f} GB/s (runs s: {runs}){extra}"
-              f"  others' CPU {row.get('others_cpu_frac', 0):.0%}", flush=True)
+        print(
+            f"  {row['case']:<22} {row['reader']:<26} {row['gbps']:.3f} GB/s (runs s: {runs}){extra}"
+            f"  others' CPU {row.get('others_cpu_frac', 0):.0%}",
+            flush=True,
+        )
 
     def _print_write(self, row: dict[str, Any]) -> None:
         if "seconds" not in row:
             print(f"  write {row['writer']:<8} ERROR {row['error']}", flush=True)
             return
         runs = " ".join(f"{s:.2f}" for s in row["runs_s"])
-        print(f"  write {row['writer']:<8} {row['seconds']:.2f}s (runs {runs})  written {row['bytes_written'] / GiB:.3f}"
-              f" GiB / ckpt {row['checkpoint_bytes'] / GiB:.3f} GiB = {row['ratio']:.3f}x  verified={row['verified']}",
-              flush=True)
+        print(
+            f"  write {row['writer']:<8} {row['seconds']:.2f}s (runs {runs})  written {row['bytes_written'] / GiB:.3f}"
+            f" GiB / ckpt {row['checkpoint_bytes'] / GiB:.3f} GiB = {row['ratio']:.3f}x  verified={row['verified']}",
+            flush=True,
+        )
 
     # ---- cases
     def run_local(self) -> None:
@@ -720,24 +791,32 @@ class Bench:
             print("[local, 1 process, full tensors]", flush=True)
             bdr.warm_files([p for p, _ in files])
             case = "local 1p full"
-            got = self.series(case, [
-                self.raw_entry("raw readinto 1 thread", bdr._raw_local_job, files, 1),
-                *(self.load_entry(r, path, "full", 1) for r in ("ours", "torch-hf", "torch-hf-t2")),
-            ], rounds)
+            got = self.series(
+                case,
+                [
+                    self.raw_entry("raw readinto 1 thread", bdr._raw_local_job, files, 1),
+                    *(self.load_entry(r, path, "full", 1) for r in ("ours", "torch-hf", "torch-hf-t2")),
+                ],
+                rounds,
+            )
             self._profile_if_slower(case, got, path, "full", 1)
         if "local2" in cases:
             print("[local, 2 ranks, Shard(0)]", flush=True)
             bdr.warm_files([p for p, _ in files])
             case = "local 2r S0"
-            got = self.series(case, [
-                self.raw_entry("raw readinto 2 threads", bdr._raw_local_job, files, 2),
-                *(self.load_entry(r, path, "shard0", 2) for r in ("ours", "torch-hf")),
-            ], rounds)
+            got = self.series(
+                case,
+                [
+                    self.raw_entry("raw readinto 2 threads", bdr._raw_local_job, files, 2),
+                    *(self.load_entry(r, path, "shard0", 2) for r in ("ours", "torch-hf")),
+                ],
+                rounds,
+            )
             self._profile_if_slower(case, got, path, "shard0", 2)
 
     def _profile_if_slower(self, case: str, got: dict[str, Any], path: str, layout: str, world: int) -> None:
         ours, ref = got["ours"].get("gbps"), got["torch-hf"].get("gbps")
-        if self.args.profile_misses and ours and ref and ours < ref:
+        if self.args.profile_misses and ours and ref and (ours < ref or self.args.profile_always):
             self.profile_load(case + " ours", "ours", path, layout, world)
             self.profile_load(case + " torch-hf", "torch-hf", path, layout, world)
 
@@ -765,8 +844,12 @@ class Bench:
                     bdr._put_file(host, port, key_path, local)
                     uploaded += os.path.getsize(local)
             upload_s = time.perf_counter() - t0
-            self.s3_setup = {"server": "s3rver 3.7.1 (npm), node " + bdr._cmd_version(["node", "--version"]),
-                             "install_s": install_s, "uploaded_bytes": uploaded, "upload_s": upload_s}
+            self.s3_setup = {
+                "server": "s3rver 3.7.1 (npm), node " + bdr._cmd_version(["node", "--version"]),
+                "install_s": install_s,
+                "uploaded_bytes": uploaded,
+                "upload_s": upload_s,
+            }
             print(f"[s3rver on {host}:{port}; uploaded {uploaded / GiB:.2f} GiB in {upload_s:.1f}s]", flush=True)
             url = f"s3://{BUCKET}/{key_prefix}"
             so = server.storage_options()
@@ -776,18 +859,32 @@ class Bench:
             bdr.warm_files(obj_files)
             case = "s3rver 2r S0"
             raw_label = f"raw ranged GET {bdr.RAW_PART // MiB}MiBx{bdr.RAW_CONCURRENCY}"
-            got = self.series(case, [
-                self.raw_entry(raw_label, bdr._raw_s3_job, host, port, objects, bdr.RAW_PART, bdr.RAW_CONCURRENCY,
-                               server.pid),
-                self.load_entry("ours", url, "shard0", 2, storage_options=so, s3=True),
-                *(self.load_entry(f"ours-w{w}", url, "shard0", 2, storage_options=so, s3=True,
-                                  note=f"diagnostic: TransportConfig(max_workers={w}) per rank")
-                  for w in self.args.s3_worker_variants),
-            ], self.args.repeats)
+            got = self.series(
+                case,
+                [
+                    self.raw_entry(
+                        raw_label, bdr._raw_s3_job, host, port, objects, bdr.RAW_PART, bdr.RAW_CONCURRENCY, server.pid
+                    ),
+                    self.load_entry("ours", url, "shard0", 2, storage_options=so, s3=True),
+                    *(
+                        self.load_entry(
+                            f"ours-w{w}",
+                            url,
+                            "shard0",
+                            2,
+                            storage_options=so,
+                            s3=True,
+                            note=f"diagnostic: TransportConfig(max_workers={w}) per rank",
+                        )
+                        for w in self.args.s3_worker_variants
+                    ),
+                ],
+                self.args.repeats,
+            )
             row = got["ours"]
             if self.args.profile_misses and row.get("gbps"):
                 raw = next(r for r in self.rows if r["case"] == case and r["kind"] == "raw")
-                if raw.get("gbps") and row["gbps"] < 0.7 * raw["gbps"]:
+                if raw.get("gbps") and (row["gbps"] < 0.7 * raw["gbps"] or self.args.profile_always):
                     self.profile_load("s3rver 2r S0 ours", "ours", url, "shard0", 2, storage_options=so, s3=True)
 
     def run_write(self) -> None:
@@ -815,9 +912,20 @@ def finish_rows(rows: list[dict[str, Any]]) -> None:
 
 
 def format_read_table(rows: list[dict[str, Any]]) -> str:
-    head = ["case", "reader", "GB/s best (median)", "x torch-hf", "x raw", "read/needed (max rank)", "requests",
-            "peak RSS +MiB/rank", "CPU s/GB client (server)", "s: metadata / read_data / rest (max rank)",
-            "others' CPU", "note"]
+    head = [
+        "case",
+        "reader",
+        "GB/s best (median)",
+        "x torch-hf",
+        "x raw",
+        "read/needed (max rank)",
+        "requests",
+        "peak RSS +MiB/rank",
+        "CPU s/GB client (server)",
+        "s: metadata / read_data / rest (max rank)",
+        "others' CPU",
+        "note",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         if r.get("error") and not r.get("gbps"):
@@ -832,11 +940,15 @@ def format_read_table(rows: list[dict[str, Any]]) -> str:
                 f"{r['read_ratio_max_rank']:.4f}" if "read_ratio_max_rank" in r else "-",
                 str(r["requests"]) if "requests" in r else "-",
                 f"{r['peak_extra'] / MiB:.0f}" if "peak_extra" in r else "-",
-                (f"{r['client_cpu_s_per_gb']:.2f}" + (f" ({r['server_cpu_s_per_gb']:.2f})"
-                                                      if r["case"].startswith("s3") else ""))
-                if "client_cpu_s_per_gb" in r else "-",
+                (
+                    f"{r['client_cpu_s_per_gb']:.2f}"
+                    + (f" ({r['server_cpu_s_per_gb']:.2f})" if r["case"].startswith("s3") else "")
+                )
+                if "client_cpu_s_per_gb" in r
+                else "-",
                 " / ".join(f"{r['phases_max_rank'][k]:.3f}" for k in ("read_metadata", "read_data", "other"))
-                if "phases_max_rank" in r else "-",
+                if "phases_max_rank" in r
+                else "-",
                 f"{r['others_cpu_frac']:.0%}" if "others_cpu_frac" in r else "-",
                 "; ".join(x for x in (r.get("note") or "", r.get("error") or "") if x),
             ]
@@ -845,26 +957,44 @@ def format_read_table(rows: list[dict[str, Any]]) -> str:
 
 
 def format_write_table(rows: list[dict[str, Any]]) -> str:
-    head = ["writer", "seconds", "GB/s (ckpt bytes/s)", "bytes written (GiB)", "checkpoint (GiB)",
-            "written / checkpoint", "wchar / checkpoint", "of which consolidation s", "verified"]
+    head = [
+        "writer",
+        "seconds",
+        "GB/s (ckpt bytes/s)",
+        "bytes written (GiB)",
+        "checkpoint (GiB)",
+        "written / checkpoint",
+        "wchar / checkpoint",
+        "of which consolidation s",
+        "verified",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         if "seconds" not in r:
             lines.append(f"| {r['writer']} | ERROR | | | | | | | {r.get('error')} |")
             continue
-        label = ("ours: SafetensorsWriter" if r["writer"] == "ours"
-                 else "torch: HuggingFaceStorageWriter(save_distributed, enable_consolidation)")
-        lines.append("| " + " | ".join([
-            label,
-            f"{r['seconds']:.2f}",
-            f"{r['gbps']:.3f}",
-            f"{r['bytes_written'] / GiB:.3f}",
-            f"{r['checkpoint_bytes'] / GiB:.3f}",
-            f"{r['ratio']:.4f}",
-            f"{r['wchar_ratio']:.4f}",
-            f"{r['consolidate_s']:.2f}" if r["writer"] != "ours" else "-",
-            "yes" if r["verified"] else "NO " + ",".join(r["bad"]),
-        ]) + " |")
+        label = (
+            "ours: SafetensorsWriter"
+            if r["writer"] == "ours"
+            else "torch: HuggingFaceStorageWriter(save_distributed, enable_consolidation)"
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    label,
+                    f"{r['seconds']:.2f}",
+                    f"{r['gbps']:.3f}",
+                    f"{r['bytes_written'] / GiB:.3f}",
+                    f"{r['checkpoint_bytes'] / GiB:.3f}",
+                    f"{r['ratio']:.4f}",
+                    f"{r['wchar_ratio']:.4f}",
+                    f"{r['consolidate_s']:.2f}" if r["writer"] != "ours" else "-",
+                    "yes" if r["verified"] else "NO " + ",".join(r["bad"]),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -880,29 +1010,45 @@ def evaluate_targets(rows: list[dict[str, Any]], write_rows: list[dict[str, Any]
     for case, label in (("local 1p full", "1 process"), ("local 2r S0", "2 ranks Shard(0)")):
         ours, ref = find(case, "ours"), find(case, "torch-hf")
         if ours and ref:
-            add(f"local safetensors {label}: ours >= torch HuggingFaceStorageReader", ours["gbps"] >= ref["gbps"],
+            add(
+                f"local safetensors {label}: ours >= torch HuggingFaceStorageReader",
+                ours["gbps"] >= ref["gbps"],
                 f"best {ours['gbps']:.3f} vs {ref['gbps']:.3f} GB/s = {ours['gbps'] / ref['gbps']:.2f}x; median "
                 f"{ours['median_gbps']:.3f} vs {ref['median_gbps']:.3f} = {ours['median_gbps'] / ref['median_gbps']:.2f}x"
-                + (f" (ours {ours['vs_raw']:.2f}x raw readinto)" if "vs_raw" in ours else ""))
+                + (f" (ours {ours['vs_raw']:.2f}x raw readinto)" if "vs_raw" in ours else ""),
+            )
     r = find("s3rver 2r S0", "ours")
     if r:
-        add("s3 resharding 2 ranks: bytes read <= 1.05x needed (max rank)", r["read_ratio_max_rank"] <= 1.05,
-            f"{r['read_ratio_max_rank']:.4f}x (per rank " + ", ".join(f"{x:.4f}" for x in r["read_ratio_per_rank"])
-            + f"); {r['requests']} requests")
+        add(
+            "s3 resharding 2 ranks: bytes read <= 1.05x needed (max rank)",
+            r["read_ratio_max_rank"] <= 1.05,
+            f"{r['read_ratio_max_rank']:.4f}x (per rank "
+            + ", ".join(f"{x:.4f}" for x in r["read_ratio_per_rank"])
+            + f"); {r['requests']} requests",
+        )
         if "vs_raw" in r:
             raw = next(x for x in rows if x["case"] == "s3rver 2r S0" and x["kind"] == "raw")
-            add("s3 resharding 2 ranks: >= 0.7x raw ranged-GET bandwidth", r["vs_raw"] >= 0.7,
+            add(
+                "s3 resharding 2 ranks: >= 0.7x raw ranged-GET bandwidth",
+                r["vs_raw"] >= 0.7,
                 f"best {r['vs_raw']:.2f}x ({r['gbps']:.3f} vs {r['raw_gbps']:.3f} GB/s); median "
-                f"{r['median_gbps'] / raw['median_gbps']:.2f}x")
+                f"{r['median_gbps'] / raw['median_gbps']:.2f}x",
+            )
     w = next((x for x in write_rows if x["writer"] == "ours" and "ratio" in x), None)
     if w:
-        add("SafetensorsWriter bytes written <= 1.02x checkpoint", w["ratio"] <= 1.02 and w["verified"],
-            f"{w['ratio']:.4f}x ({w['bytes_written']} / {w['checkpoint_bytes']} bytes), {w['seconds']:.2f}s")
+        add(
+            "SafetensorsWriter bytes written <= 1.02x checkpoint",
+            w["ratio"] <= 1.02 and w["verified"],
+            f"{w['ratio']:.4f}x ({w['bytes_written']} / {w['checkpoint_bytes']} bytes), {w['seconds']:.2f}s",
+        )
     t = next((x for x in write_rows if x["writer"] == "torch-hf" and "ratio" in x), None)
     if w and t:
-        add("(context) torch HF writer + consolidation", None,
+        add(
+            "(context) torch HF writer + consolidation",
+            None,
             f"{t['ratio']:.3f}x written, {t['seconds']:.2f}s (consolidation {t['consolidate_s']:.2f}s); "
-            f"ours {w['seconds']:.2f}s = {t['seconds'] / w['seconds']:.2f}x faster")
+            f"ours {w['seconds']:.2f}s = {t['seconds'] / w['seconds']:.2f}x faster",
+        )
     return out
 
 
@@ -910,27 +1056,49 @@ def evaluate_targets(rows: list[dict[str, Any]], write_rows: list[dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size-gib", type=float, default=2.0, help="checkpoint size (default 2)")
     p.add_argument("--quick", action="store_true", help="smoke test: 0.25 GiB, 1 repeat")
     p.add_argument("--repeats", type=int, default=None, help="s3 reads: best of N rounds (default 3, quick 1)")
-    p.add_argument("--local-rounds", type=int, default=None,
-                   help="local reads: best of N interleaved rounds (default 7, quick 1); they take well under a "
-                   "second each, so more rounds are cheap and steady the numbers on a shared machine")
-    p.add_argument("--s3-worker-variants", default="4",
-                   help="comma list of max_workers values for extra, diagnostic s3 rows of ours ('' for none)")
-    p.add_argument("--wait-for", default="bench_dcp_read",
-                   help="before each run, wait while a process whose command line contains this runs "
-                   "(polled every 30 s; '' disables)")
+    p.add_argument(
+        "--local-rounds",
+        type=int,
+        default=None,
+        help="local reads: best of N interleaved rounds (default 7, quick 1); they take well under a "
+        "second each, so more rounds are cheap and steady the numbers on a shared machine",
+    )
+    p.add_argument(
+        "--s3-worker-variants",
+        default="4",
+        help="comma list of max_workers values for extra, diagnostic s3 rows of ours ('' for none)",
+    )
+    p.add_argument(
+        "--wait-for",
+        default="bench_dcp_read",
+        help="before each run, wait while a process whose command line contains this runs "
+        "(polled every 30 s; '' disables)",
+    )
     p.add_argument("--write-repeats", type=int, default=None, help="writes: best of N (default 2, quick 1)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", default=None)
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "dcp-storage-bench"))
     p.add_argument("--cases", default="local1,local2,s3,write", help="comma list of local1,local2,s3,write")
-    p.add_argument("--quiet-wait", type=float, default=None,
-                   help="before each run, wait up to this many seconds for the machine to go idle (default 20; quick 0)")
-    p.add_argument("--no-profile", dest="profile_misses", action="store_false",
-                   help="do not profile (one extra run under py-spy, else cProfile) a case that misses its bar")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=None,
+        help="before each run, wait up to this many seconds for the machine to go idle (default 20; quick 0)",
+    )
+    p.add_argument(
+        "--no-profile",
+        dest="profile_misses",
+        action="store_false",
+        help="do not profile (one extra run under py-spy, else cProfile) a case that misses its bar",
+    )
+    p.add_argument("--profile-always", action="store_true", help="profile ours (and torch-hf locally) in every case")
+    p.add_argument("--pyspy-native", action="store_true", help="py-spy --native (C frames too; pauses the process)")
     p.add_argument("--pyspy", default=None, help="py-spy binary (default: on PATH, or /tmp/pyspy/bin/py-spy)")
     args = p.parse_args(argv)
     if args.quick:
@@ -956,11 +1124,17 @@ def main(argv: list[str] | None = None) -> int:
     import safetensors
 
     machine["versions"]["safetensors"] = safetensors.__version__
-    print(f"machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['mem_gib']} GiB, "
-          f"load {machine['loadavg_at_start']}", flush=True)
+    print(
+        f"machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['mem_gib']} GiB, "
+        f"load {machine['loadavg_at_start']}",
+        flush=True,
+    )
     info = ensure_checkpoint(args.cache_dir, args.size_gib, args.seed)
-    print(f"checkpoint: {info['path']}  {info['tensor_bytes'] / GiB:.2f} GiB in {len(info['spec'])} tensors, "
-          f"largest {info['largest_tensor_bytes'] / MiB:.0f} MiB; files {info['file_sizes']}", flush=True)
+    print(
+        f"checkpoint: {info['path']}  {info['tensor_bytes'] / GiB:.2f} GiB in {len(info['spec'])} tensors, "
+        f"largest {info['largest_tensor_bytes'] / MiB:.0f} MiB; files {info['file_sizes']}",
+        flush=True,
+    )
     bench = Bench(args, info)
     try:
         bench.run_local()
@@ -993,8 +1167,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "when": datetime.datetime.now().isoformat(timespec="seconds"),
         "wall_s": time.time() - started,
-        "command": " ".join([os.path.relpath(sys.executable, REPO), os.path.relpath(__file__, REPO),
-                             *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            [
+                os.path.relpath(sys.executable, REPO),
+                os.path.relpath(__file__, REPO),
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
         "args": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()},
         "machine": machine,
         "loadavg_at_end": os.getloadavg(),
