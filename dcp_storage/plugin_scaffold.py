@@ -1,0 +1,142 @@
+"""``dcp-storage plugins new NAME``: write a working plugin distribution to start from.
+
+A plugin is an ordinary distribution with an entry point in one of dcp-storage's groups (see
+:mod:`dcp_storage.registry`). The scaffold writes one that already works and is tested, so an author edits
+running code instead of filling in blanks:
+
+* ``--template transport``: serves ``NAME://`` URLs by mounting them on another fsspec URL (``base_url``), a
+  subclass of :class:`~dcp_storage.transports.FsspecTransport`;
+* ``--template extension``: a torch ``StreamTransformExtension`` that deflate-compresses every item, usable by
+  ``FsspecWriter(extensions=[...])`` and torch's ``FileSystemWriter(_extensions=[...])``.
+
+The templates are files in ``dcp_storage/plugin_template/`` with ``string.Template`` placeholders.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from .errors import DcpStorageError
+
+__all__ = ["KINDS", "PluginScaffold", "ScaffoldError", "new_plugin"]
+
+_NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+
+
+class ScaffoldError(DcpStorageError, ValueError):
+    """The plugin name or target directory cannot be used."""
+
+
+@dataclass(frozen=True)
+class _Kind:
+    group: str
+    module: str
+    target_suffix: str
+    description: str
+    usage: str
+
+
+KINDS: dict[str, _Kind] = {
+    "transport": _Kind(
+        group="transports",
+        module="transport",
+        target_suffix="Transport",
+        description="A dcp-storage transport serving $name:// URLs from a mounted fsspec base URL.",
+        usage=(
+            "## Use\n\n```python\nimport torch.distributed.checkpoint as dcp\nfrom dcp_storage import FsspecReader\n\n"
+            'opts = {"base_url": "s3://company-checkpoints"}  # or set $env_var\n'
+            'dcp.load(state_dict, storage_reader=FsspecReader("$name://team/run-7/step-100", opts))\n```'
+        ),
+    ),
+    "extension": _Kind(
+        group="extensions",
+        module="extension",
+        target_suffix="Deflate",
+        description="A dcp-storage stream extension compressing checkpoint items with deflate.",
+        usage=(
+            "## Use\n\n```python\nimport torch.distributed.checkpoint as dcp\nfrom dcp_storage import FsspecReader, "
+            "FsspecWriter\nfrom $package.$module import $target\n\n"
+            'dcp.save(state_dict, storage_writer=FsspecWriter("ckpt", extensions=[$target(level=6)]))\n'
+            'dcp.load(state_dict, storage_reader=FsspecReader("ckpt"))  # found again through the entry point\n```'
+        ),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class PluginScaffold:
+    """What :func:`new_plugin` wrote."""
+
+    root: Path
+    distribution: str
+    package: str
+    group: str
+    entry_point: str
+    files: tuple[Path, ...]
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in re.split(r"[-_]", name))
+
+
+def new_plugin(name: str, directory: str | Path = ".", kind: str = "transport") -> PluginScaffold:
+    """Write the plugin distribution ``dcp-storage-NAME`` into ``directory/dcp-storage-NAME``.
+
+    ``name`` is the registry name (and, for a transport, the URL scheme): lowercase letters and digits,
+    words joined by ``-``. The target directory must not exist yet; nothing is overwritten.
+    """
+    if kind not in KINDS:
+        raise ScaffoldError(f"unknown plugin kind {kind!r}; choose one of {sorted(KINDS)}")
+    if not _NAME.match(name):
+        raise ScaffoldError(
+            f"plugin name {name!r}: use lowercase letters and digits, words joined by '-' (it becomes a URL scheme "
+            "and a Python package name)"
+        )
+    spec = KINDS[kind]
+    distribution = f"dcp-storage-{name}"
+    package = distribution.replace("-", "_")
+    root = Path(directory) / distribution
+    if root.exists():
+        raise ScaffoldError(f"{root}: already exists; choose another directory or name")
+    values = {
+        "name": name,
+        "kind": kind,
+        "distribution": distribution,
+        "package": package,
+        "group": spec.group,
+        "module": spec.module,
+        "target": _camel(name) + spec.target_suffix,
+        "env_var": f"DCP_STORAGE_{name.upper().replace('-', '_')}_BASE_URL",
+    }
+    values["description"] = string.Template(spec.description).substitute(values)
+    values["usage"] = string.Template(spec.usage).substitute(values)
+    layout = {
+        "pyproject.toml.tmpl": Path("pyproject.toml"),
+        "README.md.tmpl": Path("README.md"),
+        f"{spec.module}.py.tmpl": Path(package) / f"{spec.module}.py",
+        f"test_{spec.module}.py.tmpl": Path("tests") / f"test_{spec.module}.py",
+    }
+    templates = resources.files("dcp_storage") / "plugin_template"
+    written = []
+    for template, relative in layout.items():
+        text = string.Template((templates / template).read_text(encoding="utf-8")).substitute(values)
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    init = root / package / "__init__.py"
+    init.write_text(f'"""{values["description"]}"""\n\nfrom .{spec.module} import {values["target"]}\n\n'
+                    f'__all__ = ["{values["target"]}"]\n', encoding="utf-8")
+    written.append(init)
+    return PluginScaffold(
+        root=root,
+        distribution=distribution,
+        package=package,
+        group=f"dcp_storage.{spec.group}",
+        entry_point=f"{name} = {package}.{spec.module}:{values['target']}",
+        files=tuple(sorted(written)),
+    )
