@@ -11,15 +11,16 @@ Messages name the file, the key and the reason, and where there is one, the fix.
 from __future__ import annotations
 
 __all__ = [
-    "DcpStorageError",
-    "UnsafeCheckpointError",
-    "CheckpointNotFoundError",
     "CheckpointExistsError",
+    "CheckpointNotFoundError",
     "CorruptCheckpointError",
-    "TransportError",
-    "ShapeMismatchError",
-    "UnsupportedDtypeError",
+    "DcpStorageError",
+    "IncompleteCheckpointError",
     "NonTensorStateError",
+    "ShapeMismatchError",
+    "TransportError",
+    "UnsafeCheckpointError",
+    "UnsupportedDtypeError",
 ]
 
 
@@ -49,6 +50,30 @@ class UnsafeCheckpointError(DcpStorageError):
 
 class CheckpointNotFoundError(DcpStorageError, FileNotFoundError):
     """A file the checkpoint needs does not exist (metadata, a data file, the checkpoint itself)."""
+
+
+class IncompleteCheckpointError(CheckpointNotFoundError):
+    """A location holds leftovers of a save (data files, temp files, a manifest) but no commit marker.
+
+    Every writer here commits by writing one marker last (DCP: ``.metadata``; sharded safetensors: the
+    index), so leftovers without it are an interrupted save, never a checkpoint. It derives from
+    :class:`CheckpointNotFoundError` (and so ``FileNotFoundError``), not :class:`CorruptCheckpointError`:
+    the save never completed, so there is no checkpoint at that path, and resume logic written as "no
+    checkpoint here: fall back to the previous one" must treat it exactly like a missing one. Corruption
+    means a *committed* checkpoint lost bytes, which is a different alarm.
+    """
+
+    def __init__(self, url: str, data_files: int, marker: str, detail: str = "") -> None:
+        self.url = url
+        self.data_files = data_files
+        self.marker = marker
+        self.detail = detail
+        msg = f"incomplete checkpoint: {url} has {data_files} data files{detail} but no {marker} (an interrupted save?)"
+        msg += "; save again with overwrite=True to replace it, or load an earlier checkpoint"
+        super().__init__(msg)
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
+        return (type(self), (self.url, self.data_files, self.marker, self.detail))
 
 
 class CheckpointExistsError(DcpStorageError, FileExistsError):

@@ -11,7 +11,9 @@ from typing import Any
 
 from . import registry
 from .errors import DcpStorageError
+from .formats.completeness import probe_or_refuse
 from .formats.spec import FormatSpec, Probe
+from .integrity.format_check import missing_format_plugin
 
 __all__ = ["UnknownFormatError", "open_reader", "open_writer", "detect_format"]
 
@@ -33,8 +35,11 @@ def _describe(probe: Probe) -> str:
 
 def detect_format(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> FormatSpec:
     """The format whose sniffer scores ``url`` highest; :class:`UnknownFormatError` if none or a tie."""
-    probe = Probe.of(os.fspath(url), storage_options)
+    probe = probe_or_refuse(os.fspath(url), storage_options)  # an interrupted save: IncompleteCheckpointError
     specs = _formats()
+    missing = missing_format_plugin(probe, specs)  # the manifest names a format no plugin here provides
+    if missing is not None:
+        raise UnknownFormatError(missing)
     scores: dict[str, int] = {}
     failures: list[str] = []
     for name, spec in specs.items():

@@ -35,6 +35,9 @@ from dcp_storage.testing.s3_server import MotoS3Server, MotoServerError, S3Locat
 
 # Tests must never reach the Hugging Face Hub (or wait on its timeouts).
 os.environ["HF_HUB_OFFLINE"] = "1"
+# gcsfs probes for hierarchical-namespace buckets over TLS on every call unless told not to (set before any
+# test module imports gcsfs; the emulator cannot answer the probe).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

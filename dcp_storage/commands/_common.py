@@ -40,7 +40,8 @@ def parse_storage_option(text: str) -> tuple[tuple[str, ...], Any]:
     key, sep, raw = text.partition("=")
     parts = tuple(p.strip() for p in key.split("."))
     if not sep or not key.strip() or any(not p for p in parts):
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (dotted keys nest, e.g. client_kwargs.region_name=x), got {text!r}")
+        shown = f"{key!r}=..." if sep else "an argument without '='"  # never echo a value: it may be a secret
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (dotted keys nest, e.g. client_kwargs.region_name=x), got {shown}")
     try:
         value = json.loads(raw)
     except ValueError:

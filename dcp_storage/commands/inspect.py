@@ -28,6 +28,22 @@ def _shape(shape: list[int]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
+def _print_provenance(prov: dict[str, Any]) -> None:
+    if "error" in prov:
+        print(f"manifest:   unreadable: {prov['error']}")
+    if "writer" not in prov:
+        return
+    print(f"written:    {prov['format']} by {prov['writer']}")
+    exts = []
+    for e in prov.get("extensions", []):
+        source = " ".join(x for x in (e.get("distribution"), e.get("version")) if x)
+        exts.append(e["descriptor"] + (f" (from {source})" if source else ""))
+    print(f"extensions: {', '.join(exts) if exts else 'none'}")
+    sums = prov.get("checksums")
+    records = prov.get("checksummed_records", 0)
+    print(f"checksums:  {sums}, {records} records" if sums else "checksums:  none recorded")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..inspection import describe
 
@@ -38,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     totals = info.totals
     print(f"checkpoint: {info.url}")
     print(f"format:     {info.format} ({info.layout}) - {info.description}")
+    _print_provenance(info.provenance)
     print(f"files:      {totals['files']}, {_common.human_bytes(totals['file_bytes'])}")
     width = max([len(f.name) for f in info.files] + [4])
     for f in info.files:

@@ -20,23 +20,64 @@ def add_parser(sub: Any) -> None:
     p.add_argument("url", metavar="URL", help="checkpoint URL (format detected)")
     p.add_argument("--deep", action="store_true", help="also read every tensor and value, and check checksums")
     p.add_argument("--format", metavar="FORMAT", help="format name (default: detected)")
+    p.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="first abort the in-progress multipart uploads under URL (left by killed saves) older than --older-than",
+    )
+    p.add_argument(
+        "--older-than",
+        metavar="AGE",
+        type=_parse_age,
+        default=3600.0,
+        help="with --cleanup: only uploads started longer ago than this (seconds, or 30m, 2h, 1d; default 1h, as a "
+        "younger upload may belong to a save still running; 0: all)",
+    )
     _common.add_storage_options(p)
     _common.add_json(p)
     _common.add_common(p)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..inspection import verify
+_AGE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
+
+def _parse_age(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``2h``, ``1d`` -> seconds."""
+    raw = text.strip().lower()
+    scale = _AGE_UNITS.get(raw[-1:], None) if raw else None
+    try:
+        value = float(raw[:-1] if scale is not None else raw) * (scale or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an age like 90, 30m, 2h or 1d, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"age must be >= 0, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..inspection import abort_stale_uploads, verify
+
+    aborted = []
+    if args.cleanup:
+        aborted = abort_stale_uploads(args.url, _common.storage_options(args), older_than=args.older_than)
     with _common.progress_bar("verify") as bar:
         report = verify(
-            args.url, _common.storage_options(args), deep=args.deep, format=args.format, progress=bar.update,
+            args.url,
+            _common.storage_options(args),
+            deep=args.deep,
+            format=args.format,
+            progress=bar.update,
             on_start=lambda total: _common.set_total(bar, total),
         )
     if args.json:
-        _common.emit_json(report.as_dict())
+        out = report.as_dict()
+        if args.cleanup:
+            out["aborted_uploads"] = [u.url for u in aborted]
+        _common.emit_json(out)
     else:
+        for upload in aborted:
+            print(f"aborted: {upload.describe()}")
         checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in report.checked.items())
         print(f"checkpoint: {report.url} ({report.format or 'unknown format'})")
         if checked:

@@ -3,5 +3,18 @@
 
 from .checks import VerifyReport, verify
 from .summary import CheckpointInfo, ChunkInfo, FileInfo, TensorInfo, ValueInfo, describe
+from .uploads import PendingUpload, abort_stale_uploads, list_pending_uploads
 
-__all__ = ["CheckpointInfo", "ChunkInfo", "FileInfo", "TensorInfo", "ValueInfo", "VerifyReport", "describe", "verify"]
+__all__ = [
+    "CheckpointInfo",
+    "ChunkInfo",
+    "FileInfo",
+    "PendingUpload",
+    "TensorInfo",
+    "ValueInfo",
+    "VerifyReport",
+    "abort_stale_uploads",
+    "describe",
+    "list_pending_uploads",
+    "verify",
+]

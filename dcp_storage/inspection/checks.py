@@ -12,8 +12,10 @@ Shallow checks read metadata, headers and file sizes only:
   storage record present, uncompressed, large enough and inside the file.
 
 ``deep=True`` then reads every tensor and value through the format's reader, one at a time (memory near
-the largest tensor), and for ``torch.save`` files checks the zip CRC32 of every record. dcp-storage's own
-writers record no checksums of their own yet; the report says so.
+the largest tensor), and for ``torch.save`` files checks the zip CRC32 of every record. Checkpoints written
+by dcp-storage carry a checksum of every record (DCP: ``.dcp_storage.json``; safetensors: the header's
+``__metadata__``): shallow checks compare file sizes with them, deep checks every checksum, reading each file
+sequentially in bounded memory (:mod:`dcp_storage.integrity.deep_check`). Without them the report says so.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import DcpStorageError
+from ..integrity.deep_check import deep_check_dcp, report_dcp_checksums
 from ..transports import FsspecTransport
+from .leftovers import check_leftovers
 from .summary import resolve_spec
 
 __all__ = ["VerifyReport", "verify"]
 
-NO_CHECKSUMS = "no checksums recorded: dcp-storage's writers do not record any yet, so bit flips inside tensor data cannot be detected"
+NO_CHECKSUMS = "no checksums recorded: this checkpoint's writer recorded none, so bit flips inside tensor data cannot be detected"
 _CRC_CHUNK = 8 * 1024 * 1024
 _MAX_KEYS_NAMED = 5
 
@@ -113,6 +117,7 @@ def _check_dcp(report: VerifyReport, url: str, storage_options: dict[str, Any] |
                 )
         report.checked["files"] = len(needs)
         _check_dcp_coverage(report, md, storage, transport.url(path))
+        report_dcp_checksums(report, transport, root, storage, deep=False)  # sizes against the manifest
 
 
 def _check_dcp_coverage(report: VerifyReport, md: Any, storage: dict[Any, Any], where: str) -> None:
@@ -293,6 +298,8 @@ def verify(
     """Check the checkpoint at ``url``; the report lists every problem found (empty: complete)."""
     url = os.fspath(url)
     report = VerifyReport(url, None, deep)
+    if not check_leftovers(report, url, storage_options):  # an interrupted save: named, nothing else to check
+        return report
     try:
         spec = resolve_spec(url, storage_options, format)
     except Exception as exc:  # noqa: BLE001 - reported, unless the name says which format to check
@@ -325,6 +332,11 @@ def verify(
         except Exception as exc:  # noqa: BLE001 - reported
             report.problems.append(_err(exc))
         report.notes.append("CRC32 of every zip record (written by torch's zip writer) checked")
-    else:
+    elif spec.name == "dcp":
+        try:
+            deep_check_dcp(report, url, storage_options)  # every recorded checksum, file by file
+        except Exception as exc:  # noqa: BLE001 - reported
+            report.problems.append(_err(exc))
+    if not any("checksum" in n or "CRC32" in n for n in report.notes):
         report.notes.append(NO_CHECKSUMS)
     return report

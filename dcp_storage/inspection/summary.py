@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .. import registry
 from ..formats.spec import FormatSpec
+from ..integrity.summary import dcp_provenance
 from ..transports import FsspecTransport
 
 __all__ = ["CheckpointInfo", "ChunkInfo", "FileInfo", "TensorInfo", "ValueInfo", "describe", "dtype_name"]
@@ -69,6 +70,8 @@ class CheckpointInfo:
     files: list[FileInfo] = field(default_factory=list)
     tensors: list[TensorInfo] = field(default_factory=list)
     values: list[ValueInfo] = field(default_factory=list)
+    # What wrote it (from dcp-storage's manifest or header metadata): format, writer, extensions, checksums.
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, int]:
@@ -129,7 +132,8 @@ def _describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | 
         listed = [n for n in transport.listdir(root) if n.endswith(".distcp")]  # unreferenced data files too
         names = sorted({METADATA_FILE, *listed, *(i.relative_path for i in storage.values())})
         files = [FileInfo(n, _size_or_none(transport, transport.join(root, n))) for n in names]
-    return CheckpointInfo(url, spec.descriptor, spec.description, "dcp", files, tensors, values)
+        provenance = dcp_provenance(transport, root)
+    return CheckpointInfo(url, spec.descriptor, spec.description, "dcp", files, tensors, values, provenance)
 
 
 def _describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:

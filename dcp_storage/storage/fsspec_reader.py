@@ -26,8 +26,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CheckpointNotFoundError
+from ..formats.completeness import find_leftovers
 from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
 from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
+from ..integrity.dcp_manifest import record_verifier
 from ..transports import FsspecTransport, TransportConfig
 from ..transports.factory import bind_transport
 
@@ -43,8 +45,15 @@ class FsspecReader(StorageReader):
         storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
         transport_config: concurrency, coalescing, in-flight and retry settings.
         loader_config: header probe size, staging limit (see :class:`ItemLoaderConfig`).
-        extension_registry: torch stream extensions for items saved with ``_extensions``.
+        extension_registry: torch stream extensions for items saved with ``_extensions``; not needed for
+            torch's own (``stream.zstd``) nor for extension plugins (the ``dcp_storage.extensions``
+            entry-point group), which are found when an item names them. Items stored through a seekable
+            transform (``dcp-storage-zstd``) that a rank needs only part of are read frame by frame.
         transport: an existing transport to share (its counters then add up across readers).
+        verify: check every record this rank reads against the checksum our writer recorded for it in
+            ``.dcp_storage.json`` (records are then fetched whole, even when resharding), raising
+            :class:`~dcp_storage.errors.CorruptCheckpointError` naming the URL, byte range and keys on a
+            mismatch. Checkpoints without recorded checksums (torch's writers) load unchecked, with a warning.
     """
 
     def __init__(
@@ -56,14 +65,17 @@ class FsspecReader(StorageReader):
         loader_config: ItemLoaderConfig | None = None,
         extension_registry: ExtensionRegistry | None = None,
         transport: FsspecTransport | None = None,
+        verify: bool = False,
     ) -> None:
         super().__init__()
+        self.verify = verify
         self.storage_options = dict(storage_options or {})
         self.transport_config = transport_config
         self.loader_config = loader_config or ItemLoaderConfig()
         self.extension_registry = extension_registry
         self._given_transport = transport
         self.storage_data: dict[Any, Any] = {}
+        self.metadata: Metadata | None = None
         self.load_id = uuid.uuid4().hex
         self._open(path)
 
@@ -84,6 +96,7 @@ class FsspecReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
+        self.metadata = None
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
         self.load_id = uuid.uuid4().hex
@@ -95,6 +108,9 @@ class FsspecReader(StorageReader):
         try:
             data = self.transport.read_file(path)
         except CheckpointNotFoundError as exc:
+            leftovers = find_leftovers(self.transport, self.root)  # an interrupted save: say so
+            if leftovers is not None:
+                raise leftovers.error() from exc
             raise CheckpointNotFoundError(
                 f"{self.transport.url(path)}: no checkpoint metadata; the checkpoint does not exist or its save "
                 "did not complete (metadata is written last)"
@@ -109,6 +125,7 @@ class FsspecReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointNotFoundError(f"{self.path}: metadata carries no storage map")
         self.storage_data = metadata.storage_data
+        self.metadata = metadata  # chunk sizes: whole-chunk vs partial reads of framed (compressed) items
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -118,7 +135,16 @@ class FsspecReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        loader = DcpItemLoader(self.transport, self.root, self.storage_data, self.loader_config, self.extension_registry)
+        verifier = record_verifier(self.transport, self.root, self.storage_data) if self.verify else None
+        loader = DcpItemLoader(
+            self.transport,
+            self.root,
+            self.storage_data,
+            self.loader_config,
+            self.extension_registry,
+            verifier,
+            metadata=self.metadata,
+        )
         loader.load(plan.items, planner)
         fut: Future[None] = Future()
         fut.set_result(None)

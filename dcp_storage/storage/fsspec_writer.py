@@ -10,8 +10,9 @@ Call order (torch's ``dcp.save`` drives it):
 3. ``prepare_global_plan`` - coordinator only; with ``overwrite=True`` it deletes the old ``.metadata``
    *before* any rank writes data, so a crash can never leave old metadata pointing at new files.
 4. ``write_data`` - every rank; ``thread_count`` files written concurrently, each committed atomically.
-5. ``finish`` - coordinator only; writes ``.metadata`` last, atomically (one PUT, or temp+fsync+rename),
-   so an interrupted save never looks complete.
+5. ``finish`` - coordinator only; writes the manifest ``.dcp_storage.json`` (format, writer and extension
+   descriptors, a checksum of every record, computed while writing), then ``.metadata`` last, atomically
+   (one PUT, or temp+fsync+rename), so an interrupted save never looks complete.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import dataclasses
 import io
 import os
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -31,7 +34,14 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointExistsError
+from ..formats.completeness import remove_stale_temp_files
 from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
+from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
+from ..formats.dcp_native.transform_write import ItemEncoder
+from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter, digest_width
+from ..integrity.dcp_manifest import build_manifest
+from ..integrity.manifest import MANIFEST_FILE
+from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import FsspecTransport, TransportConfig
 from ..transports.factory import bind_transport
 from .fsspec_reader import _is_fsspec_url
@@ -54,6 +64,11 @@ class FsspecWriter(StorageWriter):
             :class:`~dcp_storage.errors.CheckpointExistsError`; ``True`` replaces it.
         transport_config: concurrency, part size and retry settings.
         transport: an existing transport to share.
+        extensions: torch ``StreamTransformExtension`` objects (compression: ``dcp_storage_zstd.ZstdSeekable()``,
+            torch's ``ZStandard()``) every tensor and byte item is written through, recorded in the metadata as
+            torch's ``FileSystemWriter(_extensions=...)`` records them (each side reads the other's output).
+        checksum_algorithm: checksum of every record, recorded in ``.dcp_storage.json`` (``"xxh3_64"``,
+            ``"xxh64"``, ``"crc32c"``, ``"crc32"``; see :mod:`dcp_storage.integrity.checksums`).
     """
 
     def __init__(
@@ -66,8 +81,14 @@ class FsspecWriter(StorageWriter):
         overwrite: bool = False,
         transport_config: TransportConfig | None = None,
         transport: FsspecTransport | None = None,
+        checksum_algorithm: str = DEFAULT_ALGORITHM,
+        extensions: Sequence[StreamTransformExtension] | None = None,
     ) -> None:
         super().__init__()
+        digest_width(checksum_algorithm)  # refuses an unknown algorithm before any planning
+        self.checksum_algorithm = checksum_algorithm
+        self._encoder = ItemEncoder(extensions)  # refuses a non-extension before any planning
+        self.extensions = self._encoder.extensions
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.storage_options = dict(storage_options or {})
@@ -98,6 +119,10 @@ class FsspecWriter(StorageWriter):
 
     def _metadata_path(self) -> str:
         name = METADATA_FILE if self.use_collectives or self.rank is None else f"__{self.rank}{METADATA_FILE}"
+        return self.transport.join(self.root, name)
+
+    def _manifest_path(self) -> str:
+        name = MANIFEST_FILE if self.use_collectives or self.rank is None else f"__{self.rank}{MANIFEST_FILE}"
         return self.transport.join(self.root, name)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -137,6 +162,8 @@ class FsspecWriter(StorageWriter):
         # old checkpoint first, including a global .metadata that would shadow a rank-local one.
         for metadata_path in self._shadowing_metadata_paths():
             self.transport.remove(metadata_path)
+        if self.overwrite and self.use_collectives:  # one coordinator, no rank writing yet
+            remove_stale_temp_files(self.transport, self.root)  # partial files of a killed save (local disk)
         return [
             dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) if plan.storage_data is None else plan
             for i, plan in enumerate(plans)
@@ -166,27 +193,33 @@ class FsspecWriter(StorageWriter):
         path = self.transport.join(self.root, name)
         results = []
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [i for i in items if i.type != WriteItemType.BYTE_IO]
-        with self.transport.open_atomic(path) as stream:
+        with self.transport.open_atomic(path) as raw:
+            stream = HashingWriter(raw, self.checksum_algorithm)  # checksums of the stored bytes, in one pass
             for item in ordered:
+                stream.begin()
                 offset = stream.tell()
                 data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    if not isinstance(data, io.BytesIO):
-                        raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(data).__name__}, expected BytesIO")
-                    stream.write(data.getbuffer())
-                else:
-                    torch.save(_compact_cpu(data), stream)  # type: ignore[arg-type]
-                length = stream.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+                with self._encoder.open(stream) as out:  # through the extensions, if any
+                    if item.type == WriteItemType.BYTE_IO:
+                        if not isinstance(data, io.BytesIO):
+                            raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(data).__name__}, expected BytesIO")
+                        out.write(data.getbuffer())
+                    else:
+                        torch.save(_compact_cpu(data), out)  # type: ignore[arg-type]
+                _start, length, digest = stream.end()
+                stored = _StorageInfo(name, offset, length, transform_descriptors=self._encoder.descriptors)
+                info = ChecksummedStorage(stored, self.checksum_algorithm, digest)
+                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = DCP_VERSION
-        storage_md = {}
-        for wr_list in results:
-            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        storage_md, checksums, algorithms = unwrap_results(results)
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
+        extensions = getattr(self, "extensions", None) or ()
+        manifest = build_manifest(DCP_FORMAT.descriptor, storage_md, checksums, algorithms, extensions)
+        self.transport.write_file(self._manifest_path(), manifest.to_json())  # before the commit marker
         self.transport.write_file(self._metadata_path(), dump_metadata(metadata))
 
     def storage_meta(self) -> StorageMeta | None:

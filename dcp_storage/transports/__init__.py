@@ -1,8 +1,11 @@
 """Transports move bytes (and only bytes) between storage and memory."""
 
+from ..redaction import install_log_redaction
 from .counters import TransportCounters
 from .fsspec_transport import FsspecTransport, TransportConfig
 from .ranges import RangeRequest
 from .retry import RetryPolicy, is_transient
 
-__all__ = ["FsspecTransport", "TransportConfig", "TransportCounters", "RangeRequest", "RetryPolicy", "is_transient"]
+install_log_redaction()  # botocore logs signed requests (tokens, key ids) at DEBUG: mask them
+
+__all__ = ["FsspecTransport", "RangeRequest", "RetryPolicy", "TransportConfig", "TransportCounters", "is_transient"]

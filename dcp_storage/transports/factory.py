@@ -47,7 +47,14 @@ def bind_transport(
     config: TransportConfig | None,
     given: Any = None,
 ) -> tuple[Any, str]:
-    """What every reader and writer does on ``reset(checkpoint_id)``: reuse ``given`` or open one."""
+    """What every reader and writer does on ``reset(checkpoint_id)``: reuse ``given`` or open one.
+
+    A transport that is not built on an fsspec filesystem turns the URL into its own path with a
+    ``strip_url(url)`` method; fsspec transports use their filesystem's ``_strip_protocol``.
+    """
     if given is not None:
+        strip = getattr(given, "strip_url", None)
+        if callable(strip):
+            return given, strip(os.fspath(url))
         return given, given.fs._strip_protocol(os.fspath(url))
     return open_transport(url, storage_options, config)

@@ -33,8 +33,10 @@ from .budget import ByteBudget
 from .counters import TransportCounters
 from .local_io import preadv_exact
 from .ranges import FetchGroup, RangeRequest, plan_fetches
-from .retry import RetryPolicy, TruncatedReadError, call_with_retry
-from .s3_stream import ScatterSink, can_stream, stream_range
+from .retry import RetryPolicy, TruncatedReadError, call_with_retry, single_layer_client_options
+from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size
+from .s3_stream import ScatterSink, can_stream, read_object, stream_range
+from .s3_upload import S3AtomicUpload, put_object
 
 __all__ = ["TransportConfig", "FsspecTransport"]
 
@@ -103,9 +105,15 @@ class FsspecTransport:
     ``fsspec.core.url_to_fs`` returns), joined with :meth:`join`.
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, config: TransportConfig | None = None) -> None:
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, config: TransportConfig | None = None, *, scheme: str | None = None
+    ) -> None:
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
+        # The scheme the caller wrote, if ``fs`` answers to several (adlfs: abfs, az, abfss), so that errors
+        # name the URL the user gave (``az://...``), not the filesystem's first alias.
+        aliases = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self._scheme = scheme if scheme in aliases else None
         self.config = _resolve(config or TransportConfig(), self.is_local)
         self.counters = TransportCounters()
         self._pool: ThreadPoolExecutor | None = None
@@ -119,9 +127,16 @@ class FsspecTransport:
         storage_options: dict[str, Any] | None = None,
         config: TransportConfig | None = None,
     ) -> tuple[FsspecTransport, str]:
-        """Return the transport for ``url`` and the path of ``url`` on its filesystem."""
-        fs, path = fsspec.core.url_to_fs(os.fspath(url), **(storage_options or {}))
-        return cls(fs, config), path
+        """Return the transport for ``url`` and the path of ``url`` on its filesystem.
+
+        For object stores whose client retries on its own, the client is set to one attempt per call
+        unless ``storage_options`` configure its retries (see :mod:`dcp_storage.transports.retry`).
+        """
+        url = os.fspath(url)
+        options = single_layer_client_options(url, storage_options or {})
+        fs, path = fsspec.core.url_to_fs(url, **options)
+        scheme = url.split("://", 1)[0].lower() if "://" in url else None
+        return cls(fs, config, scheme=scheme), path
 
     @property
     def protocol(self) -> str:
@@ -130,7 +145,12 @@ class FsspecTransport:
 
     def url(self, path: str) -> str:
         """A human-readable URL for error messages."""
-        return path if self.is_local else self.fs.unstrip_protocol(path)
+        if self.is_local:
+            return path
+        url = self.fs.unstrip_protocol(path)
+        if self._scheme is not None and "://" in url:
+            url = f"{self._scheme}://{url.split('://', 1)[1]}"
+        return url
 
     def join(self, root: str, *names: str) -> str:
         if self.is_local:
@@ -158,18 +178,24 @@ class FsspecTransport:
     def _retry(self, fn: Any, describe: Any) -> Any:
         return call_with_retry(fn, self.config.retry, describe, on_retry=lambda _e: self.counters.add(retries=1))
 
+    def _runner(self, path: str) -> Any:
+        """``runner(fn, what)`` for the S3 upload helpers: ``fn`` retried, errors naming ``what`` and the URL."""
+        return lambda fn, what: self._retry(fn, lambda: f"{what} {self.url(path)}")
+
     # ------------------------------------------------------------------------------------ queries
     def exists(self, path: str) -> bool:
         if self.is_local:
             return os.path.exists(path)
-        return bool(self._retry(lambda: self.fs.exists(path), lambda: f"exists {self.url(path)}"))
+        check = (lambda: s3_exists(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.exists(path))
+        return bool(self._retry(check, lambda: f"exists {self.url(path)}"))
 
     def size(self, path: str) -> int:
         """Size of the file at ``path``; :class:`CheckpointNotFoundError` if it does not exist."""
         try:
             if self.is_local:
                 return os.path.getsize(path)
-            return int(self._retry(lambda: self.fs.size(path), lambda: f"size of {self.url(path)}"))
+            stat = (lambda: s3_size(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.size(path))
+            return int(self._retry(stat, lambda: f"size of {self.url(path)}"))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
 
@@ -177,7 +203,7 @@ class FsspecTransport:
         if self.is_local:
             os.makedirs(path, exist_ok=True)
         else:
-            self.fs.makedirs(path, exist_ok=True)
+            self._retry(lambda: self.fs.makedirs(path, exist_ok=True), lambda: f"makedirs {self.url(path)}")
 
     def remove(self, path: str) -> None:
         """Delete one file if it exists."""
@@ -186,7 +212,8 @@ class FsspecTransport:
                 os.remove(path)
             return
         with contextlib.suppress(FileNotFoundError):
-            self._retry(lambda: self.fs.rm_file(path), lambda: f"delete {self.url(path)}")
+            delete = (lambda: s3_delete(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.rm_file(path))
+            self._retry(delete, lambda: f"delete {self.url(path)}")
 
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the files directly under ``path``; empty if it does not exist."""
@@ -197,9 +224,15 @@ class FsspecTransport:
                 return []
             # Hide in-progress atomic writes (see _open_atomic_local).
             return sorted(n for n in names if not (n.startswith(".") and n.endswith(".tmp")))
-        try:
+        if can_stream(self.fs):
+            return self._retry(lambda: s3_list_names(self.fs, path), lambda: f"list {self.url(path)}")
+
+        def ls() -> list[str]:
             self.fs.invalidate_cache(path)
-            entries = self.fs.ls(path, detail=False)
+            return list(self.fs.ls(path, detail=False))
+
+        try:
+            entries = self._retry(ls, lambda: f"list {self.url(path)}")
         except (FileNotFoundError, NotADirectoryError):
             return []
         if len(entries) == 1 and entries[0].rstrip("/") == path.rstrip("/"):
@@ -214,6 +247,8 @@ class FsspecTransport:
             if self.is_local:
                 with open(path, "rb") as f:
                     data = f.read()
+            elif can_stream(self.fs):
+                data = read_object(self.fs, path)
             else:
                 data = self.fs.cat_file(path)
             self.counters.add(requests=1, bytes_read=len(data))
@@ -317,8 +352,7 @@ class FsspecTransport:
             return
         if size is not None and size < end:
             raise CorruptCheckpointError(
-                f"{self.url(path)}: object ends at byte {size} but bytes up to {end} were expected "
-                "(truncated file?)"
+                f"{self.url(path)}: object ends at byte {size} but bytes up to {end} were expected (truncated file?)"
             ) from cause
 
     # ------------------------------------------------------------------------------------ writing
@@ -328,6 +362,10 @@ class FsspecTransport:
         if self.is_local:
             with self.open_atomic(path) as f:
                 f.write(data)
+            return
+        if can_stream(self.fs):
+            put_object(self.fs, path, data, self._runner(path))
+            self.counters.add(requests=1, bytes_written=nbytes)
             return
 
         def put() -> None:
@@ -342,7 +380,10 @@ class FsspecTransport:
 
         Local: a temp file beside it, ``fsync``, then ``os.replace`` (and the directory is synced).
         Object store: the client's buffered writer, which commits by a single PUT or by completing a
-        multipart upload on close; on error the upload is aborted, so nothing becomes visible.
+        multipart upload on close; on error the upload is aborted, so nothing becomes visible. On GCS
+        (gcsfs) that is one upload, or a resumable upload finalised by its last chunk at close and cancelled
+        on error; on Azure (adlfs) staged blocks committed as one block list at close, and on error never
+        committed (uncommitted blocks are invisible, and the service drops them).
         """
         if self.is_local:
             yield from self._open_atomic_local(path)
@@ -374,6 +415,9 @@ class FsspecTransport:
             # memory:// files are visible from open() on and never discarded: buffer, then one put.
             yield from self._open_atomic_buffered(path)
             return
+        if can_stream(self.fs):
+            yield from self._open_atomic_s3(path)
+            return
         raw = self.fs.open(path, "wb", block_size=self.config.part_size)
         writer = _CountingWriter(raw, self.counters)
         try:
@@ -388,6 +432,21 @@ class FsspecTransport:
             raise
         parts = max(1, -(-writer.written // self.config.part_size))
         self.counters.add(requests=parts if parts == 1 else parts + 2)
+
+    def _open_atomic_s3(self, path: str) -> Iterator[_CountingWriter]:
+        """S3: every request of the upload retried on its own; aborted if it finally fails."""
+        upload = S3AtomicUpload(self.fs, path, self.config.part_size, self._runner(path))
+        writer = _CountingWriter(upload, self.counters)  # type: ignore[arg-type]
+        try:
+            yield writer
+            upload.commit()
+        except BaseException as exc:
+            upload.abandon(exc)
+            if upload.failure is not None and upload.failure is not exc:
+                raise upload.failure  # ours, not what a serializer in between made of it
+            raise
+        finally:
+            self.counters.add(requests=upload.requests)
 
     def _open_atomic_buffered(self, path: str) -> Iterator[_CountingWriter]:
         buffer = io.BytesIO()

@@ -4,6 +4,33 @@ Object stores throttle (S3 ``503 SlowDown``), reset connections and cut bodies s
 that touches thousands of ranges will meet some of these. Client libraries retry only some of them
 (boto-style clients give up on a truncated body), so the transport wraps every storage call in
 :func:`call_with_retry`. Permanent errors (missing file, access denied, bad request) are raised at once.
+
+Which layer retries what
+------------------------
+Stacked retry layers multiply: botocore (5 attempts by default) under s3fs (5 on connection errors and
+``SlowDown``) under ours (6) is 150 requests for one permanent fault, and an inner layer's backoff
+(botocore sleeps up to 2**n seconds, gcsfs up to 32 s) makes any deadline of ours meaningless. So:
+
+* **Ours** (:class:`RetryPolicy`: ``max_attempts``, ``deadline``, backoff) covers every transport
+  operation: ranged reads (a body cut short resumes from the first missing byte), whole-file reads
+  (``.metadata``), ``write_file``, each request of an ``open_atomic`` upload (create, each part,
+  complete, or the single PUT), ``exists``, ``size``, ``listdir``, ``remove``, ``makedirs``.
+* **botocore**: :meth:`FsspecTransport.from_url <dcp_storage.transports.FsspecTransport.from_url>` gives
+  s3fs ``config_kwargs={"retries": {"total_max_attempts": 1}}`` (one attempt per call) unless the caller
+  configured ``retries`` there; with their own setting, attempts multiply and they chose so.
+* **s3fs**: every S3 request of the transport (ranged and whole-object GETs, PUTs, multipart requests,
+  HEAD, list, delete) calls the botocore client directly (:mod:`~dcp_storage.transports.s3_stream`,
+  :mod:`~dcp_storage.transports.s3_upload`, :mod:`~dcp_storage.transports.s3_queries`), past s3fs's
+  ``_error_wrapper`` (which would retry connection errors and ``SlowDown`` ``S3FileSystem.retries`` = 5
+  times more). Only ``makedirs`` goes through s3fs (a no-op below a bucket that exists).
+* Other clients keep their own retries and ours wraps them: gcsfs retries 5xx, 429 and connection errors
+  ``GCSFileSystem.retries`` (6) times with sleeps of 1, 2, 4, 8, 16 s (plus jitter), so a permanent GCS
+  fault costs up to 6x ours and about 31 s per attempt of ours; adlfs and HTTP have their own policies.
+
+The deadline is checked after every failed attempt: the operation gives up when the backoff sleep plus the
+longest attempt so far would end past it, so a permanent fault surfaces before the deadline as long as
+attempts take about as long as earlier ones. An attempt in flight is bounded by the client's timeouts
+(botocore ``connect_timeout``/``read_timeout``), not by the deadline.
 """
 
 from __future__ import annotations
@@ -11,13 +38,13 @@ from __future__ import annotations
 import errno
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import DcpStorageError, TransportError
 
-__all__ = ["RetryPolicy", "TruncatedReadError", "is_transient", "call_with_retry"]
+__all__ = ["RetryPolicy", "TruncatedReadError", "call_with_retry", "is_transient", "single_layer_client_options"]
 
 T = TypeVar("T")
 
@@ -39,6 +66,7 @@ _TRANSIENT_CLASS_NAMES = frozenset(
         "ClientConnectionError",
         "ServerTimeoutError",
         "ResponseStreamingError",  # botocore
+        "HTTPClientError",  # botocore: the HTTP layer failed (s3fs retries it too)
         "ReadTimeoutError",
         "ConnectTimeoutError",
         "EndpointConnectionError",
@@ -51,7 +79,8 @@ _TRANSIENT_CLASS_NAMES = frozenset(
     }
 )
 _TRANSIENT_ERRNOS = frozenset(
-    {errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.EAGAIN, errno.EREMOTEIO}
+    # EBUSY: s3fs's translation of 503 SlowDown / ServiceUnavailable; EREMOTEIO: of 500 InternalError.
+    {errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.EAGAIN, errno.EREMOTEIO, errno.EBUSY}
 )
 _TRANSIENT_CODES = frozenset(
     {
@@ -174,18 +203,25 @@ def call_with_retry(
     """
     started = time.monotonic()
     attempt = 0
+    longest = 0.0  # the longest attempt so far: the best guess of how long the next one takes
     while True:
         attempt += 1
+        began = time.monotonic()
         try:
             return fn()
-        except Exception as exc:  # noqa: BLE001 - classified below, never swallowed
+        except Exception as exc:  # classified below, never swallowed
             if not policy.classify(exc):
                 raise
-            elapsed = time.monotonic() - started
+            now = time.monotonic()
+            elapsed = now - started
+            longest = max(longest, now - began)
             sleep = policy.backoff(attempt)
-            out_of_time = policy.deadline is not None and elapsed + sleep > policy.deadline
+            out_of_time = policy.deadline is not None and elapsed + sleep + longest > policy.deadline
             if attempt >= policy.max_attempts or out_of_time:
-                why = "deadline" if out_of_time and attempt < policy.max_attempts else "attempts"
+                if out_of_time and attempt < policy.max_attempts:
+                    why = f"deadline, {policy.deadline:g}s"
+                else:
+                    why = f"attempts, max_attempts={policy.max_attempts}"
                 raise TransportError(
                     f"{describe()} failed after {attempt} attempt(s) in {elapsed:.1f}s "
                     f"(gave up: {why}); last error: {type(exc).__name__}: {exc}"
@@ -193,3 +229,22 @@ def call_with_retry(
             if on_retry is not None:
                 on_retry(exc)
             time.sleep(sleep)
+
+
+# Protocols whose fsspec client sits on botocore, and the option that turns botocore's retries down.
+_BOTOCORE_PROTOCOLS = frozenset({"s3", "s3a"})
+
+
+def single_layer_client_options(url: str, storage_options: Mapping[str, Any]) -> dict[str, Any]:
+    """``storage_options`` for ``url`` with the client's own retries set to one attempt (S3 only).
+
+    Our layer then owns retries (module docstring). A caller who set ``config_kwargs["retries"]`` keeps it.
+    """
+    options = dict(storage_options)
+    protocol = url.split("://", 1)[0].lower() if "://" in url else ""
+    if protocol in _BOTOCORE_PROTOCOLS:
+        config = dict(options.get("config_kwargs") or {})
+        if "retries" not in config:
+            config["retries"] = {"mode": "standard", "total_max_attempts": 1}
+            options["config_kwargs"] = config
+    return options

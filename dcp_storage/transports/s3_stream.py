@@ -4,8 +4,14 @@
 pages) and the caller copies it again; on a 2-core machine that client CPU is most of the cost
 (measured here: 0.3-0.4 GB/s with threads over ``cat_file`` vs 0.7-0.9 GB/s streaming, see
 ``benchmarks/NOTES-s3-throughput.md``). This module issues the same signed ``GetObject`` through s3fs's
-own client (credentials, endpoint and s3fs's retries for the request itself all apply), then copies each
-body chunk into the caller's buffers as it arrives. A body cut short resumes from the first missing byte.
+own client (credentials, endpoint, ``s3_additional_kwargs`` and ``requester_pays`` all apply), then copies
+each body chunk into the caller's buffers as it arrives. A body cut short resumes from the first missing
+byte.
+
+Every call here goes to the botocore client directly, past s3fs's ``_error_wrapper``: the transport's own
+retry layer (:mod:`dcp_storage.transports.retry`) is the one that retries these calls, under its attempt
+count and deadline (see that module for which layer retries what). Client errors are still translated
+the way s3fs does it (``NoSuchKey`` -> ``FileNotFoundError``, ...), with the botocore error as the cause.
 """
 
 from __future__ import annotations
@@ -15,12 +21,36 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-__all__ = ["ScatterSink", "can_stream", "stream_range"]
+__all__ = ["ScatterSink", "can_stream", "read_object", "s3_call", "stream_range"]
+
+_CLIENT_HOOKS = ("loop", "set_session", "get_s3", "split_path", "_get_s3_method_kwargs")
 
 
 def can_stream(fs: Any) -> bool:
-    """Whether ``fs`` is an s3fs filesystem whose client we can stream from."""
-    return type(fs).__name__ == "S3FileSystem" and hasattr(fs, "_call_s3") and hasattr(fs, "loop")
+    """Whether ``fs`` is an s3fs filesystem whose client we can call directly (reads and uploads)."""
+    return type(fs).__name__ == "S3FileSystem" and all(hasattr(fs, name) for name in _CLIENT_HOOKS)
+
+
+async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
+    """One S3 API call on s3fs's client, with s3fs's per-request options, without s3fs's retry wrapper."""
+    from botocore.exceptions import ClientError  # s3fs depends on botocore
+    from s3fs.errors import translate_boto_error
+
+    await fs.set_session()
+    client = await fs.get_s3(kwargs.get("Bucket"))
+    bound = getattr(client, method)
+    try:
+        return await bound(**fs._get_s3_method_kwargs(bound, **kwargs))
+    except ClientError as exc:
+        translated = translate_boto_error(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
+
+
+def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
+    """Blocking :func:`_call`: ``s3_call(fs, "put_object", Bucket=..., Key=..., Body=...)``."""
+    return sync(fs.loop, _call, fs, method, **kwargs)
 
 
 class ScatterSink:
@@ -57,7 +87,7 @@ async def _get_range(fs: Any, path: str, start: int, end: int, emit: Callable[[i
     kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
     if version:
         kwargs["VersionId"] = version
-    response = await fs._call_s3("get_object", **kwargs)
+    response = await _call(fs, "get_object", **kwargs)
     body = response["Body"]
     got = 0
     want = end - start
@@ -87,3 +117,21 @@ def stream_range(fs: Any, path: str, start: int, end: int, emit: Callable[[int, 
     Fewer than ``end - start`` bytes means the body was cut short; the caller decides whether to resume.
     """
     return int(sync(fs.loop, _get_range, fs, path, start, end, emit))
+
+
+async def _get_object(fs: Any, path: str) -> bytes:
+    bucket, key, version = fs.split_path(path)
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+    if version:
+        kwargs["VersionId"] = version
+    response = await _call(fs, "get_object", **kwargs)
+    body = response["Body"]
+    try:
+        return bytes(await body.read())  # a body cut short raises (the length is checked by the client)
+    finally:
+        body.close()
+
+
+def read_object(fs: Any, path: str) -> bytes:
+    """GET a whole (small) object: ``.metadata``, an index file."""
+    return bytes(sync(fs.loop, _get_object, fs, path))

@@ -13,6 +13,11 @@ Two rounds of I/O through the transport, each sorted, coalesced and concurrent:
 
 Records we cannot slice (tensor subclasses, compressed zips, big-endian) are loaded whole with
 ``torch.load(weights_only=True)`` and narrowed, as torch does.
+
+Items written through a stream extension are decoded with it (torch's, or a plugin's from the
+``dcp_storage.extensions`` entry points: :mod:`.extensions`). When that extension is seekable (framed
+compression, :mod:`.seekable`) and this rank needs only part of the item, only the frames covering its
+slice are fetched and decoded (:mod:`.framed_items`).
 """
 
 from __future__ import annotations
@@ -23,12 +28,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ...errors import CorruptCheckpointError, ShapeMismatchError
+from ...integrity.read_verify import RecordVerifier, batches_by_bytes
 from ...transports import FsspecTransport, RangeRequest
 from ..tensor_reads import SliceRead, StoredTensor, plan_slice_read, read_slices
+from .extensions import ExtensionResolver
+from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
+from .seekable import SeekableTransform
 from .torch_record import (
     NeedMoreBytes,
     TensorRecord,
@@ -89,12 +99,18 @@ class DcpItemLoader:
         storage_data: dict[Any, Any],
         config: ItemLoaderConfig | None = None,
         extension_registry: ExtensionRegistry | None = None,
+        verifier: RecordVerifier | None = None,
+        *,
+        metadata: Metadata | None = None,
     ) -> None:
         self.transport = transport
         self.root = root
         self.storage_data = storage_data
         self.config = config or ItemLoaderConfig()
-        self.extensions = extension_registry or ExtensionRegistry()
+        # torch's default extensions, the caller's, and extension plugins (looked up when a descriptor needs one)
+        self.transforms = ExtensionResolver(transport, root, extension_registry)
+        self.metadata = metadata  # chunk sizes: tells a partial read of a framed item from a whole one
+        self.verifier = verifier  # set: every record is fetched whole and checked before it is decoded
         self._planner: LoadPlanner | None = None
 
     # ---------------------------------------------------------------------------------------- helpers
@@ -118,26 +134,63 @@ class DcpItemLoader:
     def _where(self, entry: _Entry) -> str:
         return f"{self.transport.url(self._path(entry))} [{entry.offset}, {entry.offset + entry.length})"
 
-    def _untransform(self, entry: _Entry, raw: memoryview) -> bytes | memoryview:
+    def _untransform(self, entry: _Entry, raw: memoryview, key: str) -> bytes | memoryview:
         if not entry.transforms:
             return raw
-        stream: Any = io.BytesIO(raw)
-        for ext in self.extensions.from_descriptor_list(list(entry.transforms)):
-            if isinstance(ext, StreamTransformExtension):
-                stream = ext.transform_from(stream)
-        return stream.read()
+        return self.transforms.untransform(entry.transforms, raw, self._where(entry), key)
+
+    def _framed_jobs(self, items: Sequence[ReadItem], entries: dict[int, _Entry]) -> list[tuple[ReadItem, FramedItem]]:
+        """Tensor items stored through one seekable transform that this rank needs only part of.
+
+        They are read frame by frame (:mod:`.framed_items`); whole-chunk reads, checked (``verifier``) reads
+        and small items keep the whole-item path.
+        """
+        if self.verifier is not None:
+            return []
+        groups: dict[_Entry, list[ReadItem]] = {}
+        for item in items:
+            entry = entries[id(item)]
+            framable = len(entry.transforms) == 1 and entry.length > self.config.small_item_bytes
+            if framable and item.type != LoadItemType.BYTE_IO:
+                groups.setdefault(entry, []).append(item)
+        jobs: list[tuple[ReadItem, FramedItem]] = []
+        for entry, group in groups.items():
+            if any(needs_whole_chunk(i, self.metadata) for i in group):
+                continue
+            key, where = group[0].storage_index.fqn, self._where(entry)
+            (ext,) = self.transforms.resolve(entry.transforms, where, key)
+            if isinstance(ext, SeekableTransform):
+                framed = FramedItem(self._path(entry), entry.offset, entry.length, ext, where, key)
+                jobs += [(i, framed) for i in group]
+        return jobs
 
     # ---------------------------------------------------------------------------------------- loading
     def load(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
         """Fetch and deliver every item: ``load_bytes`` for bytes, ``resolve/commit_tensor`` for tensors."""
+        if self.verifier is not None:
+            # Whole records, checked, in batches of at most staging_bytes (memory stays bounded).
+            by_entry: dict[_Entry, list[ReadItem]] = {}
+            for item in items:
+                by_entry.setdefault(self._entry(item), []).append(item)
+            for batch in batches_by_bytes(by_entry.items(), lambda kv: kv[0].length, self.config.staging_bytes):
+                self._load(tuple(i for _e, group in batch for i in group), planner)
+            return
+        self._load(items, planner)
+
+    def _load(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
         self._planner = planner
         entries = {id(item): self._entry(item) for item in items}
+        framed = self._framed_jobs(items, entries)
+        if framed:
+            framed_ids = {id(i) for i, _ in framed}
+            items = [i for i in items if id(i) not in framed_ids]
+        keys = {entries[id(i)]: i.storage_index.fqn for i in items}  # names items in decode errors
         whole: dict[_Entry, memoryview | None] = {}
         probe: dict[_Entry, int] = {}
         for item in items:
             entry = entries[id(item)]
             small = entry.length <= max(self.config.small_item_bytes, self.config.probe_bytes)
-            if item.type == LoadItemType.BYTE_IO or entry.transforms or small:
+            if item.type == LoadItemType.BYTE_IO or entry.transforms or small or self.verifier is not None:
                 whole[entry] = None
             else:
                 probe[entry] = self.config.probe_bytes
@@ -151,7 +204,7 @@ class DcpItemLoader:
         for entry, raw in whole.items():
             if raw is None or entry in byte_entries:
                 continue
-            data = self._untransform(entry, raw)
+            data = self._untransform(entry, raw, keys[entry])
             where = self._where(entry)
             try:
                 rec = parse_tensor_record(memoryview(data), len(data), where)
@@ -166,7 +219,7 @@ class DcpItemLoader:
         for item in items:
             entry = entries[id(item)]
             if item.type == LoadItemType.BYTE_IO:
-                data = bytes(self._untransform(entry, whole[entry]))  # type: ignore[arg-type]
+                data = bytes(self._untransform(entry, whole[entry], item.storage_index.fqn))  # type: ignore[arg-type]
                 if not self.config.trust_byte_items:
                     check_byte_item(data, f"{self._where(entry)} (item {item.storage_index.fqn!r})")
                 planner.load_bytes(item, io.BytesIO(data))
@@ -176,6 +229,9 @@ class DcpItemLoader:
             else:
                 ranged.append(self._plan_ranged(item, entry, records[entry]))
         self._run_ranged(ranged, planner)
+        if framed:
+            loader = FramedItemLoader(self.transport, self.config.probe_bytes, self.config.staging_bytes)
+            loader.load(framed, self._destination, planner.commit_tensor)
 
     def _fetch_whole(self, whole: dict[_Entry, memoryview | None]) -> None:
         todo = [e for e, v in whole.items() if v is None]
@@ -184,6 +240,8 @@ class DcpItemLoader:
         reqs = [RangeRequest(self._path(e), e.offset, e.offset + e.length) for e in todo]
         self._check_sizes(todo)
         for entry, buf in zip(todo, self.transport.read_ranges(reqs)):
+            if self.verifier is not None:
+                self.verifier.check(entry.relative_path, entry.offset, entry.length, buf)
             whole[entry] = buf
 
     def _check_sizes(self, entries: Sequence[_Entry]) -> None:
@@ -240,6 +298,12 @@ class DcpItemLoader:
         return dest
 
     def _deliver_decoded(self, item: ReadItem, entry: _Entry, tensor: torch.Tensor, planner: LoadPlanner) -> None:
+        shape, offsets, lengths = tuple(tensor.shape), tuple(item.storage_offsets), tuple(item.lengths)
+        if len(offsets) != len(shape) or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+            raise CorruptCheckpointError(  # metadata pointing at another tensor's record
+                f"{self._where(entry)}: the record holds a tensor of shape {list(shape)} but the metadata reads the "
+                f"slice at {list(offsets)} of size {list(lengths)} from it"
+            )
         src = tensor
         for dim, (off, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             src = src.narrow(dim, off, length)

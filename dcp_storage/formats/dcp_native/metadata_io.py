@@ -20,6 +20,7 @@ import torch.distributed.checkpoint.metadata as dcp_md
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...safe_unpickle import globals_of, safe_loads
+from .metadata_checks import check_metadata
 
 __all__ = ["METADATA_FILE", "metadata_allow_list", "load_metadata", "dump_metadata"]
 
@@ -81,13 +82,13 @@ _ALLOWED = metadata_allow_list()
 
 
 def load_metadata(data: bytes | bytearray | memoryview, path: str) -> Metadata:
-    """Decode ``.metadata`` bytes read from ``path``; never runs code from them."""
-    metadata = safe_loads(data, path, _ALLOWED, expected=Metadata)
-    if not isinstance(metadata.state_dict_metadata, dict):
-        from ...errors import CorruptCheckpointError
+    """Decode ``.metadata`` bytes read from ``path``; never runs code from them.
 
-        raise CorruptCheckpointError(f"{path}: state_dict_metadata is not a dict")
-    return metadata
+    The decoded object is checked too (:mod:`.metadata_checks`: dtypes, shapes, byte counts, chunk bounds,
+    storage entries that stay inside the checkpoint), so every problem is reported here, naming ``path``.
+    """
+    metadata = safe_loads(data, path, _ALLOWED, expected=Metadata)
+    return check_metadata(metadata, path)
 
 
 def dump_metadata(metadata: Metadata) -> bytes:

@@ -5,18 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import FormatSpec, Probe
-from .metadata_io import METADATA_FILE
+from .sniff import NATIVE, dcp_data_kind
 
 __all__ = ["FORMAT"]
 
 
 def _sniff(probe: Probe) -> int | None:
-    if not probe.is_dir or METADATA_FILE not in probe.names:
-        return None
-    data_files = [n for n in probe.names if n.endswith(".distcp")]
-    if data_files and not probe.head_of(data_files[0], 4).startswith(b"PK"):
-        return None  # .distcp files that are not torch.save records: DCP's safetensors serialization
-    return 100
+    # .distcp files that are not torch.save records: DCP's safetensors serialization (see .sniff)
+    return 100 if dcp_data_kind(probe) == NATIVE else None
 
 
 def _reader(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:

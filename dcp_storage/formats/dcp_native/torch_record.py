@@ -24,6 +24,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...safe_unpickle import AllowListUnpickler
+from ..limits import checked_nbytes
 from ..slices import is_row_major
 
 __all__ = ["TensorRecord", "UnsupportedRecord", "NeedMoreBytes", "parse_tensor_record", "load_tensor_record"]
@@ -307,6 +308,9 @@ def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) 
     itemsize = torch.empty((), dtype=spec.dtype).element_size()
     if any(s < 0 for s in spec.size) or any(s < 0 for s in spec.stride) or len(spec.size) != len(spec.stride):
         raise CorruptCheckpointError(f"{path}: invalid tensor shape {spec.size} / stride {spec.stride}")
+    if spec.storage_offset < 0:
+        raise CorruptCheckpointError(f"{path}: negative storage offset {spec.storage_offset}")
+    checked_nbytes(spec.size, itemsize, f"{path}: tensor")
     if all(s > 0 for s in spec.size):
         last = spec.storage_offset + sum((s - 1) * st for s, st in zip(spec.size, spec.stride))
         if (last + 1) * itemsize > data_size:
@@ -334,9 +338,11 @@ def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
 def check_byte_item(data: bytes, path: str) -> None:
     """Refuse a ``BYTE_IO`` payload that a ``weights_only=True`` load would refuse; run nothing from it.
 
-    Payloads that are not ``torch.save`` output at all (raw bytes a planner wrote) pass unchanged.
+    Payloads that are neither a zip nor a pickle (raw bytes a planner wrote) pass unchanged. Any pickle is
+    checked, whatever its protocol: torch's ``DefaultLoadPlanner.load_bytes`` calls ``torch.load`` with
+    ``weights_only=False``, which unpickles a non-zip payload (a protocol-0 pickle starts with no ``\x80``).
     """
-    if not (data.startswith(b"PK\x03\x04") or data[:1] == b"\x80"):
+    if not (data.startswith(b"PK\x03\x04") or _starts_with_pickle(data)):
         return
     try:
         torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -347,3 +353,16 @@ def check_byte_item(data: bytes, path: str) -> None:
             raise UnsafeCheckpointError(
                 path, match.group(1) if match else "unknown global", "pass trust_byte_items=True only if you trust it"
             ) from None
+
+
+def _starts_with_pickle(data: bytes) -> bool:
+    """Whether ``data`` starts with a complete pickle stream (parsed by opcode, nothing resolved or run)."""
+    import pickletools
+
+    try:
+        for opcode, _arg, _pos in pickletools.genops(data):
+            if opcode.name == "STOP":
+                return True
+    except Exception:  # noqa: BLE001 - not a pickle
+        return False
+    return False

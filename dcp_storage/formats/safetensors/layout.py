@@ -23,13 +23,14 @@ import json
 import posixpath
 import struct
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...transports import FsspecTransport
+from ..completeness import raise_if_incomplete
 from ..dcp_native.metadata_io import METADATA_FILE, load_metadata
+from ..paths import check_relative
 from .header import LENGTH_BYTES, MAX_HEADER_BYTES
 
 __all__ = [
@@ -103,24 +104,6 @@ def _parent(transport: FsspecTransport, path: str) -> tuple[str, str]:
     return head, tail
 
 
-def check_relative(name: Any, where: str) -> str:
-    """``name`` if it is a plain relative path that stays under the checkpoint root, else an error."""
-    if not isinstance(name, str) or not name:
-        raise CorruptCheckpointError(f"{where}: file name must be a non-empty string, got {name!r}")
-    parts = name.replace("\\", "/").split("/")
-    if (
-        "://" in name
-        or name.startswith(("/", "\\", "~"))
-        or (len(name) > 1 and name[1] == ":")  # C:\..., or a scheme without //
-        or ".." in parts
-        or "" in parts
-    ):
-        raise CorruptCheckpointError(
-            f"{where}: file name {name!r} escapes the checkpoint directory (absolute path, URL or '..'); refusing it"
-        )
-    return name
-
-
 def parse_index(data: bytes, index_url: str) -> dict[str, str]:
     """The ``weight_map`` of an HF index (tensor name -> relative file name), validated."""
     try:
@@ -143,6 +126,7 @@ def discover(transport: FsspecTransport, path: str) -> Layout:
     if path.endswith(SUFFIX):
         return _single_file(transport, path)
     names = transport.listdir(path)
+    raise_if_incomplete(transport, path, names)  # shards without their index: IncompleteCheckpointError
     if not names:
         if transport.exists(path):
             return _single_file(transport, path)

@@ -19,8 +19,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...transports import FsspecTransport, RangeRequest
+from ..dcp_native.torch_record import check_byte_item
+from ..paths import check_relative
 from ..tensor_reads import SliceRead, plan_slice_read, read_slices
-from .layout import check_relative, resolve
+from .layout import resolve
 from .metadata import StoredBytes, StoredChunk
 
 __all__ = ["LoaderConfig", "SafetensorsItemLoader"]
@@ -31,11 +33,18 @@ MiB = 1024 * 1024
 @dataclass(frozen=True)
 class LoaderConfig:
     """``staging_bytes``: most staging memory held at once; ``max_runs_per_item``: slices with more byte
-    runs than this read their bounding range instead."""
+    runs than this read their bounding range instead.
+
+    ``trust_byte_items``: non-tensor items of torch's DCP-safetensors layout (a step counter, extra state)
+    are ``torch.save`` payloads that torch's ``DefaultLoadPlanner`` unpickles with ``weights_only=False``.
+    By default each is first checked with a ``weights_only=True`` decode and refused with
+    :class:`~dcp_storage.errors.UnsafeCheckpointError` if it needs more (as the native reader does); set
+    ``True`` only for trusted checkpoints that store custom objects."""
 
     staging_bytes: int = 256 * MiB
     max_runs_per_item: int = 65536
     map_runs_above: int = 16  # local files: slices of more runs are copied from a memory map
+    trust_byte_items: bool = False
 
     def __post_init__(self) -> None:
         if self.staging_bytes < 1 or self.max_runs_per_item < 1:
@@ -118,5 +127,10 @@ class SafetensorsItemLoader:
                     f"through stream extensions {list(entry.transforms)}, which SafetensorsReader does not undo"
                 )
         reqs = [RangeRequest(self._path(e.file), e.offset, e.offset + e.length) for _, e in byte_items]
-        for (item, _), buf in zip(byte_items, self.transport.read_ranges(reqs)):
-            planner.load_bytes(item, io.BytesIO(bytes(buf)))  # type: ignore[arg-type]
+        for (item, entry), buf in zip(byte_items, self.transport.read_ranges(reqs)):
+            data = bytes(buf)  # type: ignore[arg-type]
+            if not self.config.trust_byte_items:
+                url = self.transport.url(self._path(entry.file))
+                where = f"{url} [{entry.offset}, {entry.offset + entry.length}) (item {item.storage_index.fqn!r})"
+                check_byte_item(data, where)
+            planner.load_bytes(item, io.BytesIO(data))

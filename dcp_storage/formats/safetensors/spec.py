@@ -25,9 +25,9 @@ def _sniff(probe: Probe) -> int | None:
     if tensors:
         return 80 if looks_like_safetensors(probe.head_of(tensors[0], HEAD_BYTES), _UNKNOWN_SIZE) else None
     if ".metadata" in names:  # FileSystemWriter(serialization_format=SAFETENSORS): .distcp files are safetensors
-        data = sorted(n for n in names if n.endswith(".distcp"))
-        if data and looks_like_safetensors(probe.head_of(data[0], HEAD_BYTES), _UNKNOWN_SIZE):
-            return 100
+        from ..dcp_native.sniff import SAFETENSORS, dcp_data_kind
+
+        return 100 if dcp_data_kind(probe) == SAFETENSORS else None
     return None
 
 

@@ -28,6 +28,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...safe_unpickle import AllowListUnpickler
+from ..limits import checked_nbytes
 
 __all__ = ["LEGACY_MAGIC", "LegacyNeedsMoreBytes", "TensorDescriptor", "decode_data_pkl", "scan_legacy"]
 
@@ -174,6 +175,7 @@ class _Decoder:
                 f"{self.where}: tensor shape {shape}, stride {strides}, offset {storage_offset!r} disagree"
             )
         itemsize = _itemsize(dtype)
+        checked_nbytes(shape, itemsize, f"{self.where}: tensor")
         if all(shape):
             last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides))
             if (last + 1) * itemsize > storage.nbytes:

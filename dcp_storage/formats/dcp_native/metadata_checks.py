@@ -1,0 +1,184 @@
+"""Structural checks of a decoded DCP ``Metadata``, so that a hostile ``.metadata`` fails where it is read.
+
+The allow-list unpickler guarantees that only DCP's classes, dtypes and plain containers come out of a
+``.metadata`` file; it says nothing about their values. A hostile (or damaged) file can still hold a
+storage entry naming ``../../x`` or ``s3://another-bucket/...``, a negative or 2**63 offset, a dtype that
+is a string, a shape whose byte count overflows, a chunk outside its tensor, or a tensor chunk with no
+storage entry. Unchecked, each of these surfaces later as an ``OverflowError``, ``TypeError`` or
+``RuntimeError`` inside torch's planner or our readers, naming no file, or as elements silently left
+unloaded. :func:`metadata_problems` lists every such problem; ``load_metadata`` raises them together as
+one :class:`~dcp_storage.errors.CorruptCheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from ...errors import CorruptCheckpointError
+from ..limits import MAX_BYTES
+from ..paths import check_relative
+
+__all__ = ["check_metadata", "metadata_problems"]
+
+_MAX_LISTED = 5
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _dims(value: Any) -> list[int] | None:
+    """``value`` as a list of non-negative ints (a ``torch.Size``, list or tuple), else ``None``."""
+    if not isinstance(value, (torch.Size, list, tuple)) or not all(_int(v) and v >= 0 for v in value):
+        return None
+    return [int(v) for v in value]
+
+
+def _tensor_problems(fqn: str, item: TensorStorageMetadata, storage: dict[Any, Any]) -> list[str]:
+    props = getattr(item, "properties", None)
+    dtype = getattr(props, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return [f"tensor {fqn!r} has dtype {dtype!r}, not a torch dtype"]
+    expected = {"layout": torch.layout, "memory_format": torch.memory_format, "requires_grad": bool, "pin_memory": bool}
+    odd = [name for name, kind in expected.items() if not isinstance(getattr(props, name, None), kind)]
+    if odd:
+        return [f"tensor {fqn!r} has malformed properties ({', '.join(odd)})"]
+    problems: list[str] = []
+    size = _dims(getattr(item, "size", None))
+    if size is None:
+        return [f"tensor {fqn!r} has size {getattr(item, 'size', None)!r}, not a list of non-negative integers"]
+    if math.prod(size) * dtype.itemsize > MAX_BYTES:
+        return [f"tensor {fqn!r} of shape {size} ({dtype}) would need more than 2**63 - 1 bytes"]
+    chunks = getattr(item, "chunks", None)
+    if not isinstance(chunks, list):
+        return [f"tensor {fqn!r} has no chunk list"]
+    volume = 0
+    for chunk in chunks:
+        if not isinstance(chunk, ChunkStorageMetadata):
+            problems.append(f"tensor {fqn!r} has a chunk of type {type(chunk).__name__}")
+            continue
+        offsets, sizes = _dims(chunk.offsets), _dims(chunk.sizes)
+        if (
+            offsets is None
+            or sizes is None
+            or len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(o + n > s for o, n, s in zip(offsets, sizes, size))
+        ):
+            problems.append(f"tensor {fqn!r} chunk at {chunk.offsets!r} of size {chunk.sizes!r} lies outside {size}")
+            continue
+        volume += math.prod(sizes)
+        if MetadataIndex(fqn, torch.Size(offsets)) not in storage:
+            problems.append(f"tensor {fqn!r} chunk at {offsets} has no storage entry")
+    if not problems and volume != math.prod(size):
+        problems.append(
+            f"the chunks of tensor {fqn!r} hold {volume} of its {math.prod(size)} elements (missing or overlapping "
+            "shards)"
+        )
+    return problems
+
+
+def _storage_problems(index: Any, info: Any, state: dict[str, Any], path: str) -> list[str]:
+    if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+        return [f"storage map key {index!r} is not a MetadataIndex"]
+    what = f"storage entry for {index.fqn!r}"
+    if index.fqn not in state:
+        return [f"{what}: the state dict metadata has no such key"]
+    rel = getattr(info, "relative_path", None)
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    problems: list[str] = []
+    try:
+        check_relative(rel, what)
+    except CorruptCheckpointError as exc:
+        problems.append(str(exc))
+    if not (_int(offset) and _int(length)):
+        problems.append(f"{what}: offset {offset!r} and length {length!r} must be integers")
+    elif offset < 0 or length < 0 or offset + length > MAX_BYTES:
+        problems.append(f"{what}: byte range offset {offset}, length {length} is impossible")
+    transforms = getattr(info, "transform_descriptors", None)
+    if transforms is not None and not (
+        isinstance(transforms, (list, tuple)) and all(isinstance(t, str) for t in transforms)
+    ):
+        problems.append(f"{what}: transform_descriptors {transforms!r} must be a list of strings")
+    return problems
+
+
+def _incomplete(obj: Any) -> list[str]:
+    """The dataclass fields ``obj`` lacks (a pickle can build an instance without ``__init__``)."""
+    if not dataclasses.is_dataclass(obj):
+        return []
+    return [f.name for f in dataclasses.fields(obj) if not hasattr(obj, f.name)]
+
+
+def _missing_fields(metadata: Metadata) -> list[str]:
+    objects: list[Any] = [metadata.storage_meta]
+    for item in metadata.state_dict_metadata.values():
+        objects.append(item)
+        objects.append(getattr(item, "properties", None))
+        objects.extend(getattr(item, "chunks", None) or ())
+    for index, info in metadata.storage_data.items():
+        objects += [index, info]
+    out = []
+    for obj in objects:
+        missing = _incomplete(obj)
+        if missing:
+            out.append(f"a {type(obj).__name__} lacks {', '.join(missing)}")
+    return out
+
+
+def metadata_problems(metadata: Metadata, path: str) -> list[str]:
+    """Every structural problem of ``metadata`` (read from ``path``); empty when it is sound."""
+    try:
+        return _problems(metadata, path)
+    except Exception as exc:  # noqa: BLE001 - objects a hostile pickle built half-way break any access
+        return [f"malformed metadata objects ({type(exc).__name__}: {exc})"]
+
+
+def _problems(metadata: Metadata, path: str) -> list[str]:
+    missing = _incomplete(metadata)
+    if missing:
+        return [f"the Metadata object lacks {', '.join(missing)}"]
+    state = metadata.state_dict_metadata
+    if not isinstance(state, dict):
+        return [f"state_dict_metadata is a {type(state).__name__}, not a dict"]
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        return ["carries no storage map" if storage is None else f"the storage map is a {type(storage).__name__}"]
+    missing = _missing_fields(metadata)
+    if missing:
+        return missing
+    problems: list[str] = []
+    for fqn, item in state.items():
+        if not isinstance(fqn, str):
+            problems.append(f"state dict key {fqn!r} is not a string")
+        elif isinstance(item, TensorStorageMetadata):
+            problems += _tensor_problems(fqn, item, storage)
+        elif isinstance(item, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                problems.append(f"value {fqn!r} has no storage entry")
+        else:
+            problems.append(f"{fqn!r} has metadata of type {type(item).__name__}")
+    for index, info in storage.items():
+        problems += _storage_problems(index, info, state, path)
+    return problems
+
+
+def check_metadata(metadata: Metadata, path: str) -> Metadata:
+    """``metadata`` if :func:`metadata_problems` finds nothing, else one error naming ``path`` and them all."""
+    problems = metadata_problems(metadata, path)
+    if problems:
+        shown = "; ".join(problems[:_MAX_LISTED])
+        more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise CorruptCheckpointError(f"{path}: corrupt or hostile checkpoint metadata: {shown}{more}")
+    return metadata

@@ -1,0 +1,42 @@
+"""Carrying each record's checksum from the rank that wrote it to the coordinator's ``finish``.
+
+``WriteResult.storage_data`` travels to the coordinator by pickle; :class:`ChecksummedStorage` wraps
+torch's ``_StorageInfo`` with the record's checksum on the way and is unwrapped in ``finish``, so
+``.metadata`` holds plain ``_StorageInfo`` objects that torch's readers (and its allow-list) accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ChecksummedStorage", "unwrap_results"]
+
+
+@dataclass(frozen=True)
+class ChecksummedStorage:
+    """A record's ``_StorageInfo`` plus ``(algorithm, digest)`` of its stored bytes."""
+
+    info: Any
+    algorithm: str
+    digest: str
+
+
+def unwrap_results(
+    results: Iterable[Iterable[Any]],
+) -> tuple[dict[Any, Any], list[tuple[str, int, int, str]], set[str]]:
+    """``{index: _StorageInfo}``, the ``(file, offset, length, digest)`` records and the algorithms seen."""
+    storage: dict[Any, Any] = {}
+    records: list[tuple[str, int, int, str]] = []
+    algorithms: set[str] = set()
+    for rank_results in results:
+        for wr in rank_results:
+            data = wr.storage_data
+            if isinstance(data, ChecksummedStorage):
+                info = data.info
+                records.append((info.relative_path, int(info.offset), int(info.length), data.digest))
+                algorithms.add(data.algorithm)
+                data = info
+            storage[wr.index] = data
+    return storage, records, algorithms

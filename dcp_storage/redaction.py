@@ -1,0 +1,127 @@
+"""Keeping credentials out of what we print: storage-option values, and botocore's debug log records.
+
+``storage_options`` carry secrets (``secret``, ``token``, ``password``, connection strings, account keys).
+Nothing in dcp-storage puts option values into a message, a repr or a file; this module is for the few
+places that must show options or text that may hold them:
+
+* :func:`redacted_options` - a copy fit to print: secret-looking keys' values replaced by ``"***"``;
+* :func:`redact` - ``text`` with given secret values replaced;
+* :class:`CredentialLogFilter` - botocore logs every signed request at DEBUG level, session token and
+  access key id included (``x-amz-security-token:...``, ``Credential=AKIA...``). The filter, installed on
+  those loggers by :func:`install_log_redaction` (idempotent; done when :mod:`dcp_storage.transports` is
+  imported), masks them by pattern, so a user who turns on DEBUG logging to debug a load does not paste credentials
+  into a bug report.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "MASK",
+    "CredentialLogFilter",
+    "install_log_redaction",
+    "is_secret_key",
+    "redact",
+    "redacted_options",
+    "secret_values",
+]
+
+MASK = "***"
+_SECRET_WORDS = (
+    "secret",
+    "token",
+    "password",
+    "passwd",
+    "credential",
+    "connection_string",
+    "sas",
+    "account_key",
+    "private_key",
+    "api_key",
+    "apikey",
+    "auth",
+    "session",
+)
+_SECRET_KEYS = {"key", "access_key", "client_secret"}
+# Loggers that print signed requests (aiobotocore reuses botocore's logger names).
+REDACTED_LOGGERS = ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession")
+_PATTERNS = [
+    (re.compile(r"(?i)(x-amz-security-token\s*[:=]\s*)[^\s&'\"]+"), r"\1" + MASK),
+    (re.compile(r"(?i)('x-amz-security-token'\s*:\s*b?')[^']*"), r"\1" + MASK),
+    (re.compile(r"(?i)(credential=)[^\s/,'\"&]+"), r"\1" + MASK),
+    (re.compile(r"(?i)(x-amz-credential=)[^\s&'\"]+"), r"\1" + MASK),
+    (re.compile(r"(?i)('authorization'\s*:\s*b?')[^']*"), r"\1" + MASK),
+]
+
+
+def is_secret_key(name: str) -> bool:
+    """Whether a storage option named ``name`` holds a credential (``key``, ``secret``, ``token``, ...)."""
+    lowered = name.lower()
+    return lowered in _SECRET_KEYS or any(word in lowered for word in _SECRET_WORDS)
+
+
+def redacted_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``options`` with every secret-looking value (nested ones too) replaced by ``MASK``."""
+    out: dict[str, Any] = {}
+    for name, value in (options or {}).items():
+        if isinstance(value, Mapping):
+            out[name] = redacted_options(value)
+        elif is_secret_key(str(name)) and value is not None:
+            out[name] = MASK
+        else:
+            out[name] = value
+    return out
+
+
+def secret_values(options: Mapping[str, Any] | None) -> list[str]:
+    """The string values of ``options``' secret-looking keys (nested too), longest first."""
+    found: list[str] = []
+    for name, value in (options or {}).items():
+        if isinstance(value, Mapping):
+            found += secret_values(value)
+        elif isinstance(value, str) and value and is_secret_key(str(name)):
+            found.append(value)
+    return sorted(set(found), key=len, reverse=True)
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with each of ``secrets`` (non-empty strings) replaced by ``MASK``."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, MASK)
+    return text
+
+
+def _mask_patterns(text: str) -> str:
+    for pattern, replacement in _PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+class CredentialLogFilter(logging.Filter):
+    """Masks session tokens and access key ids in a record's formatted message; never drops a record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot format is logging's problem, not ours
+            return True
+        masked = _mask_patterns(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
+
+
+_FILTER = CredentialLogFilter()
+
+
+def install_log_redaction(names: Iterable[str] = REDACTED_LOGGERS) -> None:
+    """Attach the credential filter to the loggers that print signed requests (once per logger)."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, CredentialLogFilter) for f in logger.filters):
+            logger.addFilter(_FILTER)

@@ -1,0 +1,260 @@
+"""A throw-away, in-memory Azure Blob endpoint for tests: azurite's blob service in a subprocess.
+
+azurite is Microsoft's official storage emulator, an npm package. :func:`ensure_installed` runs
+``npm install azurite@VERSION`` into a cache directory on first use (by default ``.servers/`` at the root
+of a source checkout, git-ignored), so a fresh CI machine needs only ``node`` and ``npm`` on ``PATH``.
+The install is serialised by a file lock and done in a temp directory that is renamed into place, so
+parallel test processes never see half an install.
+
+The server runs with ``--inMemoryPersistence`` (nothing on disk) on 127.0.0.1, port 0: azurite reports
+the port it got (``successfully listens on http://127.0.0.1:PORT``), which we parse, so there is no
+probe-then-rebind race. Clients authenticate with azurite's well-known development account
+(``devstoreaccount1``, a published key); :meth:`AzuriteServer.storage_options` gives adlfs a connection
+string with the blob endpoint ``http://127.0.0.1:PORT/devstoreaccount1``, so the options alone reach the
+server from any process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..errors import DcpStorageError
+from ._server_process import ServerProcess
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = [
+    "ACCOUNT_KEY",
+    "ACCOUNT_NAME",
+    "AZURITE_VERSION",
+    "AzureLocation",
+    "AzuriteError",
+    "AzuriteServer",
+    "default_prefix",
+    "ensure_installed",
+]
+
+AZURITE_VERSION = "3.37.0"
+# azurite's built-in development account (public, documented by Microsoft; not a secret).
+ACCOUNT_NAME = "devstoreaccount1"
+ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+_HOST = "127.0.0.1"
+_LISTENING = r"successfully listens on https?://[^\s:/]+:(\d+)"
+_SERVERS_DIR_ENV = "DCP_STORAGE_SERVERS_DIR"
+_FLAGS = ("--inMemoryPersistence", "--disableTelemetry", "--skipApiVersionCheck")
+_NPM_FLAGS = ("--no-audit", "--no-fund", "--save-exact", "--ignore-scripts")
+
+
+class AzuriteError(DcpStorageError, RuntimeError):
+    """azurite could not be installed or started (the message carries npm's or the server's output)."""
+
+
+class AzureLocation(NamedTuple):
+    """Where a test may write: an ``az://`` URL plus the fsspec (adlfs) options to reach it."""
+
+    url: str
+    storage_options: dict[str, Any]
+
+
+def default_prefix(version: str = AZURITE_VERSION) -> str:
+    """Where azurite is installed: ``$DCP_STORAGE_SERVERS_DIR``, else ``.servers/`` in a source checkout,
+    else ``~/.cache/dcp-storage/servers``; one sub-directory per version."""
+    base = os.environ.get(_SERVERS_DIR_ENV)
+    if not base:
+        checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if os.path.exists(os.path.join(checkout, "pyproject.toml")):
+            base = os.path.join(checkout, ".servers")
+        else:
+            base = os.path.join(os.path.expanduser("~"), ".cache", "dcp-storage", "servers")
+    return os.path.join(base, f"azurite-{version}")
+
+
+def _script(prefix: str) -> str:
+    return os.path.join(prefix, "node_modules", "azurite", "dist", "src", "blob", "main.js")
+
+
+def ensure_installed(prefix: str | None = None, version: str = AZURITE_VERSION, timeout: float = 600.0) -> str:
+    """Return the path of azurite's blob-service entry script, installing ``azurite@version`` if missing."""
+    prefix = prefix or default_prefix(version)
+    script = _script(prefix)
+    if os.path.exists(script):
+        return script
+    npm = shutil.which("npm")
+    if npm is None or shutil.which("node") is None:
+        raise AzuriteError(f"azurite needs node and npm on PATH to install azurite@{version} into {prefix}")
+    from filelock import FileLock  # a torch dependency, so always present
+
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    with FileLock(prefix + ".lock", timeout=timeout):
+        if os.path.exists(script):  # another process installed it while we waited
+            return script
+        staging = f"{prefix}.tmp-{uuid.uuid4().hex[:8]}"
+        os.makedirs(staging)
+        try:
+            proc = subprocess.run(
+                [npm, "install", "--prefix", staging, *_NPM_FLAGS, f"azurite@{version}"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+            if proc.returncode != 0 or not os.path.exists(_script(staging)):
+                tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+                raise AzuriteError(f"npm install azurite@{version} into {prefix} failed ({proc.returncode}):\n{tail}")
+            if os.path.exists(prefix):  # a broken earlier install (no entry script): replace it
+                shutil.rmtree(prefix)
+            os.rename(staging, prefix)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return script
+
+
+class AzuriteServer:
+    """Run azurite's blob service on 127.0.0.1 with an OS-chosen port, in memory.
+
+    Use as a context manager (or call :meth:`start` / :meth:`stop`)::
+
+        with AzuriteServer() as server:
+            url, options = server.new_location()      # a fresh container
+            fs, path = fsspec.core.url_to_fs(url, **options)
+
+    Args:
+        prefix: the npm prefix holding ``node_modules/azurite`` (default :func:`default_prefix`).
+        install: install azurite there if missing (else a missing install raises :class:`AzuriteError`).
+    """
+
+    def __init__(
+        self,
+        prefix: str | None = None,
+        install: bool = True,
+        startup_timeout: float = 60.0,
+        log_lines: int = 200,
+    ) -> None:
+        self.prefix = prefix or default_prefix()
+        self._install = install
+        self._startup_timeout = startup_timeout
+        self._log_lines = log_lines
+        self._server: ServerProcess | None = None
+        self._port: int | None = None
+        self._workdir: str | None = None
+        self._client: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the server (installing azurite first if needed) and block until it answers HTTP."""
+        if self._server is not None:
+            raise RuntimeError("AzuriteServer already started")
+        if self._install:
+            script = ensure_installed(self.prefix)
+        else:
+            script = _script(self.prefix)
+            if not os.path.exists(script):
+                raise AzuriteError(f"azurite is not installed under {self.prefix} (call ensure_installed)")
+        node = shutil.which("node")
+        if node is None:
+            raise AzuriteError("azurite needs node on PATH")
+        # azurite may write a debug log or extent files into its working directory: keep them out of the tree.
+        self._workdir = tempfile.mkdtemp(prefix="azurite-")
+        server = ServerProcess(
+            "azurite",
+            [node, script, "--blobHost", _HOST, "--blobPort", "0", *_FLAGS],
+            AzuriteError,
+            port_pattern=_LISTENING,
+            cwd=self._workdir,
+            log_lines=self._log_lines,
+        )
+        self._server = server
+        try:
+            deadline = time.monotonic() + self._startup_timeout
+            self._port = server.wait_port(deadline)
+            server.wait_http(f"{self.endpoint_url}?comp=list", deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after 5 s) and remove its work dir. Idempotent."""
+        server, self._server = self._server, None
+        self._port = None
+        self._client = None
+        if server is not None:
+            server.stop()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    # ----------------------------------------------------------------- accessors
+    @property
+    def port(self) -> int:
+        if self._server is None or self._port is None:
+            raise RuntimeError("AzuriteServer is not running")
+        return self._port
+
+    @property
+    def pid(self) -> int:
+        if self._server is None:
+            raise RuntimeError("AzuriteServer is not running")
+        return self._server.pid
+
+    @property
+    def endpoint_url(self) -> str:
+        """The blob endpoint, ``http://127.0.0.1:PORT/devstoreaccount1`` (azurite puts the account in the path)."""
+        return f"http://{_HOST}:{self.port}/{ACCOUNT_NAME}"
+
+    @property
+    def connection_string(self) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT_NAME};AccountKey={ACCOUNT_KEY};"
+            f"BlobEndpoint={self.endpoint_url};"
+        )
+
+    def storage_options(self, **extra: Any) -> dict[str, Any]:
+        """adlfs options for this server (development account, explicit endpoint); ``extra`` merged on top."""
+        options: dict[str, Any] = {"connection_string": self.connection_string}
+        options.update(extra)
+        return options
+
+    # ------------------------------------------------------------ container ops
+    @staticmethod
+    def unique_container_name(prefix: str = "test") -> str:
+        """A fresh, valid container name (3-63 lowercase letters, digits, hyphens)."""
+        return f"{prefix}-{uuid.uuid4().hex[:16]}".lower()
+
+    def client(self) -> Any:
+        """A synchronous ``azure.storage.blob.BlobServiceClient`` for this server (created lazily)."""
+        if self._client is None:
+            from azure.storage.blob import BlobServiceClient  # an adlfs dependency
+
+            self._client = BlobServiceClient.from_connection_string(self.connection_string)
+        return self._client
+
+    def create_container(self, name: str) -> str:
+        self.client().create_container(name)
+        return name
+
+    def delete_container(self, name: str) -> None:
+        """Delete ``name`` and every blob in it (azurite keeps everything in memory)."""
+        self.client().delete_container(name)
+
+    def new_location(self, prefix: str = "ckpt", **extra: Any) -> AzureLocation:
+        """Create a fresh container and return ``(az://container/prefix, storage_options)``."""
+        container = self.create_container(self.unique_container_name())
+        return AzureLocation(f"az://{container}/{prefix}", self.storage_options(**extra))

@@ -1,0 +1,213 @@
+"""Atomic S3 writes whose every request is retried: one PUT, or a streamed multipart upload.
+
+s3fs's buffered writer (``fs.open(path, "wb")``) uploads parts from inside ``write``/``flush``; when a part
+upload fails, the buffer and part list are left in a state a caller cannot retry from, so one dropped
+connection during a save loses the whole file. :class:`S3AtomicUpload` keeps each part's bytes until S3
+has acknowledged them, so each request (create, every part, complete, or the single PUT) is retried on
+its own by the transport's retry layer. An upload that finally fails is aborted; nothing becomes visible.
+
+Requests go to s3fs's botocore client directly (:func:`~dcp_storage.transports.s3_stream.s3_call`), with
+the credentials, endpoint and ``s3_additional_kwargs`` of the filesystem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..errors import TransportError
+from .s3_stream import s3_call
+
+__all__ = ["Runner", "S3AtomicUpload", "put_object"]
+
+T = TypeVar("T")
+_log = logging.getLogger(__name__)
+# ``runner(fn, what)`` calls ``fn`` under the transport's retry policy; ``what`` names the request for
+# the final error ("upload part 3 (67108864 bytes) of"); the runner appends the URL.
+Runner = Callable[[Callable[[], Any], str], Any]
+
+
+def put_object(fs: Any, path: str, data: bytes | bytearray | memoryview, runner: Runner) -> None:
+    """One retried ``PutObject`` of ``data`` (a whole small file: metadata, an index)."""
+    bucket, key, _ = fs.split_path(path)
+    body = bytes(data)
+    runner(lambda: s3_call(fs, "put_object", Bucket=bucket, Key=key, Body=body), f"write ({len(body)} bytes)")
+    fs.invalidate_cache(path)  # s3fs caches listings; its own writers invalidate them the same way
+
+
+class S3AtomicUpload:
+    """A write-only file: buffered up to ``part_size``, committed by :meth:`commit`, undone by :meth:`abort`.
+
+    Files smaller than one part are one ``PutObject`` at commit. Larger ones start a multipart upload at
+    the first full part and upload each part as it fills (memory: one part plus the caller's write);
+    :meth:`commit` uploads the tail and completes the upload. ``requests`` counts successful requests.
+    """
+
+    def __init__(self, fs: Any, path: str, part_size: int, runner: Runner) -> None:
+        self.fs = fs
+        self.path = path
+        self.part_size = part_size
+        self.bucket, self.key, _ = fs.split_path(path)
+        self._run = runner
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[dict[str, Any]] = []
+        self.size = 0
+        self.requests = 0
+        self._finished = False
+        # The error that ended the upload, kept because a caller in between (torch's zip writer) may
+        # replace it with its own ("unexpected pos"); the transport re-raises this one.
+        self.failure: BaseException | None = None
+
+    # ------------------------------------------------------------------------------ file protocol
+    def write(self, data: Any) -> int:
+        if self._finished:
+            raise ValueError(f"{self.path}: write after commit or abort")
+        view = memoryview(data).cast("B")
+        self._buffer += view
+        self.size += view.nbytes
+        while len(self._buffer) >= self.part_size:
+            part = bytes(self._buffer[: self.part_size])
+            del self._buffer[: self.part_size]
+            try:
+                self._upload_part(part)
+            except BaseException as exc:
+                self.failure = exc
+                raise
+        return view.nbytes
+
+    def flush(self) -> None:
+        """Nothing to do: parts go out when full, the rest at :meth:`commit`."""
+
+    # ------------------------------------------------------------------------------ requests
+    def _call(self, method: str, what: str, **kwargs: Any) -> Any:
+        out = self._run(lambda: s3_call(self.fs, method, Bucket=self.bucket, Key=self.key, **kwargs), what)
+        self.requests += 1
+        return out
+
+    def _upload_part(self, body: bytes) -> None:
+        if self._upload_id is None:
+            created = self._call("create_multipart_upload", "start multipart upload of")
+            self._upload_id = str(created["UploadId"])
+        number = len(self._parts) + 1
+        out = self._call(
+            "upload_part",
+            f"upload part {number} ({len(body)} bytes) of",
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+        part: dict[str, Any] = {"PartNumber": number, "ETag": out["ETag"]}
+        if "ChecksumSHA256" in out:  # as s3fs does: only a checksum the caller asked for
+            part["ChecksumSHA256"] = out["ChecksumSHA256"]
+        self._parts.append(part)
+
+    def commit(self) -> None:
+        """Make the object visible: the single PUT, or the last part and ``CompleteMultipartUpload``."""
+        if self._finished:
+            raise ValueError(f"{self.path}: already committed or aborted")
+        if self._upload_id is None:
+            body = bytes(self._buffer)
+            self._call("put_object", f"write ({len(body)} bytes)", Body=body)
+        else:
+            if self._buffer:
+                tail = bytes(self._buffer)
+                self._buffer = bytearray()
+                self._upload_part(tail)
+            self._complete()
+        self._buffer = bytearray()
+        self._finished = True
+        self.fs.invalidate_cache(self.path)  # s3fs caches listings; its own writers invalidate them the same way
+
+    def _complete(self) -> None:
+        attempts = 0
+
+        def complete() -> Any:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return s3_call(
+                    self.fs,
+                    "complete_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": self._parts},
+                )
+            except FileNotFoundError as exc:  # NoSuchUpload
+                # An earlier attempt may have completed the upload and lost only its response.
+                if attempts > 1 and self._is_our_object():
+                    return None
+                raise TransportError(
+                    f"{self.fs.unstrip_protocol(self.path)}: multipart upload {self._upload_id} vanished before "
+                    f"it was completed ({exc})"
+                ) from exc
+
+        try:
+            self._run(complete, f"complete multipart upload ({len(self._parts)} parts, {self.size} bytes) of")
+        except TransportError:
+            # Every attempt failed as far as we know, but one may have completed and lost its response
+            # (a timeout after the store acted). One last look decides.
+            try:
+                ours = self._is_our_object()
+            except Exception:  # noqa: BLE001 - the store is still failing: the TransportError stands
+                ours = False
+            if not ours:
+                raise
+        self.requests += 1
+
+    def _is_our_object(self) -> bool:
+        """Whether the object now at the key is this upload's result (size and multipart ETag agree)."""
+        try:
+            head = s3_call(self.fs, "head_object", Bucket=self.bucket, Key=self.key)
+        except FileNotFoundError:
+            return False
+        etag = str(head.get("ETag", "")).strip('"')
+        if int(head.get("ContentLength", -1)) != self.size:
+            return False
+        expected = _multipart_etag([str(p["ETag"]) for p in self._parts])
+        return etag == expected if expected is not None else etag.endswith(f"-{len(self._parts)}")
+
+    def abort(self) -> None:
+        """Drop the upload: abort the multipart upload (retried) so no part lingers; idempotent."""
+        self._finished = True
+        self._buffer = bytearray()
+        upload_id, self._upload_id = self._upload_id, None
+        if upload_id is None:
+            return
+        self._call("abort_multipart_upload", f"abort multipart upload {upload_id} of", UploadId=upload_id)
+
+    def abandon(self, cause: BaseException) -> None:
+        """:meth:`abort` after ``cause`` ended the write; an abort that fails too is reported, not raised.
+
+        ``NoSuchUpload`` means an earlier abort attempt worked and lost its response. Any other failure
+        leaves parts behind (billed until a lifecycle rule removes them): logged, and noted on ``cause``.
+        """
+        try:
+            self.abort()
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - ``cause`` is the error the caller must see
+            note = f"aborting the upload of {self.fs.unstrip_protocol(self.path)} failed too, parts may remain: {exc}"
+            _log.warning(note)
+            if hasattr(cause, "add_note"):  # Python >= 3.11
+                cause.add_note(note)
+
+
+def _multipart_etag(part_etags: list[str]) -> str | None:
+    """S3's ETag of a completed upload: MD5 of the parts' binary MD5s, ``-N``; ``None`` if parts are not MD5s.
+
+    (Parts encrypted with SSE-KMS/SSE-C have opaque ETags; then only size and part count can be checked.)
+    """
+    digest = hashlib.md5(usedforsecurity=False)
+    for etag in part_etags:
+        hexdigest = etag.strip('"')
+        if len(hexdigest) != 32:
+            return None
+        try:
+            digest.update(bytes.fromhex(hexdigest))
+        except ValueError:
+            return None
+    return f"{digest.hexdigest()}-{len(part_etags)}"

@@ -1,0 +1,289 @@
+"""Checkpoints written through ``ZstdSeekable``: round trips, ranged reads, torch interop, discovery, errors.
+
+Real files and real readers/writers: dcp-storage's ``FsspecWriter``/``FsspecReader`` and torch's
+``FileSystemWriter``/``FileSystemReader``. The plugin is found only through its entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dcp_storage.registry as plugin_registry
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_storage import FsspecReader, FsspecWriter
+from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
+from dcp_storage.formats.dcp_native.item_loader import DcpItemLoader
+from dcp_storage.transports import FsspecTransport
+from torch.distributed.checkpoint._extension import ExtensionRegistry, ZStandard
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from dcp_storage_zstd import ZstdSeekable
+from dcp_storage_zstd.testing import same_bits
+
+DESCRIPTOR = "stream.zstd_seekable/1"
+FRAME = 64 * 1024
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def trained_like(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 0.02).to(dtype)
+
+
+def state() -> dict[str, Any]:
+    return {
+        "w_bf16": trained_like((512, 1024), torch.bfloat16, 1),  # 1 MiB: framed, read by ranges when partial
+        "w_fp32": trained_like((256, 1024), torch.float32, 2),
+        "bias": trained_like((1024,), torch.float32, 3),  # small: whole-item path
+        "ids": torch.arange(1000, dtype=torch.int64),
+        "odd": trained_like((7, 13, 5), torch.float16, 4),
+        "step": 1234,  # BYTE_IO
+        "name": "run-7",  # BYTE_IO
+    }
+
+
+def blank(sd: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        out[k] = torch.full_like(v, 77) if isinstance(v, torch.Tensor) else type(v)()
+    return out
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert same_bits(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+def save(path: Path, sd: dict[str, Any] | None = None, **ext: Any) -> dict[str, Any]:
+    sd = sd or state()
+    dcp.save(sd, storage_writer=FsspecWriter(str(path), extensions=[ZstdSeekable(frame_bytes=FRAME, **ext)]))
+    return sd
+
+
+def metadata(path: Path) -> Any:
+    return pickle.loads((path / ".metadata").read_bytes())
+
+
+def entry(path: Path, fqn: str) -> tuple[MetadataIndex, Any]:
+    return next((i, s) for i, s in metadata(path).storage_data.items() if i.fqn == fqn)
+
+
+# ------------------------------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("url_kind", ["local", "memory"])
+def test_round_trip_bit_exact_and_smaller(tmp_path: Path, url_kind: str) -> None:
+    url = str(tmp_path) if url_kind == "local" else f"memory://zstd-{tmp_path.name}"
+    sd = state()
+    dcp.save(sd, storage_writer=FsspecWriter(url, extensions=[ZstdSeekable(frame_bytes=FRAME)]))
+    reader = FsspecReader(url)
+    dest = blank(sd)
+    dcp.load(dest, storage_reader=reader)
+    bytes_read = reader.counters["bytes_read"]
+    assert_same(dest, sd)
+    md = reader.read_metadata()
+    assert {tuple(s.transform_descriptors) for s in md.storage_data.values()} == {(DESCRIPTOR,)}
+    stored = sum(s.length for s in md.storage_data.values())
+    metadata_bytes = len(dcp_metadata_bytes(reader))
+    assert bytes_read == stored + metadata_bytes  # whole items: no index or header probes
+    w = md.storage_data[next(i for i in md.storage_data if i.fqn == "w_bf16")]
+    assert w.length < 0.85 * sd["w_bf16"].numel() * 2  # bf16 weights: the exponent bytes compress
+
+
+def dcp_metadata_bytes(reader: FsspecReader) -> bytes:
+    return reader.transport.read_file(reader.transport.join(reader.root, ".metadata"))
+
+
+def test_writer_exposes_extensions_and_refuses_others(tmp_path: Path) -> None:
+    ext = ZstdSeekable(level=5)
+    writer = FsspecWriter(str(tmp_path), extensions=[ext])
+    assert writer.extensions == (ext,)
+    assert FsspecWriter(str(tmp_path)).extensions == ()
+    with pytest.raises(TypeError, match="StreamTransformExtension"):
+        FsspecWriter(str(tmp_path), extensions=[object()])  # type: ignore[list-item]
+
+
+def test_manifest_names_the_distribution(tmp_path: Path) -> None:
+    save(tmp_path)
+    manifest = json.loads((tmp_path / ".dcp_storage.json").read_text())
+    assert {"descriptor": DESCRIPTOR, "distribution": "dcp-storage-zstd", "version": "0.1.0"} in manifest["extensions"]
+
+
+# ------------------------------------------------------------------------------------------ ranged reads
+class _Planner:
+    """The two LoadPlanner calls DcpItemLoader makes for tensors."""
+
+    def __init__(self, dest: dict[str, torch.Tensor]) -> None:
+        self.dest = dest
+        self.committed: list[str] = []
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        return self.dest[item.dest_index.fqn]
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        self.committed.append(item.dest_index.fqn)
+
+
+def read_slice(
+    path: Path, fqn: str, offsets: list[int], lengths: list[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, int]:
+    """Load ``stored[fqn][offsets : offsets + lengths]`` the way a resharding rank does; returns bytes read."""
+    md = metadata(path)
+    index, _ = entry(path, fqn)
+    transport, root = FsspecTransport.from_url(str(path), {}, None)
+    planner = _Planner({fqn: torch.full(lengths, 77, dtype=dtype)})
+    item = ReadItem(
+        LoadItemType.TENSOR, MetadataIndex(fqn, [0] * len(lengths)), [0] * len(lengths), index, offsets, lengths
+    )
+    DcpItemLoader(transport, root, md.storage_data, metadata=md).load([item], planner)
+    assert planner.committed == [fqn]
+    return planner.dest[fqn], transport.counters.snapshot()["bytes_read"]
+
+
+@pytest.mark.parametrize(
+    ("fqn", "offsets", "lengths"),
+    [
+        ("w_bf16", [0, 0], [256, 1024]),  # first half (FSDP-style Shard(0) at 2 ranks)
+        ("w_bf16", [341, 0], [171, 1024]),  # last third, across frame boundaries
+        ("w_bf16", [100, 3], [9, 17]),  # a small block in the middle
+        ("w_fp32", [128, 0], [64, 1024]),
+        ("w_fp32", [0, 512], [256, 512]),  # columns: every frame, still exact
+    ],
+)
+def test_partial_reads_fetch_only_covering_frames(
+    tmp_path: Path, fqn: str, offsets: list[int], lengths: list[int]
+) -> None:
+    sd = save(tmp_path)
+    full = sd[fqn]
+    got, bytes_read = read_slice(tmp_path, fqn, offsets, lengths, full.dtype)
+    want = full[offsets[0] : offsets[0] + lengths[0], offsets[1] : offsets[1] + lengths[1]]
+    assert same_bits(got, want.contiguous())
+    stored = entry(tmp_path, fqn)[1].length
+    fraction = (lengths[0] * lengths[1]) / full.numel()
+    if lengths[1] == full.shape[1]:  # row blocks: the covering frames, the header frame and the seek table
+        frame_stored = stored / (full.numel() * full.element_size() / FRAME)
+        assert bytes_read <= fraction * stored + 3 * frame_stored + 4096, (bytes_read, stored)
+        assert bytes_read < stored
+    else:
+        assert bytes_read <= stored + 4096
+
+
+def test_partial_read_casts_dtype(tmp_path: Path) -> None:
+    sd = save(tmp_path)
+    got, _ = read_slice(tmp_path, "w_bf16", [10, 0], [20, 1024], torch.float32)
+    assert torch.equal(got, sd["w_bf16"][10:30].float())
+
+
+def test_whole_chunk_reads_skip_the_index(tmp_path: Path) -> None:
+    sd = save(tmp_path)
+    got, bytes_read = read_slice(tmp_path, "w_bf16", [0, 0], [512, 1024], torch.bfloat16)
+    assert same_bits(got, sd["w_bf16"])
+    assert bytes_read == entry(tmp_path, "w_bf16")[1].length
+
+
+# ------------------------------------------------------------------------------------------ torch interop
+def test_torch_reader_reads_ours(tmp_path: Path) -> None:
+    sd = save(tmp_path)
+    registry = ExtensionRegistry()
+    registry.register(ZstdSeekable)
+    dest = blank(sd)
+    dcp.load(dest, storage_reader=dcp.FileSystemReader(str(tmp_path), _extension_registry=registry))
+    assert_same(dest, sd)
+
+
+@pytest.mark.parametrize("extension", [ZStandard, ZstdSeekable])
+def test_we_read_torch_writer_output(tmp_path: Path, extension: type) -> None:
+    sd = state()
+    ext = ZstdSeekable(frame_bytes=FRAME) if extension is ZstdSeekable else ZStandard()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path), _extensions=[ext]))
+    dest = blank(sd)
+    dcp.load(dest, storage_reader=FsspecReader(str(tmp_path)))  # no registry: torch's defaults + the entry point
+    assert_same(dest, sd)
+    if extension is ZstdSeekable:  # torch wrote the seekable format: our ranged reads work on it too
+        got, bytes_read = read_slice(tmp_path, "w_bf16", [256, 0], [256, 1024], torch.bfloat16)
+        assert same_bits(got, sd["w_bf16"][256:]) and bytes_read < entry(tmp_path, "w_bf16")[1].length
+
+
+# ------------------------------------------------------------------------------------------ discovery
+def test_found_only_through_the_entry_point() -> None:
+    (info,) = [i for i in plugin_registry.list("extensions") if i.name == "stream.zstd_seekable"]
+    assert info.distribution == "dcp-storage-zstd" and info.target == "dcp_storage_zstd:ZstdSeekable"
+    assert plugin_registry.get("extensions", "stream.zstd_seekable") is ZstdSeekable
+    assert "stream.zstd_seekable" not in ExtensionRegistry().extensions  # torch alone does not know it
+
+
+@pytest.fixture
+def plugin_missing() -> Iterator[None]:
+    """As if dcp-storage-zstd were not installed (its entry point gone), restored afterwards."""
+    plugin_registry.unregister("extensions", "stream.zstd_seekable")
+    try:
+        yield
+    finally:
+        plugin_registry.reload()
+
+
+def _load_error(path: Path, sd: dict[str, Any]) -> BaseException:
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(blank(sd), storage_reader=FsspecReader(str(path)))
+    (inner, _trace), *_ = info.value.failures.values()
+    return inner
+
+
+def test_unknown_descriptor_names_file_key_and_distribution(tmp_path: Path, plugin_missing: None) -> None:
+    sd = save(tmp_path, {"w": trained_like((300, 1000), torch.float32, 5)})
+    err = _load_error(tmp_path, sd)
+    assert isinstance(err, DcpStorageError) and isinstance(err, LookupError), repr(err)
+    message = str(err)
+    assert "__0_" in message and ".distcp" in message and "'w'" in message and DESCRIPTOR in message
+    assert "pip install 'dcp-storage-zstd==0.1.0'" in message, message
+
+
+def test_unknown_descriptor_without_manifest(tmp_path: Path, plugin_missing: None) -> None:
+    sd = save(tmp_path, {"w": trained_like((30, 10), torch.float32, 6)})
+    (tmp_path / ".dcp_storage.json").unlink()
+    message = str(_load_error(tmp_path, sd))
+    assert DESCRIPTOR in message and "no manifest" in message and "'w'" in message, message
+
+
+# ------------------------------------------------------------------------------------------ corruption
+def _damage(path: Path, fqn: str, where: float) -> None:
+    """Flip 16 bytes at fraction ``where`` of the stored item (negative: that many bytes before its end)."""
+    _, info = entry(path, fqn)
+    data_file = path / info.relative_path
+    raw = bytearray(data_file.read_bytes())
+    pos = info.offset + (int(info.length * where) if where >= 0 else info.length + int(where))
+    raw[pos : pos + 16] = bytes(b ^ 0x5A for b in raw[pos : pos + 16])
+    data_file.write_bytes(bytes(raw))
+
+
+def test_corrupt_frames_raise_our_error_whole_path(tmp_path: Path) -> None:
+    sd = save(tmp_path)
+    _damage(tmp_path, "w_bf16", 0.5)
+    err = _load_error(tmp_path, sd)
+    assert isinstance(err, CorruptCheckpointError), repr(err)
+    assert "'w_bf16'" in str(err) and ".distcp" in str(err)
+
+
+@pytest.mark.parametrize("where", [0.3, -40, -16])  # a frame; seek table entries; the table's footer
+def test_corrupt_frames_raise_our_error_ranged_path(tmp_path: Path, where: float) -> None:
+    save(tmp_path)
+    _damage(tmp_path, "w_bf16", where)
+    with pytest.raises(CorruptCheckpointError) as info:
+        read_slice(tmp_path, "w_bf16", [0, 0], [400, 1024], torch.bfloat16)
+    assert "'w_bf16'" in str(info.value) and ".distcp" in str(info.value)

@@ -1,0 +1,238 @@
+"""Credentials in ``storage_options`` never leak: a sentinel secret, searched for everywhere it could show.
+
+The storage options for the moto S3 server carry sentinel values for ``key``, ``secret`` and ``token``
+(s3fs takes no connection string; the redaction helpers are checked with one). They go through save, load, ``open_reader``, ``describe``, ``verify --deep``,
+``convert`` (to safetensors and to ``torch.save``) and error paths (a wrong bucket, an unreachable
+endpoint, an unsafe checkpoint), and must not appear in: exception messages, reprs and chained causes
+(tracebacks included), log records of any logger at DEBUG (botocore logs every signed request there), the
+CLI's stdout/stderr (``--json``, ``--debug``, a malformed ``--storage-option``), the ``repr()`` of readers,
+writers, transports and filesystems, or any file the checkpoint consists of.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import subprocess
+import sys
+import traceback
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import dcp_storage as ds
+from dcp_storage.testing.s3_server import MotoS3Server, S3Location
+from dcp_storage.transports import RetryPolicy, TransportConfig
+
+REPO = Path(__file__).resolve().parents[2]
+_RUN = uuid.uuid4().hex[:8]
+KEY = f"AKIASENTINEL5ECRET{_RUN.upper()}"
+SECRET = f"SENTINEL-5ecret-secret-{_RUN}"
+TOKEN = f"SENTINEL-5ecret-token-{_RUN}"
+CONNECTION = f"DefaultEndpointsProtocol=https;AccountKey=SENTINEL-5ecret-conn-{_RUN}"
+SENTINELS = (KEY, SECRET, TOKEN, CONNECTION, f"SENTINEL-5ecret-conn-{_RUN}")
+
+
+def _leaks(text: str | bytes) -> list[str]:
+    if isinstance(text, bytes):
+        return [s for s in SENTINELS if s.encode() in text]
+    return [s for s in SENTINELS if s in text]
+
+
+def _exception_text(exc: BaseException) -> str:
+    """Everything an exception can show: str, repr, the formatted traceback with every chained cause, and
+    for DCP's ``CheckpointException`` each rank's failure and its traceback."""
+    parts, seen, todo = [], set(), [exc]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        parts += [str(cur), repr(cur), "".join(traceback.format_exception(cur))]
+        todo += [cur.__cause__, cur.__context__]
+        if isinstance(cur, CheckpointException):
+            for failure in cur.failures.values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                parts.append(str(failure))
+                todo.append(inner)
+    return "\n".join(parts)
+
+
+@pytest.fixture
+def secret_location(moto_server: MotoS3Server) -> Iterator[S3Location]:
+    from s3fs import S3FileSystem
+
+    S3FileSystem.clear_instance_cache()
+    loc = moto_server.new_location(
+        "ckpt", key=KEY, secret=SECRET, token=TOKEN, skip_instance_cache=True, use_listings_cache=False
+    )
+    yield loc
+    S3FileSystem.clear_instance_cache()
+    moto_server.delete_bucket(loc.url.split("/")[2])
+
+
+@pytest.fixture
+def debug_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.DEBUG)  # every logger, botocore's signing and request logs included
+    return caplog
+
+
+def _all_log_text(caplog: pytest.LogCaptureFixture) -> str:
+    parts = []
+    for record in caplog.records:
+        parts.append(record.getMessage())
+        if record.exc_info and record.exc_info[1] is not None:
+            parts.append(_exception_text(record.exc_info[1]))
+    return "\n".join(parts) + caplog.text
+
+
+def _bucket_bytes(url: str, options: dict[str, Any]) -> dict[str, bytes]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url.split("/ckpt")[0], **options)
+    return {path: fs.cat_file(path) for path in fs.find(root)}
+
+
+def test_no_leak_through_the_python_api(secret_location: S3Location, debug_logs: pytest.LogCaptureFixture) -> None:
+    url, opts = secret_location
+    sd = {"w": torch.randn(8, 4), "b": torch.arange(5), "step": 3}
+    writer = ds.FsspecWriter(url, opts)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    reader = ds.FsspecReader(url, opts)
+    dest = {"w": torch.zeros(8, 4), "b": torch.zeros(5, dtype=torch.int64), "step": 0}
+    dcp.load(dest, storage_reader=reader, no_dist=True)
+    assert torch.equal(dest["w"], sd["w"]) and dest["step"] == 3
+    opened = ds.open_reader(url, storage_options=opts)
+    dcp.load(dest, storage_reader=opened, no_dist=True)
+    info = ds.describe(url, opts)
+    report = ds.verify(url, opts, deep=True)
+    assert report.ok, report.problems
+
+    st_url, pt_url = url + "-st", url + "-pt/model.pt"
+    ds.convert(url, st_url, to="safetensors", storage_options=opts, drop_non_tensors=True)
+    st_reader = ds.SafetensorsReader(st_url, opts)
+    dcp.load({"w": torch.zeros(8, 4), "b": torch.zeros(5, dtype=torch.int64)}, storage_reader=st_reader, no_dist=True)
+    ds.convert(url, pt_url, to="torch", storage_options=opts)
+    pt_reader = ds.BroadcastingTorchSaveReader(pt_url, storage_options=opts)
+    dcp.load(dest, storage_reader=pt_reader, no_dist=True)
+    st_writer = ds.SafetensorsWriter(url + "-st2", opts)
+    dcp.save({"w": sd["w"]}, storage_writer=st_writer, no_dist=True)
+
+    shown = {
+        "reprs": "\n".join(
+            f"{repr(o)} {o!s}"
+            for o in (writer, reader, opened, st_reader, pt_reader, st_writer, reader.transport, reader.transport.fs,
+                      reader.transport.config, opened.transport, st_reader.transport)
+        ),
+        "describe": repr(info.as_dict()),
+        "verify": repr(report.as_dict()),
+        "logs": _all_log_text(debug_logs),
+        "metadata": repr(pickle.loads(_bucket_bytes(url, opts)[url.removeprefix("s3://") + "/.metadata"])),
+    }
+    assert len(debug_logs.records) > 100, "DEBUG logging did not capture botocore's requests"
+    assert any("x-amz-security-token" in r.getMessage().lower() for r in debug_logs.records), (
+        "the session token header was never logged: this test would not see a leak"
+    )
+    leaks = {where: _leaks(text) for where, text in shown.items() if _leaks(text)}
+    files = {path: _leaks(data) for path, data in _bucket_bytes(url, opts).items() if _leaks(data)}
+    assert not leaks and not files, (leaks, files)
+
+
+def test_no_leak_from_errors(secret_location: S3Location, moto_server: MotoS3Server, debug_logs: pytest.LogCaptureFixture) -> None:
+    url, opts = secret_location
+    bucket = url.split("/")[2]
+    dcp.save({"w": torch.ones(4)}, storage_writer=ds.FsspecWriter(url, opts), no_dist=True)
+    attempts: dict[str, BaseException] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            attempts[name] = exc
+        else:
+            pytest.fail(f"{name}: no error")
+
+    wrong = f"s3://no-such-bucket-{_RUN}/ckpt"
+    attempt("load wrong bucket", lambda: dcp.load({"w": torch.zeros(4)}, storage_reader=ds.FsspecReader(wrong, opts), no_dist=True))
+    attempt("open_reader wrong bucket", lambda: ds.open_reader(wrong, storage_options=opts))
+    attempt("describe wrong bucket", lambda: ds.describe(wrong, opts))
+    dead = {**opts, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    fast = TransportConfig(retry=RetryPolicy(max_attempts=1))
+    attempt("unreachable endpoint", lambda: ds.FsspecReader(url, dead, transport_config=fast).read_metadata())
+    from tests.storage.test_roundtrip_single_process import evil_reduce
+
+    fs_url = url.removeprefix("s3://")
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **opts)
+    md = pickle.loads(fs.cat_file(fs_url + "/.metadata"))
+    md.planner_data = evil_reduce(Path(f"/tmp/MARKER-{_RUN}"))
+    fs.pipe_file(fs_url + "/.metadata", pickle.dumps(md))
+    attempt("unsafe checkpoint", lambda: dcp.load({"w": torch.zeros(4)}, storage_reader=ds.FsspecReader(url, opts), no_dist=True))
+    attempt("unsafe checkpoint describe", lambda: ds.describe(url, opts))
+    assert not Path(f"/tmp/MARKER-{_RUN}").exists()
+    report = ds.verify(url, opts, deep=True)
+    assert not report.ok
+
+    texts = {name: _exception_text(exc) for name, exc in attempts.items()}
+    texts["verify"] = repr(report.as_dict())
+    texts["logs"] = _all_log_text(debug_logs)
+    leaks = {name: _leaks(text) for name, text in texts.items() if _leaks(text)}
+    assert not leaks, {name: texts[name][:2000] for name in leaks}
+    assert bucket in texts["unsafe checkpoint"] and "forbidden global" in texts["unsafe checkpoint"]
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dcp_storage.cli", *argv], capture_output=True, text=True, timeout=120, cwd=REPO,
+        check=False,
+    )
+
+
+def test_no_leak_through_the_cli(secret_location: S3Location) -> None:
+    from tests.cli._helpers import option_flags
+
+    url, opts = secret_location
+    dcp.save({"w": torch.ones(4), "step": 1}, storage_writer=ds.FsspecWriter(url, opts), no_dist=True)
+    flags = option_flags({k: v for k, v in opts.items() if k not in ("skip_instance_cache", "use_listings_cache")}, "-o")
+    runs = {
+        "inspect --json": _cli("--debug", "inspect", url, "--json", *flags),
+        "verify --deep --json": _cli("verify", url, "--deep", "--json", "--debug", *flags),
+        "inspect wrong bucket --debug": _cli("--debug", "inspect", f"s3://no-such-bucket-{_RUN}/x", *flags),
+        "verify wrong bucket": _cli("verify", f"s3://no-such-bucket-{_RUN}/x", "--json", *flags),
+        "convert": _cli("convert", url, url + "-out", "--to", "safetensors", "--drop-non-tensors", *flags),
+        "malformed option": _cli("inspect", url, *flags, "-o", f"secret:{SECRET}"),
+        "malformed dotted option": _cli("inspect", url, *flags, "-o", f"client_kwargs..token={TOKEN}"),
+    }
+    assert runs["inspect --json"].returncode == 0, runs["inspect --json"].stderr
+    assert runs["verify --deep --json"].returncode == 0, runs["verify --deep --json"].stderr
+    assert runs["convert"].returncode == 0, runs["convert"].stderr
+    assert runs["inspect wrong bucket --debug"].returncode == 1 and "Traceback" in runs["inspect wrong bucket --debug"].stderr
+    assert runs["verify wrong bucket"].returncode == 1
+    assert runs["malformed option"].returncode == 2 and "KEY=VALUE" in runs["malformed option"].stderr
+    leaks = {name: _leaks(r.stdout + r.stderr) for name, r in runs.items() if _leaks(r.stdout + r.stderr)}
+    assert not leaks, {name: runs[name].stdout[-1500:] + runs[name].stderr[-1500:] for name in leaks}
+
+
+def test_redaction_helpers() -> None:
+    from dcp_storage.redaction import CredentialLogFilter, redact, redacted_options, secret_values
+
+    opts = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": "http://x", "aws_session_token": TOKEN},
+            "connection_string": CONNECTION, "anon": False}
+    shown = redacted_options(opts)
+    assert not _leaks(repr(shown)) and shown["client_kwargs"]["endpoint_url"] == "http://x" and shown["anon"] is False
+    assert set(secret_values(opts)) == {KEY, SECRET, TOKEN, CONNECTION}
+    assert not _leaks(redact(f"failed with {opts}", secret_values(opts)))
+    record = logging.LogRecord("botocore.endpoint", logging.DEBUG, __file__, 1, "Sending http request: %s", (
+        f"headers={{'X-Amz-Security-Token': b'{TOKEN}', 'Authorization': b'AWS4-HMAC-SHA256 Credential={KEY}/2024"
+        f"/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=abc'}}",), None)
+    assert CredentialLogFilter().filter(record) and not _leaks(record.getMessage())
+    assert "Sending http request" in record.getMessage()
