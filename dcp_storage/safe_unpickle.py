@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,11 +42,14 @@ class AllowListUnpickler(pickle.Unpickler):
         persistent_load: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__(file)
+        self._stream = file
         self._path = path
         self._allowed = allowed
         self._persistent = persistent_load
 
     def load(self) -> Any:
+        if isinstance(self._stream, io.BytesIO):
+            _check_memo_indices(self._stream, self._path)
         snapshot = _snapshot(self._allowed.values())
         try:
             return super().load()
@@ -67,6 +71,37 @@ class AllowListUnpickler(pickle.Unpickler):
 
 
 _FUNCTION_ATTRS = ("__defaults__", "__kwdefaults__", "__code__")
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_memo_indices(stream: io.BytesIO, path: str) -> None:
+    """Refuse a pickle whose memo indices exceed its length, before the C unpickler sees them.
+
+    ``LONG_BINPUT 0x3fffffff`` (6 bytes) makes CPython's unpickler grow its memo array to twice that
+    index and clear every slot: gigabytes from a few bytes, and on a machine that overcommits memory the
+    OOM killer ends the process instead of a ``MemoryError``. A real pickler numbers its memo from 0, so
+    an index can never exceed the number of opcodes, hence the stream's length. Walks the opcodes only
+    (``pickletools.genops``: nothing is resolved or built); a malformed stream is left to the unpickler,
+    which reports it.
+    """
+    start = stream.tell()
+    view = stream.getbuffer()
+    try:
+        data = bytes(view[start:])
+    finally:
+        view.release()
+    limit = len(data)
+    try:
+        for opcode, arg, pos in pickletools.genops(data):
+            if opcode.name in _MEMO_PUTS and isinstance(arg, int) and not 0 <= arg <= limit:
+                raise CorruptCheckpointError(
+                    f"{path}: pickle memo index {arg} at byte {start + pos} exceeds the stream's {limit} bytes: "
+                    "a hostile pickle (it would make the unpickler allocate gigabytes)"
+                )
+    except CorruptCheckpointError:
+        raise
+    except Exception:  # noqa: BLE001 - malformed opcodes: the unpickler's own error names them
+        return
 
 
 def _snapshot(objects: Iterable[Any]) -> list[tuple[Any, dict[str, Any], tuple[Any, ...]]]:
@@ -122,7 +157,7 @@ def safe_loads(
     """
     try:
         obj = AllowListUnpickler(io.BytesIO(data), path, allowed, persistent_load).load()
-    except UnsafeCheckpointError:
+    except (UnsafeCheckpointError, CorruptCheckpointError):
         raise
     except Exception as exc:  # noqa: BLE001 - any decoder failure means the bytes are not what we expect
         raise CorruptCheckpointError(f"{path}: not a valid pickle ({type(exc).__name__}: {exc})") from exc

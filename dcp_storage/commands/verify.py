@@ -15,7 +15,9 @@ def add_parser(sub: Any) -> None:
         help="check a checkpoint is complete (every file, size, header); --deep reads every tensor",
         description="Check that the checkpoint at URL is complete: metadata present, every file present with the size "
         "its records need, headers valid, chunks covering every tensor. --deep also reads every tensor (one at a "
-        "time) and checks recorded checksums. Exits 1 naming every problem found.",
+        "time) and checks recorded checksums. An interrupted save (data or temp files without the commit marker) is "
+        "reported as an incomplete checkpoint; in-progress multipart uploads under URL are listed (--cleanup aborts "
+        "them). Exits 1 naming every problem found.",
     )
     p.add_argument("url", metavar="URL", help="checkpoint URL (format detected)")
     p.add_argument("--deep", action="store_true", help="also read every tensor and value, and check checksums")

@@ -202,7 +202,9 @@ class FsspecWriter(StorageWriter):
                 with self._encoder.open(stream) as out:  # through the extensions, if any
                     if item.type == WriteItemType.BYTE_IO:
                         if not isinstance(data, io.BytesIO):
-                            raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(data).__name__}, expected BytesIO")
+                            raise TypeError(
+                                f"{item.index.fqn}: BYTE_IO item resolved to {type(data).__name__}, expected BytesIO"
+                            )
                         out.write(data.getbuffer())
                     else:
                         torch.save(_compact_cpu(data), out)  # type: ignore[arg-type]

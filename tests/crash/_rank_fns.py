@@ -82,10 +82,39 @@ def save(
     from dcp_storage import FsspecWriter
     from dcp_storage.transports import TransportConfig
 
+    class CommitMarkingWriter(FsspecWriter):
+        """Notes when ``finish`` (the commit: ``.metadata`` written) returned, so kills can be aimed before it."""
+
+        def finish(self, *args: Any, **kwargs: Any) -> None:
+            super().finish(*args, **kwargs)
+            _mark(os.path.join(signal_dir, "committed"), repr(time.time()))
+
     state = make_state(seed)
-    writer = FsspecWriter(
+    writer = CommitMarkingWriter(
         url, storage_options, overwrite=overwrite, thread_count=2, transport_config=TransportConfig(part_size=part_size)
     )
+    start = time.time()
+    _mark(os.path.join(signal_dir, f"rank{rank}.start"), f"{os.getpid()} {start!r}")
+    dcp.save(state, storage_writer=writer)
+    elapsed = time.time() - start
+    _mark(os.path.join(signal_dir, f"rank{rank}.done"), repr(elapsed))
+    return elapsed
+
+
+def tensors_only(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def save_safetensors(
+    rank: int, world: int, url: str, storage_options: dict[str, Any], seed: int, signal_dir: str, max_shard_size: str
+) -> float:
+    """Save ``make_state(seed)``'s tensors with ``SafetensorsWriter`` (sharded: several files plus an index)."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_storage import SafetensorsWriter
+
+    state = tensors_only(make_state(seed))
+    writer = SafetensorsWriter(url, storage_options, max_shard_size=max_shard_size)
     start = time.time()
     _mark(os.path.join(signal_dir, f"rank{rank}.start"), f"{os.getpid()} {start!r}")
     dcp.save(state, storage_writer=writer)

@@ -4,9 +4,10 @@ One trial:
 
 1. For half of the trials the target path first gets a complete *old* checkpoint (state ``OLD_SEED``) and
    the killed save uses ``overwrite=True``; otherwise the target is a fresh path.
-2. A 2-rank gloo save of state ``NEW_SEED`` starts (real processes, see ``_launcher``); after a delay drawn
-   uniformly from ``[0, 1.15 x the save's measured duration]`` one rank (drawn too) gets SIGKILL. The
-   other is SIGKILLed too if it has not failed on its own within a short grace, as a launcher would.
+2. A 2-rank gloo save of state ``NEW_SEED`` starts (real processes, see ``_launcher``); after a random
+   delay drawn from the save's measured duration (85 % of draws before its measured commit, the rest
+   after it, up to 1.15 x its duration) one rank (drawn too) gets SIGKILL. The other is SIGKILLed too if
+   it has not failed on its own within a short grace, as a launcher would.
 3. The target must then be exactly one of: the complete old checkpoint, bit-exact (the kill came before
    the save retired it); the complete new one, bit-exact (the kill came after the commit); or refused by
    ``open_reader``, ``FsspecReader`` + ``dcp.load`` and ``verify`` with "incomplete checkpoint" (nothing
@@ -48,7 +49,11 @@ from ._launcher import Zygote
 OLD_SEED, NEW_SEED, OTHER_SEED = 11, 22, 33
 MiB = 1024 * 1024
 PART_SIZE = 5 * MiB  # S3's minimum: ~5 MiB data files become multipart uploads a kill can leave behind
-DELAY_SPAN = 1.15  # kill delays are drawn from [0, DELAY_SPAN x measured save duration]
+# Kill delays: with probability PRE_COMMIT_SHARE uniform over [0, commit) of the measured save, else
+# uniform over [commit, DELAY_SPAN x its duration), so most kills land before the commit but every
+# phase, the tail included, gets some.
+PRE_COMMIT_SHARE = 0.85
+DELAY_SPAN = 1.15
 KILL_GRACE_S = 2.0
 S3_LOAD_EVERY = 5
 
@@ -133,12 +138,14 @@ class Tally:
     uploads_aborted: int = 0
     seconds: float = 0.0
     save_duration: float = 0.0
+    commit: float = 0.0
 
     def summary(self) -> str:
         n = sum(self.phases.values())
         landed = ", ".join(f"{p}: {self.phases[p]}" for p in PHASES if self.phases[p])
         text = (
-            f"crash trials on {self.where}: {n} trials in {self.seconds:.1f}s (save ~{self.save_duration * 1000:.0f} ms); "
+            f"crash trials on {self.where}: {n} trials in {self.seconds:.1f}s (save ~{self.save_duration * 1000:.0f} ms, "
+            f"commit at ~{self.commit * 1000:.0f} ms); "
             f"kills landed {landed}; refused as incomplete {self.refused_incomplete}, nothing written "
             f"{self.nothing_written}, complete and bit-exact {self.loaded_complete}"
         )
@@ -159,6 +166,7 @@ class CrashTrials:
         self.tally = Tally(location.base)
         self.other = location.url("other")
         self.duration = 0.0
+        self.commit = 0.0  # seconds from a save's start to its commit (finish returned on the coordinator)
         self.data_files = 0
         self._other_snapshot: dict[str, Any] | None = None
 
@@ -200,17 +208,23 @@ class CrashTrials:
             status = job.wait()
             assert status == [0, 0], f"uninterrupted save failed: {status}"
             self.duration = max(float(Path(signals, f"rank{r}.json").read_text()) for r in (0, 1))
+            started = float(Path(signals, "rank0.start").read_text().split()[1])
+            self.commit = float(Path(signals, "committed").read_text()) - started
         self.data_files = sum(n.endswith(".distcp") for n in self.loc.snapshot(self.other))
         assert self.data_files >= 4, self.loc.snapshot(self.other)
         self.assert_loads(self.other, OTHER_SEED, "the previous checkpoint")
         self._other_snapshot = self.loc.snapshot(self.other)
         self.tally.save_duration = self.duration
+        self.tally.commit = self.commit
         return self.duration
 
     # ------------------------------------------------------------------------------------ one trial
     def _kill_at_random(self, job: Any, signals: str) -> bool:
         victim = self.rng.randrange(2)
-        delay = self.rng.uniform(0.0, DELAY_SPAN * self.duration)
+        if self.rng.random() < PRE_COMMIT_SHARE:
+            delay = self.rng.uniform(0.0, self.commit)
+        else:
+            delay = self.rng.uniform(self.commit, DELAY_SPAN * self.duration)
         start_file = Path(signals, f"rank{victim}.start")
         deadline = time.monotonic() + 60
         while not start_file.exists():

@@ -111,7 +111,7 @@ def test_no_leak_through_the_python_api(secret_location: S3Location, debug_logs:
     opened = ds.open_reader(url, storage_options=opts)
     dcp.load(dest, storage_reader=opened, no_dist=True)
     info = ds.describe(url, opts)
-    report = ds.verify(url, opts, deep=True)
+    report = ds.verify(url, opts)  # shallow: the CLI test runs --deep
     assert report.ok, report.problems
 
     st_url, pt_url = url + "-st", url + "-pt/model.pt"
@@ -126,9 +126,20 @@ def test_no_leak_through_the_python_api(secret_location: S3Location, debug_logs:
 
     shown = {
         "reprs": "\n".join(
-            f"{repr(o)} {o!s}"
-            for o in (writer, reader, opened, st_reader, pt_reader, st_writer, reader.transport, reader.transport.fs,
-                      reader.transport.config, opened.transport, st_reader.transport)
+            f"{o!r} {o!s}"
+            for o in (
+                writer,
+                reader,
+                opened,
+                st_reader,
+                pt_reader,
+                st_writer,
+                reader.transport,
+                reader.transport.fs,
+                reader.transport.config,
+                opened.transport,
+                st_reader.transport,
+            )
         ),
         "describe": repr(info.as_dict()),
         "verify": repr(report.as_dict()),
@@ -144,7 +155,9 @@ def test_no_leak_through_the_python_api(secret_location: S3Location, debug_logs:
     assert not leaks and not files, (leaks, files)
 
 
-def test_no_leak_from_errors(secret_location: S3Location, moto_server: MotoS3Server, debug_logs: pytest.LogCaptureFixture) -> None:
+def test_no_leak_from_errors(
+    secret_location: S3Location, moto_server: MotoS3Server, debug_logs: pytest.LogCaptureFixture
+) -> None:
     url, opts = secret_location
     bucket = url.split("/")[2]
     dcp.save({"w": torch.ones(4)}, storage_writer=ds.FsspecWriter(url, opts), no_dist=True)
@@ -153,7 +166,7 @@ def test_no_leak_from_errors(secret_location: S3Location, moto_server: MotoS3Ser
     def attempt(name: str, fn: Any) -> None:
         try:
             fn()
-        except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             attempts[name] = exc
@@ -161,10 +174,17 @@ def test_no_leak_from_errors(secret_location: S3Location, moto_server: MotoS3Ser
             pytest.fail(f"{name}: no error")
 
     wrong = f"s3://no-such-bucket-{_RUN}/ckpt"
-    attempt("load wrong bucket", lambda: dcp.load({"w": torch.zeros(4)}, storage_reader=ds.FsspecReader(wrong, opts), no_dist=True))
+    attempt(
+        "load wrong bucket",
+        lambda: dcp.load({"w": torch.zeros(4)}, storage_reader=ds.FsspecReader(wrong, opts), no_dist=True),
+    )
     attempt("open_reader wrong bucket", lambda: ds.open_reader(wrong, storage_options=opts))
     attempt("describe wrong bucket", lambda: ds.describe(wrong, opts))
-    dead = {**opts, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    dead = {
+        **opts,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+    }
     fast = TransportConfig(retry=RetryPolicy(max_attempts=1))
     attempt("unreachable endpoint", lambda: ds.FsspecReader(url, dead, transport_config=fast).read_metadata())
     from tests.storage.test_roundtrip_single_process import evil_reduce
@@ -176,7 +196,10 @@ def test_no_leak_from_errors(secret_location: S3Location, moto_server: MotoS3Ser
     md = pickle.loads(fs.cat_file(fs_url + "/.metadata"))
     md.planner_data = evil_reduce(Path(f"/tmp/MARKER-{_RUN}"))
     fs.pipe_file(fs_url + "/.metadata", pickle.dumps(md))
-    attempt("unsafe checkpoint", lambda: dcp.load({"w": torch.zeros(4)}, storage_reader=ds.FsspecReader(url, opts), no_dist=True))
+    attempt(
+        "unsafe checkpoint",
+        lambda: dcp.load({"w": torch.zeros(4)}, storage_reader=ds.FsspecReader(url, opts), no_dist=True),
+    )
     attempt("unsafe checkpoint describe", lambda: ds.describe(url, opts))
     assert not Path(f"/tmp/MARKER-{_RUN}").exists()
     report = ds.verify(url, opts, deep=True)
@@ -190,49 +213,73 @@ def test_no_leak_from_errors(secret_location: S3Location, moto_server: MotoS3Ser
     assert bucket in texts["unsafe checkpoint"] and "forbidden global" in texts["unsafe checkpoint"]
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dcp_storage.cli", *argv], capture_output=True, text=True, timeout=120, cwd=REPO,
-        check=False,
-    )
-
-
 def test_no_leak_through_the_cli(secret_location: S3Location) -> None:
-    from tests.cli._helpers import option_flags
+    from tests.cli._helpers import option_flags, run_batch
 
     url, opts = secret_location
     dcp.save({"w": torch.ones(4), "step": 1}, storage_writer=ds.FsspecWriter(url, opts), no_dist=True)
-    flags = option_flags({k: v for k, v in opts.items() if k not in ("skip_instance_cache", "use_listings_cache")}, "-o")
-    runs = {
-        "inspect --json": _cli("--debug", "inspect", url, "--json", *flags),
-        "verify --deep --json": _cli("verify", url, "--deep", "--json", "--debug", *flags),
-        "inspect wrong bucket --debug": _cli("--debug", "inspect", f"s3://no-such-bucket-{_RUN}/x", *flags),
-        "verify wrong bucket": _cli("verify", f"s3://no-such-bucket-{_RUN}/x", "--json", *flags),
-        "convert": _cli("convert", url, url + "-out", "--to", "safetensors", "--drop-non-tensors", *flags),
-        "malformed option": _cli("inspect", url, *flags, "-o", f"secret:{SECRET}"),
-        "malformed dotted option": _cli("inspect", url, *flags, "-o", f"client_kwargs..token={TOKEN}"),
+    flags = option_flags(
+        {k: v for k, v in opts.items() if k not in ("skip_instance_cache", "use_listings_cache")}, "-o"
+    )
+    wrong = f"s3://no-such-bucket-{_RUN}/x"
+    commands = {
+        "inspect --json --debug": ["--debug", "inspect", url, "--json", *flags],
+        "verify --deep --json --debug": ["verify", url, "--deep", "--json", "--debug", *flags],
+        "verify wrong bucket": ["verify", wrong, "--json", *flags],
+        "inspect wrong bucket": ["inspect", wrong, *flags],
+        "convert": ["convert", url, url + "-out", "--to", "safetensors", "--drop-non-tensors", *flags],
+        "malformed option": ["inspect", url, *flags, "-o", f"secret:{SECRET}"],
+        "malformed dotted option": ["inspect", url, *flags, "-o", f"client_kwargs..token={TOKEN}"],
     }
-    assert runs["inspect --json"].returncode == 0, runs["inspect --json"].stderr
-    assert runs["verify --deep --json"].returncode == 0, runs["verify --deep --json"].stderr
-    assert runs["convert"].returncode == 0, runs["convert"].stderr
-    assert runs["inspect wrong bucket --debug"].returncode == 1 and "Traceback" in runs["inspect wrong bucket --debug"].stderr
-    assert runs["verify wrong bucket"].returncode == 1
-    assert runs["malformed option"].returncode == 2 and "KEY=VALUE" in runs["malformed option"].stderr
-    leaks = {name: _leaks(r.stdout + r.stderr) for name, r in runs.items() if _leaks(r.stdout + r.stderr)}
-    assert not leaks, {name: runs[name].stdout[-1500:] + runs[name].stderr[-1500:] for name in leaks}
+    results = dict(zip(commands, run_batch(list(commands.values()), timeout=300)))
+    # --debug on a failure re-raises out of main(): that needs a process of its own.
+    debug = subprocess.run(
+        [sys.executable, "-m", "dcp_storage.cli", "--debug", "inspect", wrong, *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
+    assert results["inspect --json --debug"].rc == 0, results["inspect --json --debug"]
+    assert results["verify --deep --json --debug"].rc == 0, results["verify --deep --json --debug"]
+    assert results["convert"].rc == 0, results["convert"]
+    assert results["verify wrong bucket"].rc == 1 and results["inspect wrong bucket"].rc == 1
+    assert results["malformed option"].rc == 2 and "KEY=VALUE" in results["malformed option"].stderr
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+    outputs = {name: r.stdout + r.stderr for name, r in results.items()}
+    outputs["inspect wrong bucket --debug"] = debug.stdout + debug.stderr
+    leaks = {name: _leaks(text) for name, text in outputs.items() if _leaks(text)}
+    assert not leaks, {name: outputs[name][-3000:] for name in leaks}
 
 
 def test_redaction_helpers() -> None:
     from dcp_storage.redaction import CredentialLogFilter, redact, redacted_options, secret_values
 
-    opts = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": "http://x", "aws_session_token": TOKEN},
-            "connection_string": CONNECTION, "anon": False}
+    opts = {
+        "key": KEY,
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": "http://x", "aws_session_token": TOKEN},
+        "connection_string": CONNECTION,
+        "anon": False,
+    }
     shown = redacted_options(opts)
     assert not _leaks(repr(shown)) and shown["client_kwargs"]["endpoint_url"] == "http://x" and shown["anon"] is False
     assert set(secret_values(opts)) == {KEY, SECRET, TOKEN, CONNECTION}
     assert not _leaks(redact(f"failed with {opts}", secret_values(opts)))
-    record = logging.LogRecord("botocore.endpoint", logging.DEBUG, __file__, 1, "Sending http request: %s", (
-        f"headers={{'X-Amz-Security-Token': b'{TOKEN}', 'Authorization': b'AWS4-HMAC-SHA256 Credential={KEY}/2024"
-        f"/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=abc'}}",), None)
+    record = logging.LogRecord(
+        "botocore.endpoint",
+        logging.DEBUG,
+        __file__,
+        1,
+        "Sending http request: %s",
+        (
+            (
+                f"headers={{'X-Amz-Security-Token': b'{TOKEN}', 'Authorization': b'AWS4-HMAC-SHA256 Credential={KEY}"
+                "/2024/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=abc'}"
+            ),
+        ),
+        None,
+    )
     assert CredentialLogFilter().filter(record) and not _leaks(record.getMessage())
     assert "Sending http request" in record.getMessage()

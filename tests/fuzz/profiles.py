@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 __all__ = ["FUZZ", "PROFILE", "examples"]
 
 _CI_EXAMPLES = 120  # per test: the whole tests/fuzz directory stays under ~30 s on a 2-core box
-_LONG_EXAMPLES = 20_000
+_LONG_EXAMPLES = 6_000
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]

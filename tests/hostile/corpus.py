@@ -402,6 +402,8 @@ class _Builder:
             (d / METADATA).write_bytes(pickle.dumps({"state_dict_metadata": {}}))
 
         self.case(family, "metadata-a-dict", METADATA, not_metadata)
+        bomb = b"\x80\x02Nr\xff\xff\xff\x3f."  # LONG_BINPUT 2**30-1: a 16 GiB memo from 9 bytes
+        self.case(family, "metadata-memo-bomb", METADATA, lambda d: (d / METADATA).write_bytes(bomb))
 
         for protocol in (0, 2, pickle.HIGHEST_PROTOCOL):
 
@@ -436,6 +438,14 @@ class _Builder:
         self.file_mutations("dcp", METADATA, in_metadata=True)
         self.file_mutations("dcp", self.file_of("dcp", "big"), in_metadata=False, cuts=6)
         self.file_mutations("dcp", self.file_of("dcp", "w"), in_metadata=False, cuts=3)
+        big_file = self.file_of("dcp", "big")  # cut inside the zip trailer that a ranged read never fetches
+        self.case(
+            "dcp",
+            "big-record-truncated-in-trailer",
+            big_file,
+            lambda d: (d / big_file).write_bytes((d / big_file).read_bytes()[:-100]),
+            in_metadata=False,
+        )
         self.metadata_edits("dcp")
 
         def record(obj: Any) -> bytes:
@@ -716,6 +726,12 @@ class _Builder:
 
             return mutate
 
+        def handmade_raw(data_pkl: bytes) -> Callable[[Path], None]:
+            def mutate(d: Path) -> None:
+                (d / PT_FILE).write_bytes(_handmade_torch_zip(data_pkl, b"\0" * 512))
+
+            return mutate
+
         good = _FakeTensor(_FakeStorage(f32, 128), 0, (16, 8), (8, 1))
         for tag, obj, storage, kw in (
             ("shape-overflow", {"w": _FakeTensor(_FakeStorage(f32, 1), 0, (2**40, 2**40), (0, 0))}, b"\0" * 4, {}),
@@ -727,6 +743,7 @@ class _Builder:
             ("not-a-dict", [good], b"\0" * 512, {}),
         ):
             self.case("zip", tag, PT_FILE, handmade(obj, storage, **kw), keys=("w",))
+        self.case("zip", "data-pkl-memo-bomb", PT_FILE, handmade_raw(b"\x80\x02Nr\xff\xff\xff\x3f."), keys=("w",))
         unknown = _data_pkl({"w": good}).replace(b"ctorch\nFloatStorage\n", b"ctorch\nFloat99Storage\n")
         self.case(
             "zip",

@@ -10,9 +10,9 @@ concurrent) over all items of the plan:
    costs one more round for the items that have one.
 2. **Header**: the frames covering the record's first ``probe_bytes``: dtype, shape, strides and where the
    tensor's bytes start (:func:`parse_tensor_record`); the decoded frames are kept for round 3.
-3. **Data**: for each read item, the frames covering the bounding byte range of its slice, decoded (in the
-   transport's worker threads, as each frame arrives) into one buffer aligned so that a strided view of it
-   is the slice, which is then copied into the destination. Staging is batched to ``staging_bytes``.
+3. **Data**: for each read item, the frames covering the bounding byte range of its slice, each decoded by a
+   job on the transport's workers as soon as it arrives, into one buffer aligned so that a strided view of
+   it is the slice, which is then copied into the destination. Staging is batched to ``staging_bytes``.
 
 Records the header parser cannot slice (tensor subclasses, ...) are decoded whole and loaded with
 ``torch.load(weights_only=True)``, as the whole-item path does.

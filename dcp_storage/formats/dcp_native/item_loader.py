@@ -245,9 +245,11 @@ class DcpItemLoader:
             whole[entry] = buf
 
     def _check_sizes(self, entries: Sequence[_Entry]) -> None:
-        """Name a missing or short data file up front instead of failing mid-read."""
-        if self.transport.is_local:
-            return  # preadv reports truncation and missing files precisely and for free
+        """Name a missing or short data file up front instead of failing mid-read.
+
+        Local files too (a ``stat`` each): a ranged read fetches only a record's header and the slice's
+        bytes, so a file cut inside the last record's zip trailer would otherwise load without a word.
+        """
         ends: dict[str, int] = {}
         for e in entries:
             path = self._path(e)

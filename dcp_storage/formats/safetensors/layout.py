@@ -20,6 +20,7 @@ Paths are kept relative to the checkpoint root (as DCP's own storage map does) a
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import struct
 from dataclasses import dataclass, field
@@ -94,8 +95,6 @@ def resolve(transport: FsspecTransport, root: str, relative: str) -> str:
 
 def _parent(transport: FsspecTransport, path: str) -> tuple[str, str]:
     if transport.is_local:
-        import os
-
         return os.path.dirname(path), os.path.basename(path)
     stripped = path.rstrip("/")
     head, tail = posixpath.split(stripped)
@@ -128,9 +127,10 @@ def discover(transport: FsspecTransport, path: str) -> Layout:
     names = transport.listdir(path)
     raise_if_incomplete(transport, path, names)  # shards without their index: IncompleteCheckpointError
     if not names:
-        if transport.exists(path):
+        empty_dir = transport.is_local and os.path.isdir(path)  # what a save killed before its first file leaves
+        if transport.exists(path) and not empty_dir:
             return _single_file(transport, path)
-        raise CheckpointNotFoundError(f"{url}: no such file or directory")
+        raise CheckpointNotFoundError(f"{url}: {'an empty directory' if empty_dir else 'no such file or directory'}")
     if METADATA_FILE in names:
         return _dcp_layout(transport, path)
     if INDEX_FILE in names:

@@ -11,6 +11,7 @@ from typing import Any
 import obstore
 import pytest
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, TransportError
+from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
 from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
 from dcp_storage.transports.factory import open_transport
 from obstore.store import S3Store
@@ -265,44 +266,50 @@ def test_inflight_budget_respected(s3_url: Any) -> None:
 # --------------------------------------------------------------------------------------- real failures
 
 
-def _via_proxy(s3_url: Any, proxy: Any, **cfg: Any) -> tuple[ObstoreTransport, ObstoreTransport, str]:
+def _via_proxy(s3_url: Any, proxy: FaultProxy) -> tuple[ObstoreTransport, ObstoreTransport, str]:
     url, options = s3_url
     direct, root = ObstoreTransport.from_url(url, options, CONFIG)
-    proxied_options = {**options, "client_kwargs": {"endpoint_url": proxy.endpoint_url}, "secret": SECRET}
-    proxied, _ = ObstoreTransport.from_url(
-        url,
-        proxied_options,
-        TransportConfig(
-            **{"max_workers": 4, "coalesce_gap": 0, "max_request_bytes": 4 * MiB, "retry": FAST_RETRY, **cfg}
-        ),
-    )
+    proxied_options = {**options, "client_kwargs": {"endpoint_url": proxy.url}, "secret": SECRET}
+    config = TransportConfig(max_workers=4, coalesce_gap=0, max_request_bytes=4 * MiB, retry=FAST_RETRY)
+    proxied, _ = ObstoreTransport.from_url(url, proxied_options, config)
     return direct, proxied, root
 
 
-@pytest.mark.parametrize("mode", ["503", "truncate"])
-def test_transient_failures_are_retried(s3_url: Any, fault_proxy: Any, mode: str) -> None:
-    direct, t, root = _via_proxy(s3_url, fault_proxy)
+@pytest.mark.parametrize("mode", ["slowdown_503", "error_500", "reset", "truncate"])
+def test_transient_failures_are_retried(s3_url: Any, faults: FaultProxy, mode: str) -> None:
+    direct, t, root = _via_proxy(s3_url, faults)
     path = t.join(root, "blob.bin")
     blob = random_bytes(3 * MiB, seed=3)
     direct.write_file(path, blob)
-    fault_proxy.arm(mode, 3)
+    faults.set_rules([FaultRule(mode, method="GET", limit=3)])
     with direct, t:
         dest = bytearray(2 * MiB)
         out = t.read_ranges([RangeRequest(path, 0, 1000), RangeRequest(path, MiB, 3 * MiB, into=memoryview(dest))])
     assert bytes(out[0]) == blob[:1000] and dest == blob[MiB:]
-    assert fault_proxy.failed == 3
+    assert faults.counters().faults[mode] == 3
     assert t.counters.retries == 3
 
 
-def test_permanent_failure_names_url_range_and_attempts(s3_url: Any, fault_proxy: Any) -> None:
-    direct, t, root = _via_proxy(s3_url, fault_proxy)
+def test_permanent_failure_names_url_range_and_attempts(s3_url: Any, faults: FaultProxy) -> None:
+    direct, t, root = _via_proxy(s3_url, faults)
     path = t.join(root, "blob.bin")
     direct.write_file(path, random_bytes(10_000))
-    fault_proxy.arm("503", 10**9)
+    faults.set_rules([FaultRule("slowdown_503", method="GET")])
     with direct, t, pytest.raises(TransportError) as info:
         t.read_ranges([RangeRequest(path, 100, 4196)])
-    fault_proxy.arm("503", 0)
     msg = str(info.value)
     assert t.url(path) in msg and "[100, 4196)" in msg and "4 attempt(s)" in msg and "503" in msg
-    assert t.counters.retries == 3
+    assert t.counters.retries == 3 and faults.counters().faults["slowdown_503"] == 4
     assert SECRET not in msg and SECRET not in repr(info.value.__cause__)
+
+
+def test_missing_object_and_past_end_are_not_retried_through_the_proxy(s3_url: Any, faults: FaultProxy) -> None:
+    direct, t, root = _via_proxy(s3_url, faults)
+    path = t.join(root, "short.bin")
+    direct.write_file(path, b"z" * 1000)
+    with direct, t:
+        with pytest.raises(CheckpointNotFoundError):
+            t.read_ranges([RangeRequest(t.join(root, "nothing"), 0, 10)])
+        with pytest.raises(CorruptCheckpointError, match="ends at byte 1000"):
+            t.read_ranges([RangeRequest(path, 2000, 3000)])
+    assert t.counters.retries == 0

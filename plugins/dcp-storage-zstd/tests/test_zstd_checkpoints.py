@@ -228,6 +228,31 @@ def test_found_only_through_the_entry_point() -> None:
     assert "stream.zstd_seekable" not in ExtensionRegistry().extensions  # torch alone does not know it
 
 
+_FRESH_LOAD = """
+import sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed.checkpoint as dcp
+from dcp_storage import FsspecReader
+assert "dcp_storage_zstd" not in sys.modules
+dest = {"w": torch.zeros(300, 1000)}
+dcp.load(dest, storage_reader=FsspecReader(sys.argv[1]))
+assert "dcp_storage_zstd" in sys.modules  # imported by the registry, for the descriptor it met
+print(float(dest["w"].double().sum()))
+"""
+
+
+def test_a_fresh_process_finds_the_plugin_by_itself(tmp_path: Path) -> None:
+    """No import of dcp_storage_zstd and no registry argument: the entry point is the only way in."""
+    import subprocess
+    import sys
+
+    sd = save(tmp_path, {"w": trained_like((300, 1000), torch.float32, 7)})
+    cmd = [sys.executable, "-c", _FRESH_LOAD, str(tmp_path)]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip()) == float(sd["w"].double().sum())
+
+
 @pytest.fixture
 def plugin_missing() -> Iterator[None]:
     """As if dcp-storage-zstd were not installed (its entry point gone), restored afterwards."""
