@@ -5,69 +5,69 @@ that work on any fsspec URL (local, ``memory://``, ``s3://``, ``gs://``), read o
 needs, retry transient storage failures, commit atomically and never run code from a checkpoint.
 """
 
+from . import fsdp, registry
+from .conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DcpStorageError,
     IncompleteCheckpointError,
+    NonTensorStateError,
     ShapeMismatchError,
     TransportError,
-    NonTensorStateError,
+    UnknownExtensionError,
     UnsafeCheckpointError,
     UnsupportedDtypeError,
 )
-from . import registry
+from .inspection import describe, verify
 from .opening import UnknownFormatError, detect_format, open_reader, open_writer
 from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
-from .storage import FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
-from .storage import BroadcastingTorchSaveReader
+from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
 from .strategies import Broadcasting, share_object
 from .transports import FsspecTransport, RetryPolicy, TransportConfig
-from .conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
-from .inspection import describe, verify
-from . import fsdp
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "RemappingLoadPlanner",
+    "Broadcasting",
+    "BroadcastingTorchSaveReader",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ConvertResult",
+    "CorruptCheckpointError",
+    "DcpStorageError",
+    "DtypePolicy",
     "DynamicMetaLoadPlanner",
+    "FsspecReader",
+    "FsspecTransport",
+    "FsspecWriter",
+    "IncompleteCheckpointError",
     "KeyMap",
     "KeyRules",
-    "DtypePolicy",
-    "FsspecReader",
-    "FsspecWriter",
+    "NonTensorStateError",
+    "RemappingLoadPlanner",
+    "RetryPolicy",
     "SafetensorsReader",
     "SafetensorsWriter",
-    "BroadcastingTorchSaveReader",
-    "Broadcasting",
-    "share_object",
-    "FsspecTransport",
-    "TransportConfig",
-    "RetryPolicy",
-    "DcpStorageError",
-    "UnsafeCheckpointError",
-    "CheckpointNotFoundError",
-    "IncompleteCheckpointError",
-    "CheckpointExistsError",
-    "NonTensorStateError",
-    "UnsupportedDtypeError",
-    "CorruptCheckpointError",
     "ShapeMismatchError",
+    "TransportConfig",
     "TransportError",
-    "registry",
+    "UnknownExtensionError",
+    "UnknownFormatError",
+    "UnsafeCheckpointError",
+    "UnsupportedDtypeError",
+    "__version__",
+    "convert",
+    "dcp_to_torch_save",
+    "describe",
+    "detect_format",
     "fsdp",
+    "merge_fsdp_weights",
     "open_reader",
     "open_writer",
-    "detect_format",
-    "UnknownFormatError",
-    "convert",
-    "ConvertResult",
-    "dcp_to_torch_save",
+    "registry",
+    "share_object",
     "torch_save_to_dcp",
-    "merge_fsdp_weights",
-    "describe",
     "verify",
-    "__version__",
 ]

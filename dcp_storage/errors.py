@@ -19,6 +19,7 @@ __all__ = [
     "NonTensorStateError",
     "ShapeMismatchError",
     "TransportError",
+    "UnknownExtensionError",
     "UnsafeCheckpointError",
     "UnsupportedDtypeError",
 ]
@@ -86,6 +87,14 @@ class CorruptCheckpointError(DcpStorageError, ValueError):
 
 class TransportError(DcpStorageError, OSError):
     """Storage kept failing after the retry policy gave up; the message names URL, range and attempts."""
+
+
+class UnknownExtensionError(DcpStorageError, LookupError):
+    """An item was written through a stream extension that no installed package provides; the message names
+    the file, the key, the descriptor and the distribution to install (from the checkpoint's manifest)."""
+
+    def __str__(self) -> str:  # keep KeyError-style quoting out of the message
+        return str(self.args[0])
 
 
 class ShapeMismatchError(DcpStorageError, ValueError):

@@ -24,20 +24,13 @@ from typing import Any
 from torch.distributed.checkpoint._extension import Extension, ExtensionRegistry, StreamTransformExtension
 
 from ... import registry as plugin_registry
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownExtensionError
 from .framed_items import decode_whole
 from .seekable import SeekableTransform
 
 __all__ = ["MANIFEST_FILE", "ExtensionResolver", "PluginExtensionRegistry", "UnknownExtensionError"]
 
 MANIFEST_FILE = ".dcp_storage.json"
-
-
-class UnknownExtensionError(DcpStorageError, LookupError):
-    """An item was written through a stream extension that no installed package provides."""
-
-    def __str__(self) -> str:  # LookupError would not, but KeyError-style quoting must not creep in
-        return str(self.args[0])
 
 
 class PluginExtensionRegistry(ExtensionRegistry):
