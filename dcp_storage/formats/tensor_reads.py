@@ -262,7 +262,6 @@ def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
             start = base - base % mmap.ALLOCATIONGRANULARITY
             mm = mmap.mmap(fd, extent - start, offset=start, access=mmap.ACCESS_COPY)
             try:
-                _populate(mm, stored, offsets, work.lengths, base - start)
                 region = torch.frombuffer(mm, dtype=torch.uint8)
                 # In bytes: inside the file the data need not be aligned to the element size.
                 src = region.as_strided(
@@ -290,28 +289,6 @@ def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
 
 
 _MAP_BELOW_RUN_BYTES = 1 << 20  # runs shorter than this are copied from a map, longer ones pread
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; Python exposes it from 3.13
-
-
-def _populate(mm: mmap.mmap, stored: StoredTensor, offsets: Sequence[int], lengths: Sequence[int], base: int) -> None:
-    """Map the page-cache pages the slice touches in one call, instead of one page fault per 64 KiB.
-
-    A ``Shard(1)`` slice of a tensor with rows of a few KiB touches every page of its row span, and the
-    copy would otherwise be bound by minor faults. ``MADV_POPULATE_READ`` maps existing page-cache pages
-    (reading them in if needed) without copying them, even in a private map. Older kernels refuse the
-    advice (``EINVAL``); the copy then faults pages in as before.
-    """
-    item = stored.itemsize
-    first = sum(o * st for o, st in zip(offsets, stored.stride)) * item
-    last = (sum((o + n - 1) * st for o, n, st in zip(offsets, lengths, stored.stride)) + 1) * item
-    lo = (base + first) - (base + first) % mmap.PAGESIZE
-    hi = min(len(mm), base + last)
-    if hi <= lo:
-        return
-    try:
-        mm.madvise(_MADV_POPULATE_READ, lo, hi - lo)
-    except (OSError, ValueError):
-        pass
 
 
 _RUNS_PER_JOB = 4096

@@ -41,7 +41,7 @@ class S3AtomicUpload:
     """A write-only file: buffered up to ``part_size``, committed by :meth:`commit`, undone by :meth:`abort`.
 
     Files smaller than one part are one ``PutObject`` at commit. Larger ones start a multipart upload at
-    the first full part and upload each part as it fills (memory: one part plus the caller's write);
+    the first full part and upload each part as it fills (memory: one part beyond the caller's data);
     :meth:`commit` uploads the tail and completes the upload. ``requests`` counts successful requests.
     """
 
@@ -66,17 +66,29 @@ class S3AtomicUpload:
         if self._finished:
             raise ValueError(f"{self.path}: write after commit or abort")
         view = memoryview(data).cast("B")
-        self._buffer += view
-        self.size += view.nbytes
-        while len(self._buffer) >= self.part_size:
-            part = bytes(self._buffer[: self.part_size])
-            del self._buffer[: self.part_size]
+        # Consume the write one part at a time: memory holds at most one part beyond the caller's data
+        # (a 256 MiB tensor written at once costs a 64 MiB part, not a second 256 MiB buffer).
+        pos, end = 0, view.nbytes
+        while pos < end:
+            take = min(self.part_size - len(self._buffer), end - pos)
+            if not self._buffer and take == self.part_size:
+                part = bytes(view[pos : pos + take])  # a whole part straight from the caller's bytes
+            else:
+                self._buffer += view[pos : pos + take]
+                if len(self._buffer) < self.part_size:
+                    pos += take
+                    break
+                part, self._buffer = bytes(self._buffer), bytearray()
+            pos += take
             try:
                 self._upload_part(part)
             except BaseException as exc:
                 self.failure = exc
                 raise
-        return view.nbytes
+            finally:
+                del part
+        self.size += end
+        return end
 
     def flush(self) -> None:
         """Nothing to do: parts go out when full, the rest at :meth:`commit`."""
