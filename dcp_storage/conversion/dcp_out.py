@@ -6,7 +6,9 @@ single-rank save: each tensor a ``torch.save`` record appended to a data file, n
 flatten mapping, so ``dcp.load``, ``FileSystemReader`` and ``dcp_to_torch_save`` read the result.
 
 Commit order: an old ``.metadata`` is removed first (``overwrite=True``), each data file is committed
-atomically, and the new ``.metadata`` is written last, so an interrupted conversion never looks complete.
+atomically, the manifest ``.dcp_storage.json`` (provenance and a checksum of every record, hashed while
+writing, exactly as :class:`~dcp_storage.FsspecWriter` records them: :mod:`dcp_storage.integrity`) follows,
+and the new ``.metadata`` is written last, so an interrupted conversion never looks complete.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointExistsError
 from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
+from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.safetensors.write_plan import TensorSpec, pack_files
+from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter
+from ..integrity.dcp_manifest import build_manifest
+from ..integrity.manifest import MANIFEST_FILE
 from ..storage.fsspec_writer import DATA_SUFFIX, DCP_VERSION
 from .plan import Destination, Fetch, OutTensor, OutValue
 
@@ -50,8 +56,9 @@ def write_dcp(
     fetch: Fetch,
     *,
     max_shard_size: int | None = None,
+    checksum_algorithm: str = DEFAULT_ALGORITHM,
 ) -> None:
-    """Write ``tensors`` and ``values`` as a DCP checkpoint in the directory ``dest``."""
+    """Write ``tensors`` and ``values`` as a DCP checkpoint in the directory ``dest``, with its manifest."""
     transport = dest.transport
     metadata_path = dest.join(METADATA_FILE)
     if transport.exists(metadata_path):
@@ -65,25 +72,31 @@ def write_dcp(
 
     state: dict[str, object] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
+    records: list[tuple[str, int, int, str]] = []  # (file, offset, length, digest) of every record
     for i, group in enumerate(_groups(tensors, max_shard_size)):
         name = f"__0_{i}{DATA_SUFFIX}"
         first = i == 0
         if not group and not (first and values):
             continue
-        with transport.open_atomic(dest.join(name)) as stream:
+        with transport.open_atomic(dest.join(name)) as raw:
+            stream = HashingWriter(raw, checksum_algorithm)  # each record's checksum, in the same pass
             for value in values if first else ():
                 data = fetch.value_bytes(value)
-                offset = stream.tell()
+                stream.begin()
                 stream.write(data)
-                storage[MetadataIndex(value.key)] = _StorageInfo(name, offset, stream.tell() - offset)
+                offset, length, digest = stream.end()
+                records.append((name, offset, length, digest))
+                storage[MetadataIndex(value.key)] = _StorageInfo(name, offset, length)
                 state[value.key] = BytesStorageMetadata()
             for out in group:
                 tensor = fetch.tensor(out)
-                offset = stream.tell()
+                stream.begin()
                 torch.save(tensor, stream)  # type: ignore[arg-type]
+                offset, length, digest = stream.end()
                 del tensor
+                records.append((name, offset, length, digest))
                 zeros = torch.Size([0] * len(out.shape))
-                storage[MetadataIndex(out.key, zeros, 0)] = _StorageInfo(name, offset, stream.tell() - offset)
+                storage[MetadataIndex(out.key, zeros, 0)] = _StorageInfo(name, offset, length)
                 size = torch.Size(out.shape)
                 state[out.key] = TensorStorageMetadata(
                     TensorProperties(dtype=out.dtype), size, [ChunkStorageMetadata(offsets=zeros, sizes=size)]
@@ -100,6 +113,9 @@ def write_dcp(
         storage_meta=StorageMeta(checkpoint_id=dest.url, save_id=uuid.uuid4().hex),
     )
     metadata.version = DCP_VERSION
+    manifest = build_manifest(DCP_FORMAT.descriptor, storage, records, {checksum_algorithm}).to_json()
+    transport.write_file(dest.join(MANIFEST_FILE), manifest)  # before the commit marker
+    dest.record(MANIFEST_FILE, len(manifest))
     data = dump_metadata(metadata)
     transport.write_file(metadata_path, data)
     dest.record(METADATA_FILE, len(data))

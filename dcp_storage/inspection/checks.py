@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import DcpStorageError
 from ..integrity.deep_check import deep_check_dcp, report_dcp_checksums
+from ..integrity.safetensors_check import deep_check_safetensors, report_safetensors_checksums
 from ..transports import FsspecTransport
 from .leftovers import check_leftovers
 from .summary import resolve_spec
@@ -194,6 +195,9 @@ def _check_safetensors(report: VerifyReport, url: str, storage_options: dict[str
         report.checked["chunks"] = sum(
             len(i.chunks) for i in md.state_dict_metadata.values() if isinstance(i, TensorStorageMetadata)
         )
+        if layout.kind != "dcp":  # header digests and coverage; torch's DCP layouts record none
+            paths = [resolve(transport, layout.root, f) for f in sorted({b.file for b in blobs})]
+            report_safetensors_checksums(report, transport, paths, deep=False)
 
 
 # ------------------------------------------------------------------------------------------ torch.save
@@ -335,6 +339,11 @@ def verify(
     elif spec.name == "dcp":
         try:
             deep_check_dcp(report, url, storage_options)  # every recorded checksum, file by file
+        except Exception as exc:  # noqa: BLE001 - reported
+            report.problems.append(_err(exc))
+    elif spec.name == "safetensors":
+        try:
+            deep_check_safetensors(report, url, storage_options)  # every digest the headers record
         except Exception as exc:  # noqa: BLE001 - reported
             report.problems.append(_err(exc))
     if not any("checksum" in n or "CRC32" in n for n in report.notes):

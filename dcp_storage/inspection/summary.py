@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .. import registry
 from ..formats.spec import FormatSpec
+from ..integrity.safetensors_check import safetensors_provenance
 from ..integrity.summary import dcp_provenance
 from ..transports import FsspecTransport
 
@@ -162,9 +163,12 @@ def _describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str,
         if layout.kind == "dcp":
             names.append(".metadata")
         files = [FileInfo(n, _size_or_none(transport, resolve(transport, layout.root, n))) for n in sorted(set(names))]
+        provenance = {} if layout.kind == "dcp" else safetensors_provenance(
+            transport, [resolve(transport, layout.root, n) for n in layout.files]
+        )
     kind = {"file": "safetensors file", "directory": "safetensors directory", "index": "Hugging Face index",
             "dcp": "DCP .metadata + safetensors"}.get(layout.kind, layout.kind)
-    return CheckpointInfo(url, spec.descriptor, spec.description, kind, files, tensors, values)
+    return CheckpointInfo(url, spec.descriptor, spec.description, kind, files, tensors, values, provenance)
 
 
 def _describe_torch_save(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:

@@ -59,6 +59,10 @@ class SafetensorsReader(StorageReader):
         coordinator_rank: the rank, within ``process_group``, that reads the headers.
         broadcast_metadata: set ``False`` when not every rank of the group calls ``dcp.load`` (for example
             one rank loading with ``no_dist=True``): each caller then reads the headers itself.
+        verify: check every tensor this rank reads against the digests ``SafetensorsWriter`` recorded in
+            the file's header (and the header against its own digest). Each tensor touched is fetched whole
+            (a slice cannot be checked); a mismatch raises :class:`~dcp_storage.errors.CorruptCheckpointError`
+            naming the URL, the byte range and the key. Files without checksums load unchecked, with a warning.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class SafetensorsReader(StorageReader):
         process_group: dist.ProcessGroup | None = None,
         coordinator_rank: int = 0,
         broadcast_metadata: bool = True,
+        verify: bool = False,
     ) -> None:
         super().__init__()
         if coordinator_rank < 0:
@@ -84,6 +89,7 @@ class SafetensorsReader(StorageReader):
         self.process_group = process_group
         self.coordinator_rank = coordinator_rank
         self.broadcast_metadata = broadcast_metadata
+        self.verify = verify
         self._given_transport = transport
         self.storage_data: dict[Any, Any] = {}
         self.load_id = uuid.uuid4().hex
@@ -170,9 +176,9 @@ class SafetensorsReader(StorageReader):
 
     # -------------------------------------------------------------------------------------------- data
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        SafetensorsItemLoader(self.transport, self.root, self.storage_data, self.loader_config).load(
-            plan.items, planner
-        )
+        SafetensorsItemLoader(
+            self.transport, self.root, self.storage_data, self.loader_config, verify=self.verify
+        ).load(plan.items, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -5,6 +5,21 @@
 ``safetensors.torch.load_file`` and ``transformers``' ``from_pretrained`` read as they are: full,
 consolidated tensors, even when the state dict holds DTensor shards spread over many ranks. There is no
 second consolidation pass and no rank ever holds the whole model.
+
+Checksums (on by default): every file's header ``__metadata__`` records the writer, the algorithm and a
+digest of every chunk's bytes (one per tensor when a tensor is written whole) plus a digest of the header
+itself; :mod:`dcp_storage.integrity.safetensors_sums` says why per chunk. The header is written before the
+data exists, so it is planned with zero-filled digests of fixed width and filled in without moving a byte:
+
+* local (``pwrite``): each rank hashes the chunk bytes it writes, in the same pass, and returns the digests
+  with its write results; in ``finish`` the coordinator writes the header into the space the temp file
+  reserves for it (so every byte is still written once), ``fsync``s it and only then renames it into
+  place, so a committed file always carries its digests.
+* object stores (``stream``): the header is the first bytes of an upload that cannot be rewritten, so
+  before streaming every rank hashes its own chunks (one extra read of memory it holds, at ~28 GB/s for
+  xxh3, chunk by chunk so memory stays bounded by the largest chunk) and the digests (a few bytes each)
+  are all-gathered; a failure on any rank is then known to all before any upload starts. A sidecar file
+  was the alternative, but it would split one file's integrity over two objects that can drift apart.
 """
 
 from __future__ import annotations
@@ -33,14 +48,18 @@ from ..formats.safetensors.encode import as_memoryview, pwrite_all, tensor_bytes
 from ..formats.safetensors.write_plan import (
     ChunkWrite,
     LocalOrder,
+    PieceKey,
     RankWrites,
     SavePlanResult,
     TensorSchedule,
+    fill_header,
     index_name,
     parse_size,
     plan_save,
     single_name,
 )
+from ..integrity.checksums import DEFAULT_ALGORITHM, checksum, digest_width
+from ..integrity.safetensors_sums import RESERVED_PREFIX
 from ..transports import FsspecTransport, TransportConfig
 from ..transports.factory import bind_transport
 from ..transports.fsspec_transport import _fsync_dir
@@ -58,6 +77,15 @@ class _ExtraState:
 
     fqn: str
     data: bytes
+
+
+@dataclass(frozen=True)
+class _ChunkDigest:
+    """``WriteResult.storage_data`` of a tensor chunk written in place: its file and its bytes' digest."""
+
+    file: str
+    key: PieceKey
+    digest: str
 
 
 class SafetensorsWriter(StorageWriter):
@@ -80,7 +108,9 @@ class SafetensorsWriter(StorageWriter):
             with ``torch.load(path, weights_only=True)`` and ``torch.load(io.BytesIO(value))``. The values
             travel to the coordinator with the write results, so keep them small.
         metadata: extra ``__metadata__`` strings for every file header (``{"format": "pt"}`` is always
-            there; ``transformers`` requires it).
+            there; ``transformers`` requires it). Keys starting with ``dcp_storage.`` are reserved.
+        checksum_algorithm: digest of every chunk recorded in the headers (``"xxh3_64"``, ``"xxh64"``,
+            ``"crc32c"``, ``"crc32"``); ``None`` records none (and no provenance).
         process_group: the group given to ``dcp.save`` (default: the default group); object-store saves
             send chunks to the coordinator over it.
         transport_config: concurrency, part size and retry settings.
@@ -127,6 +157,7 @@ class SafetensorsWriter(StorageWriter):
         filename_prefix: str = "model",
         allow_extra_state: bool = False,
         metadata: Mapping[str, str] | None = None,
+        checksum_algorithm: str | None = DEFAULT_ALGORITHM,
         process_group: dist.ProcessGroup | None = None,
         transport_config: TransportConfig | None = None,
         transport: FsspecTransport | None = None,
@@ -144,7 +175,12 @@ class SafetensorsWriter(StorageWriter):
         for k, v in (metadata or {}).items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise TypeError(f"metadata must map str to str; {k!r}: {type(v).__name__} is not")
+            if k.startswith(RESERVED_PREFIX):
+                raise ValueError(f"metadata key {k!r}: keys starting with {RESERVED_PREFIX!r} are the writer's own")
             header_md[k] = v
+        if checksum_algorithm is not None:
+            digest_width(checksum_algorithm)  # refuses an unknown algorithm before any planning
+        self.checksum_algorithm = checksum_algorithm
         self.header_metadata = header_md
         self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite
@@ -250,6 +286,7 @@ class SafetensorsWriter(StorageWriter):
             coordinator=self._coordinator_index(len(plans)),
             mode=mode,
             save_id=self.save_id,
+            checksum_algorithm=self.checksum_algorithm,
         )
         # Retire the old checkpoint before any rank writes: a crash then leaves no index naming new files.
         if self.overwrite:
@@ -282,11 +319,13 @@ class SafetensorsWriter(StorageWriter):
                 created.append(tmp)
                 try:
                     os.ftruncate(fd, f.size)
-                    pwrite_all(fd, memoryview(f.header), 0)
+                    if f.algorithm is None:  # with checksums the header is written once, in finish
+                        pwrite_all(fd, memoryview(f.header), 0)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-                self.transport.counters.add(requests=1, bytes_written=len(f.header))
+                if f.algorithm is None:
+                    self.transport.counters.add(requests=1, bytes_written=len(f.header))
         except BaseException:
             for tmp in created:
                 self.transport.remove(tmp)
@@ -317,15 +356,20 @@ class SafetensorsWriter(StorageWriter):
                 continue
             extra = _ExtraState(item.index.fqn, raw)
             results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=extra))
+        digests: dict[MetadataIndex, str] = {}
         if rw.mode == "pwrite":
-            self._pwrite_chunks(rw, tensor_items, planner)
-        elif rw.rank == rw.coordinator:
-            self._stream_files(rw, tensor_items, planner, early)
+            digests = self._pwrite_chunks(rw, tensor_items, planner)
         else:
-            self._send_chunks(rw, tensor_items, planner, early)
+            all_digests = self._exchange_digests(rw, tensor_items, planner, early) if self.checksum_algorithm else None
+            if rw.rank == rw.coordinator:
+                self._stream_files(rw, tensor_items, planner, early, all_digests)
+            else:
+                self._send_chunks(rw, tensor_items, planner, early)
         for item in tensor_items:
             cw = rw.chunks.get(item.index)  # None: an empty chunk, or a replica another rank writes
-            where = rw.files[cw.file] if cw is not None else None
+            where: Any = rw.files[cw.file] if cw is not None else None
+            if cw is not None and item.index in digests:
+                where = _ChunkDigest(rw.files[cw.file], (cw.fqn, cw.offsets), digests[item.index])
             results.append(WriteResult(index=item.index, size_in_bytes=cw.nbytes if cw else 0, storage_data=where))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -343,14 +387,18 @@ class SafetensorsWriter(StorageWriter):
             )
         return raw
 
-    def _pwrite_chunks(self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner) -> None:
+    def _pwrite_chunks(self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner) -> dict[MetadataIndex, str]:
+        """Write this rank's chunks in place; returns each chunk's digest (hashed from the bytes written)."""
         fds: dict[int, int] = {}
+        digests: dict[MetadataIndex, str] = {}
         try:
             for item in items:
                 cw = rw.chunks.get(item.index)
                 if cw is None:
                     continue
                 src = as_memoryview(self._chunk_bytes(cw, item, planner).cpu())
+                if self.checksum_algorithm is not None:
+                    digests[item.index] = checksum(src, self.checksum_algorithm)
                 fd = fds.get(cw.file)
                 if fd is None:
                     fd = fds[cw.file] = os.open(self._tmp_path(rw.files[cw.file], rw.save_id), os.O_WRONLY)
@@ -364,6 +412,39 @@ class SafetensorsWriter(StorageWriter):
         finally:
             for fd in fds.values():
                 os.close(fd)
+        return digests
+
+    def _exchange_digests(
+        self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner, failure: BaseException | None
+    ) -> dict[PieceKey, str]:
+        """Stream mode: hash this rank's chunks, then all-gather every rank's digests (or its failure).
+
+        Runs before any chunk is sent, so a failure anywhere is raised on every rank with no upload begun.
+        """
+        algorithm = self.checksum_algorithm or DEFAULT_ALGORITHM
+        mine: dict[PieceKey, str] = {}
+        if failure is None:
+            try:
+                by_index = {item.index: item for item in items}
+                for index, cw in rw.chunks.items():
+                    mine[(cw.fqn, cw.offsets)] = checksum(
+                        as_memoryview(self._chunk_bytes(cw, by_index[index], planner).cpu()), algorithm
+                    )
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
+                failure = exc
+        payload: Any = ("error", f"{type(failure).__name__}: {failure}") if failure is not None else ("ok", mine)
+        gathered = [payload]
+        if rw.world > 1:
+            gathered = [None] * rw.world
+            dist.all_gather_object(gathered, payload, group=self.process_group)
+        if failure is not None:
+            raise failure
+        out: dict[PieceKey, str] = {}
+        for rank, (status, value) in enumerate(gathered):
+            if status != "ok":
+                raise DcpStorageError(f"rank {rank} could not hash its chunks, so nothing was uploaded: {value}")
+            out.update(value)
+        return out
 
     def _comm_device(self) -> torch.device:
         from torch.distributed.distributed_c10d import _get_pg_default_device
@@ -401,7 +482,12 @@ class SafetensorsWriter(StorageWriter):
             raise failure
 
     def _stream_files(
-        self, rw: RankWrites, items: list[WriteItem], planner: SavePlanner, failure: BaseException | None
+        self,
+        rw: RankWrites,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        failure: BaseException | None,
+        digests: dict[PieceKey, str] | None = None,
     ) -> None:
         """Stream mode, coordinator: write every file in order, receiving other ranks' chunks as they come."""
         if rw.schedule is None:
@@ -410,9 +496,11 @@ class SafetensorsWriter(StorageWriter):
         try:
             if failure is not None:
                 raise failure
+            specs = {f.name: f for f in self._planned.files} if self._planned is not None else {}
             for fs in rw.schedule:
+                header = fs.header if digests is None else fill_header(specs[fs.name], digests)
                 with self.transport.open_atomic(self._path(fs.name)) as out:
-                    out.write(fs.header)
+                    out.write(header)
                     for ts in fs.tensors:
                         _write_tensor(out, ts, source)
         except BaseException as exc:
@@ -435,6 +523,8 @@ class SafetensorsWriter(StorageWriter):
             torch.save(extra, buf)
             self.transport.write_file(self._path(EXTRA_STATE_FILE), buf.getbuffer())
         if self.transport.is_local:
+            if self.checksum_algorithm is not None:
+                self._fill_headers(planned, results)
             for f in planned.files:
                 os.replace(self._tmp_path(f.name, self.save_id), self._path(f.name))
                 self.transport.counters.add(requests=1)
@@ -442,6 +532,24 @@ class SafetensorsWriter(StorageWriter):
         if planned.sharded:
             self.transport.write_file(self._path(index_name(self.filename_prefix)), planned.index_json())
         self._planned = None
+
+    def _fill_headers(self, planned: SavePlanResult, results: list[list[WriteResult]]) -> None:
+        """Local mode: put every chunk's digest into its temp file's header (same length), then ``fsync``."""
+        digests = {
+            wr.storage_data.key: wr.storage_data.digest
+            for rank in results
+            for wr in rank
+            if isinstance(wr.storage_data, _ChunkDigest)
+        }
+        for f in planned.files:
+            header = fill_header(f, digests)
+            fd = os.open(self._tmp_path(f.name, self.save_id), os.O_WRONLY)
+            try:
+                pwrite_all(fd, memoryview(header), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.transport.counters.add(requests=1, bytes_written=len(header))
 
 
 class _RemoteChunkError(DcpStorageError):

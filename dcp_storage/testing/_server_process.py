@@ -1,15 +1,19 @@
 """One emulator subprocess on 127.0.0.1: start, drain its output, wait until it serves HTTP, stop.
 
-The launchers for fake-gcs-server (:mod:`dcp_storage.testing.gcs_server`) and azurite
-(:mod:`dcp_storage.testing.azurite`) share this. What they share is the part that is easy to get subtly
-wrong: the output pipe must be drained continuously (emulators log every request; a full pipe blocks the
-server), start-up errors must carry the server's last lines, readiness means a real HTTP round trip (a
-listening socket is not enough), and ``stop`` must reap the process on every path.
+Every emulator launcher shares this: moto (:mod:`dcp_storage.testing.s3_server`), s3rver
+(:mod:`dcp_storage.testing.s3rver`), fake-gcs-server (:mod:`dcp_storage.testing.gcs_server`) and azurite
+(:mod:`dcp_storage.testing.azurite`). What they share is the part that is easy to get subtly wrong: the
+output pipe must be drained continuously (emulators log every request; a full pipe blocks the server),
+start-up errors must carry the server's last lines, readiness means a real HTTP round trip (a listening
+socket is not enough), a failed start must undo everything it set up (process, environment, temp
+directories), and ``stop`` must reap the process on every path. :class:`Launcher` is that bookkeeping;
+a launcher adds only its command line, its readiness URL and its client helpers.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import re
 import subprocess
 import threading
@@ -17,9 +21,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from typing import IO
+from types import TracebackType
+from typing import IO, TYPE_CHECKING
 
-__all__ = ["ServerProcess"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["HOST", "Launcher", "ServerProcess", "StartStop"]
+
+HOST = "127.0.0.1"
 
 
 class ServerProcess:
@@ -120,6 +130,22 @@ class ServerProcess:
                     raise self.failure(f"not answering HTTP at {url}: {exc!r}") from exc
                 time.sleep(0.02)
 
+    def wait_ready(self, path: str, deadline: float, expect_port: int | None = None) -> int:
+        """Wait for the port banner, then for an HTTP answer at ``http://127.0.0.1:PORT{path}``; return the port.
+
+        On any failure (including ``expect_port`` not being the reported port, i.e. someone else's server
+        answered) the process is stopped before the error propagates, so a caller never leaks it.
+        """
+        try:
+            port = self.wait_port(deadline)
+            if expect_port is not None and port != expect_port:
+                raise self.failure(f"reported a port other than {expect_port}")
+            self.wait_http(f"http://{HOST}:{port}{path}", deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return port
+
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``grace`` seconds; reap the process and the log thread. Idempotent."""
         proc = self._proc
@@ -133,3 +159,88 @@ class ServerProcess:
         self._reader.join(timeout=5)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+class StartStop:
+    """``with obj:`` means ``obj.start()`` ... ``obj.stop()``, for every server and proxy in this package."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class Launcher(StartStop):
+    """The life cycle every emulator launcher shares around one :class:`ServerProcess`.
+
+    A subclass implements :meth:`_launch` (start the process and wait until it serves, by the deadline)
+    and, when it prepares more than the process, :meth:`_release`. :meth:`start` refuses a second start
+    and undoes a failed one; :meth:`stop` stops the process, releases, and restores every environment
+    variable set through :meth:`_set_env`, on every path.
+    """
+
+    def __init__(self, startup_timeout: float, log_lines: int) -> None:
+        self._startup_timeout = startup_timeout
+        self._log_lines = log_lines
+        self._server: ServerProcess | None = None
+        self._saved_env: dict[str, str | None] = {}
+
+    def start(self) -> None:
+        """Start the server and block until it answers HTTP; on failure undo everything and raise."""
+        if self._server is not None:
+            raise RuntimeError(f"{type(self).__name__} already started")
+        try:
+            self._server = self._launch(time.monotonic() + self._startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after 5 s), release what start set up. Idempotent."""
+        server, self._server = self._server, None
+        try:
+            if server is not None:
+                server.stop()
+        finally:
+            self._release()
+            for name, old in self._saved_env.items():
+                if old is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = old
+            self._saved_env.clear()
+
+    def _launch(self, deadline: float) -> ServerProcess:
+        """Start the server process and return it once it serves (see :meth:`ServerProcess.wait_ready`)."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Undo what :meth:`_launch` prepared besides the process (temp dirs, cached clients)."""
+
+    def _set_env(self, name: str, value: str) -> None:
+        """Set ``os.environ[name]`` until :meth:`stop` (the first saved value wins if set twice)."""
+        self._saved_env.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
+
+    @property
+    def port(self) -> int:
+        """The TCP port the server listens on."""
+        if self._server is None or self._server.port is None:
+            raise RuntimeError(f"{type(self).__name__} is not running")
+        return self._server.port
+
+    @property
+    def pid(self) -> int:
+        if self._server is None:
+            raise RuntimeError(f"{type(self).__name__} is not running")
+        return self._server.pid

@@ -4,7 +4,7 @@ azurite is Microsoft's official storage emulator, an npm package. :func:`ensure_
 ``npm install azurite@VERSION`` into a cache directory on first use (by default ``.servers/`` at the root
 of a source checkout, git-ignored), so a fresh CI machine needs only ``node`` and ``npm`` on ``PATH``.
 The install is serialised by a file lock and done in a temp directory that is renamed into place, so
-parallel test processes never see half an install.
+parallel test processes never see half an install (:mod:`dcp_storage.testing._npm`).
 
 The server runs with ``--inMemoryPersistence`` (nothing on disk) on 127.0.0.1, port 0: azurite reports
 the port it got (``successfully listens on http://127.0.0.1:PORT``), which we parse, so there is no
@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
-import time
 import uuid
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import DcpStorageError
-from ._server_process import ServerProcess
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from ._npm import npm_install, npm_script
+from ._server_process import HOST as _HOST
+from ._server_process import Launcher, ServerProcess
 
 __all__ = [
     "ACCOUNT_KEY",
@@ -46,11 +42,10 @@ AZURITE_VERSION = "3.37.0"
 # azurite's built-in development account (public, documented by Microsoft; not a secret).
 ACCOUNT_NAME = "devstoreaccount1"
 ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-_HOST = "127.0.0.1"
 _LISTENING = r"successfully listens on https?://[^\s:/]+:(\d+)"
 _SERVERS_DIR_ENV = "DCP_STORAGE_SERVERS_DIR"
 _FLAGS = ("--inMemoryPersistence", "--disableTelemetry", "--skipApiVersionCheck")
-_NPM_FLAGS = ("--no-audit", "--no-fund", "--save-exact", "--ignore-scripts")
+_ENTRY = ("dist", "src", "blob", "main.js")
 
 
 class AzuriteError(DcpStorageError, RuntimeError):
@@ -78,47 +73,18 @@ def default_prefix(version: str = AZURITE_VERSION) -> str:
 
 
 def _script(prefix: str) -> str:
-    return os.path.join(prefix, "node_modules", "azurite", "dist", "src", "blob", "main.js")
+    return npm_script(prefix, "azurite", _ENTRY)
 
 
 def ensure_installed(prefix: str | None = None, version: str = AZURITE_VERSION, timeout: float = 600.0) -> str:
     """Return the path of azurite's blob-service entry script, installing ``azurite@version`` if missing."""
     prefix = prefix or default_prefix(version)
-    script = _script(prefix)
-    if os.path.exists(script):
-        return script
-    npm = shutil.which("npm")
-    if npm is None or shutil.which("node") is None:
-        raise AzuriteError(f"azurite needs node and npm on PATH to install azurite@{version} into {prefix}")
-    from filelock import FileLock  # a torch dependency, so always present
-
-    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
-    with FileLock(prefix + ".lock", timeout=timeout):
-        if os.path.exists(script):  # another process installed it while we waited
-            return script
-        staging = f"{prefix}.tmp-{uuid.uuid4().hex[:8]}"
-        os.makedirs(staging)
-        try:
-            proc = subprocess.run(
-                [npm, "install", "--prefix", staging, *_NPM_FLAGS, f"azurite@{version}"],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                check=False,
-            )
-            if proc.returncode != 0 or not os.path.exists(_script(staging)):
-                tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-                raise AzuriteError(f"npm install azurite@{version} into {prefix} failed ({proc.returncode}):\n{tail}")
-            if os.path.exists(prefix):  # a broken earlier install (no entry script): replace it
-                shutil.rmtree(prefix)
-            os.rename(staging, prefix)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return script
+    return npm_install(
+        prefix, "azurite", version, _ENTRY, AzuriteError, timeout=timeout, ignore_scripts=True, owned=True
+    )
 
 
-class AzuriteServer:
+class AzuriteServer(Launcher):
     """Run azurite's blob service on 127.0.0.1 with an OS-chosen port, in memory.
 
     Use as a context manager (or call :meth:`start` / :meth:`stop`)::
@@ -139,29 +105,15 @@ class AzuriteServer:
         startup_timeout: float = 60.0,
         log_lines: int = 200,
     ) -> None:
+        super().__init__(startup_timeout, log_lines)
         self.prefix = prefix or default_prefix()
         self._install = install
-        self._startup_timeout = startup_timeout
-        self._log_lines = log_lines
-        self._server: ServerProcess | None = None
-        self._port: int | None = None
         self._workdir: str | None = None
         self._client: Any = None
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        """Start the server (installing azurite first if needed) and block until it answers HTTP."""
-        if self._server is not None:
-            raise RuntimeError("AzuriteServer already started")
+    def _launch(self, deadline: float) -> ServerProcess:
+        """Install azurite first if needed and allowed, then start it and wait until it answers HTTP."""
         if self._install:
             script = ensure_installed(self.prefix)
         else:
@@ -181,39 +133,17 @@ class AzuriteServer:
             cwd=self._workdir,
             log_lines=self._log_lines,
         )
-        self._server = server
-        try:
-            deadline = time.monotonic() + self._startup_timeout
-            self._port = server.wait_port(deadline)
-            server.wait_http(f"{self.endpoint_url}?comp=list", deadline)
-        except BaseException:
-            self.stop()
-            raise
+        server.wait_ready(f"/{ACCOUNT_NAME}?comp=list", deadline)
+        return server
 
-    def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 5 s) and remove its work dir. Idempotent."""
-        server, self._server = self._server, None
-        self._port = None
+    def _release(self) -> None:
+        """Drop the cached client and remove the work dir."""
         self._client = None
-        if server is not None:
-            server.stop()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
 
     # ----------------------------------------------------------------- accessors
-    @property
-    def port(self) -> int:
-        if self._server is None or self._port is None:
-            raise RuntimeError("AzuriteServer is not running")
-        return self._port
-
-    @property
-    def pid(self) -> int:
-        if self._server is None:
-            raise RuntimeError("AzuriteServer is not running")
-        return self._server.pid
-
     @property
     def endpoint_url(self) -> str:
         """The blob endpoint, ``http://127.0.0.1:PORT/devstoreaccount1`` (azurite puts the account in the path)."""

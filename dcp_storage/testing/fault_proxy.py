@@ -47,11 +47,9 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from ._server_process import StartStop
 
 __all__ = ["FAULT_MODES", "FaultCounters", "FaultMode", "FaultProxy", "FaultProxyError", "FaultRule"]
 
@@ -278,14 +276,24 @@ def _response_has_body(method: str, status: int) -> bool:
     return method != "HEAD" and not (100 <= status < 200 or status in (204, 304))
 
 
-class FaultProxy:
+class FaultProxy(StartStop):
     """Reverse proxy from ``127.0.0.1:<port>`` to ``upstream`` (``http://host:port``) with fault rules.
 
     ``dialect`` shapes the error bodies of ``slowdown_503`` and ``error_500``: ``"s3"`` (XML, what
     botocore parses into ``SlowDown`` / ``InternalError``) or ``"gcs"`` (JSON, what gcsfs reads).
+    ``rewrite_location``: a response ``Location`` header that points at the upstream is rewritten to point
+    at the proxy. fake-gcs-server names its own address there for every resumable upload, so without it
+    the upload's chunks would go around the proxy.
     """
 
-    def __init__(self, upstream: str, rules: Iterable[FaultRule] = (), *, dialect: Literal["s3", "gcs"] = "s3") -> None:
+    def __init__(
+        self,
+        upstream: str,
+        rules: Iterable[FaultRule] = (),
+        *,
+        dialect: Literal["s3", "gcs"] = "s3",
+        rewrite_location: bool = False,
+    ) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
             raise ValueError(f"FaultProxy upstream must be http://host:port, got {upstream!r}")
@@ -293,6 +301,7 @@ class FaultProxy:
             raise ValueError(f"FaultProxy dialect must be 's3' or 'gcs', got {dialect!r}")
         self.upstream = upstream
         self.dialect = dialect
+        self.rewrite_location = rewrite_location
         self._up_host, self._up_port = parsed.hostname, parsed.port
         self._state = _State()
         self.set_rules(rules)
@@ -303,15 +312,6 @@ class FaultProxy:
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
     def start(self) -> None:
         """Bind port 0 and serve from a daemon thread; returns once the port is known."""
         if self._thread is not None:
@@ -529,6 +529,8 @@ class FaultProxy:
             break
         if not body_sent:  # the final answer came without "100 Continue": the body is never sent
             return False
+        if self.rewrite_location:
+            response = self._local_location(response)
         mode = rule.mode if rule is not None else None
         if mode == "slow":
             await asyncio.sleep(rule.delay)  # type: ignore[union-attr]
@@ -548,6 +550,17 @@ class FaultProxy:
             or response.has_token("transfer-encoding", "chunked")
         )
         return not closes and delimited
+
+    def _local_location(self, response: _Head) -> _Head:
+        """``response`` with a ``Location`` under the upstream's URL moved to the proxy's (else unchanged)."""
+        location = response.get("location")
+        if location is None or not location.startswith(self.upstream):
+            return response
+        headers = [
+            (k, self.url + v[len(self.upstream) :] if k.lower() == "location" else v) for k, v in response.headers
+        ]
+        lines = [response.start_line, *(f"{k}: {v}" for k, v in headers)]
+        return _Head(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), response.start_line, headers)
 
     async def _pump_request(self, reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, head: _Head) -> None:
         await _relay_body(reader, up_writer, head, until_eof=False, count=lambda n: self._count(up=n))

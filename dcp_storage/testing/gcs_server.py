@@ -30,23 +30,18 @@ import json
 import os
 import socket
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import DcpStorageError
-from ._server_process import ServerProcess
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from ._server_process import HOST as _HOST
+from ._server_process import Launcher, ServerProcess
 
 __all__ = ["FakeGcsServer", "FakeGcsServerError", "GcsLocation", "binary_path"]
 
-_HOST = "127.0.0.1"
 _PROJECT = "dcp-storage-test"
 _ZB_HNS_ENV = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 _EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
@@ -103,7 +98,7 @@ def _check_gcsfs_not_extended() -> None:
         )
 
 
-class FakeGcsServer:
+class FakeGcsServer(Launcher):
     """Run fake-gcs-server on 127.0.0.1 (in-memory backend, plain HTTP) on a free port.
 
     Use as a context manager (or call :meth:`start` / :meth:`stop`)::
@@ -116,92 +111,39 @@ class FakeGcsServer:
     def __init__(self, startup_timeout: float = 30.0, port_attempts: int = 5, log_lines: int = 200) -> None:
         if port_attempts < 1:
             raise ValueError(f"port_attempts must be >= 1, got {port_attempts}")
-        self._startup_timeout = startup_timeout
+        super().__init__(startup_timeout, log_lines)
         self._port_attempts = port_attempts
-        self._log_lines = log_lines
-        self._server: ServerProcess | None = None
-        self._port: int | None = None
-        self._saved_env: dict[str, str | None] = {}
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        """Start the server and block until it answers the JSON API, or raise :class:`FakeGcsServerError`."""
-        if self._server is not None:
-            raise RuntimeError("FakeGcsServer already started")
+    def _launch(self, deadline: float) -> ServerProcess:
         binary = binary_path()
         self._set_env(_ZB_HNS_ENV, "false")
-        try:
-            _check_gcsfs_not_extended()
-            deadline = time.monotonic() + self._startup_timeout
-            for attempt in range(1, self._port_attempts + 1):
-                port = _free_port()
-                url = f"http://{_HOST}:{port}"
-                server = ServerProcess(
-                    "fake-gcs-server",
-                    [binary, *f"-scheme http -host {_HOST} -port {port} -backend memory -log-level info".split()]
-                    + ["-external-url", url, "-public-host", f"{_HOST}:{port}"],
-                    FakeGcsServerError,
-                    port_pattern=_STARTED,
-                    log_lines=self._log_lines,
-                )
-                try:
-                    # The banner comes after a successful bind, so a foreign server that took the port
-                    # cannot pass for ours; then one real request.
-                    if server.wait_port(deadline) != port:
-                        raise server.failure(f"reported a port other than {port}")
-                    server.wait_http(f"{url}/storage/v1/b", deadline)
-                except FakeGcsServerError:
-                    server.stop()
-                    if server.log_contains(_PORT_TAKEN) and attempt < self._port_attempts:
-                        continue  # someone took the port between our probe and the server's bind
-                    raise
-                self._server, self._port = server, port
-                self._set_env(_EMULATOR_ENV, url)
-                return
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 5 s) and restore the environment. Idempotent."""
-        server, self._server = self._server, None
-        self._port = None
-        if server is not None:
-            server.stop()
-        for name, old in self._saved_env.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-        self._saved_env.clear()
-
-    def _set_env(self, name: str, value: str) -> None:
-        self._saved_env.setdefault(name, os.environ.get(name))
-        os.environ[name] = value
+        _check_gcsfs_not_extended()
+        for attempt in range(1, self._port_attempts + 1):
+            port = _free_port()
+            url = f"http://{_HOST}:{port}"
+            server = ServerProcess(
+                "fake-gcs-server",
+                [binary, *f"-scheme http -host {_HOST} -port {port} -backend memory -log-level info".split()]
+                + ["-external-url", url, "-public-host", f"{_HOST}:{port}"],
+                FakeGcsServerError,
+                port_pattern=_STARTED,
+                log_lines=self._log_lines,
+            )
+            try:
+                # The banner comes after a successful bind, so a foreign server that took the port
+                # cannot pass for ours; then one real request.
+                server.wait_ready("/storage/v1/b", deadline, expect_port=port)
+            except FakeGcsServerError:
+                if server.log_contains(_PORT_TAKEN) and attempt < self._port_attempts:
+                    continue  # someone took the port between our probe and the server's bind
+                raise
+            self._set_env(_EMULATOR_ENV, url)
+            return server
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     # ----------------------------------------------------------------- accessors
-    @property
-    def port(self) -> int:
-        if self._server is None or self._port is None:
-            raise RuntimeError("FakeGcsServer is not running")
-        return self._port
-
-    @property
-    def pid(self) -> int:
-        if self._server is None:
-            raise RuntimeError("FakeGcsServer is not running")
-        return self._server.pid
-
     @property
     def endpoint_url(self) -> str:
         """``http://127.0.0.1:PORT``, gcsfs's ``endpoint_url`` (no path part)."""

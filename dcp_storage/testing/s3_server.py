@@ -15,30 +15,22 @@ there is no probe-then-rebind race.
 
 from __future__ import annotations
 
-import collections
 import os
-import re
-import subprocess
 import sys
-import threading
-import time
-import urllib.error
 import urllib.request
 import uuid
-from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from ._server_process import HOST as _HOST
+from ._server_process import Launcher, ServerProcess
 
 __all__ = ["MotoS3Server", "MotoServerError", "S3Location"]
 
-_HOST = "127.0.0.1"
 _REGION = "us-east-1"
 _KEY = "testing"
 _SECRET = "testing"
 # werkzeug's startup banner; may be wrapped in ANSI colour codes.
-_RUNNING_RE = re.compile(r"Running on https?://[^\s:/]+:(\d+)")
+_RUNNING = r"Running on https?://[^\s:/]+:(\d+)"
 # The environment the parent and the server share. The region is pinned
 # because moto (like AWS) rejects CreateBucket without a LocationConstraint
 # outside us-east-1; the metadata switch stops botocore from ever probing
@@ -60,7 +52,7 @@ class S3Location(NamedTuple):
     storage_options: dict[str, Any]
 
 
-class MotoS3Server:
+class MotoS3Server(Launcher):
     """Run ``python -m moto.server`` on 127.0.0.1 with an OS-chosen port.
 
     Use as a context manager (or call :meth:`start` / :meth:`stop`)::
@@ -71,135 +63,38 @@ class MotoS3Server:
 
     All state lives in the server's memory and vanishes with it; call
     :meth:`reset` to wipe it while keeping the process (cheaper than a restart).
+    The shared AWS settings (region, no metadata probing) are in ``os.environ``
+    while the server runs and restored by :meth:`stop`.
     """
 
     def __init__(self, startup_timeout: float = 30.0, log_lines: int = 200) -> None:
-        self._startup_timeout = startup_timeout
-        self._proc: subprocess.Popen[str] | None = None
-        self._port: int | None = None
-        # Last lines of server output, kept for error messages. The pipe must be
-        # drained continuously anyway: moto logs every request, and a full pipe
-        # would block the server.
-        self._log: collections.deque[str] = collections.deque(maxlen=log_lines)
-        self._port_seen = threading.Event()
-        self._reader: threading.Thread | None = None
-        self._saved_env: dict[str, str | None] = {}
+        super().__init__(startup_timeout, log_lines)
         self._s3_client: Any = None
 
     # ------------------------------------------------------------------ lifecycle
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        """Start the server and block until it answers HTTP, or raise MotoServerError."""
-        if self._proc is not None:
-            raise RuntimeError("MotoS3Server already started")
+    def _launch(self, deadline: float) -> ServerProcess:
         for name, value in _SHARED_ENV.items():
-            self._saved_env[name] = os.environ.get(name)
-            os.environ[name] = value
+            self._set_env(name, value)
         env = dict(os.environ)
-        env.update(
-            AWS_ACCESS_KEY_ID=_KEY,
-            AWS_SECRET_ACCESS_KEY=_SECRET,
-            PYTHONUNBUFFERED="1",
-        )
+        env.update(AWS_ACCESS_KEY_ID=_KEY, AWS_SECRET_ACCESS_KEY=_SECRET, PYTHONUNBUFFERED="1")
         env.pop("AWS_SESSION_TOKEN", None)
-        self._proc = subprocess.Popen(
+        server = ServerProcess(
+            "moto S3 server",
             [sys.executable, "-m", "moto.server", "-H", _HOST, "-p", "0"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
+            MotoServerError,
+            port_pattern=_RUNNING,
             env=env,
+            log_lines=self._log_lines,
         )
-        assert self._proc.stdout is not None
-        self._reader = threading.Thread(target=self._drain, args=(self._proc.stdout,), name="moto-log", daemon=True)
-        self._reader.start()
-        try:
-            self._wait_ready(time.monotonic() + self._startup_timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 5 s). Idempotent."""
-        proc, self._proc = self._proc, None
-        self._s3_client = None
-        if proc is not None:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            if self._reader is not None:
-                self._reader.join(timeout=5)
-            if proc.stdout is not None:
-                proc.stdout.close()
-        for name, old in self._saved_env.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-        self._saved_env.clear()
-
-    def _drain(self, stream: IO[str]) -> None:
-        for line in stream:
-            self._log.append(line.rstrip("\n"))
-            if self._port is None:
-                match = _RUNNING_RE.search(line)
-                if match:
-                    self._port = int(match.group(1))
-                    self._port_seen.set()
-
-    def _wait_ready(self, deadline: float) -> None:
-        proc = self._proc
-        assert proc is not None
-        while not self._port_seen.wait(timeout=0.05):
-            if proc.poll() is not None:
-                raise self._startup_error(f"exited with code {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise self._startup_error("did not report its port in time")
         # The socket is listening once the banner is printed; still confirm a
         # real HTTP round-trip so callers never race the first request.
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        while True:
-            try:
-                with opener.open(self.endpoint_url + "/", timeout=2):
-                    return
-            except urllib.error.HTTPError:
-                return  # any HTTP status means the server is serving
-            except OSError as exc:
-                if proc.poll() is not None:
-                    raise self._startup_error(f"exited with code {proc.returncode}") from exc
-                if time.monotonic() > deadline:
-                    raise self._startup_error(f"not answering HTTP: {exc!r}") from exc
-                time.sleep(0.05)
+        server.wait_ready("/", deadline)
+        return server
 
-    def _startup_error(self, what: str) -> MotoServerError:
-        tail = "\n".join(list(self._log)[-30:]) or "<no output>"
-        return MotoServerError(f"moto S3 server {what} (timeout {self._startup_timeout}s); output tail:\n{tail}")
+    def _release(self) -> None:
+        self._s3_client = None
 
     # ----------------------------------------------------------------- accessors
-
-    @property
-    def port(self) -> int:
-        """The TCP port the OS assigned to the server."""
-        if self._proc is None or self._port is None:
-            raise RuntimeError("MotoS3Server is not running")
-        return self._port
 
     @property
     def endpoint_url(self) -> str:

@@ -31,6 +31,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError
 from .budget import ByteBudget
 from .counters import TransportCounters
+from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_read, gcs_size, is_gcs
 from .local_io import preadv_exact
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import RetryPolicy, TruncatedReadError, call_with_retry, single_layer_client_options
@@ -110,6 +111,7 @@ class FsspecTransport:
     ) -> None:
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
+        self._gcs = is_gcs(fs)  # gcsfs: requests made one attempt at a time (gcs_io), under our retries
         # The scheme the caller wrote, if ``fs`` answers to several (adlfs: abfs, az, abfss), so that errors
         # name the URL the user gave (``az://...``), not the filesystem's first alias.
         aliases = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
@@ -187,6 +189,8 @@ class FsspecTransport:
         if self.is_local:
             return os.path.exists(path)
         check = (lambda: s3_exists(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.exists(path))
+        if self._gcs:
+            check = lambda: gcs_exists(self.fs, path)
         return bool(self._retry(check, lambda: f"exists {self.url(path)}"))
 
     def size(self, path: str) -> int:
@@ -195,6 +199,8 @@ class FsspecTransport:
             if self.is_local:
                 return os.path.getsize(path)
             stat = (lambda: s3_size(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.size(path))
+            if self._gcs:
+                stat = lambda: gcs_size(self.fs, path)
             return int(self._retry(stat, lambda: f"size of {self.url(path)}"))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
@@ -213,6 +219,8 @@ class FsspecTransport:
             return
         with contextlib.suppress(FileNotFoundError):
             delete = (lambda: s3_delete(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.rm_file(path))
+            if self._gcs:
+                delete = lambda: gcs_delete(self.fs, path)
             self._retry(delete, lambda: f"delete {self.url(path)}")
 
     def listdir(self, path: str) -> list[str]:
@@ -226,6 +234,8 @@ class FsspecTransport:
             return sorted(n for n in names if not (n.startswith(".") and n.endswith(".tmp")))
         if can_stream(self.fs):
             return self._retry(lambda: s3_list_names(self.fs, path), lambda: f"list {self.url(path)}")
+        if self._gcs:
+            return self._retry(lambda: gcs_list_names(self.fs, path), lambda: f"list {self.url(path)}")
 
         def ls() -> list[str]:
             self.fs.invalidate_cache(path)
@@ -249,6 +259,8 @@ class FsspecTransport:
                     data = f.read()
             elif can_stream(self.fs):
                 data = read_object(self.fs, path)
+            elif self._gcs:
+                data = gcs_read(self.fs, path)
             else:
                 data = self.fs.cat_file(path)
             self.counters.add(requests=1, bytes_read=len(data))
@@ -311,7 +323,10 @@ class FsspecTransport:
 
     def _buffered_fetch(self, group: FetchGroup, pieces: list[tuple[int, int, memoryview]]) -> Any:
         def fetch() -> None:
-            data = self.fs.cat_file(group.path, start=group.start, end=group.end)
+            if self._gcs:
+                data = gcs_read(self.fs, group.path, group.start, group.end)
+            else:
+                data = self.fs.cat_file(group.path, start=group.start, end=group.end)
             self.counters.add(requests=1, bytes_read=len(data))
             if len(data) != group.length:
                 raise self._short_read(group, len(data))
@@ -369,7 +384,10 @@ class FsspecTransport:
             return
 
         def put() -> None:
-            self.fs.pipe_file(path, bytes(data))
+            if self._gcs:
+                gcs_put(self.fs, path, bytes(data), nbytes)
+            else:
+                self.fs.pipe_file(path, bytes(data))
             self.counters.add(requests=1, bytes_written=nbytes)
 
         self._retry(put, lambda: f"write {self.url(path)} ({nbytes} bytes)")
@@ -381,8 +399,8 @@ class FsspecTransport:
         Local: a temp file beside it, ``fsync``, then ``os.replace`` (and the directory is synced).
         Object store: the client's buffered writer, which commits by a single PUT or by completing a
         multipart upload on close; on error the upload is aborted, so nothing becomes visible. On GCS
-        (gcsfs) that is one upload, or a resumable upload finalised by its last chunk at close and cancelled
-        on error; on Azure (adlfs) staged blocks committed as one block list at close, and on error never
+        (gcsfs) one media upload at close, sent from memory or a local spill file and retried as a whole
+        (:mod:`~dcp_storage.transports.gcs_io`), and on error never sent; on Azure (adlfs) staged blocks committed as one block list at close, and on error never
         committed (uncommitted blocks are invisible, and the service drops them).
         """
         if self.is_local:
@@ -418,6 +436,9 @@ class FsspecTransport:
         if can_stream(self.fs):
             yield from self._open_atomic_s3(path)
             return
+        if self._gcs:
+            yield from self._open_atomic_gcs(path)
+            return
         raw = self.fs.open(path, "wb", block_size=self.config.part_size)
         writer = _CountingWriter(raw, self.counters)
         try:
@@ -446,6 +467,17 @@ class FsspecTransport:
                 raise upload.failure  # ours, not what a serializer in between made of it
             raise
         finally:
+            self.counters.add(requests=upload.requests)
+
+    def _open_atomic_gcs(self, path: str) -> Iterator[_CountingWriter]:
+        """GCS: one media upload at close, retried as a whole (see :mod:`.gcs_io`); nothing sent on error."""
+        upload = GcsAtomicUpload(self.fs, path, self.config.part_size, self._runner(path))
+        writer = _CountingWriter(upload, self.counters)  # type: ignore[arg-type]
+        try:
+            yield writer
+            upload.commit()
+        finally:
+            upload.abandon()
             self.counters.add(requests=upload.requests)
 
     def _open_atomic_buffered(self, path: str) -> Iterator[_CountingWriter]:

@@ -23,14 +23,18 @@ Stacked retry layers multiply: botocore (5 attempts by default) under s3fs (5 on
   :mod:`~dcp_storage.transports.s3_upload`, :mod:`~dcp_storage.transports.s3_queries`), past s3fs's
   ``_error_wrapper`` (which would retry connection errors and ``SlowDown`` ``S3FileSystem.retries`` = 5
   times more). Only ``makedirs`` goes through s3fs (a no-op below a bucket that exists).
-* Other clients keep their own retries and ours wraps them: gcsfs retries 5xx, 429 and connection errors
-  ``GCSFileSystem.retries`` (6) times with sleeps of 1, 2, 4, 8, 16 s (plus jitter), so a permanent GCS
-  fault costs up to 6x ours and about 31 s per attempt of ours; adlfs and HTTP have their own policies.
+* **gcsfs** retries 5xx, 429 and connection errors 6 times with sleeps of 1, 2, 4, 8, 16 s, a count fixed
+  when its class is defined (no option turns it down). So every GCS request of the transport (ranged and
+  whole-object GETs, the media upload of a write, object metadata, list, delete) calls gcsfs's undecorated
+  request, one attempt each (:mod:`~dcp_storage.transports.gcs_io`). gcsfs sets no timeout by default
+  (``requests_timeout=None``: a stalled server hangs a request forever), so ``from_url`` gives it
+  ``requests_timeout=aiohttp.ClientTimeout(sock_connect=30, sock_read=60)`` unless the caller set one.
+* Other clients keep their own retries and ours wraps them: adlfs and HTTP have their own policies.
 
 The deadline is checked after every failed attempt: the operation gives up when the backoff sleep plus the
 longest attempt so far would end past it, so a permanent fault surfaces before the deadline as long as
 attempts take about as long as earlier ones. An attempt in flight is bounded by the client's timeouts
-(botocore ``connect_timeout``/``read_timeout``), not by the deadline.
+(botocore ``connect_timeout``/``read_timeout``, gcsfs ``requests_timeout``), not by the deadline.
 """
 
 from __future__ import annotations
@@ -233,12 +237,18 @@ def call_with_retry(
 
 # Protocols whose fsspec client sits on botocore, and the option that turns botocore's retries down.
 _BOTOCORE_PROTOCOLS = frozenset({"s3", "s3a"})
+_GCSFS_PROTOCOLS = frozenset({"gs", "gcs"})
+# gcsfs's per-request aiohttp timeout when the caller gave none (its own default is no timeout at all).
+GCS_CONNECT_TIMEOUT = 30.0
+GCS_READ_TIMEOUT = 60.0
 
 
 def single_layer_client_options(url: str, storage_options: Mapping[str, Any]) -> dict[str, Any]:
-    """``storage_options`` for ``url`` with the client's own retries set to one attempt (S3 only).
+    """``storage_options`` for ``url`` with the client's own retries set to one attempt, and timeouts bounded.
 
-    Our layer then owns retries (module docstring). A caller who set ``config_kwargs["retries"]`` keeps it.
+    Our layer then owns retries (module docstring). S3: a caller who set ``config_kwargs["retries"]`` keeps
+    it. GCS: gcsfs's retries are bypassed per request (not through options); a ``requests_timeout`` is added
+    unless the caller gave one.
     """
     options = dict(storage_options)
     protocol = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -247,4 +257,10 @@ def single_layer_client_options(url: str, storage_options: Mapping[str, Any]) ->
         if "retries" not in config:
             config["retries"] = {"mode": "standard", "total_max_attempts": 1}
             options["config_kwargs"] = config
+    elif protocol in _GCSFS_PROTOCOLS and options.get("requests_timeout") is None:
+        import aiohttp  # gcsfs depends on it
+
+        options["requests_timeout"] = aiohttp.ClientTimeout(
+            sock_connect=GCS_CONNECT_TIMEOUT, sock_read=GCS_READ_TIMEOUT
+        )
     return options

@@ -5,11 +5,18 @@ header round here: each tensor item becomes the byte runs of its slice (one for 
 one per row for ``Shard(1)``, coalesced by the transport), delivered straight into the destination
 tensor when it is a contiguous CPU tensor of the stored dtype (see :mod:`..tensor_reads`). Non-tensor
 items (DCP ``.metadata`` layouts only) are fetched whole and handed to ``planner.load_bytes``.
+
+With ``verify`` every tensor an item touches is fetched whole instead (a slice cannot be checked), its
+digests from the file's header (:mod:`dcp_storage.integrity.safetensors_sums`) are compared, and the
+items are copied out of those same bytes, so what lands in the destination is what was checked. Tensors
+are fetched in batches of at most ``staging_bytes`` (or one tensor, if larger).
 """
 
 from __future__ import annotations
 
 import io
+import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +25,8 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ...errors import CorruptCheckpointError, ShapeMismatchError
+from ...integrity.read_verify import batches_by_bytes
+from ...integrity.safetensors_sums import FileSums, require_checksummed
 from ...transports import FsspecTransport, RangeRequest
 from ..dcp_native.torch_record import check_byte_item
 from ..paths import check_relative
@@ -60,11 +69,14 @@ class SafetensorsItemLoader:
         root: str,
         storage_data: Mapping[Any, Any],
         config: LoaderConfig | None = None,
+        verify: bool = False,
     ) -> None:
         self.transport = transport
         self.root = root
         self.storage_data = storage_data
         self.config = config or LoaderConfig()
+        self.verify = verify
+        self._sums: dict[str, FileSums] = {}
 
     def _entry(self, item: ReadItem) -> StoredChunk | StoredBytes:
         entry = self.storage_data.get(item.storage_index)
@@ -81,12 +93,15 @@ class SafetensorsItemLoader:
         """Fetch and deliver every item: ``load_bytes`` for bytes, ``resolve/commit_tensor`` for tensors."""
         byte_items: list[tuple[ReadItem, StoredBytes]] = []
         works: list[SliceRead] = []
+        checked: dict[StoredChunk, list[ReadItem]] = {}
         for item in items:
             entry = self._entry(item)
             if item.type == LoadItemType.BYTE_IO:
                 if not isinstance(entry, StoredBytes):
                     raise CorruptCheckpointError(f"{item.storage_index.fqn!r}: stored as a tensor, loaded as bytes")
                 byte_items.append((item, entry))
+            elif isinstance(entry, StoredChunk) and self.verify and self._file_sums(entry.file).present:
+                checked.setdefault(entry, []).append(item)
             elif isinstance(entry, StoredChunk):
                 works.append(self._plan_tensor(item, entry, planner))
             else:
@@ -97,6 +112,52 @@ class SafetensorsItemLoader:
             planner.commit_tensor(work.key, work.dest)  # type: ignore[arg-type]
 
         read_slices(self.transport, works, commit, self.config.staging_bytes)
+        self._load_checked(checked, planner)
+
+    def _file_sums(self, file: str) -> FileSums:
+        """The checksums ``file``'s header records (header digest checked); warns once if it records none."""
+        sums = self._sums.get(file)
+        if sums is None:
+            sums, _header = FileSums.read(self.transport, self._path(file))
+            if sums.present:
+                require_checksummed(sums)
+            else:
+                warnings.warn(
+                    f"{sums.url}: verify=True, but the file records no checksums (not written by dcp-storage's "
+                    "SafetensorsWriter); loading it unchecked",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            self._sums[file] = sums
+        return sums
+
+    def _load_checked(self, checked: dict[StoredChunk, list[ReadItem]], planner: LoadPlanner) -> None:
+        """Fetch each tensor whole, check its digests, then deliver its items from the checked bytes."""
+
+        def nbytes(entry: StoredChunk) -> int:
+            return math.prod(entry.shape) * entry.dtype.itemsize
+
+        for batch in batches_by_bytes(list(checked), nbytes, self.config.staging_bytes):
+            reqs = [RangeRequest(self._path(e.file), e.data_offset, e.data_offset + nbytes(e)) for e in batch]
+            for entry, buf in zip(batch, self.transport.read_ranges(reqs)):
+                raw = bytearray(buf)  # type: ignore[arg-type]
+                full = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                span = f"bytes [{entry.data_offset}, {entry.data_offset + len(raw)})"
+                itemsize = entry.dtype.itemsize
+                problem = self._sums[entry.file].check_tensor(entry.tensor, entry.shape, itemsize, full, span)
+                if problem:
+                    raise CorruptCheckpointError(problem)
+                stored = full.view(entry.dtype).reshape(entry.shape)
+                for item in checked[entry]:
+                    dest: torch.Tensor = planner.resolve_tensor(item).detach()
+                    if tuple(dest.shape) != tuple(item.lengths):
+                        raise ShapeMismatchError(
+                            f"{item.dest_index.fqn}: destination has shape {tuple(dest.shape)} but the checkpoint "
+                            f"slice is {tuple(item.lengths)}"
+                        )
+                    region = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+                    dest.copy_(stored[region])
+                    planner.commit_tensor(item, dest)
 
     def _plan_tensor(self, item: ReadItem, entry: StoredChunk, planner: LoadPlanner) -> SliceRead:
         path = self._path(entry.file)

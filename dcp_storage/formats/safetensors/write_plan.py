@@ -16,6 +16,11 @@ Chunks. A rank holds a row-major box of a tensor (``chunk.offsets``/``chunk.size
 tensor that box is a regular set of equally long byte runs (:class:`RunSet`): a ``Shard(0)`` chunk is one
 run, a ``Shard(1)`` chunk of an ``R x C`` matrix is ``R`` runs. The chunk's own bytes, read in order, fill
 those runs in order, so a rank can write its chunk in place without gathering anything.
+
+Checksums. With a ``checksum_algorithm`` each header's ``__metadata__`` also carries the provenance and one
+digest per written chunk (see :mod:`dcp_storage.integrity.safetensors_sums`), planned as zero-filled
+placeholders of the digest's fixed width: :func:`fill_header` later puts the real digests in without
+changing the header's length, so every planned offset stays valid.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
-from ...errors import UnsupportedDtypeError
+from ...errors import DcpStorageError, UnsupportedDtypeError
+from ...integrity import safetensors_sums as sums
+from ...integrity.checksums import checksum
+from ...integrity.provenance import writer_descriptor
 from .dtypes import safetensors_dtype
 from .encode import HeaderEntry, encode_header, safetensors_order_key
 
@@ -44,6 +52,7 @@ __all__ = [
     "SavePlanResult",
     "TensorSpec",
     "chunk_runs",
+    "fill_header",
     "index_name",
     "pack_files",
     "parse_size",
@@ -169,15 +178,31 @@ class TensorSpec:
         return math.prod(self.shape) * self.itemsize
 
 
+PieceKey = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets): names one digest of a file
+
+
 @dataclass(frozen=True)
 class FileSpec:
-    """One output file: its name, encoded header, tensors in data order and where each one begins."""
+    """One output file: its name, encoded header, tensors in data order and where each one begins.
+
+    With checksums, ``header`` holds zero-filled digests; ``entries``, ``metadata`` (user metadata and
+    provenance), ``pieces`` (each tensor's chunk boxes) and ``algorithm`` let :func:`fill_header` rebuild it.
+    """
 
     name: str
     header: bytes
     tensors: tuple[str, ...]
     begins: Mapping[str, int]  # absolute file offset of each tensor's first byte
     size: int
+    entries: tuple[HeaderEntry, ...] = ()
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    pieces: Mapping[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]] = field(default_factory=dict)
+    algorithm: str | None = None
+
+    @property
+    def piece_keys(self) -> list[PieceKey]:
+        """Every digest this file's header needs (zero-size tensors need none: theirs is known)."""
+        return [(fqn, offsets) for fqn, boxes in self.pieces.items() for offsets, _sizes in boxes]
 
 
 def pack_files(specs: Sequence[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:
@@ -200,15 +225,72 @@ def pack_files(specs: Sequence[TensorSpec], max_shard_size: int) -> list[list[Te
     return groups
 
 
-def _file_spec(name: str, group: Sequence[TensorSpec], metadata: Mapping[str, str] | None) -> FileSpec:
+def _with_digests(spec: FileSpec, digests: Mapping[PieceKey, str] | None) -> dict[str, str]:
+    """``spec``'s ``__metadata__``: user metadata, provenance, and the digests (zero-filled when ``None``)."""
+    md = dict(spec.metadata)
+    algorithm = spec.algorithm
+    if algorithm is None:
+        return md
+    zero = sums.placeholder(algorithm)
+    md[sums.ALGORITHM_KEY] = algorithm
+    for e in spec.entries:
+        boxes = spec.pieces.get(e.name, ())
+        if not boxes:  # no bytes to write: the digest of nothing
+            pieces = [sums.Piece((0,) * len(e.shape), e.shape, checksum(b"", algorithm))]
+        else:
+            pieces = [sums.Piece(o, s, zero if digests is None else digests[(e.name, o)]) for o, s in boxes]
+        md[sums.CHECKSUM_PREFIX + e.name] = sums.encode_pieces(pieces, e.shape)
+    md[sums.HEADER_KEY] = zero  # last, sealed by fill_header
+    return md
+
+
+def _file_spec(
+    name: str,
+    group: Sequence[TensorSpec],
+    metadata: Mapping[str, str] | None,
+    algorithm: str | None,
+    boxes: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
+) -> FileSpec:
     ordered = sorted(group, key=lambda s: safetensors_order_key(s.fqn, s.dtype))
     entries, position = [], 0
     for s in ordered:
         entries.append(HeaderEntry(s.fqn, s.dtype, s.shape, position, position + s.nbytes))
         position += s.nbytes
-    header = encode_header(entries, metadata)
+    user = dict(metadata or {})
+    if algorithm is not None:
+        user[sums.WRITER_KEY] = writer_descriptor()
+        user[sums.FORMAT_KEY] = "safetensors/1"
+    pieces = {e.name: tuple(sorted(boxes.get(e.name, ()))) for e in entries}
+    draft = FileSpec(name, b"", (), {}, 0, tuple(entries), user, pieces, algorithm)
+    header = encode_header(entries, _with_digests(draft, None))
     begins = {e.name: len(header) + e.begin for e in entries}
-    return FileSpec(name, header, tuple(e.name for e in entries), begins, len(header) + position)
+    return FileSpec(
+        name,
+        header,
+        tuple(e.name for e in entries),
+        begins,
+        len(header) + position,
+        tuple(entries),
+        user,
+        pieces,
+        algorithm,
+    )
+
+
+def fill_header(spec: FileSpec, digests: Mapping[PieceKey, str]) -> bytes:
+    """``spec``'s header with the real digests and the sealed header digest; same length as planned."""
+    if spec.algorithm is None:
+        return spec.header
+    missing = [f"{fqn!r} at {list(o)}" for fqn, o in spec.piece_keys if (fqn, o) not in digests]
+    if missing:
+        raise DcpStorageError(f"{spec.name}: no checksum arrived for the chunks {', '.join(missing[:5])}")
+    header = encode_header(spec.entries, _with_digests(spec, digests))
+    if len(header) != len(spec.header):
+        raise DcpStorageError(
+            f"{spec.name}: the header with checksums is {len(header)} bytes, planned {len(spec.header)} (a digest "
+            "of the wrong width?)"
+        )
+    return sums.seal_header(header, spec.algorithm)
 
 
 # ------------------------------------------------------------------------------------------- per rank
@@ -229,6 +311,8 @@ class ChunkWrite:
     file: int
     begin: int  # absolute offset of the tensor in the file
     runs: RunSet
+    offsets: tuple[int, ...] = ()  # the chunk's box, in elements (names its digest)
+    sizes: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -353,8 +437,12 @@ def plan_save(
     coordinator: int,
     mode: str,
     save_id: str,
+    checksum_algorithm: str | None = None,
 ) -> SavePlanResult:
-    """Plan files, offsets and each rank's writes from every rank's (deduplicated) ``SavePlan``."""
+    """Plan files, offsets and each rank's writes from every rank's (deduplicated) ``SavePlan``.
+
+    ``checksum_algorithm``: plan each header with zero-filled digests of every chunk (see :func:`fill_header`).
+    """
     if mode not in ("pwrite", "stream"):
         raise ValueError(f"unknown write mode {mode!r}")
     specs, chunks, byte_keys = _collect(plans)
@@ -362,7 +450,12 @@ def plan_save(
     groups = pack_files([specs[f] for f in order], max_shard_size)
     n = len(groups)
     names = [single_name(prefix)] if n == 1 else [shard_name(prefix, k + 1, n) for k in range(n)]
-    files = tuple(_file_spec(name, group, metadata) for name, group in zip(names, groups))
+    written: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for fqn, boxes in chunks.items():
+        for _rank, _index, offsets, sizes in boxes:
+            if math.prod(sizes) and specs[fqn].itemsize:
+                written.setdefault(fqn, []).append((offsets, sizes))
+    files = tuple(_file_spec(name, group, metadata, checksum_algorithm, written) for name, group in zip(names, groups))
     where: dict[str, int] = {}
     for i, f in enumerate(files):
         for fqn in f.tensors:
@@ -376,7 +469,7 @@ def plan_save(
             runs = chunk_runs(spec.shape, offsets, sizes, spec.itemsize)
             if runs.nbytes == 0:
                 continue
-            cw = ChunkWrite(index, rank, fqn, fi, files[fi].begins[fqn], runs)
+            cw = ChunkWrite(index, rank, fqn, fi, files[fi].begins[fqn], runs, offsets, sizes)
             per_rank[rank][index] = cw
             by_fqn.setdefault(fqn, []).append(cw)
     for cws in by_fqn.values():

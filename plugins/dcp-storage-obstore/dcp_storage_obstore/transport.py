@@ -311,6 +311,11 @@ class ObstoreTransport:
             writer.finish()
         except BaseException as exc:
             _abort(raw, exc)
+            if writer.failure is not None:
+                # obstore's own error, not what a serializer in between made of it
+                raise TransportError(
+                    f"write {self.url(path)} (at byte {writer.written}) failed: {short_message(writer.failure)}"
+                ) from writer.failure
             raise
         try:
             raw.close()  # commits: the single PUT, or completing the multipart upload

@@ -29,6 +29,9 @@ class CopyingWriter:
         self._stage_bytes = stage_bytes
         self._stage = bytearray()
         self.written = 0
+        # The storage error that broke the upload, kept because a caller in between (torch's zip writer)
+        # may turn it into an unrelated error ("unexpected pos ..."); the transport reports this one.
+        self.failure: BaseException | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
@@ -41,7 +44,7 @@ class CopyingWriter:
             self._flush_stage()
         if n >= self._stage_bytes:
             # Large: one private copy (or none for immutable bytes), straight to obstore.
-            self._raw.write(data if type(data) is bytes else bytearray(view))
+            self._hand_over(data if type(data) is bytes else bytearray(view))
         else:
             self._stage += view
         self.written += n
@@ -51,7 +54,14 @@ class CopyingWriter:
     def _flush_stage(self) -> None:
         if self._stage:
             handed, self._stage = self._stage, bytearray()
-            self._raw.write(handed)  # obstore now owns `handed`; this object never touches it again
+            self._hand_over(handed)  # obstore now owns `handed`; this object never touches it again
+
+    def _hand_over(self, data: Any) -> None:
+        try:
+            self._raw.write(data)
+        except Exception as exc:
+            self.failure = exc
+            raise
 
     def finish(self) -> None:
         """Hand over what is still staged (before the upload is committed)."""

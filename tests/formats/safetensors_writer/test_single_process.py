@@ -8,6 +8,7 @@ back with safetensors itself, and compared bit for bit (NaN payloads, -0.0 and t
 from __future__ import annotations
 
 import io
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -125,14 +126,26 @@ def test_every_dtype_bit_exact_and_byte_identical_to_safetensors(location: str) 
     out = read_checkpoint(location)
     assert out["index"] is None
     assert mismatches(out["tensors"], sd) == []
-    # The whole file is what safetensors itself writes (order, header, padding, offsets).
-    expected = st_save({k: v.contiguous() for k, v in sd.items()}, metadata={"format": "pt"})
-    assert out["files"]["model.safetensors"] == expected
+    # The file is what safetensors itself writes (order, header, padding, offsets) given the same metadata
+    # (which adds our checksums; safetensors orders metadata keys by hash, so the headers compare parsed).
+    data = out["files"]["model.safetensors"]
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    assert header["__metadata__"]["format"] == "pt" and "dcp_storage.checksum_algorithm" in header["__metadata__"]
+    expected = st_save({k: v.contiguous() for k, v in sd.items()}, metadata=header["__metadata__"])
+    assert expected[:8] == data[:8] and json.loads(expected[8 : 8 + n]) == header and expected[8 + n :] == data[8 + n :]
     if "://" not in location:
         loaded = load_file(os.path.join(location, "model.safetensors"))
         assert mismatches(loaded, sd) == []
     ratio = writer.counters["bytes_written"] / checkpoint_bytes(location)
     assert ratio == 1.0, f"wrote {writer.counters['bytes_written']} bytes for a {checkpoint_bytes(location)}-byte file"
+
+
+def test_without_checksums_byte_identical_to_safetensors(location: str) -> None:
+    sd = all_dtypes_state_dict()
+    dcp.save(sd, storage_writer=SafetensorsWriter(location, checksum_algorithm=None))
+    expected = st_save({k: v.contiguous() for k, v in sd.items()}, metadata={"format": "pt"})
+    assert read_checkpoint(location)["files"]["model.safetensors"] == expected
 
 
 def test_sharded_output_index_and_files(location: str) -> None:
@@ -174,7 +187,8 @@ def test_prefix_and_metadata(location: str) -> None:
     assert b'"format":"pt"' in data[8 : 8 + header_len] and b'"source":"test"' in data[8 : 8 + header_len]
     if "://" not in location:
         with safe_open(os.path.join(location, "adapter_model.safetensors"), "pt") as f:
-            assert f.metadata() == {"format": "pt", "source": "test"}
+            md = f.metadata()
+            assert md["format"] == "pt" and md["source"] == "test" and md["dcp_storage.writer"].startswith("dcp-storage/")
 
 
 # ------------------------------------------------------------------------------------------- refusals

@@ -1,0 +1,221 @@
+"""GCS requests on gcsfs's session, one attempt each, so that the transport's retry layer is the only one.
+
+gcsfs wraps every JSON-API request (``GCSFileSystem._request``) in ``retry_request``: 6 tries with sleeps
+of 1, 2, 4, 8, 16 s on 5xx, 429 and connection errors. The count is fixed when the class is defined
+(``@retry_request(retries=retries)``), so no constructor argument or storage option turns it down. The
+functions here call the undecorated request (``_request.__wrapped__``, kept by the ``decorator`` package
+gcsfs uses) with gcsfs's own session, headers, credentials and error mapping (404 is
+``FileNotFoundError``, other errors ``HttpError`` with the status as ``code``): a permanent fault then
+costs exactly the policy's ``max_attempts`` requests, and its deadline holds.
+
+Writes: :class:`GcsAtomicUpload` sends the whole file as one ``uploadType=media`` request at commit, from
+memory (small files) or from a temporary file it spills to (larger ones). A media upload is idempotent (a
+retry overwrites) and atomic (the object appears whole or not at all), so the retry layer can resend it
+after any failure, including a response lost after GCS stored the object. A resumable upload would resend
+only one chunk, but resuming after a chunk whose response was lost needs the persisted offset from a
+status query (``Content-Range: bytes */*``), which the emulator (fake-gcs-server) does not implement: it
+appends every chunk it gets and commits on a status query. The cost of the media upload: a failed attempt
+resends the whole file, and the file passes through local disk when larger than one part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import tempfile
+from typing import IO, Any
+
+from fsspec import asyn
+
+__all__ = ["GcsAtomicUpload", "gcs_delete", "gcs_exists", "gcs_list_names", "gcs_put", "gcs_read", "gcs_size", "is_gcs"]
+
+_CONTENT_TYPE = "application/octet-stream"
+
+
+def _single_attempt(fs: Any) -> Any:
+    return getattr(type(fs)._request, "__wrapped__", None)
+
+
+def is_gcs(fs: Any) -> bool:
+    """Whether ``fs`` is gcsfs's plain ``GCSFileSystem`` whose undecorated request we can call.
+
+    Not its ``ExtendedGcsFileSystem`` (zonal buckets go over gRPC there).
+    """
+    return type(fs).__name__ == "GCSFileSystem" and hasattr(fs, "split_path") and _single_attempt(fs) is not None
+
+
+def gcs_call(fs: Any, method: str, path: str, *args: Any, **kwargs: Any) -> tuple[int, Any, bytes]:
+    """One JSON-API request, no retries: ``(status, headers, body)``; errors as gcsfs maps them."""
+    status, headers, _info, contents = asyn.sync(fs.loop, _single_attempt(fs), fs, method, path, *args, **kwargs)
+    return status, headers, contents
+
+
+def _split(fs: Any, path: str) -> tuple[str, str]:
+    bucket, key, _ = fs.split_path(path)
+    return bucket, key
+
+
+def gcs_read(fs: Any, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    """The object's bytes ``[start, end)`` (all of them when both are ``None``); the caller checks the length."""
+    headers = {}
+    if start is not None or end is not None:
+        first = start or 0
+        headers["Range"] = f"bytes={first}-{'' if end is None else end - 1}"
+    _, _, body = gcs_call(fs, "GET", fs.url(path), headers=headers)
+    return body
+
+
+def _metadata(fs: Any, path: str) -> dict[str, Any]:
+    bucket, key = _split(fs, path)
+    _, _, body = gcs_call(fs, "GET", "b/{}/o/{}", bucket, key)
+    return json.loads(body)
+
+
+def gcs_size(fs: Any, path: str) -> int:
+    """Size of the object at ``path``; ``FileNotFoundError`` if there is none."""
+    return int(_metadata(fs, path)["size"])
+
+
+def gcs_exists(fs: Any, path: str) -> bool:
+    """Whether ``path`` is an object, or a prefix with objects under it (a directory), or a bucket."""
+    bucket, key = _split(fs, path)
+    try:
+        if not key:
+            gcs_call(fs, "GET", "b/{}", bucket)
+            return True
+        _metadata(fs, path)
+        return True
+    except FileNotFoundError:
+        if not key:
+            return False
+    try:
+        _, _, body = gcs_call(fs, "GET", "b/{}/o", bucket, prefix=key.rstrip("/") + "/", maxResults=1)
+    except FileNotFoundError:  # no such bucket
+        return False
+    return bool(json.loads(body).get("items"))
+
+
+def gcs_list_names(fs: Any, path: str) -> list[str]:
+    """Names of the objects and prefixes directly under ``path`` (sorted); empty if there are none."""
+    bucket, key = _split(fs, path)
+    prefix = key.rstrip("/") + "/" if key else ""
+    names: set[str] = set()
+    token: str | None = None
+    while True:
+        params: dict[str, Any] = {"prefix": prefix, "delimiter": "/"}
+        if token:
+            params["pageToken"] = token
+        try:
+            _, _, body = gcs_call(fs, "GET", "b/{}/o", bucket, **params)
+        except FileNotFoundError:  # no such bucket
+            return []
+        page = json.loads(body)
+        for item in page.get("items", ()):
+            names.add(item["name"][len(prefix) :])
+        for sub in page.get("prefixes", ()):
+            names.add(posixpath.basename(sub.rstrip("/")))
+        token = page.get("nextPageToken")
+        if not token:
+            break
+    names.discard("")  # a zero-byte "directory marker" object named like the prefix
+    return sorted(names)
+
+
+def gcs_delete(fs: Any, path: str) -> None:
+    """Delete the object at ``path``; ``FileNotFoundError`` if there is none (a retry after a lost answer)."""
+    bucket, key = _split(fs, path)
+    try:
+        gcs_call(fs, "DELETE", "b/{}/o/{}", bucket, key)
+    finally:
+        fs.invalidate_cache(path)
+
+
+def gcs_put(fs: Any, path: str, data: bytes | str, size: int) -> None:
+    """One ``uploadType=media`` request: the object ``path`` becomes ``data`` (bytes, or a local file's path).
+
+    A file is opened anew for each call: aiohttp closes a file body once it has sent it.
+    """
+    bucket, key = _split(fs, path)
+    with contextlib.ExitStack() as stack:
+        body: bytes | IO[bytes] = data if isinstance(data, bytes) else stack.enter_context(open(data, "rb"))
+        gcs_call(
+            fs,
+            "POST",
+            f"{fs._location}/upload/storage/v1/b/{{}}/o",
+            bucket,
+            uploadType="media",
+            name=key,
+            data=body,
+            headers={"Content-Type": _CONTENT_TYPE, "Content-Length": str(size)},
+        )
+    fs.invalidate_cache(path)
+
+
+class GcsAtomicUpload:
+    """A write-only file committed by one retried media upload (module docstring: why not resumable).
+
+    Bytes stay in memory up to ``spill_size``, then go to a temporary file (removed at commit or abandon). ``runner(fn, what)``
+    runs ``fn`` under the transport's retry policy. Nothing is visible before :meth:`commit` succeeds;
+    :meth:`abandon` only drops the local bytes (no request was made, nothing to abort).
+    """
+
+    def __init__(self, fs: Any, path: str, spill_size: int, runner: Any) -> None:
+        self.fs = fs
+        self.path = path
+        self.spill_size = spill_size
+        self._run = runner
+        self._memory = bytearray()
+        self._file: IO[bytes] | None = None
+        self._spill: str | None = None
+        self.size = 0
+        self.requests = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        if self.closed:
+            raise ValueError(f"write to a closed upload of {self.path}")
+        view = memoryview(data).cast("B")
+        if self._file is None and len(self._memory) + view.nbytes > self.spill_size:
+            fd, self._spill = tempfile.mkstemp(prefix="dcp-storage-gcs-")
+            self._file = os.fdopen(fd, "wb")
+            self._file.write(self._memory)
+            self._memory = bytearray()
+        if self._file is not None:
+            self._file.write(view)
+        else:
+            self._memory += view
+        self.size += view.nbytes
+        return view.nbytes
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        """Nothing to do: the bytes are sent at :meth:`commit`."""
+
+    def commit(self) -> None:
+        try:
+            body = bytes(self._memory) if self._spill is None else self._spill
+            if self._file is not None:
+                self._file.close()
+            self._run(lambda: gcs_put(self.fs, self.path, body, self.size), f"write ({self.size} bytes)")
+            self.requests += 1
+        finally:
+            self._close()
+
+    def abandon(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        self.closed = True
+        self._memory = bytearray()
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        if self._spill is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self._spill)
+            self._spill = None
