@@ -120,10 +120,11 @@ class SafetensorsWriter(StorageWriter):
 
     * Local filesystems (must be shared by all ranks, as for torch's ``FileSystemWriter``): positioned
       writes. In ``prepare_global_plan`` the coordinator plans every file, creates each one at its full
-      size under a hidden temp name ``.{name}.{save_id}.tmp`` and writes its header. Each rank then
-      ``pwrite``s its own chunks at their final offsets (a ``Shard(0)`` chunk is one run, a ``Shard(1)``
-      chunk one run per row) and ``fsync``s. In ``finish`` the coordinator renames the files into place
-      and writes the index last, so an interrupted save never looks complete. Each byte is written once.
+      size under a hidden temp name ``.{name}.{save_id}.tmp`` (writing its header now, or in ``finish``
+      once the chunk digests are known). Each rank then ``pwrite``s its own chunks at their final offsets
+      (a ``Shard(0)`` chunk is one run, a ``Shard(1)`` chunk one run per row), hashing them as it goes,
+      and ``fsync``s. In ``finish`` the coordinator writes the headers, renames the files into place and
+      writes the index last, so an interrupted save never looks complete. Each byte is written once.
     * Object stores (any non-local fsspec filesystem): objects cannot be written at offsets, so the
       coordinator streams each file in order through one atomic upload (single PUT or multipart upload),
       tensor by tensor. In ``write_data`` every rank sends its chunks to the coordinator over the process

@@ -34,3 +34,19 @@ def save_dtensors(rank: int, world: int, path: str, storage_options: dict[str, A
     for key, full in reference().items():
         sd[key] = distribute_tensor(full, mesh, [placements[key]]) if key in placements else full
     dcp.save(sd, storage_writer=SafetensorsWriter(path, storage_options, max_shard_size=6000))
+
+
+def load_resharded_verified(rank: int, world: int, path: str) -> bool:
+    """Load with ``verify=True`` into the opposite shardings (slices of the checked tensors); True if exact."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dcp_storage import SafetensorsReader
+
+    mesh = init_device_mesh("cpu", (world,))
+    ref = reference()
+    flipped = {"embed": Shard(1), "proj": Shard(0), "uneven": Shard(0), "norm": Shard(0)}
+    sd = {k: distribute_tensor(torch.zeros_like(v), mesh, [flipped[k]]) for k, v in ref.items() if k in flipped}
+    dcp.load(sd, storage_reader=SafetensorsReader(path, verify=True))
+    return all(torch.equal(sd[k].full_tensor(), ref[k]) for k in sd)

@@ -242,3 +242,24 @@ def test_convert_to_dcp_records_manifest_and_verifies_deep(single_ckpt: Path, tm
     assert any(data_file.name in p and "checksum mismatch" in p for p in problems), problems
     with pytest.raises(DcpStorageError):
         raise DcpStorageError("sanity")  # the error type users catch is the project's
+
+
+def test_two_ranks_streaming_to_s3_record_checksums(s3_url: Any) -> None:
+    """Object-store mode with DTensor shards: every rank's digests reach the header uploaded first."""
+    url, options = s3_url
+    run_ranks(R.save_dtensors, 2, url, options, timeout=120.0)
+    report = verify(url, options, deep=True)
+    assert report.ok and any("xxh3_64 checksums of" in n for n in report.notes), (report.problems, report.notes)
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    name = min(p for p in fs.ls(root, detail=False) if p.endswith(".safetensors"))
+    data = bytearray(fs.cat_file(name))
+    data[-3] ^= 0x40
+    fs.pipe_file(name, bytes(data))
+    problems = verify(url, options, deep=True).problems
+    assert any(name.rsplit("/", 1)[1] in p and "checksum mismatch" in p for p in problems), problems
+
+
+def test_two_ranks_load_resharded_with_verify(dist_ckpt: Path) -> None:
+    assert run_ranks(R.load_resharded_verified, 2, str(dist_ckpt), timeout=120.0) == [True, True]

@@ -188,7 +188,8 @@ def test_prefix_and_metadata(location: str) -> None:
     if "://" not in location:
         with safe_open(os.path.join(location, "adapter_model.safetensors"), "pt") as f:
             md = f.metadata()
-            assert md["format"] == "pt" and md["source"] == "test" and md["dcp_storage.writer"].startswith("dcp-storage/")
+            assert md["format"] == "pt" and md["source"] == "test"
+            assert md["dcp_storage.writer"].startswith("dcp-storage/")
 
 
 # ------------------------------------------------------------------------------------------- refusals
