@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import os
 import posixpath
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -299,42 +300,36 @@ class ObstoreTransport:
     def open_atomic(self, path: str) -> Iterator[CopyingWriter]:
         """Open ``path`` for writing such that it appears whole or not at all.
 
-        Up to ``part_size`` bytes become one PUT at the end of the block; more become a multipart upload
-        completed at the end of the block. On an exception the upload is aborted and nothing is visible
-        (a previous object at ``path`` stays). Every buffer written is copied (see :mod:`.writer`).
+        The bytes written are spooled (in memory up to ``part_size``, then in a temporary file) and sent at
+        the end of the block by one ``obstore.put``: a single PUT up to ``part_size``, a multipart upload
+        above it. That put runs under the transport's retry policy as a whole, so any failed request (a
+        part, the completion, or a cut-off answer to ``CreateMultipartUpload``, which obstore does not
+        retry and whose upload id never reaches us) costs a resend of the file, not the save. On an
+        exception inside the block nothing is sent. Every buffer written is copied (see :mod:`.writer`).
         """
         store, key = self._locate(path, uploads=True)
-        raw = obstore.open_writer(store, key, buffer_size=self.config.part_size, max_concurrency=UPLOAD_CONCURRENCY)
-        writer = CopyingWriter(raw, self.counters, min(STAGE_BYTES, self.config.part_size))
-        try:
+        part = self.config.part_size
+        with tempfile.SpooledTemporaryFile(max_size=part) as spool:
+            writer = CopyingWriter(spool, self.counters, min(STAGE_BYTES, part))
             yield writer
             writer.finish()
-        except BaseException as exc:
-            _abort(raw, exc)
-            if writer.failure is not None:
-                # obstore's own error, not what a serializer in between made of it
-                raise TransportError(
-                    f"write {self.url(path)} (at byte {writer.written}) failed: {short_message(writer.failure)}"
-                ) from writer.failure
-            raise
-        try:
-            raw.close()  # commits: the single PUT, or completing the multipart upload
-        except Exception as exc:
-            raise TransportError(
-                f"write {self.url(path)} ({writer.written} bytes) failed: {short_message(exc)}"
-            ) from exc
-        self.counters.add(requests=_put_requests(writer.written, self.config.part_size))
+            nbytes = writer.written
+            multipart = nbytes > part
+
+            def put() -> None:
+                spool.seek(0)
+                body: Any = spool if multipart else spool.read()
+                obstore.put(
+                    store, key, body, use_multipart=multipart, chunk_size=part, max_concurrency=UPLOAD_CONCURRENCY
+                )
+
+            self._call(put, path, f"write ({nbytes} bytes)")
+        self.counters.add(requests=_put_requests(nbytes, part))
 
 
 def _put_requests(nbytes: int, part_size: int) -> int:
     parts = max(1, -(-nbytes // part_size))
     return 1 if parts == 1 else parts + 2  # create + parts + complete
-
-
-def _abort(raw: Any, exc: BaseException) -> None:
-    """Abort an upload (obstore's ``__exit__`` with an exception aborts a multipart upload)."""
-    with contextlib.suppress(Exception):
-        raw.__exit__(type(exc), exc, exc.__traceback__)
 
 
 def _resolve(config: TransportConfig) -> TransportConfig:

@@ -1,11 +1,15 @@
-"""The file object ``open_atomic`` hands out: it copies every buffer before obstore sees it.
+"""The file object ``open_atomic`` hands out: it copies every buffer into the upload spool.
+
+``open_atomic`` spools a file and sends it with one retried ``obstore.put`` (see the transport); this writer
+gathers small writes into private staging buffers on the way, so the spool sees few, large writes and no
+caller's buffer is ever referenced after ``write`` returns. Why that matters:
 
 obstore 0.12's ``WritableFile.write`` does not copy: it keeps a reference to the caller's buffer until the
 part holding it is uploaded (at the next part boundary or at ``close``). A caller that reuses its buffer
 (a staging area, a tensor being overwritten, a ``bytearray`` refilled in a loop) would upload whatever the
 buffer holds *later*, silently. So every buffer is copied exactly once here, into a private ``bytearray``
-that is then handed to obstore and never touched again. Small writes are gathered into that staging
-``bytearray`` (one obstore call per ``stage_bytes`` rather than per ``write``); only immutable ``bytes`` of
+that is then handed on (to the spool) and never touched again. Small writes are gathered into that staging
+``bytearray`` (one spool write per ``stage_bytes`` rather than per ``write``); only immutable ``bytes`` of
 at least ``stage_bytes`` go through uncopied, since nobody can change them.
 """
 
