@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DemoConfig", "run_demo", "format_report"]
+__all__ = ["DemoConfig", "format_report", "run_demo"]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from .formats.completeness import probe_or_refuse
 from .formats.spec import FormatSpec, Probe
 from .integrity.format_check import missing_format_plugin
 
-__all__ = ["UnknownFormatError", "open_reader", "open_writer", "detect_format"]
+__all__ = ["UnknownFormatError", "detect_format", "open_reader", "open_writer"]
 
 
 class UnknownFormatError(DcpStorageError, ValueError):

@@ -30,16 +30,16 @@ from .errors import DcpStorageError
 
 __all__ = [
     "KINDS",
-    "PluginInfo",
     "PluginError",
-    "PluginNotFoundError",
     "PluginImportError",
-    "list",
+    "PluginInfo",
+    "PluginNotFoundError",
     "get",
+    "list",
     "register",
-    "unregister",
     "registered",
     "reload",
+    "unregister",
 ]
 
 KINDS: tuple[str, ...] = ("transports", "formats", "strategies", "planners", "extensions")

@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-__all__ = ["writable_bytes", "host_buffer"]
+__all__ = ["host_buffer", "writable_bytes"]
 
 
 def writable_bytes(tensor: torch.Tensor) -> memoryview:

@@ -11,7 +11,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-__all__ = ["slice_runs", "count_runs", "is_row_major"]
+__all__ = ["count_runs", "is_row_major", "slice_runs"]
 
 
 def _split_dim(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> int:

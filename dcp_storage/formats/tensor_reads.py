@@ -31,7 +31,7 @@ from ..tensor_buffers import host_buffer, writable_bytes
 from ..transports import FsspecTransport, RangeRequest
 from .slices import count_runs, is_row_major, slice_runs
 
-__all__ = ["StoredTensor", "SliceRead", "plan_slice_read", "read_slices"]
+__all__ = ["SliceRead", "StoredTensor", "plan_slice_read", "read_slices"]
 
 
 @dataclass(frozen=True)

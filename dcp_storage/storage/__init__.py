@@ -6,4 +6,4 @@ from .safetensors_reader import SafetensorsReader
 from .safetensors_writer import SafetensorsWriter
 from .torch_save_reader import BroadcastingTorchSaveReader
 
-__all__ = ["FsspecReader", "FsspecWriter", "SafetensorsReader", "SafetensorsWriter", "BroadcastingTorchSaveReader"]
+__all__ = ["BroadcastingTorchSaveReader", "FsspecReader", "FsspecWriter", "SafetensorsReader", "SafetensorsWriter"]

@@ -16,7 +16,7 @@ from typing import Any
 from .. import registry
 from .fsspec_transport import FsspecTransport, TransportConfig
 
-__all__ = ["open_transport", "bind_transport", "TRANSPORT_OPTION"]
+__all__ = ["TRANSPORT_OPTION", "bind_transport", "open_transport"]
 
 TRANSPORT_OPTION = "transport"
 BUILTIN = "fsspec"

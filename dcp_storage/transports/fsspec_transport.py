@@ -39,7 +39,7 @@ from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size
 from .s3_stream import ScatterSink, can_stream, read_object, stream_range
 from .s3_upload import S3AtomicUpload, put_object
 
-__all__ = ["TransportConfig", "FsspecTransport"]
+__all__ = ["FsspecTransport", "TransportConfig"]
 
 MiB = 1024 * 1024
 

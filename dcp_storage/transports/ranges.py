@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["RangeRequest", "Segment", "FetchGroup", "plan_fetches"]
+__all__ = ["FetchGroup", "RangeRequest", "Segment", "plan_fetches"]
 
 
 @dataclass

@@ -48,7 +48,7 @@ from .torch_record import (
     parse_tensor_record,
 )
 
-__all__ = ["ItemLoaderConfig", "DcpItemLoader"]
+__all__ = ["DcpItemLoader", "ItemLoaderConfig"]
 
 KiB = 1024
 MiB = 1024 * KiB

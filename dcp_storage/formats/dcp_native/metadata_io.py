@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...safe_unpickle import globals_of, safe_loads
 from .metadata_checks import check_metadata
 
-__all__ = ["METADATA_FILE", "metadata_allow_list", "load_metadata", "dump_metadata"]
+__all__ = ["METADATA_FILE", "dump_metadata", "load_metadata", "metadata_allow_list"]
 
 METADATA_FILE = ".metadata"
 

@@ -27,7 +27,7 @@ from ...safe_unpickle import AllowListUnpickler
 from ..limits import checked_nbytes
 from ..slices import is_row_major
 
-__all__ = ["TensorRecord", "UnsupportedRecord", "NeedMoreBytes", "parse_tensor_record", "load_tensor_record"]
+__all__ = ["NeedMoreBytes", "TensorRecord", "UnsupportedRecord", "load_tensor_record", "parse_tensor_record"]
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_SIG = b"PK\x03\x04"

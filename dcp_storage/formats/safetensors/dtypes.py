@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SAFETENSORS_TO_TORCH", "TORCH_TO_SAFETENSORS", "torch_dtype", "safetensors_dtype"]
+__all__ = ["SAFETENSORS_TO_TORCH", "TORCH_TO_SAFETENSORS", "safetensors_dtype", "torch_dtype"]
 
 
 def _table() -> dict[str, torch.dtype]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..spec import FormatSpec, Probe
 
-__all__ = ["FORMAT", "looks_like_torch_zip", "looks_like_legacy_torch_pickle"]
+__all__ = ["FORMAT", "looks_like_legacy_torch_pickle", "looks_like_torch_zip"]
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.serialization.MAGIC_NUMBER, the first object of a legacy file
 
