@@ -20,7 +20,7 @@ import posixpath
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -29,10 +29,10 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError
-from .budget import ByteBudget
 from .counters import TransportCounters
 from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_read, gcs_size, is_gcs
 from .local_io import preadv_exact
+from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import RetryPolicy, TruncatedReadError, call_with_retry, single_layer_client_options
 from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size
@@ -284,8 +284,19 @@ class FsspecTransport:
         """
         cfg = self.config
         groups = plan_fetches(requests, cfg.coalesce_gap, cfg.max_request_bytes)
-        run = _RangeRun(self, requests, groups)
-        return run.execute()
+        if not self.is_local:
+            return RangeRun(
+                requests, groups, self._fetch_group_remote, self._executor(), cfg.max_inflight_bytes
+            ).execute()
+        files = _LocalFiles()
+        try:
+
+            def fetch(group: FetchGroup, views: list[memoryview]) -> None:
+                self._fetch_group_local(files.fd(group.path), group, views)
+
+            return RangeRun(requests, groups, fetch, self._executor(), cfg.max_inflight_bytes).execute()
+        finally:
+            files.close()  # execute() returns only once no fetch runs any more
 
     def _fetch_group_local(self, fd: int, group: FetchGroup, views: list[memoryview]) -> None:
         buffers: list[memoryview] = []
@@ -523,103 +534,25 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-class _RangeRun:
-    """One :meth:`FsspecTransport.read_ranges` call: buffers, budget, completion tracking."""
+class _LocalFiles:
+    """Descriptors of the local files one ``read_ranges`` call reads, opened on first use."""
 
-    def __init__(self, transport: FsspecTransport, requests: Sequence[RangeRequest], groups: list[FetchGroup]):
-        self.t = transport
-        self.requests = requests
-        self.groups = groups
-        self.results: list[memoryview | None] = [None] * len(requests)
-        self.remaining = [0] * len(requests)
-        for g in groups:
-            for seg in g.segments:
-                self.remaining[seg.index] += 1
-        self.lock = threading.Lock()
-        self.fds: dict[str, int] = {}
-        self.budget = ByteBudget(transport.config.max_inflight_bytes)
-        self.failed = threading.Event()
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
-    def _buffer(self, index: int) -> memoryview:
-        with self.lock:
-            buf = self.results[index]
-            if buf is None:
-                req = self.requests[index]
-                buf = req.into if req.into is not None else memoryview(bytearray(req.length))
-                self.results[index] = buf
-            return buf
-
-    def _fd(self, path: str) -> int:
-        with self.lock:
-            fd = self.fds.get(path)
+    def fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
             if fd is None:
                 try:
                     fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError as exc:
                     raise CheckpointNotFoundError(f"{path}: no such file") from exc
-                self.fds[path] = fd
+                self._fds[path] = fd
             return fd
 
-    def _run_group(self, group: FetchGroup) -> None:
-        try:
-            views = []
-            for seg in group.segments:
-                req = self.requests[seg.index]
-                buf = self._buffer(seg.index)
-                views.append(buf[seg.start - req.start : seg.end - req.start])
-            if self.t.is_local:
-                self.t._fetch_group_local(self._fd(group.path), group, views)
-            else:
-                self.t._fetch_group_remote(group, views)
-            for seg in group.segments:
-                self._segment_done(seg.index)
-        except BaseException:
-            self.failed.set()
-            raise
-        finally:
-            self.budget.release(group.length)
-
-    def _segment_done(self, index: int) -> None:
-        with self.lock:
-            self.remaining[index] -= 1
-            done = self.remaining[index] == 0
-        req = self.requests[index]
-        if done and req.on_complete is not None:
-            buf = self.results[index]
-            req.on_complete(buf if buf is not None else memoryview(b""))
-            with self.lock:
-                self.results[index] = None
-
-    def execute(self) -> list[memoryview | None]:
-        for i, req in enumerate(self.requests):
-            if req.length == 0:
-                self._buffer(i)
-                self.remaining[i] = 1
-                self._segment_done(i)
-        pool = self.t._executor()
-        futures: list[Future[None]] = []
-        try:
-            return self._submit_and_wait(pool, futures)
-        finally:
-            for f in futures:
-                f.cancel()
-            wait(futures)  # no worker may still use a descriptor closed below
-            for fd in self.fds.values():
-                os.close(fd)
-
-    def _submit_and_wait(self, pool: ThreadPoolExecutor, futures: list[Future[None]]) -> list[memoryview | None]:
-        for group in self.groups:
-            if self.failed.is_set():
-                break
-            self.budget.acquire(group.length)
-            try:
-                futures.append(pool.submit(self._run_group, group))
-            except BaseException:
-                self.budget.release(group.length)
-                raise
-        wait(futures, return_when=FIRST_EXCEPTION)
-        for f in futures:
-            if f.done() and not f.cancelled() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
-        wait(futures)
-        return self.results
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

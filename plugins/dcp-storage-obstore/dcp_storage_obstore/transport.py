@@ -26,13 +26,13 @@ import posixpath
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import obstore
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, TransportError
 from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig, TransportCounters, is_transient
-from dcp_storage.transports.budget import ByteBudget
+from dcp_storage.transports.range_run import RangeRun
 from dcp_storage.transports.ranges import FetchGroup, plan_fetches
 from dcp_storage.transports.retry import TruncatedReadError, call_with_retry
 from dcp_storage.transports.s3_stream import ScatterSink
@@ -221,7 +221,7 @@ class ObstoreTransport:
         """
         cfg = self.config
         groups = plan_fetches(requests, cfg.coalesce_gap, cfg.max_request_bytes)  # type: ignore[arg-type]
-        return _RangeRun(self, requests, groups).execute()
+        return RangeRun(requests, groups, self._fetch_group, self._executor(), cfg.max_inflight_bytes).execute()
 
     def _fetch_group(self, group: FetchGroup, views: list[memoryview]) -> None:
         """One ranged GET for ``group``, streamed into ``views``; resumes after a body cut short."""
@@ -359,86 +359,3 @@ def _obstore_retry(policy: RetryPolicy) -> dict[str, Any]:
     if policy.deadline is not None:
         retry["retry_timeout"] = datetime.timedelta(seconds=policy.deadline)
     return retry
-
-
-class _RangeRun:
-    """One :meth:`ObstoreTransport.read_ranges` call: buffers, budget, completion tracking."""
-
-    def __init__(self, transport: ObstoreTransport, requests: Sequence[RangeRequest], groups: list[FetchGroup]):
-        self.t = transport
-        self.requests = requests
-        self.groups = groups
-        self.results: list[memoryview | None] = [None] * len(requests)
-        self.remaining = [0] * len(requests)
-        for g in groups:
-            for seg in g.segments:
-                self.remaining[seg.index] += 1
-        self.lock = threading.Lock()
-        self.budget = ByteBudget(transport.config.max_inflight_bytes)
-        self.failed = threading.Event()
-
-    def _buffer(self, index: int) -> memoryview:
-        with self.lock:
-            buf = self.results[index]
-            if buf is None:
-                req = self.requests[index]
-                buf = req.into if req.into is not None else memoryview(bytearray(req.length))
-                self.results[index] = buf
-            return buf
-
-    def _run_group(self, group: FetchGroup) -> None:
-        try:
-            if self.failed.is_set():
-                return
-            views = []
-            for seg in group.segments:
-                req = self.requests[seg.index]
-                views.append(self._buffer(seg.index)[seg.start - req.start : seg.end - req.start])
-            self.t._fetch_group(group, views)
-            for seg in group.segments:
-                self._segment_done(seg.index)
-        except BaseException:
-            self.failed.set()
-            raise
-        finally:
-            self.budget.release(group.length)
-
-    def _segment_done(self, index: int) -> None:
-        with self.lock:
-            self.remaining[index] -= 1
-            done = self.remaining[index] == 0
-        req = self.requests[index]
-        if done and req.on_complete is not None:
-            buf = self.results[index]
-            req.on_complete(buf if buf is not None else memoryview(b""))
-            with self.lock:
-                self.results[index] = None
-
-    def execute(self) -> list[memoryview | None]:
-        for i, req in enumerate(self.requests):
-            if req.length == 0:
-                self._buffer(i)
-                self.remaining[i] = 1
-                self._segment_done(i)
-        pool = self.t._executor()
-        futures: list[Future[None]] = []
-        try:
-            for group in self.groups:
-                if self.failed.is_set():
-                    break
-                self.budget.acquire(group.length)
-                try:
-                    futures.append(pool.submit(self._run_group, group))
-                except BaseException:
-                    self.budget.release(group.length)
-                    raise
-            wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                if f.done() and not f.cancelled() and f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
-            wait(futures)
-            return self.results
-        finally:
-            for f in futures:
-                f.cancel()
-            wait(futures)
