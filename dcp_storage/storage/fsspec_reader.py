@@ -31,12 +31,12 @@ from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
 from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
 from ..integrity.dcp_manifest import record_verifier
 from ..transports import FsspecTransport, TransportConfig
-from ..transports.factory import bind_transport
+from .location import BoundLocation
 
 __all__ = ["FsspecReader"]
 
 
-class FsspecReader(StorageReader):
+class FsspecReader(BoundLocation, StorageReader):
     """Read a DCP checkpoint (``.metadata`` + ``*.distcp``) from a local path or any fsspec URL.
 
     Args:
@@ -78,21 +78,6 @@ class FsspecReader(StorageReader):
         self.metadata: Metadata | None = None
         self.load_id = uuid.uuid4().hex
         self._open(path)
-
-    def _open(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        self.transport, self.root = bind_transport(
-            self.path, self.storage_options, self.transport_config, self._given_transport
-        )
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @property
-    def counters(self) -> dict[str, int]:
-        """Requests, bytes read and retries so far (see :class:`~dcp_storage.transports.TransportCounters`)."""
-        return self.transport.counters.snapshot()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}

@@ -43,8 +43,8 @@ from ..integrity.dcp_manifest import build_manifest
 from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import FsspecTransport, TransportConfig
-from ..transports.factory import bind_transport
 from .fsspec_reader import _is_fsspec_url
+from .location import BoundLocation
 
 __all__ = ["FsspecWriter"]
 
@@ -52,7 +52,7 @@ DCP_VERSION = "1.0.0"
 DATA_SUFFIX = ".distcp"
 
 
-class FsspecWriter(StorageWriter):
+class FsspecWriter(BoundLocation, StorageWriter):
     """Write a DCP checkpoint to a local path or any fsspec URL.
 
     Args:
@@ -102,20 +102,6 @@ class FsspecWriter(StorageWriter):
         self.use_collectives = True
         self.save_id = uuid.uuid4().hex
         self._open(path)
-
-    def _open(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        self.transport, self.root = bind_transport(
-            self.path, self.storage_options, self.transport_config, self._given_transport
-        )
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return self.transport.counters.snapshot()
 
     def _metadata_path(self) -> str:
         name = METADATA_FILE if self.use_collectives or self.rank is None else f"__{self.rank}{METADATA_FILE}"
@@ -192,7 +178,9 @@ class FsspecWriter(StorageWriter):
         """Write one data file; byte items first, then tensors (torch's order), committed atomically."""
         path = self.transport.join(self.root, name)
         results = []
-        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [i for i in items if i.type != WriteItemType.BYTE_IO]
+        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
+            i for i in items if i.type != WriteItemType.BYTE_IO
+        ]
         with self.transport.open_atomic(path) as raw:
             stream = HashingWriter(raw, self.checksum_algorithm)  # checksums of the stored bytes, in one pass
             for item in ordered:

@@ -38,12 +38,12 @@ from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
 from ..transports import FsspecTransport, TransportConfig
-from ..transports.factory import bind_transport
+from .location import BoundLocation
 
 __all__ = ["SafetensorsReader"]
 
 
-class SafetensorsReader(StorageReader):
+class SafetensorsReader(BoundLocation, StorageReader):
     """Read safetensors checkpoints with ``dcp.load`` from a local path or any fsspec URL.
 
     Args:
@@ -96,20 +96,8 @@ class SafetensorsReader(StorageReader):
         self._open(url)
 
     def _open(self, url: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(url)
-        self.transport, self.target = bind_transport(
-            self.path, self.storage_options, self.transport_config, self._given_transport
-        )
-        self.root = self.target  # replaced by the layout's root once metadata is read
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @property
-    def counters(self) -> dict[str, int]:
-        """Requests, bytes read and retries so far (see :class:`~dcp_storage.transports.TransportCounters`)."""
-        return self.transport.counters.snapshot()
+        super()._open(url)
+        self.target = self.root  # what the user named; root becomes the layout's root once metadata is read
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}

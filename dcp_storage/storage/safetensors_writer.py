@@ -61,9 +61,9 @@ from ..formats.safetensors.write_plan import (
 from ..integrity.checksums import DEFAULT_ALGORITHM, checksum, digest_width
 from ..integrity.safetensors_sums import RESERVED_PREFIX
 from ..transports import FsspecTransport, TransportConfig
-from ..transports.factory import bind_transport
 from ..transports.fsspec_transport import _fsync_dir
 from .fsspec_reader import _is_fsspec_url
+from .location import BoundLocation
 
 __all__ = ["EXTRA_STATE_FILE", "SafetensorsWriter"]
 
@@ -88,7 +88,7 @@ class _ChunkDigest:
     digest: str
 
 
-class SafetensorsWriter(StorageWriter):
+class SafetensorsWriter(BoundLocation, StorageWriter):
     """Save a DCP state dict as Hugging Face safetensors on a local path or any fsspec URL.
 
     Args:
@@ -198,20 +198,6 @@ class SafetensorsWriter(StorageWriter):
         self._open(url)
 
     # ------------------------------------------------------------------------------------ set-up
-    def _open(self, url: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(url)
-        self.transport, self.root = bind_transport(
-            self.path, self.storage_options, self.transport_config, self._given_transport
-        )
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return self.transport.counters.snapshot()
-
     def _path(self, name: str) -> str:
         return self.transport.join(self.root, name)
 
