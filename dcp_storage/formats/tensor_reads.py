@@ -22,13 +22,15 @@ import math
 import mmap
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShapeMismatchError
+from ..errors import CorruptCheckpointError, ShapeMismatchError
 from ..tensor_buffers import host_buffer, writable_bytes
 from ..transports import FsspecTransport, RangeRequest
+from ..transports.local_io import LocalFiles
 from .slices import count_runs, is_row_major, slice_runs
 
 __all__ = ["SliceRead", "StoredTensor", "plan_slice_read", "read_slices"]
@@ -55,7 +57,9 @@ class StoredTensor:
         return is_row_major(self.shape, self.stride)
 
     @staticmethod
-    def contiguous(path: str, data_offset: int, dtype: torch.dtype, shape: Sequence[int], where: str = "") -> StoredTensor:
+    def contiguous(
+        path: str, data_offset: int, dtype: torch.dtype, shape: Sequence[int], where: str = ""
+    ) -> StoredTensor:
         shape = tuple(int(s) for s in shape)
         stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
         return StoredTensor(path, data_offset, dtype, shape, stride, 0, where)
@@ -145,7 +149,9 @@ def plan_slice_read(
     work.staging = staging
     work.strided = tuple(stored.stride)
     start = stored.data_offset + first * itemsize
-    work.requests = [RangeRequest(stored.path, start, start + (last - first + 1) * itemsize, into=writable_bytes(staging))]
+    work.requests = [
+        RangeRequest(stored.path, start, start + (last - first + 1) * itemsize, into=writable_bytes(staging))
+    ]
     return work
 
 
@@ -206,29 +212,29 @@ def _copy_mapped(transport: FsspecTransport, works: list[SliceRead]) -> None:
     Runs are split into chunks spread over the transport's worker threads (``preadv`` drops the GIL).
     """
     jobs = []
-    fds: dict[str, int] = {}
+    futures: list[Future[None]] = []
+    files = LocalFiles()
     try:
         for work in works:
             stored, offsets = work.mapped  # type: ignore[misc]
-            if stored.path not in fds:
-                try:
-                    fds[stored.path] = os.open(stored.path, os.O_RDONLY)
-                except FileNotFoundError as exc:
-                    raise CheckpointNotFoundError(f"{stored.where}: no such file") from exc
+            fd = files.fd(stored.path, stored.where)
             target = work.staging if work.staging is not None else work.dest
             item = stored.itemsize
-            starts, run_bytes = slice_runs(stored.shape, offsets, work.lengths, item, stored.data_offset + stored.storage_offset * item)
+            starts, run_bytes = slice_runs(
+                stored.shape, offsets, work.lengths, item, stored.data_offset + stored.storage_offset * item
+            )
             view = writable_bytes(target)
             for lo in range(0, len(starts), _RUNS_PER_JOB):
-                jobs.append((fds[stored.path], stored.where, starts[lo : lo + _RUNS_PER_JOB], run_bytes, view, lo))
+                jobs.append((fd, stored.where, starts[lo : lo + _RUNS_PER_JOB], run_bytes, view, lo))
             transport.counters.add(requests=len(starts), bytes_read=len(starts) * run_bytes)
             work.mapped = None
         pool = transport._executor()
-        for future in [pool.submit(_pread_runs, *job) for job in jobs]:
+        futures = [pool.submit(_pread_runs, *job) for job in jobs]
+        for future in futures:
             future.result()
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        wait(futures)  # no job may still read a descriptor closed below
+        files.close()
 
 
 def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
@@ -241,16 +247,11 @@ def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
     closed right after its copy, so mapped page-cache pages never add up in a rank's RSS beyond the
     largest tensor. Maps are private and never written.
     """
-    fds: dict[str, int] = {}
+    files = LocalFiles()
     try:
         for work in works:
             stored, offsets = work.mapped  # type: ignore[misc]
-            if stored.path not in fds:
-                try:
-                    fds[stored.path] = os.open(stored.path, os.O_RDONLY)
-                except FileNotFoundError as exc:
-                    raise CheckpointNotFoundError(f"{stored.where}: no such file") from exc
-            fd = fds[stored.path]
+            fd = files.fd(stored.path, stored.where)
             item = stored.itemsize
             base = stored.data_offset + stored.storage_offset * item
             extent = base + (sum((s - 1) * st for s, st in zip(stored.shape, stored.stride)) + 1) * item
@@ -284,8 +285,7 @@ def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
             transport.counters.add(requests=1, bytes_read=nbytes)
             work.mapped = None
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        files.close()
 
 
 _MAP_BELOW_RUN_BYTES = 1 << 20  # runs shorter than this are copied from a map, longer ones pread

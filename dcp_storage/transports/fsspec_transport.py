@@ -31,7 +31,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError
 from .counters import TransportCounters
 from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_read, gcs_size, is_gcs
-from .local_io import preadv_exact
+from .local_io import LocalFiles, preadv_exact
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import RetryPolicy, TruncatedReadError, call_with_retry, single_layer_client_options
@@ -288,7 +288,7 @@ class FsspecTransport:
             return RangeRun(
                 requests, groups, self._fetch_group_remote, self._executor(), cfg.max_inflight_bytes
             ).execute()
-        files = _LocalFiles()
+        files = LocalFiles()
         try:
 
             def fetch(group: FetchGroup, views: list[memoryview]) -> None:
@@ -532,27 +532,3 @@ def _fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-class _LocalFiles:
-    """Descriptors of the local files one ``read_ranges`` call reads, opened on first use."""
-
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def fd(self, path: str) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError as exc:
-                    raise CheckpointNotFoundError(f"{path}: no such file") from exc
-                self._fds[path] = fd
-            return fd
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()

@@ -7,10 +7,11 @@ no intermediate ``bytes`` object, no extra copy. Gaps between coalesced ranges l
 from __future__ import annotations
 
 import os
+import threading
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 
-__all__ = ["preadv_exact"]
+__all__ = ["LocalFiles", "preadv_exact"]
 
 _IOV_MAX = min(getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024, 1024)
 
@@ -43,9 +44,33 @@ def preadv_exact(fd: int, path: str, buffers: list[memoryview], offset: int) -> 
         if got == 0:
             size = os.fstat(fd).st_size
             raise CorruptCheckpointError(
-                f"{path}: file ends at byte {size} but bytes up to {position + want} were expected "
-                "(truncated file?)"
+                f"{path}: file ends at byte {size} but bytes up to {position + want} were expected (truncated file?)"
             )
         position += got
         pending = _advance(batch, got) + pending[len(batch) :]
     return calls
+
+
+class LocalFiles:
+    """Read-only descriptors of local files, opened on first use and shared by threads; ``close`` them all."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path: str, where: str | None = None) -> int:
+        """The descriptor of ``path``; a missing file raises ``CheckpointNotFoundError`` naming ``where``."""
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError as exc:
+                    raise CheckpointNotFoundError(f"{where or path}: no such file") from exc
+                self._fds[path] = fd
+            return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
