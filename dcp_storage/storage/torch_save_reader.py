@@ -36,18 +36,16 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.storage import StorageReader
-from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
 from ..formats.tensor_reads import SliceRead, plan_slice_read, read_slices
 from ..formats.torch_save import ArchiveConfig, TorchSaveArchive
-from ..strategies.group import GroupView, group_view
+from ..strategies.coordinator_served import CoordinatorServedReader
+from ..strategies.group import GroupView
 from ..strategies.metadata_sharing import share_object
-from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, receive_items
+from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order
 from ..tensor_buffers import host_buffer
 from ..transports import FsspecTransport, TransportConfig
 from ..transports.factory import open_transport
@@ -55,7 +53,7 @@ from ..transports.factory import open_transport
 __all__ = ["BroadcastingTorchSaveReader"]
 
 
-class BroadcastingTorchSaveReader(StorageReader):
+class BroadcastingTorchSaveReader(CoordinatorServedReader):
     """Read a ``torch.save`` file on one rank and send every rank the slices it needs.
 
     Args:
@@ -120,11 +118,6 @@ class BroadcastingTorchSaveReader(StorageReader):
             out["storage"] = {"requests": 0, "bytes_read": 0, "bytes_written": 0, "retries": 0}
         return out
 
-    def _view(self) -> GroupView:
-        view = group_view(self.process_group)
-        view.check_src(self.coordinator_rank, "coordinator_rank")
-        return view
-
     def _open_transport(self) -> tuple[FsspecTransport, str]:
         if self.checkpoint_id is None:
             raise ValueError("BroadcastingTorchSaveReader: no checkpoint_id; pass it here or to dcp.load")
@@ -177,23 +170,6 @@ class BroadcastingTorchSaveReader(StorageReader):
         return plans
 
     # ------------------------------------------------------------------------------------ data
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        view = self._view()
-        self.delivery = DeliveryStats()
-        if view.rank == self.coordinator_rank:
-            self._serve(view, plan, planner)
-        else:
-            receive_items(plan.items, planner, view, self.coordinator_rank, self._stored_dtype, self.delivery)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-    def _stored_dtype(self, item: ReadItem) -> torch.dtype:
-        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn) if self._metadata else None
-        if not isinstance(md, TensorStorageMetadata):
-            raise CorruptCheckpointError(f"{self.checkpoint_id}: no tensor {item.storage_index.fqn!r} in the metadata")
-        return md.properties.dtype
-
     def _serve(self, view: GroupView, plan: LoadPlan, planner: LoadPlanner) -> None:
         plans = self._plans if self._plans is not None else [plan]
         if len(plans) != view.world:

@@ -36,21 +36,21 @@ import os
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.futures import Future
 
-from ..errors import CorruptCheckpointError, DcpStorageError
+from ..errors import DcpStorageError
 from ..tensor_buffers import host_buffer
-from .group import GroupView, group_view
+from .coordinator_served import CoordinatorServedReader
+from .group import GroupView
 from .metadata_sharing import share_object
-from .slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, item_key, receive_items
+from .slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, item_key
 
 __all__ = ["Broadcasting"]
 
 
-class Broadcasting(StorageReader):
+class Broadcasting(CoordinatorServedReader):
     """Make ``reader`` coordinator-only: one rank reads storage, every rank gets the slices it needs.
 
     Args:
@@ -93,11 +93,6 @@ class Broadcasting(StorageReader):
             out["storage"] = dict(counters)
         return out
 
-    def _view(self) -> GroupView:
-        view = group_view(self.process_group)
-        view.check_src(self.coordinator_rank, "coordinator_rank")
-        return view
-
     # ------------------------------------------------------------------------------------ steps
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.reader.reset(checkpoint_id)
@@ -135,28 +130,11 @@ class Broadcasting(StorageReader):
         self._plans = list(plans)
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        view = self._view()
-        self.delivery = DeliveryStats()
-        if view.rank == self.coordinator_rank:
-            self._serve(view, plan, planner)
-        else:
-            receive_items(plan.items, planner, view, self.coordinator_rank, self._stored_dtype, self.delivery)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # a wrapper is never picked by checkpoint_id; wrap an explicit reader
 
     # ------------------------------------------------------------------------------------ internals
-    def _stored_dtype(self, item: ReadItem) -> torch.dtype:
-        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn) if self._metadata else None
-        if not isinstance(md, TensorStorageMetadata):
-            raise CorruptCheckpointError(f"{self.checkpoint_id}: no tensor {item.storage_index.fqn!r} in the metadata")
-        return md.properties.dtype
-
     def _serve(self, view: GroupView, plan: LoadPlan, planner: LoadPlanner) -> None:
         plans = list(self._plans) if self._plans is not None else [plan]
         if len(plans) != view.world:
