@@ -35,6 +35,7 @@ from .test_s3_faults import (
     _config,
     assert_bit_exact,
     assert_gave_up_in_time,
+    failing,
     load_dcp,
     run_phase,
     sample_state,
@@ -144,20 +145,13 @@ def test_permanent_fault_on_data_reads_fails_before_the_deadline(
     mode: str, saved_gs_checkpoint: tuple[GcsLocation, Any], gcs_proxy: FaultProxy
 ) -> None:
     location, state = saved_gs_checkpoint
-    gcs_proxy.reset_counters()
+    # object downloads, not the metadata GETs of the same names
     data_gets = FaultRule(mode, method="GET", path=r"\.distcp$", query="alt=media", delay=SLOW_DELAY)  # type: ignore[arg-type]
-    gcs_proxy.set_rules([data_gets])  # object downloads, not the metadata GETs of the same names
-    started = time.monotonic()
-    try:
-        with pytest.raises(CheckpointException) as info:
-            load_dcp(location, state, _config(IMPATIENT))
-    finally:
-        gcs_proxy.clear_rules()
-    message = transport_error_text(info.value)
+    message, elapsed = failing(gcs_proxy, [data_gets], lambda: load_dcp(location, state, _config(IMPATIENT)))
     assert message.startswith(f"read {location.url}/__0_"), message  # operation and URL
     assert re.search(r"\.distcp bytes \[\d+, \d+\) failed after", message), message  # the range
     assert "gave up: deadline, 1s" in message, message
-    attempts = assert_gave_up_in_time(message, time.monotonic() - started)
+    attempts = assert_gave_up_in_time(message, elapsed)
     assert attempts >= 1 and gcs_proxy.counters().faults[mode] >= attempts
 
 
@@ -165,20 +159,13 @@ def test_permanent_fault_on_metadata_read_costs_exactly_max_attempts(
     saved_gs_checkpoint: tuple[GcsLocation, Any], gcs_proxy: FaultProxy
 ) -> None:
     location, state = saved_gs_checkpoint
-    gcs_proxy.reset_counters()
-    gcs_proxy.set_rules([FaultRule("slowdown_503", method="GET", path=r"/ckpt/\.metadata$")])
-    started = time.monotonic()
-    try:
-        with pytest.raises(CheckpointException) as info:
-            load_dcp(location, state, _config(FEW_ATTEMPTS))
-    finally:
-        gcs_proxy.clear_rules()
-    message = transport_error_text(info.value)
+    rules = [FaultRule("slowdown_503", method="GET", path=r"/ckpt/\.metadata$")]
+    message, elapsed = failing(gcs_proxy, rules, lambda: load_dcp(location, state, _config(FEW_ATTEMPTS)))
     assert f"read {location.url}/.metadata failed after 3 attempt(s)" in message, message
     assert "gave up: attempts, max_attempts=3" in message and "reduce your request rate" in message, message
     # one layer of retries: exactly 3 requests met the fault, not 3 x gcsfs's 6 (and no 1-16 s sleeps)
     assert gcs_proxy.counters().faults["slowdown_503"] == 3
-    assert time.monotonic() - started < 5.0
+    assert elapsed < 5.0
 
 
 @pytest.mark.parametrize("mode", ["slowdown_503", "error_500", "reset", "truncate"])

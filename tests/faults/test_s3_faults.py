@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -185,6 +186,22 @@ def transport_error_text(exc: BaseException) -> str:
     return text
 
 
+def failing(proxy: FaultProxy, rules: list[FaultRule], action: Callable[[], Any]) -> tuple[str, float]:
+    """Run ``action`` with ``rules`` installed (counters reset first); it must fail as DCP reports failures.
+
+    Returns the transport error's text and the seconds until it surfaced. The rules are removed afterwards.
+    """
+    proxy.reset_counters()
+    proxy.set_rules(rules)
+    started = time.monotonic()
+    try:
+        with pytest.raises(CheckpointException) as info:
+            action()
+    finally:
+        proxy.clear_rules()
+    return transport_error_text(info.value), time.monotonic() - started
+
+
 def assert_gave_up_in_time(message: str, elapsed: float) -> int:
     match = _GAVE_UP.search(message)
     assert match, message
@@ -205,19 +222,12 @@ def test_permanent_fault_on_data_reads_fails_before_the_deadline(
     mode: str, saved_checkpoint: tuple[S3Location, dict[str, torch.Tensor]], fault_proxy: FaultProxy
 ) -> None:
     location, state = saved_checkpoint
-    fault_proxy.reset_counters()
-    fault_proxy.set_rules([FaultRule(mode, method="GET", path=r"\.distcp$", delay=SLOW_DELAY)])  # type: ignore[arg-type]
-    started = time.monotonic()
-    try:
-        with pytest.raises(CheckpointException) as info:
-            load_dcp(location, state, _config(IMPATIENT))
-    finally:
-        fault_proxy.clear_rules()
-    message = transport_error_text(info.value)
+    rules = [FaultRule(mode, method="GET", path=r"\.distcp$", delay=SLOW_DELAY)]  # type: ignore[arg-type]
+    message, elapsed = failing(fault_proxy, rules, lambda: load_dcp(location, state, _config(IMPATIENT)))
     assert message.startswith(f"read {location.url}/__0_"), message  # operation and URL
     assert re.search(r"\.distcp bytes \[\d+, \d+\) failed after", message), message  # the range
     assert "gave up: deadline, 1s" in message, message
-    attempts = assert_gave_up_in_time(message, time.monotonic() - started)
+    attempts = assert_gave_up_in_time(message, elapsed)
     assert attempts >= 1 and fault_proxy.counters().faults[mode] >= attempts
 
 
@@ -225,14 +235,8 @@ def test_permanent_fault_on_metadata_read_names_attempts(
     saved_checkpoint: tuple[S3Location, dict[str, torch.Tensor]], fault_proxy: FaultProxy
 ) -> None:
     location, state = saved_checkpoint
-    fault_proxy.reset_counters()
-    fault_proxy.set_rules([FaultRule("slowdown_503", method="GET", path=r"/ckpt/\.metadata$")])
-    try:
-        with pytest.raises(CheckpointException) as info:
-            load_dcp(location, state, _config(FEW_ATTEMPTS))
-    finally:
-        fault_proxy.clear_rules()
-    message = transport_error_text(info.value)
+    rules = [FaultRule("slowdown_503", method="GET", path=r"/ckpt/\.metadata$")]
+    message, _ = failing(fault_proxy, rules, lambda: load_dcp(location, state, _config(FEW_ATTEMPTS)))
     assert f"read {location.url}/.metadata failed after 3 attempt(s)" in message, message
     assert "gave up: attempts, max_attempts=3" in message and "reduce your request rate" in message, message
     # one layer of retries: exactly 3 requests met the fault, not 3 x botocore's x s3fs's
