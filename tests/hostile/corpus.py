@@ -136,6 +136,12 @@ class _TorchPickler(pickle.Pickler):
         return None
 
 
+def _torch_save_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 def _data_pkl(obj: Any) -> bytes:
     buf = io.BytesIO()
     _TorchPickler(buf, protocol=2).dump(obj)
@@ -434,6 +440,26 @@ class _Builder:
         (d / METADATA).write_bytes(pickle.dumps(md))
 
     # ------------------------------------------------------------------------------------------ families
+    def byte_item_payloads(self, family: str, raw_protocols: tuple[int, ...]) -> None:
+        """The non-tensor value ``step`` replaced by payload pickles: torch.save, legacy, and bare pickles."""
+        payloads: dict[str, Callable[[], bytes]] = {
+            "byte-item-payload": lambda: _torch_save_bytes(self.evil()),
+            "byte-item-payload-legacy": lambda: _legacy_bytes(self.evil()),
+        }
+        for protocol in raw_protocols:  # a bare pickle: torch.load(weights_only=False) unpickles it as a legacy file
+            payloads[f"byte-item-payload-raw-pickle-p{protocol}"] = lambda p=protocol: pickle.dumps(
+                self.evil(), protocol=p
+            )
+        for tag, make in payloads.items():
+            self.case(
+                family,
+                tag,
+                "evil.distcp",
+                lambda d, m=make: self.point_item(d, "step", m()),
+                in_metadata=False,
+                payload=True,
+            )
+
     def dcp(self) -> None:
         self.file_mutations("dcp", METADATA, in_metadata=True)
         self.file_mutations("dcp", self.file_of("dcp", "big"), in_metadata=False, cuts=6)
@@ -448,16 +474,11 @@ class _Builder:
         )
         self.metadata_edits("dcp")
 
-        def record(obj: Any) -> bytes:
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            return buf.getvalue()
-
         self.case(
             "dcp",
             "record-payload-small",
             "evil.distcp",
-            lambda d: self.point_item(d, "w", record(self.evil())),
+            lambda d: self.point_item(d, "w", _torch_save_bytes(self.evil())),
             in_metadata=False,
             payload=True,
         )
@@ -465,7 +486,7 @@ class _Builder:
             "dcp",
             "record-payload-big",
             "evil.distcp",
-            lambda d: self.point_item(d, "big", record([torch.zeros(BIG), self.evil()])),
+            lambda d: self.point_item(d, "big", _torch_save_bytes([torch.zeros(BIG), self.evil()])),
             in_metadata=False,
             payload=True,
         )
@@ -477,31 +498,7 @@ class _Builder:
             in_metadata=False,
             payload=True,
         )
-        self.case(
-            "dcp",
-            "byte-item-payload",
-            "evil.distcp",
-            lambda d: self.point_item(d, "step", record(self.evil())),
-            in_metadata=False,
-            payload=True,
-        )
-        self.case(
-            "dcp",
-            "byte-item-payload-legacy",
-            "evil.distcp",
-            lambda d: self.point_item(d, "step", _legacy_bytes(self.evil())),
-            in_metadata=False,
-            payload=True,
-        )
-        for protocol in (0, 1):  # a bare pickle: torch.load(weights_only=False) unpickles it as a legacy file
-            self.case(
-                "dcp",
-                f"byte-item-payload-raw-pickle-p{protocol}",
-                "evil.distcp",
-                lambda d, p=protocol: self.point_item(d, "step", pickle.dumps(self.evil(), protocol=p)),
-                in_metadata=False,
-                payload=True,
-            )
+        self.byte_item_payloads("dcp", raw_protocols=(0, 1))
 
         f32 = torch.FloatStorage
         for tag, tensor, storage in (
@@ -526,7 +523,7 @@ class _Builder:
             "dcp",
             "record-not-a-tensor",
             "evil.distcp",
-            lambda d: self.point_item(d, "w", record({"a": 1})),
+            lambda d: self.point_item(d, "w", _torch_save_bytes({"a": 1})),
             in_metadata=False,
         )
 
@@ -535,35 +532,7 @@ class _Builder:
         self.file_mutations("dcp_st", DISTCP, in_metadata=True, cuts=4)
         self.metadata_edits("dcp_st")
 
-        def record(obj: Any) -> bytes:
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            return buf.getvalue()
-
-        self.case(
-            "dcp_st",
-            "byte-item-payload",
-            "evil.distcp",
-            lambda d: self.point_item(d, "step", record(self.evil())),
-            in_metadata=False,
-            payload=True,
-        )
-        self.case(
-            "dcp_st",
-            "byte-item-payload-legacy",
-            "evil.distcp",
-            lambda d: self.point_item(d, "step", _legacy_bytes(self.evil())),
-            in_metadata=False,
-            payload=True,
-        )
-        self.case(
-            "dcp_st",
-            "byte-item-payload-raw-pickle-p0",
-            "evil.distcp",
-            lambda d: self.point_item(d, "step", pickle.dumps(self.evil(), protocol=0)),
-            in_metadata=False,
-            payload=True,
-        )
+        self.byte_item_payloads("dcp_st", raw_protocols=(0,))
         for tag, blob in _hostile_safetensors_blobs(_rng("dcp_st-blobs", self.seed)).items():
             self.case("dcp_st", f"blob-{tag}", "evil.distcp", lambda d, b=blob: self.point_item(d, "w", b))
 
