@@ -559,6 +559,36 @@ def _raw_local_job(rank: int, world: int, files: list[tuple[str, int]], threads:
     return {"seconds": elapsed, "bytes": total, **cpu.as_dict()}
 
 
+def ranged_tasks(objects: list[tuple[str, int]], part: int) -> collections.deque:
+    """``(object index, offset, length)`` of every ``part``-sized range of ``objects``, as a shared work queue."""
+    return collections.deque(
+        (i, off, min(part, size - off)) for i, (_, size) in enumerate(objects) for off in range(0, size, part)
+    )
+
+
+def run_threads(n: int, fn: Any, server_pid: int | None) -> tuple[float, dict[str, Any]]:
+    """Run ``fn`` in ``n`` threads at once; seconds until all ended, and the CPU used (client and server)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    with _CpuWindow(server_pid) as cpu:
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return elapsed, cpu.as_dict()
+
+
 def _raw_s3_job(
     rank: int,
     world: int,
@@ -570,18 +600,11 @@ def _raw_s3_job(
     server_pid: int | None = None,
 ) -> dict[str, Any]:
     """Raw limit: concurrent plain ranged GETs (http.client, unsigned) into touched buffers."""
-    keep, views = [], []
-    for _, size in objects:
-        t, mv = _touched(size)
-        keep.append(t)
-        views.append(mv)
-    tasks = collections.deque(
-        (i, off, min(part, size - off)) for i, (_, size) in enumerate(objects) for off in range(0, size, part)
-    )
+    _keep, views = zip(*(_touched(size) for _, size in objects))
+    tasks = ranged_tasks(objects, part)
     n_tasks = len(tasks)
-    errors: list[BaseException] = []
 
-    def run() -> None:
+    def work() -> None:
         conn = http.client.HTTPConnection(host, port, timeout=120)
         try:
             while True:
@@ -601,22 +624,11 @@ def _raw_s3_job(
                         raise OSError("short body")
                     pos += got
                 resp.read()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
         finally:
             conn.close()
 
-    ths = [threading.Thread(target=run) for _ in range(concurrency)]
-    with _CpuWindow(server_pid) as cpu:
-        t0 = time.perf_counter()
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        elapsed = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return {"seconds": elapsed, "bytes": sum(s for _, s in objects), "requests": n_tasks, **cpu.as_dict()}
+    elapsed, cpu = run_threads(concurrency, work, server_pid)
+    return {"seconds": elapsed, "bytes": sum(s for _, s in objects), "requests": n_tasks, **cpu}
 
 
 # ====================================================================================== s3 helpers

@@ -35,7 +35,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -83,34 +82,6 @@ def load_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     return _ORIGINAL_LOAD_JOB(rank, world, job)
 
 
-def _ranged_tasks(objects: list[tuple[str, int]], part: int) -> collections.deque:
-    return collections.deque(
-        (i, off, min(part, size - off)) for i, (_, size) in enumerate(objects) for off in range(0, size, part)
-    )
-
-
-def _threads(n: int, fn: Any, server_pid: int | None) -> tuple[float, dict[str, Any]]:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    ths = [threading.Thread(target=run) for _ in range(n)]
-    with base._CpuWindow(server_pid) as cpu:
-        t0 = time.perf_counter()
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        elapsed = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return elapsed, cpu.as_dict()
-
-
 def raw_obstore_job(
     rank: int,
     world: int,
@@ -132,7 +103,7 @@ def raw_obstore_job(
         retry_config={"max_retries": 0},
     )
     _keep, views = zip(*(base._touched(size) for _, size in objects))
-    tasks = _ranged_tasks(objects, part)
+    tasks = base.ranged_tasks(objects, part)
     n_tasks = len(tasks)
 
     def work() -> None:
@@ -143,7 +114,7 @@ def raw_obstore_job(
                 return
             views[i][off : off + n] = obstore.get_range(store, objects[i][0], start=off, end=off + n)
 
-    elapsed, cpu = _threads(conc, work, server_pid)
+    elapsed, cpu = base.run_threads(conc, work, server_pid)
     return {"seconds": elapsed, "bytes": sum(s for _, s in objects), "requests": n_tasks, **cpu}
 
 
@@ -170,7 +141,7 @@ def raw_boto3_job(
         config=Config(max_pool_connections=conc),
     )
     _keep, views = zip(*(base._touched(size) for _, size in objects))
-    tasks = _ranged_tasks(objects, part)
+    tasks = base.ranged_tasks(objects, part)
     n_tasks = len(tasks)
 
     def work() -> None:
@@ -189,7 +160,7 @@ def raw_boto3_job(
                     raise OSError("short body")
                 pos += got
 
-    elapsed, cpu = _threads(conc, work, server_pid)
+    elapsed, cpu = base.run_threads(conc, work, server_pid)
     return {"seconds": elapsed, "bytes": sum(s for _, s in objects), "requests": n_tasks, **cpu}
 
 
@@ -209,7 +180,7 @@ def raw_s3fs_cat_ranges_job(
 
     fs = s3fs.S3FileSystem(**storage_options, skip_instance_cache=True)
     _keep, views = zip(*(base._touched(size) for _, size in objects))
-    tasks = list(_ranged_tasks(objects, part))
+    tasks = list(base.ranged_tasks(objects, part))
     paths = [f"{bucket}/{objects[i][0]}" for i, _, _ in tasks]
     starts = [off for _, off, _ in tasks]
     ends = [off + n for _, off, n in tasks]
@@ -218,7 +189,7 @@ def raw_s3fs_cat_ranges_job(
         for (i, off, n), data in zip(tasks, fs.cat_ranges(paths, starts, ends, batch_size=conc)):
             views[i][off : off + n] = data
 
-    elapsed, cpu = _threads(1, work, server_pid)
+    elapsed, cpu = base.run_threads(1, work, server_pid)
     return {"seconds": elapsed, "bytes": sum(s for _, s in objects), "requests": len(tasks), **cpu}
 
 
