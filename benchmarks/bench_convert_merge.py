@@ -200,20 +200,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _s3_case(info: dict[str, Any]) -> dict[str, Any]:
-    from dcp_storage.testing.s3rver import S3rverServer, ensure_installed
-
-    prefix = os.path.join(HERE, ".servers")
-    ensure_installed(prefix)
-    data_dir = os.path.join(info["root"], "s3rver-data")
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    os.environ["NO_PROXY"] = "127.0.0.1,localhost"
-    with S3rverServer(prefix, data_dir=data_dir, buckets=(base.BUCKET,)) as server:
+    with base.s3rver_holding(info) as (server, _setup):
         key_prefix = info["tag"]
-        for name in info["files"]:
-            key_path = f"/{base.BUCKET}/{key_prefix}/{name}"
-            local = os.path.join(info["path"], name)
-            if base._head_size(server.host, server.port, key_path) != os.path.getsize(local):
-                base._put_file(server.host, server.port, key_path, local)
         so = server.storage_options()
         src = f"s3://{base.BUCKET}/{key_prefix}"
         dst = f"s3://{base.BUCKET}/convert-out-{os.getpid()}"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import gc
 import http.client
@@ -43,6 +44,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -634,6 +636,45 @@ def _raw_s3_job(
 # ====================================================================================== s3 helpers
 
 
+@contextlib.contextmanager
+def s3rver_holding(info: dict[str, Any]) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """s3rver serving the cached checkpoint ``info`` as ``s3://BUCKET/<info["tag"]>``, for every script here.
+
+    Installs s3rver under ``benchmarks/.servers`` if needed, keeps its objects in the checkpoint's cache
+    directory (``s3rver-data``), and uploads only files missing there (uploads are slow). Yields the server
+    and the set-up figures (install and upload seconds, bytes uploaded).
+    """
+    from dcp_storage.testing.s3rver import S3RVER_VERSION, S3rverServer, ensure_installed
+
+    prefix = os.path.join(HERE, ".servers")
+    t0 = time.perf_counter()
+    ensure_installed(prefix)
+    install_s = time.perf_counter() - t0
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    os.environ["NO_PROXY"] = "127.0.0.1,localhost"
+    with S3rverServer(prefix, data_dir=os.path.join(info["root"], "s3rver-data"), buckets=(BUCKET,)) as server:
+        t0 = time.perf_counter()
+        uploaded = 0
+        for name in info["files"]:
+            key_path = f"/{BUCKET}/{info['tag']}/{name}"
+            local = os.path.join(info["path"], name)
+            if _head_size(server.host, server.port, key_path) != os.path.getsize(local):
+                _put_file(server.host, server.port, key_path, local)
+                uploaded += os.path.getsize(local)
+        setup = {
+            "server": f"s3rver {S3RVER_VERSION} (npm), node " + _cmd_version(["node", "--version"]),
+            "install_s": install_s,
+            "uploaded_bytes": uploaded,
+            "upload_s": time.perf_counter() - t0,
+        }
+        print(
+            f"[s3rver on {server.host}:{server.port}; uploaded {uploaded / GiB:.2f} GiB in {setup['upload_s']:.1f}s]",
+            flush=True,
+        )
+        yield server, setup
+
+
 def _put_file(host: str, port: int, key_path: str, file_path: str) -> None:
     size = os.path.getsize(file_path)
     conn = http.client.HTTPConnection(host, port, timeout=600, blocksize=1 * MiB)
@@ -857,36 +898,10 @@ class Bench:
                 self.load(case, reader, path, "shard0", 2)
 
     def run_s3(self) -> None:
-        from dcp_storage.testing.s3rver import S3rverServer, ensure_installed
-
-        prefix = os.path.join(HERE, ".servers")
-        t0 = time.perf_counter()
-        ensure_installed(prefix)
-        install_s = time.perf_counter() - t0
-        data_dir = os.path.join(self.info["root"], "s3rver-data")
-        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        os.environ["NO_PROXY"] = "127.0.0.1,localhost"
-        with S3rverServer(prefix, data_dir=data_dir, buckets=(BUCKET,)) as server:
+        with s3rver_holding(self.info) as (server, self.s3_setup):
             host, port = server.host, server.port
             self.server_pid = server.pid
             key_prefix = self.info["tag"]
-            t0 = time.perf_counter()
-            uploaded = 0
-            for name in self.info["files"]:
-                key_path = f"/{BUCKET}/{key_prefix}/{name}"
-                local = os.path.join(self.info["path"], name)
-                if _head_size(host, port, key_path) != os.path.getsize(local):
-                    _put_file(host, port, key_path, local)
-                    uploaded += os.path.getsize(local)
-            upload_s = time.perf_counter() - t0
-            self.s3_setup = {
-                "server": "s3rver 3.7.1 (npm), node " + _cmd_version(["node", "--version"]),
-                "install_s": install_s,
-                "uploaded_bytes": uploaded,
-                "upload_s": upload_s,
-            }
-            print(f"[s3rver on {host}:{port}; uploaded {uploaded / GiB:.2f} GiB in {upload_s:.1f}s]", flush=True)
             url = f"s3://{BUCKET}/{key_prefix}"
             so = server.storage_options()
             objects = [(f"/{BUCKET}/{key_prefix}/{n}", s) for n, s in data_files(self.info)]

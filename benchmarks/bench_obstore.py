@@ -283,18 +283,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _upload(server: Any, info: dict[str, Any], key_prefix: str) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    uploaded = 0
-    for name in info["files"]:
-        key_path = f"/{base.BUCKET}/{key_prefix}/{name}"
-        local = os.path.join(info["path"], name)
-        if base._head_size(server.host, server.port, key_path) != os.path.getsize(local):
-            base._put_file(server.host, server.port, key_path, local)
-            uploaded += os.path.getsize(local)
-    return {"uploaded_bytes": uploaded, "upload_s": time.perf_counter() - t0}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=2.0)
@@ -335,19 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     info = base.ensure_checkpoint(args.cache_dir, args.size_gib, args.seed)
     print(f"checkpoint: {info['tensor_bytes'] / GiB:.2f} GiB in {len(info['spec'])} tensors", flush=True)
     bench = base.Bench(args, info)
-    from dcp_storage.testing.s3rver import S3RVER_VERSION, S3rverServer, ensure_installed
-
-    prefix = os.path.join(HERE, ".servers")
-    ensure_installed(prefix)
     setup: dict[str, Any] = {}
     try:
-        with S3rverServer(prefix, data_dir=os.path.join(info["root"], "s3rver-data"), buckets=(base.BUCKET,)) as srv:
+        with base.s3rver_holding(info) as (srv, setup):
             bench.server_pid = srv.pid
             key_prefix = info["tag"]
-            setup = {
-                "server": f"s3rver {S3RVER_VERSION} (npm)",
-                **_upload(srv, info, key_prefix),
-            }
             url, so = f"s3://{base.BUCKET}/{key_prefix}", srv.storage_options()
             names = [n for n, _ in base.data_files(info)]
             objects = [(f"{key_prefix}/{n}", s) for n, s in base.data_files(info)]

@@ -821,36 +821,10 @@ class Bench:
             self.profile_load(case + " torch-hf", "torch-hf", path, layout, world)
 
     def run_s3(self) -> None:
-        from dcp_storage.testing.s3rver import S3rverServer, ensure_installed
-
-        prefix = os.path.join(HERE, ".servers")
-        t0 = time.perf_counter()
-        ensure_installed(prefix)
-        install_s = time.perf_counter() - t0
-        data_dir = os.path.join(self.info["root"], "s3rver-data")
-        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        os.environ["NO_PROXY"] = "127.0.0.1,localhost"
-        with S3rverServer(prefix, data_dir=data_dir, buckets=(BUCKET,)) as server:
+        with bdr.s3rver_holding(self.info) as (server, self.s3_setup):
             host, port = server.host, server.port
             self.server_pid = server.pid
             key_prefix = self.info["tag"]
-            t0 = time.perf_counter()
-            uploaded = 0
-            for name in self.info["files"]:
-                key_path = f"/{BUCKET}/{key_prefix}/{name}"
-                local = os.path.join(self.info["path"], name)
-                if bdr._head_size(host, port, key_path) != os.path.getsize(local):
-                    bdr._put_file(host, port, key_path, local)
-                    uploaded += os.path.getsize(local)
-            upload_s = time.perf_counter() - t0
-            self.s3_setup = {
-                "server": "s3rver 3.7.1 (npm), node " + bdr._cmd_version(["node", "--version"]),
-                "install_s": install_s,
-                "uploaded_bytes": uploaded,
-                "upload_s": upload_s,
-            }
-            print(f"[s3rver on {host}:{port}; uploaded {uploaded / GiB:.2f} GiB in {upload_s:.1f}s]", flush=True)
             url = f"s3://{BUCKET}/{key_prefix}"
             so = server.storage_options()
             objects = [(f"/{BUCKET}/{key_prefix}/{n}", s) for n, s in data_files(self.info)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import io
 import os
@@ -144,23 +145,11 @@ def main() -> int:
 
     info = b.ensure_checkpoint(args.cache_dir, args.size_gib, args.seed)
     layout, world, s3 = CASES[args.case]
-    server = None
     url, so = info["path"], {}
     spy_out = os.path.join(tempfile.gettempdir(), f"dcp-read-profile-{os.getpid()}.txt")
-    try:
+    with contextlib.ExitStack() as stack:
         if s3:
-            from dcp_storage.testing.s3rver import S3rverServer, ensure_installed
-
-            prefix = os.path.join(HERE, ".servers")
-            ensure_installed(prefix)
-            os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-            server = S3rverServer(prefix, data_dir=os.path.join(info["root"], "s3rver-data"), buckets=(b.BUCKET,))
-            server.start()
-            for name in info["files"]:
-                key_path = f"/{b.BUCKET}/{info['tag']}/{name}"
-                local = os.path.join(info["path"], name)
-                if b._head_size(server.host, server.port, key_path) != os.path.getsize(local):
-                    b._put_file(server.host, server.port, key_path, local)
+            server, _setup = stack.enter_context(b.s3rver_holding(info))
             url, so = f"s3://{b.BUCKET}/{info['tag']}", server.storage_options()
             b.warm_files([server.object_path(b.BUCKET, f"{info['tag']}/{n}") for n, _ in b.data_files(info)])
         else:
@@ -176,9 +165,6 @@ def main() -> int:
             "spy_out": spy_out,
         }
         res = run_ranks(_job, world, job, timeout=1200)
-    finally:
-        if server is not None:
-            server.stop()
     needed = info["tensor_bytes"]
     t = max(r["seconds"] for r in res)
     print(f"{args.case} {args.reader}: {t:.2f}s  ({needed / t / 1e9:.3f} GB/s needed-bytes aggregate)")
