@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from dcp_storage.testing.compare import same_bits
+
 BATCH = Path(__file__).with_name("_batch.py")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,15 +63,6 @@ def option_flags(options: dict[str, Any], flag: str = "--storage-option", prefix
         else:
             out += [flag, f"{prefix}{key}={value if isinstance(value, str) else json.dumps(value)}"]
     return out
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else flat
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(raw(a), raw(b))
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage import FsspecReader, FsspecWriter, SafetensorsWriter, open_reader
 from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError, DcpStorageError
+from dcp_storage.testing.compare import raw_bytes as _raw
 from dcp_storage.testing.distributed import run_ranks
 from dcp_storage.transports import FsspecTransport, RangeRequest, RetryPolicy, TransportConfig
 
@@ -89,12 +90,6 @@ def destination_like(sd: Any) -> Any:
         torch.empty(0, dtype=torch.uint8).set_(out.untyped_storage()).fill_(0xA5)
         return out
     return None  # BYTE_IO: replaced by the load
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
 
 
 def assert_state_equal(actual: Any, expected: Any, key: str = "") -> None:

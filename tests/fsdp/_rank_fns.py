@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dcp_storage.testing.compare import same_bits as _same_bits
+
 SEED = 0  # the weights loaded
 OTHER_SEED = 1  # the weights targets start with (FSDP1 targets are materialised)
 # vocab and hidden do not divide by 4: uneven Shard(0) blocks, and a rank with a short block.
@@ -64,14 +66,6 @@ def fsdp1_model() -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------ checks
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-    )
-
-
 def mismatched_fsdp2(model: nn.Module, ref: Mapping[str, torch.Tensor]) -> list[str]:
     """Keys whose full tensor (all-gathered: collective) differs in any bit from the reference."""
     from torch.distributed.tensor import DTensor

@@ -10,15 +10,11 @@ from typing import Any
 
 import torch
 
+from dcp_storage.testing.compare import same_bits
+
 SEED = 23
 SHAPE = {"vocab": 64, "dim": 32, "hidden": 48, "layers": 2}
 SAVED_DTYPE = torch.bfloat16
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
 def saved_state_dict() -> dict[str, Any]:

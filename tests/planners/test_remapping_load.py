@@ -30,6 +30,7 @@ from dcp_storage.planners import (
     RemappingLoadPlanner,
     ValueTypeMismatchError,
 )
+from dcp_storage.testing.compare import same_bits
 from dcp_storage.testing.models import build_model, reference_state_dict
 
 SEED = 11
@@ -78,12 +79,6 @@ def reference() -> dict[str, torch.Tensor]:
 def blank_like(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Destinations that differ from every saved value (NaN), so a missed write shows."""
     return {k: torch.full_like(v, float("nan")) for k, v in sd.items()}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
 def assert_loaded(actual: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:

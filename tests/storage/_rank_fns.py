@@ -12,33 +12,15 @@ from typing import Any
 
 import torch
 
+from dcp_storage.testing.compare import local_slice as _local_slice
+from dcp_storage.testing.compare import same_bits as _same_bits
+
 SEED = 4321
 # Big enough that every weight matrix's saved half exceeds ItemLoaderConfig.small_item_bytes (read by
 # header probe + ranged data), small enough to keep the file fast: ~18 MB of fp32.
 SHAPE = {"vocab": 4096, "dim": 256, "hidden": 2048, "layers": 2}
 MAX_READ_RATIO = 1.10  # bytes a rank reads / bytes of its local shards (local disk, 4 KiB gap)
 MAX_READ_RATIO_REMOTE = 1.25  # object stores coalesce ranges up to 256 KiB apart
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(_raw(a), _raw(b))
-
-
-def _local_slice(full: torch.Tensor, dt: Any) -> torch.Tensor:
-    """The part of ``full`` that DTensor ``dt``'s local shard holds on this rank."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(full.shape, dt.device_mesh, dt.placements)
-    out = full
-    for dim, (off, length) in enumerate(zip(offset, shape)):
-        out = out.narrow(dim, off, length)
-    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:

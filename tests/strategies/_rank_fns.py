@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from dcp_storage.testing.compare import local_slice as _local_slice
+from dcp_storage.testing.compare import same_bits as _same_bits
+
 SEED = 2024
 # ~2.7 MB of fp32 weights: big enough that zip headers and data.pkl are noise next to tensor bytes.
 SHAPE = {"vocab": 1024, "dim": 128, "hidden": 512, "layers": 2}
@@ -29,26 +32,6 @@ def build_torch_save_state() -> dict[str, Any]:
     state["step"] = 1234
     state["tag"] = "tiny-transformer"
     return state
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(_raw(a), _raw(b))
-
-
-def _local_slice(full: torch.Tensor, dt: Any) -> torch.Tensor:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(full.shape, dt.device_mesh, dt.placements)
-    out = full
-    for dim, (off, length) in enumerate(zip(offset, shape)):
-        out = out.narrow(dim, off, length)
-    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:

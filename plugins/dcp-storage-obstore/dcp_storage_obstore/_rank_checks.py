@@ -12,15 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dcp_storage.testing.compare import same_bits as _same_bits
 
 SEED = 97
 SHAPE = {"vocab": 512, "dim": 64, "hidden": 256, "layers": 2}
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def save_sharded(rank: int, world: int, url: str, storage_options: dict[str, Any]) -> dict[str, Any]:

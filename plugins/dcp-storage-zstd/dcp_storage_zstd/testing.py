@@ -12,15 +12,9 @@ import time
 from typing import Any
 
 import torch
+from dcp_storage.testing.compare import same_bits
 
 __all__ = ["load_resharded", "make_extension", "run_all", "same_bits", "save_fsdp2"]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bytes (NaN payloads and -0.0 included)."""
-    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def make_extension(kind: str | None, options: dict[str, Any] | None = None) -> list[Any] | None:

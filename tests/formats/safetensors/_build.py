@@ -47,16 +47,6 @@ def every_dtype_tensors(seed: int = 7) -> dict[str, torch.Tensor]:
     return out
 
 
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(raw_bytes(a), raw_bytes(b))
-
-
 def torch_reference(seed: int = 11) -> dict[str, torch.Tensor]:
     """What the torch-writer checkpoints hold: every dtype at (6, 5), an uneven matrix, 0-dim, zero-size."""
     out = every_dtype_tensors(seed)

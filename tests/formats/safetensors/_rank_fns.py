@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
-from ._build import same_bits, torch_reference
+from dcp_storage.testing.compare import same_bits
+
+from ._build import torch_reference
 
 
 def _dtensors(reference: dict[str, torch.Tensor], mesh: Any, dim: int, sentinel: bool) -> dict[str, Any]:

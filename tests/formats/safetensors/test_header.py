@@ -23,8 +23,9 @@ from dcp_storage.formats.safetensors.header import (
     saved_offsets,
 )
 from dcp_storage.formats.safetensors.layout import check_relative, looks_like_safetensors, parse_index
+from dcp_storage.testing.compare import raw_bytes
 
-from ._build import blob, entry, every_dtype_tensors, raw_bytes
+from ._build import blob, entry, every_dtype_tensors
 
 WHERE = "s3://bucket/ckpt/model.safetensors"
 

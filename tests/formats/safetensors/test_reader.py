@@ -31,11 +31,12 @@ from dcp_storage import SafetensorsReader
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError
 from dcp_storage.formats.safetensors.scan import ScanConfig
 from dcp_storage.storage import FsspecWriter
+from dcp_storage.testing.compare import same_bits
 from dcp_storage.testing.distributed import run_ranks
 from dcp_storage.testing.s3_server import MotoS3Server
 
 from . import _rank_fns as R
-from ._build import every_dtype_tensors, same_bits, torch_reference
+from ._build import every_dtype_tensors, torch_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -9,16 +9,7 @@ import fsspec
 import torch
 from safetensors.torch import load as st_load
 
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's row-major bytes (a fresh copy, so views and 0-dim tensors work)."""
-    flat = torch.empty(t.numel(), dtype=t.dtype)
-    flat.copy_(t.detach().reshape(-1))
-    return flat.view(torch.uint8)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(raw(a), raw(b))
+from dcp_storage.testing.compare import same_bits
 
 
 def mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:

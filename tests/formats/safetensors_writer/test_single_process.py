@@ -27,8 +27,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from dcp_storage import SafetensorsWriter
 from dcp_storage.errors import CheckpointExistsError, DcpStorageError, NonTensorStateError, UnsupportedDtypeError
 from dcp_storage.formats.safetensors.dtypes import SAFETENSORS_TO_TORCH
+from dcp_storage.testing.compare import same_bits
 
-from ._helpers import mismatches, read_checkpoint, same_bits
+from ._helpers import mismatches, read_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

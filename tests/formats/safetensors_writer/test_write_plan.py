@@ -12,8 +12,7 @@ from safetensors.torch import save as st_save
 from dcp_storage.formats.safetensors.dtypes import SAFETENSORS_TO_TORCH
 from dcp_storage.formats.safetensors.encode import HeaderEntry, data_order, encode_header, tensor_bytes
 from dcp_storage.formats.safetensors.write_plan import TensorSpec, chunk_runs, pack_files, parse_size
-
-from ._helpers import raw
+from dcp_storage.testing.compare import raw_bytes as raw
 
 
 @pytest.mark.parametrize(
