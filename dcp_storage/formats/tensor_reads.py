@@ -50,7 +50,7 @@ class StoredTensor:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def is_row_major(self) -> bool:

@@ -26,6 +26,7 @@ from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...safe_unpickle import AllowListUnpickler
 from ..limits import checked_nbytes
 from ..slices import is_row_major
+from .record_pickle import decode_tensor_pickle
 
 __all__ = ["NeedMoreBytes", "TensorRecord", "UnsupportedRecord", "load_tensor_record", "parse_tensor_record"]
 
@@ -61,7 +62,7 @@ class TensorRecord:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def is_row_major(self) -> bool:
@@ -78,7 +79,7 @@ class _StorageRef:
     def nbytes(self) -> int:
         if self.dtype is None:
             return self.numel
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,13 @@ def _zip64_size(extra: memoryview, path: str) -> int:
     raise CorruptCheckpointError(f"{path}: zip64 entry without a zip64 extra field")
 
 
+# Records of tensors that share shape, dtype and storage key start with identical bytes up to their data:
+# parsed once, found again by those bytes (a few hundred records per checkpoint, a handful of shapes).
+_RECORD_CACHE_LIMIT = 4096
+_record_cache: dict[bytes, TensorRecord] = {}
+_prefix_lengths: dict[int, None] = {}  # distinct data_start values seen, in first-seen order
+
+
 def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) -> TensorRecord:
     """Parse the start of a ``torch.save`` tensor record.
 
@@ -267,6 +275,31 @@ def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) 
     :class:`CorruptCheckpointError` (naming ``path``).
     """
     buf = memoryview(prefix).cast("B") if not isinstance(prefix, memoryview) else prefix
+    for length in _prefix_lengths:
+        if length <= len(buf):
+            hit = _record_cache.get(bytes(buf[:length]))
+            if hit is not None:
+                _check_fits(hit.data_start, hit.storage_nbytes, record_len, path)
+                return hit
+    record = _parse_record(buf, record_len, path)
+    if len(_record_cache) >= _RECORD_CACHE_LIMIT:
+        _record_cache.clear()
+        _prefix_lengths.clear()
+    _record_cache[bytes(buf[: record.data_start])] = record
+    _prefix_lengths.setdefault(record.data_start)
+    return record
+
+
+def _check_fits(data_start: int, data_size: int, record_len: int, path: str) -> None:
+    if data_start + data_size > record_len:
+        raise CorruptCheckpointError(
+            f"{path}: tensor data ends at byte {data_start + data_size} of a {record_len}-byte record (truncated?)"
+        )
+
+
+def _parse_record(buf: memoryview, record_len: int, path: str) -> TensorRecord:
+    """:func:`parse_tensor_record` without the cache: everything it returns depends only on
+    ``buf[:data_start]``, plus the check that the data fits in ``record_len``."""
     entries = _walk_records(buf, record_len, path)
     pkl = next((n for n in entries if n.endswith("/data.pkl") or n == "data.pkl"), None)
     if pkl is None:
@@ -277,12 +310,15 @@ def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) 
     start, size = entries[pkl]
     if size is None:
         raise NeedMoreBytes(min(record_len, 2 * len(buf) + 4096))
-    try:
-        result = _DataPklUnpickler(io.BytesIO(bytes(buf[start : start + size])), path, _ALLOWED, _persistent_load).load()
-    except (UnsupportedRecord, UnsafeCheckpointError):
-        raise UnsupportedRecord("data.pkl is not a plain tensor") from None
-    except Exception as exc:  # noqa: BLE001
-        raise CorruptCheckpointError(f"{path}: cannot decode the tensor's data.pkl ({exc})") from exc
+    pkl_bytes = bytes(buf[start : start + size])
+    result = decode_tensor_pickle(pkl_bytes, _ALLOWED, _persistent_load)
+    if result is None:  # not the canonical form: the full allow-list unpickler decodes and classifies it
+        try:
+            result = _DataPklUnpickler(io.BytesIO(pkl_bytes), path, _ALLOWED, _persistent_load).load()
+        except (UnsupportedRecord, UnsafeCheckpointError):
+            raise UnsupportedRecord("data.pkl is not a plain tensor") from None
+        except Exception as exc:  # noqa: BLE001
+            raise CorruptCheckpointError(f"{path}: cannot decode the tensor's data.pkl ({exc})") from exc
     if not isinstance(result, _Spec):
         raise UnsupportedRecord("data.pkl is not a single tensor")
     spec: _Spec = result
@@ -297,15 +333,12 @@ def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) 
     data_start, data_size = data
     if data_size is None:
         data_size = spec.storage.nbytes
-    if data_start + data_size > record_len:
-        raise CorruptCheckpointError(
-            f"{path}: tensor data ends at byte {data_start + data_size} of a {record_len}-byte record (truncated?)"
-        )
+    _check_fits(data_start, data_size, record_len, path)
     if data_size != spec.storage.nbytes:
         raise CorruptCheckpointError(
             f"{path}: storage data/{spec.storage.key} holds {data_size} bytes, data.pkl says {spec.storage.nbytes}"
         )
-    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    itemsize = spec.dtype.itemsize
     if any(s < 0 for s in spec.size) or any(s < 0 for s in spec.stride) or len(spec.size) != len(spec.stride):
         raise CorruptCheckpointError(f"{path}: invalid tensor shape {spec.size} / stride {spec.stride}")
     if spec.storage_offset < 0:
