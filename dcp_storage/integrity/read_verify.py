@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from .checksums import checksum
+from .checksums import Hasher, checksum, new_hasher
 from .manifest import Manifest
 
 __all__ = ["RecordVerifier", "batches_by_bytes", "key_name"]
@@ -58,6 +58,14 @@ class RecordVerifier:
 
     def check(self, file: str, offset: int, length: int, data: Any) -> None:
         """Raise :class:`CorruptCheckpointError` (URL, file, byte range, keys) unless ``data`` matches."""
+        self.check_digest(file, offset, length, checksum(data, self.algorithm))
+
+    def hasher(self) -> Hasher:
+        """A fresh incremental hasher of the manifest's algorithm (to hash a record read in pieces)."""
+        return new_hasher(self.algorithm)
+
+    def check_digest(self, file: str, offset: int, length: int, got: str) -> None:
+        """Like :meth:`check`, for a record the caller hashed (in pieces): ``got`` is its hex digest."""
         where = f"{self.url_of(file)} bytes [{offset}, {offset + length})"
         keys = _keys(self.keys.get((file, offset, length), []))
         expected = self.manifest.item(file, offset, length)
@@ -66,7 +74,6 @@ class RecordVerifier:
                 f"{where} (holding {keys or 'unknown keys'}): the manifest records no checksum for this record; the "
                 "metadata and the manifest disagree"
             )
-        got = checksum(data, self.algorithm)
         if got != expected.digest:
             raise CorruptCheckpointError(
                 f"{where} (holding {keys or 'unknown keys'}): {self.algorithm} checksum mismatch (got {got}, "

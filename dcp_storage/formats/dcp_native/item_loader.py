@@ -47,6 +47,7 @@ from .torch_record import (
     load_tensor_record,
     parse_tensor_record,
 )
+from .verified_in_place import load_verified_in_place
 
 __all__ = ["DcpItemLoader", "ItemLoaderConfig"]
 
@@ -168,7 +169,9 @@ class DcpItemLoader:
     def load(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
         """Fetch and deliver every item: ``load_bytes`` for bytes, ``resolve/commit_tensor`` for tensors."""
         if self.verifier is not None:
-            # Whole records, checked, in batches of at most staging_bytes (memory stays bounded).
+            # Whole tensors: read into their destinations and hashed there. The rest: whole records,
+            # checked before decoding, in batches of at most staging_bytes (memory stays bounded).
+            items = load_verified_in_place(self, self.verifier, items, planner)
             by_entry: dict[_Entry, list[ReadItem]] = {}
             for item in items:
                 by_entry.setdefault(self._entry(item), []).append(item)

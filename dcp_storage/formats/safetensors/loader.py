@@ -9,7 +9,8 @@ items (DCP ``.metadata`` layouts only) are fetched whole and handed to ``planner
 With ``verify`` every tensor an item touches is fetched whole instead (a slice cannot be checked), its
 digests from the file's header (:mod:`dcp_storage.integrity.safetensors_sums`) are compared, and the
 items are copied out of those same bytes, so what lands in the destination is what was checked. Tensors
-are fetched in batches of at most ``staging_bytes`` (or one tensor, if larger).
+are fetched in batches of at most ``staging_bytes`` (or one tensor, if larger). A tensor one item loads
+whole into a contiguous CPU destination of its dtype is read straight into it and hashed there.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import batches_by_bytes
 from ...integrity.safetensors_sums import FileSums, require_checksummed
+from ...tensor_buffers import writable_bytes
 from ...transports import FsspecTransport, RangeRequest
 from ..dcp_native.torch_record import check_byte_item
 from ..paths import check_relative
@@ -77,6 +79,7 @@ class SafetensorsItemLoader:
         self.config = config or LoaderConfig()
         self.verify = verify
         self._sums: dict[str, FileSums] = {}
+        self._resolved: dict[int, torch.Tensor] = {}  # id(item) -> destination, for the items of one load()
 
     def _entry(self, item: ReadItem) -> StoredChunk | StoredBytes:
         entry = self.storage_data.get(item.storage_index)
@@ -132,12 +135,39 @@ class SafetensorsItemLoader:
         return sums
 
     def _load_checked(self, checked: dict[StoredChunk, list[ReadItem]], planner: LoadPlanner) -> None:
-        """Fetch each tensor whole, check its digests, then deliver its items from the checked bytes."""
+        """Fetch each tensor whole, check its digests, then deliver its items from the checked bytes.
+
+        A tensor that one item loads whole into a contiguous CPU destination of its dtype is read straight
+        into that destination and its digests are computed there (no staging copy; on a mismatch the load
+        fails with the destination already written). The others are staged in batches of at most
+        ``staging_bytes`` and delivered from the checked bytes.
+        """
 
         def nbytes(entry: StoredChunk) -> int:
             return math.prod(entry.shape) * entry.dtype.itemsize
 
-        for batch in batches_by_bytes(list(checked), nbytes, self.config.staging_bytes):
+        in_place: dict[StoredChunk, tuple[ReadItem, torch.Tensor]] = {}
+        for entry, group in checked.items():
+            item = group[0]
+            if len(group) == 1 and not any(item.storage_offsets) and tuple(item.lengths) == tuple(entry.shape):
+                dest = self._destination(item, planner)
+                if dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == entry.dtype:
+                    in_place[entry] = (item, dest)
+        if in_place:
+            reqs = [
+                RangeRequest(self._path(e.file), e.data_offset, e.data_offset + nbytes(e), into=writable_bytes(dest))
+                for e, (_item, dest) in in_place.items()
+            ]
+            self.transport.read_ranges(reqs)
+            for entry, (item, dest) in in_place.items():
+                span = f"bytes [{entry.data_offset}, {entry.data_offset + nbytes(entry)})"
+                full = dest.reshape(-1).view(torch.uint8)
+                problem = self._sums[entry.file].check_tensor(entry.tensor, entry.shape, entry.dtype.itemsize, full, span)
+                if problem:
+                    raise CorruptCheckpointError(problem)
+                planner.commit_tensor(item, dest)
+        staged = [e for e in checked if e not in in_place]
+        for batch in batches_by_bytes(staged, nbytes, self.config.staging_bytes):
             reqs = [RangeRequest(self._path(e.file), e.data_offset, e.data_offset + nbytes(e)) for e in batch]
             for entry, buf in zip(batch, self.transport.read_ranges(reqs)):
                 raw = bytearray(buf)  # type: ignore[arg-type]
@@ -149,24 +179,27 @@ class SafetensorsItemLoader:
                     raise CorruptCheckpointError(problem)
                 stored = full.view(entry.dtype).reshape(entry.shape)
                 for item in checked[entry]:
-                    dest: torch.Tensor = planner.resolve_tensor(item).detach()
-                    if tuple(dest.shape) != tuple(item.lengths):
-                        raise ShapeMismatchError(
-                            f"{item.dest_index.fqn}: destination has shape {tuple(dest.shape)} but the checkpoint "
-                            f"slice is {tuple(item.lengths)}"
-                        )
+                    dest = self._destination(item, planner)
                     region = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
                     dest.copy_(stored[region])
                     planner.commit_tensor(item, dest)
 
+    def _destination(self, item: ReadItem, planner: LoadPlanner) -> torch.Tensor:
+        """``planner.resolve_tensor(item)``, checked against the slice's shape (memoised: resolved once)."""
+        dest = self._resolved.get(id(item))
+        if dest is None:
+            dest = planner.resolve_tensor(item).detach()
+            if tuple(dest.shape) != tuple(item.lengths):
+                raise ShapeMismatchError(
+                    f"{item.dest_index.fqn}: destination has shape {tuple(dest.shape)} but the checkpoint slice is "
+                    f"{tuple(item.lengths)}"
+                )
+            self._resolved[id(item)] = dest
+        return dest
+
     def _plan_tensor(self, item: ReadItem, entry: StoredChunk, planner: LoadPlanner) -> SliceRead:
         path = self._path(entry.file)
-        dest: torch.Tensor = planner.resolve_tensor(item).detach()
-        if tuple(dest.shape) != tuple(item.lengths):
-            raise ShapeMismatchError(
-                f"{item.dest_index.fqn}: destination has shape {tuple(dest.shape)} but the checkpoint slice is "
-                f"{tuple(item.lengths)}"
-            )
+        dest = self._destination(item, planner)
         stored = entry.stored(path, self.transport.url(path))
         return plan_slice_read(
             item,
