@@ -33,7 +33,7 @@ from ..transports import FsspecTransport, RangeRequest
 from ..transports.local_io import LocalFiles
 from .slices import count_runs, is_row_major, slice_runs
 
-__all__ = ["SliceRead", "StoredTensor", "plan_slice_read", "read_slices"]
+__all__ = ["SliceRead", "StoredTensor", "dense_gap_of", "plan_slice_read", "read_slices"]
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,16 @@ def plan_slice_read(
     dest: torch.Tensor,
     max_runs: int = 65536,
     map_runs_above: int | None = None,
+    dense_gap: int | None = None,
 ) -> SliceRead:
     """Requests that bring ``stored[offsets : offsets + lengths]`` into ``dest``.
 
     ``map_runs_above``: for local files, read row-major slices of more runs than this with a tight pread loop.
+    ``dense_gap``: the transport's coalescing gap (object stores). A slice of many runs whose gaps average
+    at most this is read as its bounding range into a staging buffer and copied out with one strided
+    copy: the transport would fetch those same bytes after coalescing the runs, and a ``Shard(1)`` slice
+    of a large chunk is hundreds of thousands of runs, whose request objects cost seconds of CPU and
+    ~100 MiB per rank to plan.
 
     Raises :class:`ShapeMismatchError` naming the tensor when the slice does not fit the stored shape
     or ``dest`` does not have the slice's shape.
@@ -131,7 +137,7 @@ def plan_slice_read(
         if not direct:
             work.staging = host_buffer(lengths, stored.dtype, dest.device)
         return work
-    if stored.is_row_major and runs <= max_runs:
+    if stored.is_row_major and runs <= max_runs and not _dense(stored, lengths, runs, itemsize, dense_gap):
         target = dest if direct else host_buffer(lengths, stored.dtype, dest.device)
         if not direct:
             work.staging = target
@@ -153,6 +159,25 @@ def plan_slice_read(
         RangeRequest(stored.path, start, start + (last - first + 1) * itemsize, into=writable_bytes(staging))
     ]
     return work
+
+
+def dense_gap_of(transport: object) -> int | None:
+    """The ``dense_gap`` for :func:`plan_slice_read`: an object-store transport's coalescing gap, else ``None``."""
+    if getattr(transport, "is_local", True):
+        return None
+    gap = getattr(getattr(transport, "config", None), "coalesce_gap", None)
+    return gap if isinstance(gap, int) else None
+
+
+_DENSE_MIN_RUNS = 64  # fewer runs than this cost little to plan one by one
+
+
+def _dense(stored: StoredTensor, lengths: tuple[int, ...], runs: int, itemsize: int, gap: int | None) -> bool:
+    """Whether the runs of a slice are many and close enough that their bounding range is what gets read."""
+    if gap is None or runs < _DENSE_MIN_RUNS:
+        return False
+    span = sum((n - 1) * st for n, st in zip(lengths, stored.stride)) + 1  # elements, first to last
+    return (span - math.prod(lengths)) * itemsize <= gap * (runs - 1)
 
 
 def read_slices(

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import RecordVerifier, batches_by_bytes
 from ...transports import FsspecTransport, RangeRequest
-from ..tensor_reads import SliceRead, StoredTensor, plan_slice_read, read_slices
+from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
 from .seekable import SeekableTransform
@@ -334,6 +334,7 @@ class DcpItemLoader:
             self._destination(item),
             self.config.max_runs_per_item,
             map_runs_above=self.config.map_runs_above if self.transport.is_local else None,
+            dense_gap=dense_gap_of(self.transport),
         )
 
     def _run_ranged(self, works: list[SliceRead], planner: LoadPlanner) -> None:

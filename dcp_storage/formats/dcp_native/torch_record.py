@@ -317,7 +317,7 @@ def _parse_record(buf: memoryview, record_len: int, path: str) -> TensorRecord:
             result = _DataPklUnpickler(io.BytesIO(pkl_bytes), path, _ALLOWED, _persistent_load).load()
         except (UnsupportedRecord, UnsafeCheckpointError):
             raise UnsupportedRecord("data.pkl is not a plain tensor") from None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise CorruptCheckpointError(f"{path}: cannot decode the tensor's data.pkl ({exc})") from exc
     if not isinstance(result, _Spec):
         raise UnsupportedRecord("data.pkl is not a single tensor")
@@ -360,7 +360,7 @@ def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
     """Load a whole record with ``torch.load(weights_only=True)``; map refusals to our errors."""
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - classified below
+    except Exception as exc:
         text = str(exc)
         if "Weights only load failed" in text or "weights_only" in text:
             match = _FORBIDDEN.search(text)

@@ -32,7 +32,7 @@ from ...tensor_buffers import writable_bytes
 from ...transports import FsspecTransport, RangeRequest
 from ..dcp_native.torch_record import check_byte_item
 from ..paths import check_relative
-from ..tensor_reads import SliceRead, plan_slice_read, read_slices
+from ..tensor_reads import SliceRead, dense_gap_of, plan_slice_read, read_slices
 from .layout import resolve
 from .metadata import StoredBytes, StoredChunk
 
@@ -209,6 +209,7 @@ class SafetensorsItemLoader:
             dest,
             self.config.max_runs_per_item,
             map_runs_above=self.config.map_runs_above if self.transport.is_local else None,
+            dense_gap=dense_gap_of(self.transport),
         )
 
     def _load_bytes(self, byte_items: list[tuple[ReadItem, StoredBytes]], planner: LoadPlanner) -> None:
