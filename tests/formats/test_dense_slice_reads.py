@@ -73,3 +73,14 @@ def test_sparse_or_short_slices_keep_their_runs(
     dest, got = _load(transport, tensor, offsets, lengths, gap)
     rows, cols = (slice(o, o + n) for o, n in zip(offsets, lengths))
     assert got == planned and same_bits(dest, full[rows, cols].contiguous())
+
+
+
+def test_dense_slice_into_a_casting_destination(stored: tuple[FsspecTransport, StoredTensor, torch.Tensor]) -> None:
+    """A float64 destination: the bounding range is staged in the stored dtype, then copied with the cast."""
+    transport, tensor, full = stored
+    dest = torch.empty(190, 20, dtype=torch.float64)
+    work = plan_slice_read("k", tensor, (7, 30), (190, 20), dest, dense_gap=transport.config.coalesce_gap)
+    assert len(work.requests) == 1 and work.staging is not None and work.staging.dtype == torch.float32
+    read_slices(transport, [work], lambda _w: None)
+    assert same_bits(dest, full[7:197, 30:50].double().contiguous())

@@ -8,11 +8,11 @@ Python callbacks); a rank that reshards a 2 GiB checkpoint reads a few hundred o
 
 :func:`decode_tensor_pickle` interprets only the opcodes that pickle writes for such a record, on a
 plain Python stack: globals are looked up in the caller's allow-list by name (nothing is imported),
-``REDUCE`` calls only allow-listed callables, the memo is a dict (no index can make it allocate, and one past the stream's length is declined as the
-full path refuses it), and
-there is no ``BUILD``, so nothing can be mutated. Anything else returns ``None`` and the caller uses the
-full allow-list unpickler, which reports it precisely. Records that share shape, dtype and storage key
-pickle to identical bytes, so results are cached by those bytes.
+``REDUCE`` calls only allow-listed callables, the memo is a dict (no index can make it allocate; one past
+the stream's length is declined, as the full path refuses it), and there is no ``BUILD``, so nothing can
+be mutated. Anything else returns ``None`` and the caller uses the full allow-list unpickler, which
+reports it precisely. Records that share shape, dtype and storage key pickle to identical bytes, so
+results are cached by those bytes.
 """
 
 from __future__ import annotations

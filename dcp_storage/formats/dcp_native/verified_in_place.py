@@ -6,9 +6,9 @@ destination: a second copy of every byte plus the page faults of the fresh buffe
 verified load 3.5x slower than an unchecked one (+247%; +17-21% in place: ``benchmarks/RESULTS-integrity.md``).
 When a rank needs a record's whole tensor (same world size, ``Shard(0)`` to the same ``Shard(0)``, a full
 tensor on one process) and the destination is a contiguous CPU tensor of the stored dtype, the record is
-read in three pieces that tile it exactly: its
-header (zip entries and ``data.pkl``, from the probe), the raw elements straight into the destination,
-and its tail (zip index). The pieces are hashed in order, which gives the digest of the whole record.
+read in three pieces that tile it exactly: its header (zip entries and ``data.pkl``, from the probe), the
+raw elements straight into the destination, and its tail (zip index). The pieces are hashed in order,
+which gives the digest of the whole record.
 
 On a mismatch the error names the file, byte range and keys as on the general path; the destination
 then already holds the unchecked bytes, and the load fails. Records that do not fit (slices, casts, GPU
