@@ -199,6 +199,30 @@ def test_tensor_record(data: bytes) -> None:
     assert rec.data_start + rec.storage_nbytes <= len(data) and rec.storage_offset >= 0
 
 
+TENSOR_PKLS = [_data_pkl(r) for r in RECORDS] + [
+    _data_pkl(_torch_save(torch.zeros(70_000, dtype=torch.bool))),
+    _data_pkl(_torch_save(torch.tensor(3.5, dtype=torch.bfloat16))),
+]
+
+
+@FUZZ()
+@given(data=mutated(TENSOR_PKLS))
+def test_strict_tensor_pickle_agrees_with_the_allow_list_unpickler(data: bytes) -> None:
+    """The strict ``data.pkl`` decoder either declines or returns exactly what the full unpickler returns."""
+    import io as _io
+
+    from dcp_storage.formats.dcp_native import torch_record
+    from dcp_storage.formats.dcp_native.record_pickle import decode_tensor_pickle
+
+    strict = decode_tensor_pickle(data, torch_record._ALLOWED, torch_record._persistent_load)
+    if strict is None:
+        return
+    full = torch_record._DataPklUnpickler(
+        _io.BytesIO(data), "fuzz", torch_record._ALLOWED, torch_record._persistent_load
+    ).load()
+    assert strict == full
+
+
 @pytest.fixture(scope="module")
 def scratch() -> Any:
     with tempfile.TemporaryDirectory(prefix="dcp-fuzz-pt-") as root:

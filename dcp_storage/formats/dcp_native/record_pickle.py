@@ -177,6 +177,8 @@ def _interpret(data: bytes, allowed: dict[tuple[str, str], Any], persistent_load
                 raise _NotCanonical("STOP with a stack that is not one object")
             return stack[0]
         elif op == _PROTO:
+            if data[pos] > pickle.HIGHEST_PROTOCOL:  # the C unpickler refuses it: so do we
+                raise _NotCanonical(f"pickle protocol {data[pos]}")
             pos += 1
         elif op == _FRAME:
             pos += 8
