@@ -974,62 +974,34 @@ class Bench:
                     RAW_CONCURRENCY,
                     server.pid,
                 )
-                self.load(case, "ours", url, "full", 1, storage_options=so, s3=True)
-                if subset is not None:
-                    self.load(
-                        case,
-                        "ours",
-                        url,
-                        "full",
-                        1,
-                        storage_options=so,
-                        s3=True,
-                        spec=subset,
-                        note=subset_note + " (same subset as torch-fsspec)",
-                    )
-                self.load(
-                    case,
-                    "torch-fsspec",
-                    url,
-                    "full",
-                    1,
-                    storage_options=so,
-                    s3=True,
-                    spec=subset,
-                    timeout=self.args.torch_s3_timeout,
-                    repeats=self.args.torch_s3_repeats,
-                    note=subset_note,
-                )
+                self._s3_readers(case, url, "full", 1, so, subset, subset_note)
             if "s3-2" in cases:
                 print("[s3rver, 2 ranks, S0->S1]", flush=True)
                 warm_files(obj_files)
                 case = "s3rver 2r S0->S1"
-                self.load(case, "ours", url, "shard1", 2, storage_options=so, s3=True)
-                if subset is not None:
-                    self.load(
-                        case,
-                        "ours",
-                        url,
-                        "shard1",
-                        2,
-                        storage_options=so,
-                        s3=True,
-                        spec=subset,
-                        note=subset_note + " (same subset as torch-fsspec)",
-                    )
-                self.load(
-                    case,
-                    "torch-fsspec",
-                    url,
-                    "shard1",
-                    2,
-                    storage_options=so,
-                    s3=True,
-                    spec=subset,
-                    timeout=self.args.torch_s3_timeout,
-                    repeats=self.args.torch_s3_repeats,
-                    note=subset_note,
-                )
+                self._s3_readers(case, url, "shard1", 2, so, subset, subset_note)
+
+    def _s3_readers(
+        self, case: str, url: str, layout: str, world: int, so: dict[str, Any], subset: list | None, subset_note: str
+    ) -> None:
+        """Ours on everything, ours again on torch's subset (when it has one), then torch's ``FsspecReader``."""
+        self.load(case, "ours", url, layout, world, storage_options=so, s3=True)
+        if subset is not None:
+            note = subset_note + " (same subset as torch-fsspec)"
+            self.load(case, "ours", url, layout, world, storage_options=so, s3=True, spec=subset, note=note)
+        self.load(
+            case,
+            "torch-fsspec",
+            url,
+            layout,
+            world,
+            storage_options=so,
+            s3=True,
+            spec=subset,
+            timeout=self.args.torch_s3_timeout,
+            repeats=self.args.torch_s3_repeats,
+            note=subset_note,
+        )
 
     def _subset(self, cap: float) -> tuple[list | None, int]:
         total = _spec_bytes([(n, tuple(s), d) for n, s, d in self.spec])
