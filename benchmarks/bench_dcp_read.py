@@ -45,7 +45,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -638,6 +638,45 @@ def run_threads(n: int, fn: Any, server_pid: int | None) -> tuple[float, dict[st
     return elapsed, cpu.as_dict()
 
 
+def raw_ranged_job(
+    objects: list[tuple[str, int]],
+    part: int,
+    concurrency: int,
+    server_pid: int | None,
+    reader: Callable[[], contextlib.AbstractContextManager[Callable[[str, int, int, memoryview], None]]],
+) -> dict[str, Any]:
+    """Raw limit: every ``part``-sized range of ``objects``, fetched by ``concurrency`` threads into touched buffers.
+
+    ``reader()`` is entered once per thread and yields ``fetch(key, offset, length, into)``, which must fill
+    ``into`` (a per-thread client: a connection, a store). Returns seconds, bytes, requests and CPU.
+    """
+    _keep, views = zip(*(_touched(size) for _, size in objects))
+    tasks = ranged_tasks(objects, part)
+    n_tasks = len(tasks)
+
+    def work() -> None:
+        with reader() as fetch:
+            while True:
+                try:
+                    i, off, n = tasks.popleft()
+                except IndexError:
+                    return
+                fetch(objects[i][0], off, n, views[i][off : off + n])
+
+    elapsed, cpu = run_threads(concurrency, work, server_pid)
+    return {"seconds": elapsed, "bytes": sum(s for _, s in objects), "requests": n_tasks, **cpu}
+
+
+def read_exactly_into(readinto: Callable[[memoryview], int | None], into: memoryview) -> None:
+    """Fill ``into`` from a response body's ``readinto``; ``OSError`` if the body ends early."""
+    pos = 0
+    while pos < len(into):
+        got = readinto(into[pos:])
+        if not got:
+            raise OSError("short body")
+        pos += got
+
+
 def _raw_s3_job(
     rank: int,
     world: int,
@@ -649,35 +688,25 @@ def _raw_s3_job(
     server_pid: int | None = None,
 ) -> dict[str, Any]:
     """Raw limit: concurrent plain ranged GETs (http.client, unsigned) into touched buffers."""
-    _keep, views = zip(*(_touched(size) for _, size in objects))
-    tasks = ranged_tasks(objects, part)
-    n_tasks = len(tasks)
 
-    def work() -> None:
+    @contextlib.contextmanager
+    def connection() -> Iterator[Callable[[str, int, int, memoryview], None]]:
         conn = http.client.HTTPConnection(host, port, timeout=120)
+
+        def fetch(key: str, off: int, n: int, into: memoryview) -> None:
+            conn.request("GET", key, headers={"Range": f"bytes={off}-{off + n - 1}"})
+            resp = conn.getresponse()
+            if resp.status != 206:
+                raise OSError(f"GET {key} -> {resp.status} {resp.read(300)!r}")
+            read_exactly_into(resp.readinto, into)
+            resp.read()
+
         try:
-            while True:
-                try:
-                    i, off, n = tasks.popleft()
-                except IndexError:
-                    return
-                conn.request("GET", objects[i][0], headers={"Range": f"bytes={off}-{off + n - 1}"})
-                resp = conn.getresponse()
-                if resp.status != 206:
-                    raise OSError(f"GET {objects[i][0]} -> {resp.status} {resp.read(300)!r}")
-                mv = views[i][off : off + n]
-                pos = 0
-                while pos < n:
-                    got = resp.readinto(mv[pos:])
-                    if not got:
-                        raise OSError("short body")
-                    pos += got
-                resp.read()
+            yield fetch
         finally:
             conn.close()
 
-    elapsed, cpu = run_threads(concurrency, work, server_pid)
-    return {"seconds": elapsed, "bytes": sum(s for _, s in objects), "requests": n_tasks, **cpu}
+    return raw_ranged_job(objects, part, concurrency, server_pid, connection)
 
 
 # ====================================================================================== s3 helpers

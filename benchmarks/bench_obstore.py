@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -102,20 +103,11 @@ def raw_obstore_job(
         client_options={"allow_http": True, "timeout": "300s"},
         retry_config={"max_retries": 0},
     )
-    _keep, views = zip(*(base._touched(size) for _, size in objects))
-    tasks = base.ranged_tasks(objects, part)
-    n_tasks = len(tasks)
 
-    def work() -> None:
-        while True:
-            try:
-                i, off, n = tasks.popleft()
-            except IndexError:
-                return
-            views[i][off : off + n] = obstore.get_range(store, objects[i][0], start=off, end=off + n)
+    def fetch(key: str, off: int, n: int, into: memoryview) -> None:
+        into[:] = obstore.get_range(store, key, start=off, end=off + n)
 
-    elapsed, cpu = base.run_threads(conc, work, server_pid)
-    return {"seconds": elapsed, "bytes": sum(s for _, s in objects), "requests": n_tasks, **cpu}
+    return base.raw_ranged_job(objects, part, conc, server_pid, lambda: contextlib.nullcontext(fetch))
 
 
 def raw_boto3_job(
@@ -140,28 +132,12 @@ def raw_boto3_job(
         aws_secret_access_key="S3RVER",
         config=Config(max_pool_connections=conc),
     )
-    _keep, views = zip(*(base._touched(size) for _, size in objects))
-    tasks = base.ranged_tasks(objects, part)
-    n_tasks = len(tasks)
 
-    def work() -> None:
-        while True:
-            try:
-                i, off, n = tasks.popleft()
-            except IndexError:
-                return
-            body = client.get_object(Bucket=bucket, Key=objects[i][0], Range=f"bytes={off}-{off + n - 1}")["Body"]
-            raw = body._raw_stream  # urllib3 response: readinto straight into the destination
-            mv = views[i][off : off + n]
-            pos = 0
-            while pos < n:
-                got = raw.readinto(mv[pos:])
-                if not got:
-                    raise OSError("short body")
-                pos += got
+    def fetch(key: str, off: int, n: int, into: memoryview) -> None:
+        body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={off}-{off + n - 1}")["Body"]
+        base.read_exactly_into(body._raw_stream.readinto, into)  # urllib3 response: straight into the buffer
 
-    elapsed, cpu = base.run_threads(conc, work, server_pid)
-    return {"seconds": elapsed, "bytes": sum(s for _, s in objects), "requests": n_tasks, **cpu}
+    return base.raw_ranged_job(objects, part, conc, server_pid, lambda: contextlib.nullcontext(fetch))
 
 
 def raw_s3fs_cat_ranges_job(
