@@ -1104,6 +1104,22 @@ def machine_notes() -> dict[str, Any]:
     }
 
 
+def print_machine(machine: dict[str, Any]) -> None:
+    print(
+        f"machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['mem_gib']} GiB, "
+        f"load {machine['loadavg_at_start']}",
+        flush=True,
+    )
+
+
+def print_checkpoint(info: dict[str, Any]) -> None:
+    print(
+        f"checkpoint: {info['path']}  {info['tensor_bytes'] / GiB:.2f} GiB in {len(info['spec'])} tensors, "
+        f"largest {info['largest_tensor_bytes'] / MiB:.0f} MiB; files {info['file_sizes']}",
+        flush=True,
+    )
+
+
 # ============================================================================================ report
 
 TORCH_REF = {"local": "torch-fs", "s3rver": "torch-fsspec"}
@@ -1326,17 +1342,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (HERE, REPO, os.environ.get("PYTHONPATH")) if x)
 
     machine = machine_notes()
-    print(
-        f"machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['mem_gib']} GiB, "
-        f"load {machine['loadavg_at_start']}",
-        flush=True,
-    )
+    print_machine(machine)
     info = ensure_checkpoint(args.cache_dir, args.size_gib, args.seed)
-    print(
-        f"checkpoint: {info['path']}  {info['tensor_bytes'] / GiB:.2f} GiB in {len(info['spec'])} tensors, "
-        f"largest {info['largest_tensor_bytes'] / MiB:.0f} MiB; files {info['file_sizes']}",
-        flush=True,
-    )
+    print_checkpoint(info)
     bench = Bench(args, info)
     bench.s3_setup = None  # type: ignore[attr-defined]
     try:

@@ -1098,17 +1098,9 @@ def main(argv: list[str] | None = None) -> int:
     import safetensors
 
     machine["versions"]["safetensors"] = safetensors.__version__
-    print(
-        f"machine: {machine['cpus']} CPUs ({machine['cpu_model']}), {machine['mem_gib']} GiB, "
-        f"load {machine['loadavg_at_start']}",
-        flush=True,
-    )
+    bdr.print_machine(machine)
     info = ensure_checkpoint(args.cache_dir, args.size_gib, args.seed)
-    print(
-        f"checkpoint: {info['path']}  {info['tensor_bytes'] / GiB:.2f} GiB in {len(info['spec'])} tensors, "
-        f"largest {info['largest_tensor_bytes'] / MiB:.0f} MiB; files {info['file_sizes']}",
-        flush=True,
-    )
+    bdr.print_checkpoint(info)
     bench = Bench(args, info)
     try:
         bench.run_local()
