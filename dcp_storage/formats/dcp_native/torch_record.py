@@ -275,7 +275,7 @@ def parse_tensor_record(prefix: memoryview | bytes, record_len: int, path: str) 
     :class:`CorruptCheckpointError` (naming ``path``).
     """
     buf = memoryview(prefix).cast("B") if not isinstance(prefix, memoryview) else prefix
-    for length in _prefix_lengths:
+    for length in tuple(_prefix_lengths):  # a copy: another thread's load may add a length meanwhile
         if length <= len(buf):
             hit = _record_cache.get(bytes(buf[:length]))
             if hit is not None:
