@@ -8,7 +8,9 @@ byte-range requests and delivers them.
 A row-major slice becomes one byte run per contiguous stretch (one for a ``Shard(0)`` slice, one per row
 for ``Shard(1)``); runs land directly in ``dest`` when it is a contiguous CPU tensor of the stored dtype,
 otherwise in a (pinned, for GPUs) staging buffer that is copied into ``dest`` afterwards, which also casts
-dtypes. Strided tensors, and slices of more than ``max_runs`` runs, read their bounding byte range.
+dtypes. Strided tensors, slices of more than ``max_runs`` runs, and (from an object store) slices of
+many runs with small gaps between them, read their bounding byte range: for the last, the same bytes the
+transport would fetch after coalescing the runs, without a request object per run.
 
 On a local disk a slice of many runs (a ``Shard(1)`` slice: one run per row) skips the request machinery:
 runs under 1 MiB are copied out of a memory map with one strided ``copy_`` (:func:`_copy_from_map`),
