@@ -10,23 +10,21 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage import FsspecReader, FsspecWriter, UnknownFormatError, open_reader, verify
 from dcp_storage.cli import main as cli_main
-from dcp_storage.formats.dcp_native.metadata_io import load_metadata
 from dcp_storage.integrity.checksums import ALGORITHMS, HashingWriter, checksum
 from dcp_storage.integrity.manifest import MANIFEST_FILE, Manifest
 from dcp_storage.testing.distributed import run_ranks
 
 from . import _rank_fns as R
+from ._flips import dcp_records, flipped, load_error
 
 TRIALS = 50
 SEED = 20240611
@@ -68,16 +66,11 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save(tmp_path_factory.mktemp("integrity") / "ckpt", single_file_per_rank=False)
 
 
-def _records(path: Path) -> list[tuple[str, int, int, str]]:
-    md = load_metadata((path / ".metadata").read_bytes(), str(path))
-    return [(i.relative_path, int(i.offset), int(i.length), idx.fqn) for idx, i in md.storage_data.items()]
-
-
 def test_manifest_written_and_torch_still_loads(ckpt: Path) -> None:
     manifest = Manifest.from_json((ckpt / MANIFEST_FILE).read_bytes(), str(ckpt))
     assert manifest.format == "dcp/1" and manifest.format_distribution == "dcp-storage"
     assert manifest.writer.startswith("dcp-storage/") and manifest.algorithm == "xxh3_64"
-    records = _records(ckpt)
+    records = dcp_records(ckpt)
     assert len(records) == 5 and {r[0] for r in records} == set(manifest.files)
     for name, entry in manifest.files.items():
         data = (ckpt / name).read_bytes()
@@ -114,34 +107,22 @@ def test_hashing_writer_refuses_uncovered_bytes() -> None:
 def test_single_byte_flips_are_all_detected(ckpt: Path, tmp_path: Path) -> None:
     work = tmp_path / "flips"
     shutil.copytree(ckpt, work)
-    records = _records(work)
+    records = dcp_records(work)
     files = sorted({r[0] for r in records})
     rng = random.Random(SEED)
     detected_verify = detected_load = 0
     for _ in range(TRIALS):
         name = rng.choice(files)
         path = work / name
-        data = bytearray(path.read_bytes())
-        pos = rng.randrange(len(data))
+        pos = rng.randrange(path.stat().st_size)
         key = next(k for f, o, n, k in records if f == name and o <= pos < o + n)
-        original = data[pos]
-        data[pos] ^= rng.randrange(1, 256)
-        path.write_bytes(data)
-        try:
+        with flipped(path, pos, rng):
             report = verify(work, deep=True)
             if any(name in p and repr(key) in p and "checksum mismatch" in p for p in report.problems):
                 detected_verify += 1
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    dcp.load(_blank(), storage_reader=FsspecReader(work, verify=True), no_dist=True)
-            except CheckpointException as exc:  # DCP wraps rank errors (a BaseException, not an Exception)
-                text = str(exc)
-                if "CorruptCheckpointError" in text and name in text and repr(key) in text and "checksum" in text:
-                    detected_load += 1
-        finally:
-            data[pos] = original
-            path.write_bytes(data)
+            text = load_error(lambda: dcp.load(_blank(), storage_reader=FsspecReader(work, verify=True), no_dist=True))
+            if "CorruptCheckpointError" in text and name in text and repr(key) in text and "checksum" in text:
+                detected_load += 1
     assert (detected_verify, detected_load) == (TRIALS, TRIALS)
 
 
@@ -152,17 +133,17 @@ def test_verify_cli_exit_codes(ckpt: Path, tmp_path: Path, capsys: pytest.Captur
     out = capsys.readouterr().out
     assert "OK" in out and "xxh3_64 checksums of 5 records in 5 files checked" in out
 
-    flipped = tmp_path / "flipped"
-    shutil.copytree(ckpt, flipped)
-    name, offset, length, key = max(_records(flipped), key=lambda r: r[2])
-    data = bytearray((flipped / name).read_bytes())
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ckpt, damaged)
+    name, offset, length, key = max(dcp_records(damaged), key=lambda r: r[2])
+    data = bytearray((damaged / name).read_bytes())
     data[offset + length - 3] ^= 0x01  # inside the tensor bytes: the record still decodes
-    (flipped / name).write_bytes(data)
-    assert cli_main(["verify", str(flipped)]) == 0  # shallow: sizes are intact
+    (damaged / name).write_bytes(data)
+    assert cli_main(["verify", str(damaged)]) == 0  # shallow: sizes are intact
     capsys.readouterr()
-    assert cli_main(["verify", str(flipped), "--deep"]) == 1
+    assert cli_main(["verify", str(damaged), "--deep"]) == 1
     cap = capsys.readouterr()
-    assert f"PROBLEM: {flipped / name} bytes [{offset}, {offset + length}) (holding {key!r})" in cap.out
+    assert f"PROBLEM: {damaged / name} bytes [{offset}, {offset + length}) (holding {key!r})" in cap.out
     assert "checksum mismatch" in cap.out and cap.err.startswith("dcp-storage verify: error: 1 problem(s)")
 
     truncated = tmp_path / "truncated"

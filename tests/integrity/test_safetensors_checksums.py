@@ -18,7 +18,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage import SafetensorsReader, SafetensorsWriter, describe, verify
 from dcp_storage.cli import main as cli_main
@@ -28,6 +27,7 @@ from dcp_storage.integrity.safetensors_sums import ALGORITHM_KEY, CHECKSUM_PREFI
 from dcp_storage.testing.distributed import run_ranks
 
 from . import _st_rank_fns as R
+from ._flips import flipped, load_error
 
 TRIALS = 50
 SEED = 20240612
@@ -89,12 +89,7 @@ def _load(ckpt: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _load_error(ckpt: Path, like: dict[str, torch.Tensor]) -> str:
-    try:
-        _load(ckpt, like)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the message is what is checked
-        failures = getattr(exc, "failures", None)
-        return " ".join(str(f) for f in failures.values()) if failures else str(exc)
-    return ""
+    return load_error(lambda: _load(ckpt, like))
 
 
 @pytest.mark.parametrize("which", ["dist_ckpt", "single_ckpt"])
@@ -132,46 +127,34 @@ def test_single_byte_flips_in_data_are_all_detected(which: str, request: pytest.
     ref = R.reference() if which == "dist_ckpt" else _single_state()
     rng = random.Random(SEED)
     files = _files(ckpt)
-    originals = {f: f.read_bytes() for f in files}
-    try:
-        for trial in range(TRIALS):
-            f = rng.choice(files)
-            data = bytearray(originals[f])
-            n = int.from_bytes(data[:8], "little")
-            pos = rng.randrange(8 + n, len(data))
-            data[pos] ^= rng.randrange(1, 256)
-            f.write_bytes(data)
-            key = _key_at(f, pos)
+    for trial in range(TRIALS):
+        f = rng.choice(files)
+        pos = rng.randrange(8 + _header_bytes(f), f.stat().st_size)
+        key = _key_at(f, pos)
+        with flipped(f, pos, rng):
             report = verify(ckpt, deep=True)
             named = [p for p in report.problems if f.name in p and repr(key) in p]
             assert named, f"trial {trial}: flip at {f.name}:{pos} ({key!r}) not named: {report.problems}"
             message = _load_error(ckpt, ref)
             assert f.name in message and repr(key) in message and "checksum mismatch" in message, (trial, message)
-            f.write_bytes(originals[f])
-    finally:
-        for f, data in originals.items():
-            f.write_bytes(data)
 
 
 def test_single_byte_flips_in_header_are_all_detected(single_ckpt: Path) -> None:
     rng = random.Random(SEED + 1)
     files = _files(single_ckpt)
-    originals = {f: f.read_bytes() for f in files}
-    try:
-        for trial in range(TRIALS):
-            f = rng.choice(files)
-            data = bytearray(originals[f])
-            n = int.from_bytes(data[:8], "little")
-            pos = rng.randrange(0, 8 + n)
-            data[pos] ^= rng.randrange(1, 256)
-            f.write_bytes(data)
+    for trial in range(TRIALS):
+        f = rng.choice(files)
+        pos = rng.randrange(0, 8 + _header_bytes(f))
+        with flipped(f, pos, rng):
             report = verify(single_ckpt)
             assert any(f.name in p for p in report.problems), f"trial {trial}: header flip at {pos}: {report.problems}"
             assert _load_error(single_ckpt, _single_state()), f"trial {trial}: header flip at {pos} loaded"
-            f.write_bytes(originals[f])
-    finally:
-        for f, data in originals.items():
-            f.write_bytes(data)
+
+
+def _header_bytes(path: Path) -> int:
+    """The safetensors header's length (the file's first 8 bytes, little-endian)."""
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(8), "little")
 
 
 def test_header_digest_catches_a_whitespace_flip(tmp_path: Path) -> None:

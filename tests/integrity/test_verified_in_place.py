@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import random
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage import FsspecReader, FsspecWriter
-from dcp_storage.formats.dcp_native.metadata_io import load_metadata
 from dcp_storage.integrity.read_verify import RecordVerifier
+
+from ._flips import dcp_records, flipped, load_error
 
 SEED = 20261130
 FLIPS = 30
@@ -97,17 +96,12 @@ def test_a_cast_keeps_the_general_path(ckpt: Path, monkeypatch: pytest.MonkeyPat
     assert (paths.in_place, paths.general) == (2, 2)
 
 
-def _records(path: Path) -> list[tuple[str, int, int, str]]:
-    md = load_metadata((path / ".metadata").read_bytes(), str(path))
-    return [(i.relative_path, int(i.offset), int(i.length), idx.fqn) for idx, i in md.storage_data.items()]
-
-
 @pytest.mark.parametrize("region", ["header", "data", "tail"])
 def test_every_flipped_byte_is_caught_with_file_and_key(ckpt: Path, tmp_path: Path, region: str) -> None:
     """Flips in the zip header / data.pkl, the elements, and the zip index of records read in place."""
     work = tmp_path / "flips"
     shutil.copytree(ckpt, work)
-    big = [r for r in _records(work) if r[2] > 256 * 1024]
+    big = [r for r in dcp_records(work) if r[2] > 256 * 1024]
     rng = random.Random(f"{SEED}-{region}")
     caught = 0
     for _ in range(FLIPS):
@@ -118,20 +112,8 @@ def test_every_flipped_byte_is_caught_with_file_and_key(ckpt: Path, tmp_path: Pa
             pos = offset + rng.randrange(1024, length - 1024)
         else:
             pos = offset + length - 1 - rng.randrange(0, 200)
-        path = work / name
-        data = bytearray(path.read_bytes())
-        original = data[pos]
-        data[pos] ^= rng.randrange(1, 256)
-        path.write_bytes(data)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dcp.load(_blank(), storage_reader=FsspecReader(work, verify=True), no_dist=True)
-        except CheckpointException as exc:
-            text = str(exc)
-            if "CorruptCheckpointError" in text and name in text and repr(key) in text and "checksum" in text:
-                caught += 1
-        finally:
-            data[pos] = original
-            path.write_bytes(data)
+        with flipped(work / name, pos, rng):
+            text = load_error(lambda: dcp.load(_blank(), storage_reader=FsspecReader(work, verify=True), no_dist=True))
+        if "CorruptCheckpointError" in text and name in text and repr(key) in text and "checksum" in text:
+            caught += 1
     assert caught == FLIPS
