@@ -202,6 +202,16 @@ def failing(proxy: FaultProxy, rules: list[FaultRule], action: Callable[[], Any]
     return transport_error_text(info.value), time.monotonic() - started
 
 
+def assert_data_read_gave_up(message: str, elapsed: float, url: str, proxy: FaultProxy, mode: str) -> None:
+    """A permanently failing data read: the error names the operation, URL and range, and gave up at the
+    deadline, in time, after as many attempts as the proxy faulted."""
+    assert message.startswith(f"read {url}/__0_"), message  # operation and URL
+    assert re.search(r"\.distcp bytes \[\d+, \d+\) failed after", message), message  # the range
+    assert "gave up: deadline, 1s" in message, message
+    attempts = assert_gave_up_in_time(message, elapsed)
+    assert attempts >= 1 and proxy.counters().faults[mode] >= attempts
+
+
 def assert_gave_up_in_time(message: str, elapsed: float) -> int:
     match = _GAVE_UP.search(message)
     assert match, message
@@ -224,11 +234,7 @@ def test_permanent_fault_on_data_reads_fails_before_the_deadline(
     location, state = saved_checkpoint
     rules = [FaultRule(mode, method="GET", path=r"\.distcp$", delay=SLOW_DELAY)]  # type: ignore[arg-type]
     message, elapsed = failing(fault_proxy, rules, lambda: load_dcp(location, state, _config(IMPATIENT)))
-    assert message.startswith(f"read {location.url}/__0_"), message  # operation and URL
-    assert re.search(r"\.distcp bytes \[\d+, \d+\) failed after", message), message  # the range
-    assert "gave up: deadline, 1s" in message, message
-    attempts = assert_gave_up_in_time(message, elapsed)
-    assert attempts >= 1 and fault_proxy.counters().faults[mode] >= attempts
+    assert_data_read_gave_up(message, elapsed, location.url, fault_proxy, mode)
 
 
 def test_permanent_fault_on_metadata_read_names_attempts(
