@@ -32,6 +32,7 @@ import pytest
 
 from dcp_storage.testing.distributed import warm_up
 from dcp_storage.testing.s3_server import MotoS3Server, MotoServerError, S3Location
+from dcp_storage.testing.serving import serving
 
 # Tests must never reach the Hugging Face Hub (or wait on its timeouts).
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -48,10 +49,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         warnings.warn(f"could not pre-start the run_ranks forkserver: {exc!r}", stacklevel=1)
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
-
-
 def _clear_s3fs_instances() -> None:
     """Drop s3fs's cached filesystem objects (and with them, cached listings)."""
     try:
@@ -64,18 +61,8 @@ def _clear_s3fs_instances() -> None:
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoS3Server]:
     """A moto S3 server for the whole session; skipped (failed on CI) if unavailable."""
-    try:
-        server = MotoS3Server()
-        server.start()
-    except (MotoServerError, OSError, ImportError) as exc:
-        message = f"moto S3 server unavailable: {exc}"
-        if _in_ci():
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    try:
+    with serving("moto S3 server", MotoS3Server, (MotoServerError, OSError, ImportError)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -31,8 +31,10 @@ from typing import Any, NamedTuple, TypeVar
 import fsspec
 import pytest
 
+from dcp_storage.testing._server_process import StartStop
 from dcp_storage.testing.azurite import AzuriteError, AzuriteServer
 from dcp_storage.testing.gcs_server import FakeGcsServer, FakeGcsServerError
+from dcp_storage.testing.serving import serving
 
 BACKENDS = ("local", "file", "memory", "s3", "gs", "az")
 # Backends every process on the host sees alike (memory:// lives inside one process): multi-rank tests.
@@ -40,7 +42,7 @@ SHARED_BACKENDS = tuple(b for b in BACKENDS if b != "memory")
 # Startup times, for the report at the end of the session (pytest -s, or the "startup" terminal line).
 STARTUP_SECONDS: dict[str, float] = {}
 
-T = TypeVar("T")
+S = TypeVar("S", bound=StartStop)
 
 
 class Location(NamedTuple):
@@ -51,53 +53,27 @@ class Location(NamedTuple):
     backend: str
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
-
-
-def _start_or_skip(name: str, start: Callable[[], T], errors: tuple[type[BaseException], ...]) -> T:
+@contextlib.contextmanager
+def _timed_serving(name: str, make: Callable[[], S], errors: tuple[type[BaseException], ...]) -> Iterator[S]:
+    """:func:`serving`, recording how long the server took to start (reported at the end of the session)."""
     began = time.monotonic()
-    try:
-        server = start()
-    except errors as exc:
-        message = f"{name} unavailable: {exc}"
-        if _in_ci():
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    STARTUP_SECONDS[name] = time.monotonic() - began
-    return server
+    with serving(name, make, errors) as server:
+        STARTUP_SECONDS[name] = time.monotonic() - began
+        yield server
 
 
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[FakeGcsServer]:
     """fake-gcs-server for the whole session (in memory, plain HTTP, 127.0.0.1)."""
-
-    def start() -> FakeGcsServer:
-        server = FakeGcsServer()
-        server.start()
-        return server
-
-    server = _start_or_skip("fake-gcs-server", start, (FakeGcsServerError, OSError))
-    try:
+    with _timed_serving("fake-gcs-server", FakeGcsServer, (FakeGcsServerError, OSError)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
 def azurite_server() -> Iterator[AzuriteServer]:
     """azurite's blob service for the whole session (installed with npm into ``.servers/`` on first use)."""
-
-    def start() -> AzuriteServer:
-        server = AzuriteServer()
-        server.start()
-        return server
-
-    server = _start_or_skip("azurite", start, (AzuriteError, OSError))
-    try:
+    with _timed_serving("azurite", AzuriteServer, (AzuriteError, OSError)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 # ------------------------------------------------------------------------------------- one per backend

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.testing.fault_proxy import FAULT_MODES, FaultProxy, FaultRule
 from dcp_storage.testing.gcs_server import FakeGcsServer, FakeGcsServerError, GcsLocation
+from dcp_storage.testing.serving import serving
 
 from .conftest import READ_TIMEOUT, SLOW_DELAY
 from .test_s3_faults import (
@@ -50,17 +51,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 # ------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def gcs_server() -> Iterator[FakeGcsServer]:
-    server = FakeGcsServer()
-    try:
-        server.start()
-    except (FakeGcsServerError, OSError) as exc:
-        if os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}:
-            pytest.fail(f"fake-gcs-server unavailable: {exc}", pytrace=False)
-        pytest.skip(f"fake-gcs-server unavailable: {exc}")
-    try:
+    with serving("fake-gcs-server", FakeGcsServer, (FakeGcsServerError, OSError)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

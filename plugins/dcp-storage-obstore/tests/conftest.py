@@ -7,32 +7,19 @@ access to it); they start their own moto server, the same way: a subprocess on 1
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterator
 
 import pytest
 from dcp_storage.testing.fault_proxy import FaultProxy
 from dcp_storage.testing.s3_server import MotoS3Server, MotoServerError, S3Location
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+from dcp_storage.testing.serving import serving
 
 
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoS3Server]:
-    try:
-        server = MotoS3Server()
-        server.start()
-    except (MotoServerError, OSError, ImportError) as exc:
-        if _in_ci():
-            pytest.fail(f"moto S3 server unavailable: {exc}", pytrace=False)
-        pytest.skip(f"moto S3 server unavailable: {exc}")
-    try:
+    with serving("moto S3 server", MotoS3Server, (MotoServerError, OSError, ImportError)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
