@@ -17,7 +17,6 @@ import dataclasses
 import io
 import os
 import posixpath
-import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +37,7 @@ from .retry import RetryPolicy, TruncatedReadError, call_with_retry, single_laye
 from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size
 from .s3_stream import ScatterSink, can_stream, read_object, stream_range
 from .s3_upload import S3AtomicUpload, put_object
+from .worker_pool import WorkerPool
 
 __all__ = ["FsspecTransport", "TransportConfig"]
 
@@ -118,8 +118,7 @@ class FsspecTransport:
         self._scheme = scheme if scheme in aliases else None
         self.config = _resolve(config or TransportConfig(), self.is_local)
         self.counters = TransportCounters()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+        self._workers = WorkerPool(self.config.max_workers, "dcp-storage-io")
 
     # ----------------------------------------------------------------------------------------- building
     @classmethod
@@ -160,10 +159,7 @@ class FsspecTransport:
         return posixpath.join(root.rstrip("/"), *names)
 
     def close(self) -> None:
-        with self._pool_lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+        self._workers.shutdown()
 
     def __enter__(self) -> FsspecTransport:
         return self
@@ -172,10 +168,7 @@ class FsspecTransport:
         self.close()
 
     def _executor(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="dcp-storage-io")
-            return self._pool
+        return self._workers.get()
 
     def _retry(self, fn: Any, describe: Any) -> Any:
         return call_with_retry(fn, self.config.retry, describe, on_retry=lambda _e: self.counters.add(retries=1))

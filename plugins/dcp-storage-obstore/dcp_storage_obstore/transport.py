@@ -36,6 +36,7 @@ from dcp_storage.transports.range_run import RangeRun
 from dcp_storage.transports.ranges import FetchGroup, plan_fetches
 from dcp_storage.transports.retry import TruncatedReadError, call_with_retry
 from dcp_storage.transports.s3_stream import ScatterSink
+from dcp_storage.transports.worker_pool import WorkerPool
 from obstore.store import S3Store
 
 from .errors import is_not_found, is_transient_obstore, range_not_satisfiable, short_message
@@ -71,8 +72,8 @@ class ObstoreTransport:
         self.counters = TransportCounters()
         self._classify = _classifier(self.config.retry)
         self._stores: dict[tuple[str, bool], S3Store] = {}
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # guards _stores
+        self._workers = WorkerPool(self.config.max_workers, "dcp-obstore-io")
 
     def __repr__(self) -> str:
         where = f", endpoint={self.settings.endpoint!r}" if self.settings.endpoint else ""
@@ -112,10 +113,7 @@ class ObstoreTransport:
         return posixpath.join(root.rstrip("/"), *names)
 
     def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._workers.shutdown()
 
     def __enter__(self) -> ObstoreTransport:  # noqa: PYI034 - mirrors FsspecTransport
         return self
@@ -124,10 +122,7 @@ class ObstoreTransport:
         self.close()
 
     def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="dcp-obstore-io")
-            return self._pool
+        return self._workers.get()
 
     def _locate(self, path: str, uploads: bool = False) -> tuple[S3Store, str]:
         """The store for ``path``'s bucket and the key inside it."""
