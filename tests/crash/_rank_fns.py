@@ -77,7 +77,6 @@ def save(
     part_size: int,
 ) -> float:
     """Save ``make_state(seed)`` with ``FsspecWriter``; return the seconds the save took on this rank."""
-    import torch.distributed.checkpoint as dcp
 
     from dcp_storage import FsspecWriter
     from dcp_storage.transports import TransportConfig
@@ -93,6 +92,13 @@ def save(
     writer = CommitMarkingWriter(
         url, storage_options, overwrite=overwrite, thread_count=2, transport_config=TransportConfig(part_size=part_size)
     )
+    return _timed_save(state, writer, rank, signal_dir)
+
+
+def _timed_save(state: dict[str, Any], writer: Any, rank: int, signal_dir: str) -> float:
+    """``dcp.save`` between the ``rank<N>.start`` and ``rank<N>.done`` markers the trial driver watches."""
+    import torch.distributed.checkpoint as dcp
+
     start = time.time()
     _mark(os.path.join(signal_dir, f"rank{rank}.start"), f"{os.getpid()} {start!r}")
     dcp.save(state, storage_writer=writer)
@@ -109,15 +115,9 @@ def save_safetensors(
     rank: int, world: int, url: str, storage_options: dict[str, Any], seed: int, signal_dir: str, max_shard_size: str
 ) -> float:
     """Save ``make_state(seed)``'s tensors with ``SafetensorsWriter`` (sharded: several files plus an index)."""
-    import torch.distributed.checkpoint as dcp
 
     from dcp_storage import SafetensorsWriter
 
     state = tensors_only(make_state(seed))
     writer = SafetensorsWriter(url, storage_options, max_shard_size=max_shard_size)
-    start = time.time()
-    _mark(os.path.join(signal_dir, f"rank{rank}.start"), f"{os.getpid()} {start!r}")
-    dcp.save(state, storage_writer=writer)
-    elapsed = time.time() - start
-    _mark(os.path.join(signal_dir, f"rank{rank}.done"), repr(elapsed))
-    return elapsed
+    return _timed_save(state, writer, rank, signal_dir)
