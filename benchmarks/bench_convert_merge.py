@@ -43,10 +43,7 @@ for p in (REPO, HERE):
         sys.path.insert(0, p)
 
 import bench_dcp_read as base
-
-MiB = 1024 * 1024
-GiB = 1024 * MiB
-
+from bench_dcp_read import MiB
 
 # ============================================================================================ child
 

@@ -48,10 +48,8 @@ for p in (REPO, HERE):
         sys.path.insert(0, p)
 
 import bench_dcp_read as base
+from bench_dcp_read import GB, GiB, MiB
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
-GB = 1e9
 RAW_PART = 16 * MiB
 RAW_CONCURRENCY = 8
 CASE = "s3rver 1p full"

@@ -62,11 +62,8 @@ for _p in (REPO, HERE):
         sys.path.insert(1, _p)
 
 import bench_dcp_read as bdr
+from bench_dcp_read import GB, GiB, MiB
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-GB = 1e9
 SPEC_VERSION = 1  # bump when the checkpoint layout/generation changes (invalidates the cache)
 BUCKET = "bench"
 N_FILES_TARGET = 4  # the checkpoint is split into about this many shard files
