@@ -265,8 +265,15 @@ class DcpItemLoader:
                 )
 
     def _probe_headers(
-        self, probe: dict[_Entry, int], whole: dict[_Entry, memoryview | None], records: dict[_Entry, TensorRecord]
+        self,
+        probe: dict[_Entry, int],
+        whole: dict[_Entry, memoryview | None],
+        records: dict[_Entry, TensorRecord],
+        headers: dict[_Entry, memoryview] | None = None,
     ) -> None:
+        """Parse the first ``probe[entry]`` bytes of each record into ``records`` (reading more where the
+        header is longer); records that cannot be sliced go to ``whole``. ``headers``, if given, receives
+        each parsed record's bytes before its data."""
         if probe:
             self._check_sizes(list(probe))
         while probe:
@@ -285,6 +292,8 @@ class DcpItemLoader:
                     whole[entry] = None
                 else:
                     rec = records[entry]
+                    if headers is not None:
+                        headers[entry] = buf[: rec.data_start]  # type: ignore[index]
                     if rec.data_start + rec.storage_nbytes > entry.length:
                         raise CorruptCheckpointError(
                             f"{self._where(entry)}: tensor data ends at byte {rec.data_start + rec.storage_nbytes} "

@@ -30,7 +30,7 @@ from ...errors import DcpStorageError
 from ...integrity.read_verify import RecordVerifier
 from ...tensor_buffers import writable_bytes
 from ...transports import RangeRequest
-from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, parse_tensor_record
+from .torch_record import TensorRecord
 
 if TYPE_CHECKING:
     from .item_loader import DcpItemLoader, _Entry
@@ -97,21 +97,20 @@ def load_verified_in_place(
 
 
 def _probe(loader: DcpItemLoader, candidates: dict[_Entry, ReadItem]) -> list[_Job]:
-    """Read and parse the first ``probe_bytes`` of each candidate record; keep those that parse."""
-    if not candidates:
+    """Parse each candidate record's header (the loader's header round); keep those that parse.
+
+    Records the header round cannot slice stay with the general path; if any header is damaged, all
+    candidates do: it fetches each record whole and checks its checksum before decoding it, so the damage
+    is reported as a checksum mismatch naming the file and key.
+    """
+    whole: dict[_Entry, memoryview | None] = {}
+    records: dict[_Entry, TensorRecord] = {}
+    headers: dict[_Entry, memoryview] = {}
+    try:
+        loader._probe_headers(dict.fromkeys(candidates, loader.config.probe_bytes), whole, records, headers)
+    except DcpStorageError:
         return []
-    entries = list(candidates)
-    loader._check_sizes(entries)
-    probe = loader.config.probe_bytes
-    reqs = [RangeRequest(loader._path(e), e.offset, e.offset + min(probe, e.length)) for e in entries]
-    jobs = []
-    for entry, buf in zip(entries, loader.transport.read_ranges(reqs)):
-        try:
-            record = parse_tensor_record(buf, entry.length, loader._where(entry))  # type: ignore[arg-type]
-        except (NeedMoreBytes, UnsupportedRecord, DcpStorageError):
-            continue  # the general path fetches the record whole and checks it before decoding
-        jobs.append(_Job(candidates[entry], entry, buf[: record.data_start], record))  # type: ignore[index]
-    return jobs
+    return [_Job(candidates[e], e, headers[e], records[e]) for e in candidates if e in headers and e not in whole]
 
 
 def _direct_destination(loader: DcpItemLoader, job: _Job, planner: LoadPlanner) -> torch.Tensor | None:
