@@ -212,6 +212,14 @@ def assert_data_read_gave_up(message: str, elapsed: float, url: str, proxy: Faul
     assert attempts >= 1 and proxy.counters().faults[mode] >= attempts
 
 
+def assert_metadata_read_gave_up(message: str, url: str, proxy: FaultProxy) -> None:
+    """A ``.metadata`` read under a permanent SlowDown with ``FEW_ATTEMPTS``: the error names the URL and
+    the attempts, and one layer of retries sent exactly 3 requests into the fault."""
+    assert f"read {url}/.metadata failed after 3 attempt(s)" in message, message
+    assert "gave up: attempts, max_attempts=3" in message and "reduce your request rate" in message, message
+    assert proxy.counters().faults["slowdown_503"] == 3
+
+
 def assert_gave_up_in_time(message: str, elapsed: float) -> int:
     match = _GAVE_UP.search(message)
     assert match, message
@@ -243,10 +251,7 @@ def test_permanent_fault_on_metadata_read_names_attempts(
     location, state = saved_checkpoint
     rules = [FaultRule("slowdown_503", method="GET", path=r"/ckpt/\.metadata$")]
     message, _ = failing(fault_proxy, rules, lambda: load_dcp(location, state, _config(FEW_ATTEMPTS)))
-    assert f"read {location.url}/.metadata failed after 3 attempt(s)" in message, message
-    assert "gave up: attempts, max_attempts=3" in message and "reduce your request rate" in message, message
-    # one layer of retries: exactly 3 requests met the fault, not 3 x botocore's x s3fs's
-    assert fault_proxy.counters().faults["slowdown_503"] == 3
+    assert_metadata_read_gave_up(message, location.url, fault_proxy)  # not 3 x botocore's x s3fs's tries
 
 
 @pytest.mark.parametrize(
