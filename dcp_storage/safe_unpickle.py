@@ -19,7 +19,20 @@ from typing import Any
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["AllowListUnpickler", "safe_loads"]
+__all__ = ["AllowListUnpickler", "StandInRefusal", "safe_loads"]
+
+
+class StandInRefusal(Exception):
+    """Raised by an allow-listed stand-in (a restricted ``getattr``, say) for arguments it refuses.
+
+    :class:`AllowListUnpickler` turns it into :class:`~dcp_storage.errors.UnsafeCheckpointError` naming
+    the file, which the stand-in does not know.
+    """
+
+    def __init__(self, forbidden: str, detail: str) -> None:
+        super().__init__(forbidden, detail)
+        self.forbidden = forbidden
+        self.detail = detail
 
 
 class AllowListUnpickler(pickle.Unpickler):
@@ -56,6 +69,8 @@ class AllowListUnpickler(pickle.Unpickler):
         try:
             with _gc_paused():
                 return super().load()
+        except StandInRefusal as refusal:
+            raise UnsafeCheckpointError(self._path, refusal.forbidden, refusal.detail) from None
         finally:
             changed = _restore(snapshot)
             if changed:

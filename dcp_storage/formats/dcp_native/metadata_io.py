@@ -2,14 +2,16 @@
 
 torch writes ``.metadata`` with ``pickle.dump`` and reads it with ``pickle.load``. We write the same bytes
 (so torch's reader loads our checkpoints) but read them with an allow-list: the DCP metadata classes,
-``torch.Size``, dtypes, layouts, memory formats, enums and plain containers. Anything else raises
-:class:`~dcp_storage.errors.UnsafeCheckpointError` naming the file and the global.
+``torch.Size``, dtypes, layouts, memory formats, enums (also pickled as ``getattr(enum, name)``) and plain
+containers. Anything else raises :class:`~dcp_storage.errors.UnsafeCheckpointError` naming the file and
+the global.
 """
 
 from __future__ import annotations
 
 import collections
 import copyreg
+import enum
 import pathlib
 import pickle
 from typing import Any
@@ -19,7 +21,7 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ...safe_unpickle import globals_of, safe_loads
+from ...safe_unpickle import StandInRefusal, globals_of, safe_loads
 from .metadata_checks import check_metadata
 
 __all__ = ["METADATA_FILE", "dump_metadata", "load_metadata", "metadata_allow_list"]
@@ -33,6 +35,19 @@ def _layout_by_name(name: str) -> torch.layout:
         if isinstance(value, torch.layout) and str(value) == name:
             return value
     raise ValueError(f"unknown torch layout {name!r}")
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """Stand-in for ``builtins.getattr``: only ``getattr(EnumClass, member_name)``.
+
+    Early Python 3.11 releases (Debian 12's 3.11.2 among them; 3.11.7 no longer) pickle an enum member as
+    ``getattr(cls, name)`` instead of ``cls(value)``, so ``.metadata`` written there, by torch or by us,
+    names ``builtins.getattr`` for DCP's ``_MEM_FORMAT_ENCODING``. ``cls`` comes from the allow-list like every global; anything but a member
+    of an allow-listed enum is refused.
+    """
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise StandInRefusal("builtins.getattr", f"allowed only for an enum member, not getattr({cls!r}, {name!r})")
 
 
 def _torch_constants() -> dict[tuple[str, str], Any]:
@@ -70,6 +85,7 @@ def metadata_allow_list() -> dict[tuple[str, str], Any]:
     # torch's FileSystemWriter records the checkpoint path as a pathlib object in StorageMeta.
     for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"):
         allowed[("pathlib", name)] = getattr(pathlib, name)
+    allowed[("builtins", "getattr")] = allowed[("__builtin__", "getattr")] = _enum_member
     allowed[("copyreg", "_reconstructor")] = copyreg._reconstructor
     allowed[("copy_reg", "_reconstructor")] = copyreg._reconstructor
     for name, obj in (("object", object), ("set", set), ("frozenset", frozenset), ("tuple", tuple), ("list", list), ("dict", dict)):
