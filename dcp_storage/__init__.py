@@ -5,69 +5,95 @@ that work on any fsspec URL (local, ``memory://``, ``s3://``, ``gs://``), read o
 needs, retry transient storage failures, commit atomically and never run code from a checkpoint.
 """
 
-from . import fsdp, registry
-from .conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
-from .errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DcpStorageError,
-    IncompleteCheckpointError,
-    NonTensorStateError,
-    ShapeMismatchError,
-    TransportError,
-    UnknownExtensionError,
-    UnsafeCheckpointError,
-    UnsupportedDtypeError,
-)
-from .inspection import describe, verify
-from .opening import UnknownFormatError, detect_format, open_reader, open_writer
-from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
-from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
-from .strategies import Broadcasting, share_object
-from .transports import FsspecTransport, RetryPolicy, TransportConfig
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Broadcasting",
-    "BroadcastingTorchSaveReader",
-    "CheckpointExistsError",
-    "CheckpointNotFoundError",
-    "ConvertResult",
-    "CorruptCheckpointError",
-    "DcpStorageError",
-    "DtypePolicy",
-    "DynamicMetaLoadPlanner",
-    "FsspecReader",
-    "FsspecTransport",
-    "FsspecWriter",
-    "IncompleteCheckpointError",
-    "KeyMap",
-    "KeyRules",
-    "NonTensorStateError",
-    "RemappingLoadPlanner",
-    "RetryPolicy",
-    "SafetensorsReader",
-    "SafetensorsWriter",
-    "ShapeMismatchError",
-    "TransportConfig",
-    "TransportError",
-    "UnknownExtensionError",
-    "UnknownFormatError",
-    "UnsafeCheckpointError",
-    "UnsupportedDtypeError",
-    "__version__",
-    "convert",
-    "dcp_to_torch_save",
-    "describe",
-    "detect_format",
-    "fsdp",
-    "merge_fsdp_weights",
-    "open_reader",
-    "open_writer",
-    "registry",
-    "share_object",
-    "torch_save_to_dcp",
-    "verify",
-]
+# Imported on first use (PEP 562), not here: ``import dcp_storage`` would otherwise import torch (seconds),
+# and ``dcp-storage --help`` / ``--version`` must answer at once. Each name maps to the module defining it.
+_LAZY = {
+    "Broadcasting": ".strategies",
+    "BroadcastingTorchSaveReader": ".storage",
+    "CheckpointExistsError": ".errors",
+    "CheckpointNotFoundError": ".errors",
+    "ConvertResult": ".conversion",
+    "CorruptCheckpointError": ".errors",
+    "DcpStorageError": ".errors",
+    "DtypePolicy": ".planners",
+    "DynamicMetaLoadPlanner": ".planners",
+    "FsspecReader": ".storage",
+    "FsspecTransport": ".transports",
+    "FsspecWriter": ".storage",
+    "IncompleteCheckpointError": ".errors",
+    "KeyMap": ".planners",
+    "KeyRules": ".planners",
+    "NonTensorStateError": ".errors",
+    "RemappingLoadPlanner": ".planners",
+    "RetryPolicy": ".transports",
+    "SafetensorsReader": ".storage",
+    "SafetensorsWriter": ".storage",
+    "ShapeMismatchError": ".errors",
+    "TransportConfig": ".transports",
+    "TransportError": ".errors",
+    "UnknownExtensionError": ".errors",
+    "UnknownFormatError": ".opening",
+    "UnsafeCheckpointError": ".errors",
+    "UnsupportedDtypeError": ".errors",
+    "UnsupportedKeyError": ".errors",
+    "convert": ".conversion",
+    "dcp_to_torch_save": ".conversion",
+    "describe": ".inspection",
+    "detect_format": ".opening",
+    "merge_fsdp_weights": ".conversion",
+    "open_reader": ".opening",
+    "open_writer": ".opening",
+    "share_object": ".strategies",
+    "torch_save_to_dcp": ".conversion",
+    "verify": ".inspection",
+}
+_SUBMODULES = ("fsdp", "registry")
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:  # a submodule (``dcp_storage.fsdp``), as the eager imports used to make them attributes
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return importlib.import_module(f".{name}", __name__)
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from . import fsdp, registry
+    from .conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
+    from .errors import (
+        CheckpointExistsError,
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+        DcpStorageError,
+        IncompleteCheckpointError,
+        NonTensorStateError,
+        ShapeMismatchError,
+        TransportError,
+        UnknownExtensionError,
+        UnsafeCheckpointError,
+        UnsupportedDtypeError,
+        UnsupportedKeyError,
+    )
+    from .inspection import describe, verify
+    from .opening import UnknownFormatError, detect_format, open_reader, open_writer
+    from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
+    from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
+    from .strategies import Broadcasting, share_object
+    from .transports import FsspecTransport, RetryPolicy, TransportConfig
+
+
+__all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
