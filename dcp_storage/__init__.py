@@ -12,48 +12,23 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 # Imported on first use (PEP 562), not here: ``import dcp_storage`` would otherwise import torch (seconds),
-# and ``dcp-storage --help`` / ``--version`` must answer at once. Each name maps to the module defining it.
-_LAZY = {
-    "Broadcasting": ".strategies",
-    "BroadcastingTorchSaveReader": ".storage",
-    "CheckpointExistsError": ".errors",
-    "CheckpointNotFoundError": ".errors",
-    "ConvertResult": ".conversion",
-    "CorruptCheckpointError": ".errors",
-    "DcpStorageError": ".errors",
-    "DtypePolicy": ".planners",
-    "DynamicMetaLoadPlanner": ".planners",
-    "FsspecReader": ".storage",
-    "FsspecTransport": ".transports",
-    "FsspecWriter": ".storage",
-    "IncompleteCheckpointError": ".errors",
-    "KeyMap": ".planners",
-    "KeyRules": ".planners",
-    "NonTensorStateError": ".errors",
-    "RemappingLoadPlanner": ".planners",
-    "RetryPolicy": ".transports",
-    "SafetensorsReader": ".storage",
-    "SafetensorsWriter": ".storage",
-    "ShapeMismatchError": ".errors",
-    "TransportConfig": ".transports",
-    "TransportError": ".errors",
-    "UnknownExtensionError": ".errors",
-    "UnknownFormatError": ".opening",
-    "UnsafeCheckpointError": ".errors",
-    "UnsupportedDtypeError": ".errors",
-    "UnsupportedKeyError": ".errors",
-    "convert": ".conversion",
-    "dcp_to_torch_save": ".conversion",
-    "describe": ".inspection",
-    "detect_format": ".opening",
-    "merge_fsdp_weights": ".conversion",
-    "open_reader": ".opening",
-    "open_writer": ".opening",
-    "share_object": ".strategies",
-    "torch_save_to_dcp": ".conversion",
-    "verify": ".inspection",
+# and ``dcp-storage --help`` / ``--version`` must answer at once. Module -> the public names it defines; the
+# same names are imported for type checkers below and listed in ``__all__``.
+_EXPORTS = {
+    ".conversion": ("ConvertResult", "convert", "dcp_to_torch_save", "merge_fsdp_weights", "torch_save_to_dcp"),
+    ".errors": (
+        "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError", "DcpStorageError",
+        "IncompleteCheckpointError", "NonTensorStateError", "ShapeMismatchError", "TransportError",
+        "UnknownExtensionError", "UnsafeCheckpointError", "UnsupportedDtypeError", "UnsupportedKeyError",
+    ),
+    ".inspection": ("describe", "verify"),
+    ".opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
+    ".planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
+    ".storage": ("BroadcastingTorchSaveReader", "FsspecReader", "FsspecWriter", "SafetensorsReader", "SafetensorsWriter"),
+    ".strategies": ("Broadcasting", "share_object"),
+    ".transports": ("FsspecTransport", "RetryPolicy", "TransportConfig"),
 }
-_SUBMODULES = ("fsdp", "registry")
+_LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
@@ -96,4 +71,46 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .transports import FsspecTransport, RetryPolicy, TransportConfig
 
 
-__all__ = sorted([*_LAZY, *_SUBMODULES, "__version__"])
+__all__ = [
+    "Broadcasting",
+    "BroadcastingTorchSaveReader",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ConvertResult",
+    "CorruptCheckpointError",
+    "DcpStorageError",
+    "DtypePolicy",
+    "DynamicMetaLoadPlanner",
+    "FsspecReader",
+    "FsspecTransport",
+    "FsspecWriter",
+    "IncompleteCheckpointError",
+    "KeyMap",
+    "KeyRules",
+    "NonTensorStateError",
+    "RemappingLoadPlanner",
+    "RetryPolicy",
+    "SafetensorsReader",
+    "SafetensorsWriter",
+    "ShapeMismatchError",
+    "TransportConfig",
+    "TransportError",
+    "UnknownExtensionError",
+    "UnknownFormatError",
+    "UnsafeCheckpointError",
+    "UnsupportedDtypeError",
+    "UnsupportedKeyError",
+    "__version__",
+    "convert",
+    "dcp_to_torch_save",
+    "describe",
+    "detect_format",
+    "fsdp",
+    "merge_fsdp_weights",
+    "open_reader",
+    "open_writer",
+    "registry",
+    "share_object",
+    "torch_save_to_dcp",
+    "verify",
+]

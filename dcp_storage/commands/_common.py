@@ -21,9 +21,9 @@ __all__ = [
     "UsageError",
     "add_command",
     "add_common",
-    "as_typed",
     "add_json",
     "add_storage_options",
+    "as_typed",
     "emit_json",
     "human_bytes",
     "parse_storage_option",
@@ -133,7 +133,7 @@ def as_typed(message: str, args: argparse.Namespace) -> str:
     """
     for keyword, flag in (getattr(args, "flags", None) or {}).items():
         pattern = rf"(?<![\w.-]){re.escape(keyword)}=(?:\.\.\.|True)(?: \({re.escape(flag.split()[0])}\))?"
-        message = re.sub(pattern, lambda _match: flag, message)
+        message = re.sub(pattern, lambda _match, flag=flag: flag, message)
     return message
 
 

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import DcpStorageError
 from ..integrity.deep_check import deep_check_dcp, report_dcp_checksums
 from ..integrity.safetensors_check import deep_check_safetensors, report_safetensors_checksums
-from ..transports import FsspecTransport
 from ..text import printable
+from ..transports import FsspecTransport
 from .leftovers import check_leftovers
 from .load_needs import check_extensions, check_shard_set
 from .summary import resolve_spec

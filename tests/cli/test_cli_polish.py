@@ -144,3 +144,14 @@ def test_progress_bar_units_are_decimal(monkeypatch: pytest.MonkeyPatch) -> None
     assert "3.00M/10.0M" in drawn, drawn  # 1024-based would show 2.86M/9.54M
     assert re.search(r"\d MB/s|\dMB/s", drawn), drawn
     assert "\r" in drawn  # the bar draws on the raw stream, not through the CLI's escaping one
+
+
+def test_lazy_package_exports_everything_it_lists() -> None:
+    """``dcp_storage`` imports its public names on first use: the lazy table, ``__all__`` and the names agree."""
+    import dcp_storage
+
+    assert set(dcp_storage.__all__) == set(dcp_storage._LAZY) | {"__version__", "fsdp", "registry"}
+    for name in dcp_storage.__all__:
+        assert getattr(dcp_storage, name) is not None, name
+    with pytest.raises(AttributeError):
+        dcp_storage.no_such_name  # noqa: B018

@@ -149,7 +149,7 @@ def test_cli_escapes_every_line(cases: dict[str, Hostile], tmp_path: Path) -> No
     runs += [  # what safetensors cannot hold is refused or left out, named escaped
         (cases["dcp-valid"], ["convert", cases["dcp-valid"].url, str(tmp_path / "a.safetensors"), "--drop-non-tensors"],
          1, f"UnsupportedKeyError: safetensors cannot store the keys '{surrogate}'"),
-        (values, ["convert", values.url, str(tmp_path / "b.safetensors")], 1, f"NonTensorStateError"),
+        (values, ["convert", values.url, str(tmp_path / "b.safetensors")], 1, "NonTensorStateError"),
         (values, ["convert", values.url, str(tmp_path / "c.safetensors"), "--drop-non-tensors"], 0, "left out 2"),
     ]
     failures: list[str] = []
