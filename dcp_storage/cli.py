@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .commands import convert, demo, inspect, merge, plugins, verify
+from .commands._common import HelpFormatter, UsageError, as_typed
 from .text import escaped_stdio, printable
 
 __all__ = ["build_parser", "main"]
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Storage tools for torch.distributed.checkpoint: inspect, verify, convert and merge checkpoints "
         "(DCP, safetensors, torch.save) on any fsspec URL, list plugins, run the demo.",
         epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -61,8 +62,6 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from .commands._common import UsageError, as_typed
-
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from typing import Any
 from ..text import unescaped
 
 __all__ = [
+    "HelpFormatter",
     "UsageError",
     "add_command",
     "add_common",
@@ -70,7 +71,7 @@ def merge_options(pairs: Sequence[tuple[tuple[str, ...], Any]] | None, base: dic
     return out
 
 
-class _HelpFormatter(argparse.HelpFormatter):
+class HelpFormatter(argparse.HelpFormatter):
     """argparse's wrapping for descriptions; text with line breaks (the examples epilog) kept as written."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
@@ -88,7 +89,7 @@ def add_command(
     """
     parser = sub.add_parser(
         name, help=help, description=description, epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.set_defaults(flags=flags)
     return parser
