@@ -170,7 +170,7 @@ def progress_bar(desc: str, total: int | None = None) -> Iterator[Any]:
     rates are decimal (kB, MB/s: powers of 1000), the units tqdm's prefixes name. The bar draws with control
     characters, so it writes to the stream under the CLI's escaping one; its text is ours alone.
     """
-    from tqdm import tqdm
+    from tqdm import tqdm  # when a command runs, not for --help (see dcp_storage.cli)
 
     bar = tqdm(
         total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, file=unescaped(sys.stderr),

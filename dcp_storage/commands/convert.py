@@ -40,6 +40,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Here, not at module level: the library imports torch, and --help must not (see dcp_storage.cli).
     from ..conversion import convert
     from ..conversion.engine import _normalize_target
     from ..conversion.plan import parse_dtype

@@ -31,7 +31,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import DemoConfig, format_report, run_demo
+    from ..demo import DemoConfig, format_report, run_demo  # imports torch: only when the demo runs
 
     cfg = DemoConfig(save_ranks=args.save_ranks, load_ranks=args.load_ranks, layers=args.layers, dim=args.dim)
     result = run_demo(cfg)

@@ -53,7 +53,7 @@ def _print_provenance(prov: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspection import describe
+    from ..inspection import describe  # imports torch: only when the command runs, never for --help
 
     info = describe(args.url, _common.storage_options(args), format=args.format)
     if args.json:

@@ -74,7 +74,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import registry
+    from .. import registry  # imports every plugin it lists: only when listing
 
     entries = registry.list(args.kind)
     if args.load:
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _new(args: argparse.Namespace) -> int:
-    from ..plugin_scaffold import ScaffoldError, new_plugin
+    from ..plugin_scaffold import ScaffoldError, new_plugin  # only when writing a plugin, never for --help
 
     if not args.name:
         raise _common.UsageError("plugins new: give the plugin's name, e.g. 'dcp-storage plugins new myblob'")

@@ -67,7 +67,7 @@ def _parse_age(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspection import abort_stale_uploads, verify
+    from ..inspection import abort_stale_uploads, verify  # imports torch: only when the command runs
 
     aborted = []
     if args.cleanup:
