@@ -5,29 +5,71 @@ that work on any fsspec URL (local, ``memory://``, ``s3://``, ``gs://``), read o
 needs, retry transient storage failures, commit atomically and never run code from a checkpoint.
 """
 
-from . import fsdp, registry
-from .conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
-from .errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DcpStorageError,
-    IncompleteCheckpointError,
-    NonTensorStateError,
-    ShapeMismatchError,
-    TransportError,
-    UnknownExtensionError,
-    UnsafeCheckpointError,
-    UnsupportedDtypeError,
-)
-from .inspection import describe, verify
-from .opening import UnknownFormatError, detect_format, open_reader, open_writer
-from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
-from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
-from .strategies import Broadcasting, share_object
-from .transports import FsspecTransport, RetryPolicy, TransportConfig
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562), not here: ``import dcp_storage`` would otherwise import torch (seconds),
+# and ``dcp-storage --help`` / ``--version`` must answer at once. Module -> the public names it defines; the
+# same names are imported for type checkers below and listed in ``__all__``.
+_EXPORTS = {
+    ".conversion": ("ConvertResult", "convert", "dcp_to_torch_save", "merge_fsdp_weights", "torch_save_to_dcp"),
+    ".errors": (
+        "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError", "DcpStorageError",
+        "IncompleteCheckpointError", "NonTensorStateError", "ShapeMismatchError", "TransportError",
+        "UnknownExtensionError", "UnsafeCheckpointError", "UnsupportedDtypeError", "UnsupportedKeyError",
+    ),
+    ".inspection": ("describe", "verify"),
+    ".opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
+    ".planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
+    ".storage": ("BroadcastingTorchSaveReader", "FsspecReader", "FsspecWriter", "SafetensorsReader", "SafetensorsWriter"),
+    ".strategies": ("Broadcasting", "share_object"),
+    ".transports": ("FsspecTransport", "RetryPolicy", "TransportConfig"),
+}
+_LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:  # a submodule (``dcp_storage.fsdp``), as the eager imports used to make them attributes
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return importlib.import_module(f".{name}", __name__)
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from . import fsdp, registry
+    from .conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
+    from .errors import (
+        CheckpointExistsError,
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+        DcpStorageError,
+        IncompleteCheckpointError,
+        NonTensorStateError,
+        ShapeMismatchError,
+        TransportError,
+        UnknownExtensionError,
+        UnsafeCheckpointError,
+        UnsupportedDtypeError,
+        UnsupportedKeyError,
+    )
+    from .inspection import describe, verify
+    from .opening import UnknownFormatError, detect_format, open_reader, open_writer
+    from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
+    from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
+    from .strategies import Broadcasting, share_object
+    from .transports import FsspecTransport, RetryPolicy, TransportConfig
+
 
 __all__ = [
     "Broadcasting",
@@ -57,6 +99,7 @@ __all__ = [
     "UnknownFormatError",
     "UnsafeCheckpointError",
     "UnsupportedDtypeError",
+    "UnsupportedKeyError",
     "__version__",
     "convert",
     "dcp_to_torch_save",

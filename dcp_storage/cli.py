@@ -1,34 +1,67 @@
-"""The ``dcp-storage`` command line. Subcommands are added by ``dcp_storage.commands`` modules."""
+"""The ``dcp-storage`` command line. Subcommands are added by ``dcp_storage.commands`` modules.
+
+Nothing here or in a subcommand's ``add_parser`` imports torch or the library's heavy modules: ``--help``
+and ``--version`` answer in a fraction of a second, and each subcommand imports what it needs when it runs.
+
+Everything a command prints goes through :class:`dcp_storage.text.EscapingStream`: names from a
+checkpoint are escaped where messages are formed, and whatever slipped through is escaped here, so no
+control character from a checkpoint reaches the terminal.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Sequence
+
+from . import __version__
+from .commands import convert, demo, inspect, merge, plugins, verify
+from .commands._common import HelpFormatter, UsageError, as_typed
+from .text import escaped_stdio, printable
 
 __all__ = ["build_parser", "main"]
 
+_EXAMPLES = """\
+examples:
+  dcp-storage inspect s3://bucket/step-1000 -o client_kwargs.endpoint_url=http://127.0.0.1:9000
+  dcp-storage verify ./hf --deep
+  dcp-storage convert ./ckpt ./hf --to safetensors --max-shard-size 5GB
+  dcp-storage merge out/pytorch_model_fsdp_0 out/merged
+  dcp-storage plugins
+  dcp-storage demo
+
+'dcp-storage COMMAND --help' describes each command, with examples."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dcp-storage", description="Storage tools for torch.distributed.checkpoint")
+    parser = argparse.ArgumentParser(
+        prog="dcp-storage",
+        description="Storage tools for torch.distributed.checkpoint: inspect, verify, convert and merge checkpoints "
+        "(DCP, safetensors, torch.save) on any fsspec URL, list plugins, run the demo.",
+        epilog=_EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from .commands import convert, demo, inspect, merge, plugins, verify
-
     for command in (convert, merge, inspect, verify, plugins, demo):
         command.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with escaped_stdio():  # the last line of defence: see the module docstring
+        return _run(argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    from .commands._common import UsageError
-
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -37,12 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except UsageError as exc:
-        print(f"dcp-storage {args.command}: error: {exc}", file=sys.stderr)
+        print(f"dcp-storage {args.command}: error: {printable(as_typed(str(exc), args))}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - one clear line unless --debug
         if args.debug:
-            raise
-        print(f"dcp-storage {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            traceback.print_exc()  # through the escaping stderr, unlike the interpreter's own report
+            return 1
+        message = printable(as_typed(str(exc), args))
+        print(f"dcp-storage {args.command}: error: {type(exc).__name__}: {message}", file=sys.stderr)
         return 1
 
 

@@ -5,10 +5,15 @@ Every error raised on purpose derives from :class:`DcpStorageError`, which deriv
 derive from the builtin exception that matches their meaning (``FileNotFoundError``, ``FileExistsError``,
 ``ValueError``, ``OSError``), so code written against builtins keeps working.
 
-Messages name the file, the key and the reason, and where there is one, the fix.
+Messages name the file, the key and the reason, and where there is one, the fix. They quote names from the
+checkpoint, so every message is escaped (:func:`dcp_storage.text.printable`) when the error is made: no
+control character from a checkpoint reaches a terminal or a log through ``str(error)``. Fields kept on an
+error (``path``, ``keys``, ...) stay exact.
 """
 
 from __future__ import annotations
+
+from .text import printable
 
 __all__ = [
     "CheckpointExistsError",
@@ -22,11 +27,16 @@ __all__ = [
     "UnknownExtensionError",
     "UnsafeCheckpointError",
     "UnsupportedDtypeError",
+    "UnsupportedKeyError",
 ]
 
 
 class DcpStorageError(Exception):
     """Base class of every error dcp-storage raises on purpose."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        # Escaped here, once for every subclass: a message is formed from fields a checkpoint controls.
+        super().__init__(*(printable(a) if isinstance(a, str) else a for a in args), **kwargs)
 
 
 class UnsafeCheckpointError(DcpStorageError):
@@ -130,3 +140,18 @@ class NonTensorStateError(DcpStorageError, TypeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.keys, self.format_name, self.fix))
+
+
+class UnsupportedKeyError(DcpStorageError, ValueError):
+    """State dict keys the target format cannot store (safetensors: text that is not valid Unicode, such as a
+    lone surrogate, or the reserved ``__metadata__``); names every key, escaped."""
+
+    def __init__(self, keys: list[str], format_name: str = "safetensors", why: str = "") -> None:
+        self.keys = sorted(keys)
+        self.format_name = format_name
+        self.why = why
+        listed = ", ".join(map(repr, self.keys))
+        super().__init__(f"{format_name} cannot store the keys {listed}{f' ({why})' if why else ''}; rename them")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.keys, self.format_name, self.why))

@@ -9,16 +9,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from ..text import unescaped
+
 __all__ = [
+    "HelpFormatter",
     "UsageError",
+    "add_command",
     "add_common",
     "add_json",
     "add_storage_options",
+    "as_typed",
     "emit_json",
     "human_bytes",
     "parse_storage_option",
@@ -65,6 +71,30 @@ def merge_options(pairs: Sequence[tuple[tuple[str, ...], Any]] | None, base: dic
     return out
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's wrapping for descriptions; text with line breaks (the examples epilog) kept as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" not in text:
+            return super()._fill_text(text, width, indent)
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+def add_command(
+    sub: Any, name: str, *, help: str, description: str, examples: Sequence[str], **flags: str
+) -> argparse.ArgumentParser:
+    """A subcommand's parser: ``help`` in the command list, ``description`` and ``examples`` in its ``--help``.
+
+    ``flags`` maps library keywords to this command's flags, for :func:`as_typed` (``format="--format FORMAT"``).
+    """
+    parser = sub.add_parser(
+        name, help=help, description=description, epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
+        formatter_class=HelpFormatter,
+    )
+    parser.set_defaults(flags=flags)
+    return parser
+
+
 def add_storage_options(parser: argparse.ArgumentParser, *, sides: bool = False) -> None:
     group = parser.add_argument_group("storage")
     group.add_argument(
@@ -96,6 +126,18 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
 
 
+def as_typed(message: str, args: argparse.Namespace) -> str:
+    """``message`` with the library's keyword hints (``pass format=...``) spelled as this command's flags.
+
+    A subcommand declares its flags with ``set_defaults(flags={"format": "--format FORMAT"})``; a hint that
+    already names the flag (``overwrite=True (--overwrite)``) becomes the flag alone.
+    """
+    for keyword, flag in (getattr(args, "flags", None) or {}).items():
+        pattern = rf"(?<![\w.-]){re.escape(keyword)}=(?:\.\.\.|True)(?: \({re.escape(flag.split()[0])}\))?"
+        message = re.sub(pattern, lambda _match, flag=flag: flag, message)
+    return message
+
+
 def emit_json(data: Any) -> None:
     json.dump(data, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
@@ -124,13 +166,15 @@ def progress_bar(desc: str, total: int | None = None) -> Iterator[Any]:
     """A tqdm byte counter on stderr, shown only when stderr is a terminal and the job outlives ~1 s.
 
     Yields the bar (``bar.total`` may be set later, ``bar.update(n)`` counts bytes); tqdm itself decides
-    visibility (``disable=None``: off unless stderr is a TTY; ``delay``: nothing drawn before it).
+    visibility (``disable=None``: off unless stderr is a TTY; ``delay``: nothing drawn before it). Sizes and
+    rates are decimal (kB, MB/s: powers of 1000), the units tqdm's prefixes name. The bar draws with control
+    characters, so it writes to the stream under the CLI's escaping one; its text is ours alone.
     """
-    from tqdm import tqdm
+    from tqdm import tqdm  # when a command runs, not for --help (see dcp_storage.cli)
 
     bar = tqdm(
-        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, disable=None,
-        delay=_delay(), leave=False, dynamic_ncols=True,
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, file=unescaped(sys.stderr),
+        disable=None, delay=_delay(), leave=False, dynamic_ncols=True,
     )
     try:
         yield bar

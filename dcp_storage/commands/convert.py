@@ -5,15 +5,23 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..text import printable as shown
 from . import _common
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "convert",
+    p = _common.add_command(
+        sub, "convert",
         help="convert a checkpoint between dcp, safetensors and torch.save, on any store",
         description="Convert SRC (a DCP directory, safetensors file/directory/index, or torch.save file; local or "
-        "any fsspec URL) into DST, streaming tensor by tensor: memory stays near the largest tensor.",
+        "any fsspec URL) into DST, streaming tensor by tensor: memory stays near the largest tensor. The output "
+        "format comes from --to or DST's suffix (.safetensors, .pt, .bin; a directory needs --to).",
+        examples=[
+            "dcp-storage convert ./step-1000 ./hf --to safetensors --max-shard-size 5GB --dtype bf16",
+            "dcp-storage convert ./model.safetensors ./model.pt",
+            "dcp-storage convert s3://bucket/step-1000 ./local-ckpt --to dcp -o client_kwargs.endpoint_url=http://127.0.0.1:9000",
+        ],
+        format="--from FORMAT", src_format="--from FORMAT", overwrite="--overwrite", drop_non_tensors="--drop-non-tensors",
     )
     p.add_argument("src", metavar="SRC", help="input checkpoint URL (format detected)")
     p.add_argument("dst", metavar="DST", help="output URL: a directory, or a .safetensors / .pt / .bin file")
@@ -32,6 +40,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Here, not at module level: the library imports torch, and --help must not (see dcp_storage.cli).
     from ..conversion import convert
     from ..conversion.engine import _normalize_target
     from ..conversion.plan import parse_dtype
@@ -48,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         result = convert(
             args.src, args.dst, to=args.to, src_format=args.src_format, max_shard_size=args.max_shard_size,
             dtype=args.dtype, storage_options=_common.storage_options(args),
-            src_storage_options=_common.storage_options(args, "src") ,
+            src_storage_options=_common.storage_options(args, "src"),
             dst_storage_options=_common.storage_options(args, "dst"),
             overwrite=args.overwrite, drop_non_tensors=args.drop_non_tensors,
             progress=bar.update, on_start=lambda _source, total: _common.set_total(bar, total),
@@ -58,10 +67,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     size = sum(f.size for f in result.files)
     print(
-        f"converted {result.src} ({result.src_format}, {result.tensors} tensors, {_common.human_bytes(result.tensor_bytes)}"
-        f"{f', {result.values} values' if result.values else ''}) -> {result.output} ({result.to}, "
+        f"converted {shown(result.src)} ({shown(result.src_format)}, {result.tensors} tensors, "
+        f"{_common.human_bytes(result.tensor_bytes)}{f', {result.values} values' if result.values else ''}) -> "
+        f"{shown(result.output)} ({result.to}, "
         f"{len(result.files)} files, {_common.human_bytes(size)}) in {result.seconds:.1f} s"
     )
     if result.dropped_values:
-        print(f"left out {len(result.dropped_values)} non-tensor values: {', '.join(result.dropped_values)}")
+        dropped = ", ".join(shown(k) for k in result.dropped_values)  # keys from the checkpoint
+        print(f"left out {len(result.dropped_values)} non-tensor values: {dropped}")
     return 0

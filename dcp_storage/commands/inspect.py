@@ -5,15 +5,23 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..text import printable as shown
 from . import _common
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "inspect",
+    p = _common.add_command(
+        sub, "inspect",
         help="show a checkpoint's format, files and tensors (reads no tensor data)",
         description="Describe the checkpoint at URL: format descriptor, files and sizes, and every tensor (key, dtype, "
-        "shape, bytes, the file and byte range of each stored chunk), with totals.",
+        "shape, bytes, the file and byte range of each stored chunk), with totals. Reads metadata and headers only. "
+        "Names from the checkpoint are shown with control characters escaped (\\x1b); --json gives them exactly.",
+        examples=[
+            "dcp-storage inspect ./step-1000",
+            "dcp-storage inspect ./model.safetensors --chunks",
+            "dcp-storage inspect s3://bucket/step-1000 --json -o client_kwargs.endpoint_url=http://127.0.0.1:9000",
+        ],
+        format="--format FORMAT",
     )
     p.add_argument("url", metavar="URL", help="checkpoint URL (format detected)")
     p.add_argument("--format", metavar="FORMAT", help="format name (default: detected)")
@@ -30,51 +38,55 @@ def _shape(shape: list[int]) -> str:
 
 def _print_provenance(prov: dict[str, Any]) -> None:
     if "error" in prov:
-        print(f"manifest:   unreadable: {prov['error']}")
+        print(f"manifest:   unreadable: {shown(prov['error'])}")
     if "writer" not in prov:
         return
-    print(f"written:    {prov['format']} by {prov['writer']}")
+    print(f"written:    {shown(prov['format'])} by {shown(prov['writer'])}")
     exts = []
     for e in prov.get("extensions", []):
-        source = " ".join(x for x in (e.get("distribution"), e.get("version")) if x)
-        exts.append(e["descriptor"] + (f" (from {source})" if source else ""))
+        source = " ".join(str(x) for x in (e.get("distribution"), e.get("version")) if x)
+        exts.append(shown(e["descriptor"]) + (f" (from {shown(source)})" if source else ""))
     print(f"extensions: {', '.join(exts) if exts else 'none'}")
     sums = prov.get("checksums")
     records = prov.get("checksummed_records", 0)
-    print(f"checksums:  {sums}, {records} records" if sums else "checksums:  none recorded")
+    print(f"checksums:  {shown(sums)}, {records} records" if sums else "checksums:  none recorded")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspection import describe
+    from ..inspection import describe  # imports torch: only when the command runs, never for --help
 
     info = describe(args.url, _common.storage_options(args), format=args.format)
     if args.json:
-        _common.emit_json(info.as_dict())
+        _common.emit_json(info.as_dict())  # exact names, \uXXXX-escaped by the JSON encoder
         return 0
+    # Every name below comes from the checkpoint: each is escaped (shown) as it is printed.
     totals = info.totals
-    print(f"checkpoint: {info.url}")
-    print(f"format:     {info.format} ({info.layout}) - {info.description}")
+    print(f"checkpoint: {shown(info.url)}")
+    print(f"format:     {shown(info.format)} ({shown(info.layout)}) - {shown(info.description)}")
     _print_provenance(info.provenance)
     print(f"files:      {totals['files']}, {_common.human_bytes(totals['file_bytes'])}")
-    width = max([len(f.name) for f in info.files] + [4])
-    for f in info.files:
-        print(f"  {f.name:<{width}}  {_common.human_bytes(f.size) if f.size is not None else 'MISSING':>10}")
+    names = [shown(f.name) for f in info.files]
+    width = max([len(n) for n in names] + [4])
+    for f, name in zip(info.files, names):
+        print(f"  {name:<{width}}  {_common.human_bytes(f.size) if f.size is not None else 'MISSING':>10}")
     print(
         f"tensors:    {totals['tensors']}, {_common.human_bytes(totals['tensor_bytes'])} in {totals['chunks']} chunks"
         + (f"; values: {totals['values']}" if totals["values"] else "")
     )
     rows = [("KEY", "DTYPE", "SHAPE", "BYTES", "FILES", "CHUNKS")]
     for t in info.tensors:
-        files = ", ".join(t.files) if t.files else "-"
-        rows.append((t.key, t.dtype, _shape(t.shape), _common.human_bytes(t.nbytes), files, str(len(t.chunks))))
+        files = ", ".join(shown(f) for f in t.files) if t.files else "-"
+        rows.append((shown(t.key), shown(t.dtype), _shape(t.shape), _common.human_bytes(t.nbytes), files, str(len(t.chunks))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
+    print("  " + "  ".join(c.ljust(w) for c, w in zip(rows[0], widths)).rstrip())
+    for t, r in zip(info.tensors, rows[1:]):
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if args.chunks and r is not rows[0]:
-            for c in next(t for t in info.tensors if t.key == r[0]).chunks:
-                where = f"{c.file} [{c.offset}, {c.offset + c.length})" if c.file and c.offset is not None and c.length is not None else (c.file or "-")
+        if args.chunks:
+            for c in t.chunks:
+                file = shown(c.file) if c.file else "-"
+                where = f"{file} [{c.offset}, {c.offset + c.length})" if c.file and c.offset is not None and c.length is not None else file
                 print(f"      at {_shape(c.offsets)} size {_shape(c.sizes)}: {where}")
     for v in info.values:
-        where = f" in {v.file}" if v.file else ""
-        print(f"  value {v.key}{where}")
+        where = f" in {shown(v.file)}" if v.file else ""
+        print(f"  value {shown(v.key)}{where}")
     return 0

@@ -5,16 +5,23 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..text import printable as shown
 from . import _common
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "merge",
+    p = _common.add_command(
+        sub, "merge",
         help="merge an FSDP sharded DCP checkpoint (accelerate's pytorch_model_fsdp_0) into model.safetensors",
         description="Merge the DCP checkpoint CHECKPOINT_DIR (e.g. <output_dir>/pytorch_model_fsdp_0 from accelerate) "
         "into OUTPUT/model.safetensors (or pytorch_model.bin), sharded with an index above --max-shard-size. "
-        "A single top-level key ({'model': ...}) is unwrapped, as accelerate's merge_fsdp_weights does.",
+        "A single top-level key ({'model': ...}) is unwrapped, as accelerate's merge_fsdp_weights does. The output "
+        "is verified before --remove-checkpoint-dir deletes anything.",
+        examples=[
+            "dcp-storage merge out/pytorch_model_fsdp_0 out/merged",
+            "dcp-storage merge out/pytorch_model_fsdp_0 out/merged --no-safe-serialization --max-shard-size 2GB",
+        ],
+        drop_non_tensors="--drop-non-tensors",
     )
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the DCP checkpoint directory (holds .metadata)")
     p.add_argument("output", metavar="OUTPUT", help="output directory (created if missing)")
@@ -33,6 +40,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Here, not at module level: the library imports torch, and --help must not (see dcp_storage.cli).
     from ..conversion import merge_fsdp_weights
     from ..formats.safetensors.write_plan import parse_size
 
@@ -54,9 +62,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     size = sum(f.size for f in result.files)
     print(
-        f"merged {result.src} ({result.tensors} tensors, {_common.human_bytes(result.tensor_bytes)}) -> {result.output} "
+        f"merged {shown(result.src)} ({result.tensors} tensors, {_common.human_bytes(result.tensor_bytes)}) -> "
+        f"{shown(result.output)} "
         f"({len(result.files)} files, {_common.human_bytes(size)}, verified) in {result.seconds:.1f} s"
     )
     if args.remove_checkpoint_dir:
-        print(f"removed {result.src}")
+        print(f"removed {shown(result.src)}")
     return 0

@@ -9,37 +9,72 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..text import printable
 from . import _common
 
 
+def _add_list_options(p: argparse.ArgumentParser, *, on_action: bool) -> None:
+    """Options of the listing, on ``plugins`` itself and on ``plugins list``. On the action they default to
+    SUPPRESS, so ``plugins --json list`` keeps what was given before the action's name."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if on_action else value
+
+    p.add_argument("--kind", choices=["transports", "formats", "strategies", "planners", "extensions"],
+                   default=default(None), help="only this kind")
+    p.add_argument("--no-import", dest="load", action="store_false", default=default(True),
+                   help="list without importing (status: not loaded)")
+    p.add_argument("--strict", action="store_true", default=default(False), help="exit 1 if any plugin fails to import")
+    p.add_argument("--json", action="store_true", default=default(False), help="print the result as JSON on stdout")
+
+
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "plugins",
+    p = _common.add_command(
+        sub, "plugins",
         help="list plugins with their import status, or start a new plugin ('plugins new NAME')",
         description="List every plugin entry (built-in ones register the same way), importing each to report its "
-        "status: loaded, or failed with the error. 'plugins new NAME' writes a working, tested plugin distribution "
-        "dcp-storage-NAME to start from.",
+        "status: loaded, or failed with the error ('plugins' alone is 'plugins list'). 'plugins new NAME' writes a "
+        "working, tested plugin distribution dcp-storage-NAME to start from.",
+        examples=[
+            "dcp-storage plugins",
+            "dcp-storage plugins --kind extensions --strict",
+            "dcp-storage plugins new myblob --template transport",
+        ],
     )
-    p.add_argument("action", nargs="?", choices=["list", "new"], default="list", help="list (default) or new")
-    p.add_argument("name", nargs="?", help="with 'new': the plugin's registry name (and URL scheme), e.g. 'myblob'")
-    p.add_argument("--dir", default=".", help="with 'new': where to create dcp-storage-NAME/ (default: .)")
-    p.add_argument("--template", dest="template_kind", choices=["transport", "extension"], default="transport",
-                   help="with 'new': what the plugin provides (default: transport)")
-    p.add_argument("--kind", choices=["transports", "formats", "strategies", "planners", "extensions"],
-                   help="only this kind")
-    p.add_argument("--no-import", dest="load", action="store_false", help="list without importing (status: not loaded)")
-    p.add_argument("--strict", action="store_true", help="exit 1 if any plugin fails to import")
-    _common.add_json(p)
+    _add_list_options(p, on_action=False)
     _common.add_common(p)
     p.set_defaults(func=run)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", title="actions (default: list)", required=False)
+    listing = _common.add_command(
+        actions, "list",
+        help="list every plugin entry and its import status (the default)",
+        description="List every plugin entry of every kind (transports, formats, strategies, planners, extensions) "
+        "with its distribution and target, importing each to report loaded or failed, with the error.",
+        examples=["dcp-storage plugins list", "dcp-storage plugins list --kind formats --json"],
+    )
+    _add_list_options(listing, on_action=True)
+    _common.add_common(listing)
+    listing.set_defaults(func=run)
+    new = _common.add_command(
+        actions, "new",
+        help="write a working plugin distribution dcp-storage-NAME to start from",
+        description="Write dcp-storage-NAME/: a plugin distribution that already works and is tested (pyproject with "
+        "the entry point, code, README, tests). --template transport serves NAME:// URLs by mounting them on another "
+        "fsspec URL; --template extension is a deflate stream extension. Install it with 'pip install -e "
+        "dcp-storage-NAME' and edit from there.",
+        examples=["dcp-storage plugins new myblob", "dcp-storage plugins new packz --template extension --dir ~/src"],
+    )
+    new.add_argument("name", nargs="?", help="the plugin's registry name (and URL scheme), e.g. 'myblob'")
+    new.add_argument("--dir", default=".", help="where to create dcp-storage-NAME/ (default: .)")
+    new.add_argument("--template", dest="template_kind", choices=["transport", "extension"], default="transport",
+                     help="what the plugin provides (default: transport)")
+    new.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print what was written as JSON")
+    _common.add_common(new)
+    new.set_defaults(func=_new)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.action == "new":
-        return _new(args)
-    if args.name is not None:
-        raise _common.UsageError(f"unexpected argument {args.name!r} (did you mean 'plugins new {args.name}'?)")
-    from .. import registry
+    from .. import registry  # imports every plugin it lists: only when listing
 
     entries = registry.list(args.kind)
     if args.load:
@@ -70,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
             print("  ".join(str(c).ljust(w) for c, w in zip(t, widths)).rstrip())
         for r in rows:
             if r["error"]:
-                print(f"failed: {r['kind']}/{r['name']} ({r['distribution']}): {r['error']}")
+                print(f"failed: {r['kind']}/{r['name']} ({r['distribution']}): {printable(r['error'])}")
     failed = [r for r in rows if r["status"] == "failed"]
     return 1 if failed and args.strict else 0
 
 
 def _new(args: argparse.Namespace) -> int:
-    from ..plugin_scaffold import ScaffoldError, new_plugin
+    from ..plugin_scaffold import ScaffoldError, new_plugin  # only when writing a plugin, never for --help
 
     if not args.name:
         raise _common.UsageError("plugins new: give the plugin's name, e.g. 'dcp-storage plugins new myblob'")

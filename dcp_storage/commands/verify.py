@@ -6,18 +6,27 @@ import argparse
 import sys
 from typing import Any
 
+from ..text import printable as shown
 from . import _common
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "verify",
+    p = _common.add_command(
+        sub, "verify",
         help="check a checkpoint is complete (every file, size, header); --deep reads every tensor",
         description="Check that the checkpoint at URL is complete: metadata present, every file present with the size "
         "its records need, headers valid, chunks covering every tensor. --deep also reads every tensor (one at a "
         "time) and checks recorded checksums. An interrupted save (data or temp files without the commit marker) is "
         "reported as an incomplete checkpoint; in-progress multipart uploads under URL are listed (--cleanup aborts "
-        "them). Exits 1 naming every problem found.",
+        "them). A checkpoint that needs an extension plugin that is not installed, and one shard of a sharded set whose "
+        "siblings or index are missing, are problems too. Exits 1 naming every problem found: whenever a load would "
+        "fail.",
+        examples=[
+            "dcp-storage verify ./step-1000",
+            "dcp-storage verify ./hf/model.safetensors.index.json --deep",
+            "dcp-storage verify s3://bucket/step-1000 --cleanup --older-than 2h -o profile=ml",
+        ],
+        format="--format FORMAT",
     )
     p.add_argument("url", metavar="URL", help="checkpoint URL (format detected)")
     p.add_argument("--deep", action="store_true", help="also read every tensor and value, and check checksums")
@@ -58,7 +67,7 @@ def _parse_age(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspection import abort_stale_uploads, verify
+    from ..inspection import abort_stale_uploads, verify  # imports torch: only when the command runs
 
     aborted = []
     if args.cleanup:
@@ -79,17 +88,17 @@ def run(args: argparse.Namespace) -> int:
         _common.emit_json(out)
     else:
         for upload in aborted:
-            print(f"aborted: {upload.describe()}")
+            print(f"aborted: {shown(upload.describe())}")
         checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in report.checked.items())
-        print(f"checkpoint: {report.url} ({report.format or 'unknown format'})")
+        print(f"checkpoint: {shown(report.url)} ({shown(report.format or 'unknown format')})")
         if checked:
             print(f"checked:    {checked}")
-        for problem in report.problems:
-            print(f"PROBLEM: {problem}")
+        for problem in report.problems:  # escaped by verify() already; flags as typed here
+            print(f"PROBLEM: {_common.as_typed(problem, args)}")
         for note in report.notes:
-            print(f"note: {note}")
+            print(f"note: {_common.as_typed(note, args)}")
         print("OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)")
     if not report.ok:
-        print(f"dcp-storage verify: error: {len(report.problems)} problem(s) in {report.url}", file=sys.stderr)
+        print(f"dcp-storage verify: error: {len(report.problems)} problem(s) in {shown(report.url)}", file=sys.stderr)
         return 1
     return 0

@@ -15,7 +15,14 @@ from collections.abc import Mapping, Sequence
 
 from ..errors import CheckpointExistsError, NonTensorStateError, UnsupportedDtypeError
 from ..formats.safetensors.dtypes import safetensors_dtype
-from ..formats.safetensors.encode import HeaderEntry, as_memoryview, encode_header, safetensors_order_key, tensor_bytes
+from ..formats.safetensors.encode import (
+    HeaderEntry,
+    as_memoryview,
+    encode_header,
+    safetensors_order_key,
+    tensor_bytes,
+    unstorable_keys,
+)
 from ..formats.safetensors.write_plan import TensorSpec, index_name, pack_files, shard_name, single_name
 from .plan import Destination, Fetch, OutTensor, OutValue
 
@@ -29,6 +36,9 @@ def check_safetensors(tensors: Sequence[OutTensor], values: Sequence[OutValue], 
     bad = {t.key: t.dtype for t in tensors if safetensors_dtype(t.dtype) is None}
     if bad:
         raise UnsupportedDtypeError(bad)
+    unstorable = unstorable_keys(t.key for t in tensors)
+    if unstorable is not None:
+        raise unstorable
     if values and not drop_non_tensors:
         raise NonTensorStateError(
             [v.key for v in values],

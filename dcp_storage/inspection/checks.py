@@ -32,8 +32,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import DcpStorageError
 from ..integrity.deep_check import deep_check_dcp, report_dcp_checksums
 from ..integrity.safetensors_check import deep_check_safetensors, report_safetensors_checksums
+from ..text import printable
 from ..transports import FsspecTransport
 from .leftovers import check_leftovers
+from .load_needs import check_extensions, check_shard_set
 from .summary import resolve_spec
 
 __all__ = ["VerifyReport", "verify"]
@@ -118,6 +120,7 @@ def _check_dcp(report: VerifyReport, url: str, storage_options: dict[str, Any] |
                 )
         report.checked["files"] = len(needs)
         _check_dcp_coverage(report, md, storage, transport.url(path))
+        check_extensions(report, transport, root, storage, transport.url(path))  # plugins a load needs
         report_dcp_checksums(report, transport, root, storage, deep=False)  # sizes against the manifest
 
 
@@ -184,6 +187,8 @@ def _check_safetensors(report: VerifyReport, url: str, storage_options: dict[str
                         "end the file; safetensors refuses it)"
                     )
         report.checked["files"] = len({b.file for b in blobs})
+        if layout.kind == "file":
+            check_shard_set(report, transport, layout.root, layout.files[0])  # one shard of a set: name the rest
         if broken:
             return
         try:
@@ -299,18 +304,38 @@ def verify(
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> VerifyReport:
-    """Check the checkpoint at ``url``; the report lists every problem found (empty: complete)."""
+    """Check the checkpoint at ``url``; the report lists every problem found (empty: complete).
+
+    Problems and notes are messages: names from the checkpoint in them are escaped
+    (:func:`dcp_storage.text.printable`), whatever exception they came from.
+    """
     url = os.fspath(url)
     report = VerifyReport(url, None, deep)
+    try:
+        _run_checks(report, storage_options, format, progress, on_start)
+    finally:
+        report.problems = [printable(p) for p in report.problems]
+        report.notes = [printable(n) for n in report.notes]
+    return report
+
+
+def _run_checks(
+    report: VerifyReport,
+    storage_options: dict[str, Any] | None,
+    format: str | None,
+    progress: Callable[[int], None] | None,
+    on_start: Callable[[int], None] | None,
+) -> None:
+    url, deep = report.url, report.deep
     if not check_leftovers(report, url, storage_options):  # an interrupted save: named, nothing else to check
-        return report
+        return
     try:
         spec = resolve_spec(url, storage_options, format)
     except Exception as exc:  # noqa: BLE001 - reported, unless the name says which format to check
         spec = _format_by_name(url) if not isinstance(exc, FileNotFoundError) else None
         if spec is None:
             report.problems.append(_err(exc))
-            return report
+            return
         report.notes.append(f"format not detected ({_err(exc)}); checking it as {spec.descriptor} by its name")
     report.format = spec.descriptor
     checks = {"dcp": _check_dcp, "safetensors": _check_safetensors, "torch_save": _check_torch_save}
@@ -325,10 +350,10 @@ def verify(
             report.problems.append(_err(exc))
     if not deep:
         report.notes.append("tensor data not read (pass --deep to read every tensor)")
-        return report
+        return
     if report.problems:
         report.notes.append("deep read skipped: the checks above failed")
-        return report
+        return
     _deep_read(report, url, storage_options, spec.name, progress, on_start)
     if spec.name == "torch_save" and not report.problems:
         try:
@@ -348,4 +373,3 @@ def verify(
             report.problems.append(_err(exc))
     if not any("checksum" in n or "CRC32" in n for n in report.notes):
         report.notes.append(NO_CHECKSUMS)
-    return report

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, DcpStorageError
+from ..text import printable
 from .manifest import MANIFEST_FILE, ExtensionInfo, Manifest, file_checksums
 from .provenance import describe_extension, format_distribution, writer_descriptor
 from .read_verify import RecordVerifier
@@ -62,7 +63,7 @@ def record_verifier(transport: Any, root: str, storage: dict[Any, Any]) -> Recor
     if manifest is None or manifest.algorithm is None:
         warnings.warn(
             f"{transport.url(root)}: verify=True, but the checkpoint records no checksums (written by "
-            f"{manifest.writer if manifest else 'a writer without a manifest, e.g. torch'}); loading unchecked",
+            f"{printable(manifest.writer) if manifest else 'a writer without a manifest, e.g. torch'}); loading unchecked",
             RuntimeWarning,
             stacklevel=3,
         )

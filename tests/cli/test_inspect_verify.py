@@ -145,3 +145,59 @@ def test_verify_names_every_problem(damaged: dict[str, Path]) -> None:
     report = json.loads(deep_flip.stdout)
     assert deep_flip.rc == 1 and not report["ok"]
     assert any("CRC32" in p and "data/" in p for p in report["problems"]), report
+
+
+def _needs_missing_plugin(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` whose items all name a stream extension no installed package provides, and whose manifest
+    says which distribution wrote it (as a checkpoint saved with a plugin that is not installed here)."""
+    import pickle
+
+    shutil.copytree(src, dst)
+    md = pickle.loads((dst / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        info.transform_descriptors = ["stream.nosuchplugin/1"]
+    (dst / ".metadata").write_bytes(pickle.dumps(md))
+    manifest = json.loads((dst / ".dcp_storage.json").read_text())
+    manifest["extensions"] = [{"descriptor": "stream.nosuchplugin/1", "distribution": "dcp-storage-nosuch", "version": "2.0"}]
+    (dst / ".dcp_storage.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def test_verify_reports_a_missing_extension_plugin_once(tmp_path: Path, sources: dict[str, Path]) -> None:
+    """A plain verify used to say OK, and --deep named the missing plugin once per tensor."""
+    from dcp_storage import verify
+
+    ckpt = _needs_missing_plugin(sources["dcp"], tmp_path / "needs_plugin")
+    for deep in (False, True):
+        report = verify(ckpt, deep=deep)
+        assert not report.ok and len(report.problems) == 1, report.problems
+        problem = report.problems[0]
+        assert "'stream.nosuchplugin/1'" in problem and "pip install 'dcp-storage-nosuch==2.0'" in problem, problem
+        assert "a load would fail: 11 item(s) in 2 file(s)" in problem, problem
+    shallow, deep = run_batch([["verify", str(ckpt)], ["verify", str(ckpt), "--deep"]])
+    for r in (shallow, deep):
+        assert r.rc == 1 and r.stdout.count("PROBLEM:") == 1 and r.stdout.count("stream.nosuchplugin") == 1, r
+
+
+def test_verify_one_shard_names_its_set(tmp_path: Path, damaged: dict[str, Path]) -> None:
+    whole = damaged["st_sharded"]
+    shards = sorted(p.name for p in whole.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2
+    no_index = tmp_path / "no_index"
+    shutil.copytree(whole, no_index)
+    (no_index / "model.safetensors.index.json").unlink()
+    missing = sorted(p.name for p in damaged["st_shard_missing"].glob("*.safetensors"))
+    gone = sorted(set(shards) - set(missing))
+    alone, without_sibling, without_index = run_batch([
+        ["verify", str(whole / shards[0])],
+        ["verify", str(damaged["st_shard_missing"] / shards[0])],
+        ["verify", str(no_index / shards[-1]), "--json"],
+    ])
+    assert alone.rc == 0, alone
+    index = whole / "model.safetensors.index.json"
+    assert f"note: {shards[0]} is one shard of a sharded set: verify {index} to check the whole set" in alone.stdout
+    assert f"(siblings: {', '.join(shards[1:])})" in alone.stdout, alone
+    assert without_sibling.rc == 1 and f"but {gone[0]} is missing from" in without_sibling.stdout, without_sibling
+    report = json.loads(without_index.stdout)
+    assert without_index.rc == 1 and not report["ok"], without_index
+    assert any("model.safetensors.index.json is missing" in p and "cannot be loaded" in p for p in report["problems"])

@@ -187,6 +187,9 @@ def judge(case: Case, out: Outcome) -> str | None:
         return "the payload ran: marker file exists"
     if out.seconds > MAX_SECONDS:
         return f"took {out.seconds:.1f}s"
+    raw = sorted({repr(ch) for ch in out.message + "".join(out.problems) if not ch.isprintable()})
+    if raw:  # names from a checkpoint are escaped in every message (dcp_storage.text.printable)
+        return f"raw characters {', '.join(raw)} in the message"
     if out.entry == "verify" and out.raised is None:
         if not out.problems:
             return "verify reported no problem"

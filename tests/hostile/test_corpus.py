@@ -151,6 +151,9 @@ def test_cli_inspect_and_verify_fail_with_one_line(corpus: list[Case]) -> None:
                 problem = f"unclear error line {lines[0][:300]!r}"
         elif case.culprit not in res.stdout:
             problem = f"verify output does not name {case.culprit!r}: {res.stdout[:300]!r}"
+        raw = sorted({repr(ch) for ch in res.stdout + res.stderr if not ch.isprintable() and ch != "\n"})
+        if raw and problem is None:
+            problem = f"raw characters {', '.join(raw)} in the output"
         if problem:
             failures.append(f"{case.name} [{command}]: {problem}\n{res}")
         if case.marker and os.path.exists(case.marker):

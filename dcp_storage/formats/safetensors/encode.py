@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from ...errors import UnsupportedKeyError
+
 __all__ = [
     "HeaderEntry",
     "as_memoryview",
@@ -83,13 +85,36 @@ def dtype_rank(dtype: str) -> int:
         raise ValueError(f"unknown safetensors dtype {dtype!r}") from None
 
 
+def unstorable_keys(names: Iterable[str]) -> UnsupportedKeyError | None:
+    """The error for names a safetensors header cannot hold (not UTF-8 encodable, or ``__metadata__``)."""
+    bad = [n for n in names if n == "__metadata__" or not _utf8_encodable(n)]
+    if not bad:
+        return None
+    return UnsupportedKeyError(bad, "safetensors", "a header key must be valid Unicode text other than __metadata__")
+
+
+def _utf8_encodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
 def safetensors_order_key(name: str, dtype: str) -> tuple[int, str]:
     """Sort key that puts tensors in safetensors' data order (descending dtype rank, then name)."""
     return (-dtype_rank(dtype), name)
 
 
 def encode_header(entries: Iterable[HeaderEntry], metadata: Mapping[str, str] | None = None) -> bytes:
-    """The length prefix plus the padded JSON header, for ``entries`` given in data order."""
+    """The length prefix plus the padded JSON header, for ``entries`` given in data order.
+
+    Writers plan every header before writing any data, so a key no header can hold fails here, before I/O.
+    """
+    entries = list(entries)
+    unstorable = unstorable_keys(e.name for e in entries)
+    if unstorable is not None:
+        raise unstorable
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)

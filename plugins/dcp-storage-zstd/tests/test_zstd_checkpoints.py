@@ -286,6 +286,41 @@ def test_unknown_descriptor_without_manifest(tmp_path: Path, plugin_missing: Non
     assert DESCRIPTOR in message and "no manifest" in message and "'w'" in message, message
 
 
+def test_verify_names_the_missing_plugin_once(tmp_path: Path, plugin_missing: None) -> None:
+    """verify used to say OK without the plugin, and --deep repeated the problem for every item."""
+    from dcp_storage import verify
+
+    save(tmp_path)
+    for deep in (False, True):
+        report = verify(tmp_path, deep=deep)
+        assert len(report.problems) == 1, report.problems
+        assert DESCRIPTOR in report.problems[0] and "pip install 'dcp-storage-zstd==0.1.0'" in report.problems[0]
+        assert f"{len(state())} item(s)" in report.problems[0], report.problems[0]
+
+
+_SHADOW = "raise ImportError('dcp_storage_zstd needs zstandard >= 0.22')\n"
+
+
+def test_cli_verify_without_an_importable_plugin(tmp_path: Path) -> None:
+    """The plugin installed but failing to import (a shadowing package here): one problem with the reason."""
+    import os
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "ckpt"
+    save(ckpt)
+    shadow = tmp_path / "shadow" / "dcp_storage_zstd"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(_SHADOW)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "dcp_storage.cli", "verify", str(ckpt), "--deep"], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    problems = [line for line in done.stdout.splitlines() if line.startswith("PROBLEM:")]
+    assert len(problems) == 1, done.stdout
+    assert DESCRIPTOR in problems[0] and "needs zstandard >= 0.22" in problems[0], problems[0]
+
+
 # ------------------------------------------------------------------------------------------ corruption
 def _damage(path: Path, fqn: str, where: float) -> None:
     """Flip 16 bytes at fraction ``where`` of the stored item (negative: that many bytes before its end)."""
