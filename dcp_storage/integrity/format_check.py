@@ -11,7 +11,7 @@ from collections.abc import Container
 from typing import Any
 
 from ..errors import DcpStorageError
-from .manifest import MANIFEST_FILE, Manifest
+from .manifest import MANIFEST_FILE, Manifest, install_hint
 
 __all__ = ["missing_format_plugin"]
 
@@ -28,7 +28,7 @@ def missing_format_plugin(probe: Any, known_formats: Container[str]) -> str | No
     if manifest.format_name in known_formats:
         return None
     dist = manifest.format_distribution
-    hint = f"pip install {dist}" if dist else "install the dcp-storage plugin that provides it"
+    hint = install_hint(dist, what="it") if dist else "install the dcp-storage plugin that provides it"
     return (
         f"{probe.transport.url(probe.path)}: written in format {manifest.format!r} by {manifest.writer}, but no "
         f"installed plugin provides format {manifest.format_name!r}; {hint} (see `dcp-storage plugins`)"

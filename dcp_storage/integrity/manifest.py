@@ -16,16 +16,37 @@ transform), and a file's items tile it, so a changed byte anywhere in a data fil
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["MANIFEST_FILE", "SCHEMA", "ExtensionInfo", "FileChecksums", "ItemChecksum", "Manifest"]
+__all__ = ["MANIFEST_FILE", "SCHEMA", "ExtensionInfo", "FileChecksums", "ItemChecksum", "Manifest", "install_hint"]
 
 MANIFEST_FILE = ".dcp_storage.json"
 SCHEMA = 1
+
+# PEP 508 distribution names and PEP 440-shaped versions: nothing a shell would read as more than a word.
+_DISTRIBUTION = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,98}[A-Za-z0-9])?")
+_VERSION = re.compile(r"[0-9][0-9A-Za-z.+!_-]{0,62}")
+
+
+def install_hint(distribution: str | None, version: str | None = None, what: str = "it") -> str:
+    """What to install for a descriptor a checkpoint's manifest attributes to ``distribution``.
+
+    The name comes from the checkpoint, so it is a claim, not advice: it is quoted as a command only when it
+    is a well-formed distribution name (and version), and always with a warning to check it first. A
+    hostile manifest can then suggest a package, but never a shell command, and never silently.
+    """
+    generic = f"install the package that provides {what}"
+    if not distribution:
+        return generic
+    if not _DISTRIBUTION.fullmatch(distribution) or (version and not _VERSION.fullmatch(version)):
+        return f"{generic} (the checkpoint's manifest names no valid distribution: install nothing it names)"
+    command = f"pip install '{distribution}=={version}'" if version else f"pip install {distribution}"
+    return f"{command} (a name read from the checkpoint: install it only from a source you trust)"
 
 
 @dataclass(frozen=True)
@@ -38,11 +59,7 @@ class ExtensionInfo:
 
     @property
     def install_hint(self) -> str:
-        if not self.distribution:
-            return "the package that provides it"
-        return (
-            f"pip install '{self.distribution}=={self.version}'" if self.version else f"pip install {self.distribution}"
-        )
+        return install_hint(self.distribution, self.version)
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,12 @@ from torch.distributed.checkpoint._extension import Extension, ExtensionRegistry
 
 from ... import registry as plugin_registry
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownExtensionError
+from ...integrity.manifest import MANIFEST_FILE, install_hint
 from .framed_items import decode_whole
 from .seekable import SeekableTransform
 
 __all__ = ["MANIFEST_FILE", "ExtensionResolver", "PluginExtensionRegistry", "UnknownExtensionError"]
 
-MANIFEST_FILE = ".dcp_storage.json"
 
 
 class PluginExtensionRegistry(ExtensionRegistry):
@@ -168,8 +168,7 @@ class ExtensionResolver:
         for entry in manifest.get("extensions") or []:
             if isinstance(entry, dict) and entry.get("descriptor") == descriptor and entry.get("distribution"):
                 dist, version = str(entry["distribution"]), entry.get("version")
-                pin = f"=={version}" if version else ""
-                return f"it was written by {dist}{' ' + str(version) if version else ''}: pip install '{dist}{pin}'"
+                return f"the manifest says it was written by {dist}: {install_hint(dist, version and str(version))}"
         return f"{url} does not name {descriptor!r}; install the package that provides it"
 
     def _read_manifest(self) -> dict[str, Any] | str:
