@@ -24,7 +24,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...safe_unpickle import AllowListUnpickler
-from ..limits import checked_nbytes
+from ..limits import check_view
 from ..slices import is_row_major
 from .record_pickle import decode_tensor_pickle
 
@@ -338,18 +338,7 @@ def _parse_record(buf: memoryview, record_len: int, path: str) -> TensorRecord:
         raise CorruptCheckpointError(
             f"{path}: storage data/{spec.storage.key} holds {data_size} bytes, data.pkl says {spec.storage.nbytes}"
         )
-    itemsize = spec.dtype.itemsize
-    if any(s < 0 for s in spec.size) or any(s < 0 for s in spec.stride) or len(spec.size) != len(spec.stride):
-        raise CorruptCheckpointError(f"{path}: invalid tensor shape {spec.size} / stride {spec.stride}")
-    if spec.storage_offset < 0:
-        raise CorruptCheckpointError(f"{path}: negative storage offset {spec.storage_offset}")
-    checked_nbytes(spec.size, itemsize, f"{path}: tensor")
-    if all(s > 0 for s in spec.size):
-        last = spec.storage_offset + sum((s - 1) * st for s, st in zip(spec.size, spec.stride))
-        if (last + 1) * itemsize > data_size:
-            raise CorruptCheckpointError(
-                f"{path}: tensor of shape {spec.size} reaches element {last} beyond its storage ({data_size} bytes)"
-            )
+    check_view(spec.size, spec.stride, spec.storage_offset, spec.dtype.itemsize, data_size, path)
     return TensorRecord(spec.dtype, spec.size, spec.stride, spec.storage_offset, data_start, data_size)
 
 
