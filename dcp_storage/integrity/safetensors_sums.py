@@ -123,8 +123,8 @@ def _pieces(value: str, algorithm: str, where: str) -> list[Piece] | str:
     try:
         doc = json.loads(value)
         pieces = [Piece(tuple(int(x) for x in o), tuple(int(x) for x in s), str(d)) for o, s, d in doc]
-    except (ValueError, TypeError) as exc:
-        return f"checksum list is malformed ({exc})"
+    except (ValueError, TypeError, RecursionError) as exc:
+        return f"checksum list is malformed ({type(exc).__name__})"
     return pieces
 
 
