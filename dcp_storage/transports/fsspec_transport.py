@@ -107,7 +107,8 @@ class FsspecTransport:
     ``fsspec.core.url_to_fs`` returns), joined with :meth:`join`.
 
     On a local disk it reads regular files only, and with ``confinement`` (which :meth:`from_url` sets to
-    the URL's checkpoint) only files that resolve inside it (see :mod:`.local_open`).
+    the URL's checkpoint, and to which a reader given this transport adds its own) only files that resolve
+    inside their checkpoint (see :mod:`.local_open`).
     """
 
     def __init__(

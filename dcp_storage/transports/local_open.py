@@ -34,41 +34,66 @@ _HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 
 
 class Confinement:
-    """The directory a local checkpoint's files must resolve into, worked out once, on first use.
+    """The directories local checkpoint files must resolve into: one per checkpoint a transport serves.
 
-    ``path`` is the checkpoint as the user named it: a directory, or a file (a safetensors file, an index,
-    a ``torch.save`` file), whose directory then bounds its siblings. The checkpoint root itself may be a
-    symlink: it is resolved once, when the first file is opened (a writer's root need not exist earlier).
+    A checkpoint is added as the user named it (:meth:`add`): a directory, or a file (a safetensors file,
+    an index, a ``torch.save`` file), whose directory then bounds its siblings. A path is checked against
+    the checkpoint it lies in by name (the longest added directory that is a prefix of it: one transport
+    may serve several checkpoints), and must resolve inside that checkpoint's resolved directory. The
+    checkpoint root may itself be a symlink: it is resolved once, when the first file in it is opened
+    (a writer's root need not exist before). A path in no added checkpoint is refused.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._root: str | None = None
+    def __init__(self, path: str | None = None) -> None:
+        self._added: dict[str, tuple[str, str] | None] = {}  # as named -> (directory, resolved) once known
+        if path is not None:
+            self.add(path)
 
-    @property
-    def root(self) -> str:
-        if self._root is None:
-            real = os.path.realpath(self.path)
-            root = real if os.path.isdir(real) else os.path.dirname(real)
-            parent = os.path.dirname(root)
-            if os.path.basename(parent) == _HUB_SNAPSHOTS and os.path.basename(
-                os.path.dirname(parent)
-            ).startswith(_HUB_REPO_PREFIXES):
-                root = os.path.dirname(parent)
-            self._root = root
-        return self._root
+    def add(self, path: str) -> None:
+        """Let files of the checkpoint at ``path`` be read."""
+        self._added.setdefault(os.path.abspath(path), None)
+
+    def _roots(self) -> list[tuple[str, str]]:
+        out = []
+        for named, known in list(self._added.items()):
+            if known is None:
+                directory = named if os.path.isdir(named) else os.path.dirname(named)
+                known = (directory, _resolved_root(directory))
+                if os.path.exists(named):  # a writer's root may appear later: decide once it exists
+                    self._added[named] = known
+            out.append(known)
+        return out
 
     def check(self, path: str, where: str | None = None) -> str:
         """The resolved ``path``; :class:`CorruptCheckpointError` naming ``where`` (default ``path``) if it
-        resolves outside."""
+        resolves outside its checkpoint."""
+        lexical = os.path.abspath(path)
+        inside = [(d, r) for d, r in self._roots() if _under(lexical, d)]
+        if not inside:
+            raise CorruptCheckpointError(f"{where or path}: is in no checkpoint this transport was opened for")
+        _directory, root = max(inside, key=lambda dr: len(dr[0]))
         real = os.path.realpath(path)
-        root = self.root
-        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+        if not _under(real, root):
             raise CorruptCheckpointError(
-                f"{where or path}: resolves outside the checkpoint directory {root} (a symlink, or a symlinked directory, "
-                "leading out of it); refusing to read it. Copy the file into the checkpoint instead of linking it"
+                f"{where or path}: resolves outside the checkpoint directory {root} (a symlink, or a symlinked "
+                "directory, leading out of it); refusing to read it. Copy the file into the checkpoint instead of "
+                "linking it"
             )
         return real
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _resolved_root(directory: str) -> str:
+    root = os.path.realpath(directory)
+    parent = os.path.dirname(root)
+    if os.path.basename(parent) == _HUB_SNAPSHOTS and os.path.basename(os.path.dirname(parent)).startswith(
+        _HUB_REPO_PREFIXES
+    ):
+        root = os.path.dirname(parent)
+    return root
 
 
 def _kind(mode: int) -> str:
