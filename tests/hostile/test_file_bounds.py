@@ -297,8 +297,9 @@ def test_a_broadcast_view_past_the_limit_is_refused_and_the_limit_can_be_raised(
     assert describe(str(tmp_path / "model.pt")).tensors[0].shape == [2**10, 8]
 
 
-def _broadcast_record_checkpoint(path: Path, rows: int) -> Any:
-    """A DCP checkpoint whose ``w`` ([rows, 2**12] f32) is stored as one element broadcast (stride 0)."""
+def _broadcast_record_checkpoint(path: Path, rows: int, parameter: bool = False) -> Any:
+    """A DCP checkpoint whose ``w`` ([rows, 2**12] f32) is stored as one element broadcast (stride 0);
+    ``parameter``: saved as an ``nn.Parameter`` (a pickle the record parser leaves to ``torch.load``)."""
     import pickle
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -313,7 +314,8 @@ def _broadcast_record_checkpoint(path: Path, rows: int) -> Any:
 
     _dcp_checkpoint(path)
     (path / MANIFEST).unlink()  # torch's writers record no checksums either
-    record = _torch_save_bytes(torch.zeros(1).expand(rows, 2**12))
+    view = torch.zeros(1).expand(rows, 2**12)
+    record = _torch_save_bytes(torch.nn.Parameter(view, requires_grad=False) if parameter else view)
     (path / "evil.distcp").write_bytes(record)
     md = pickle.loads((path / ".metadata").read_bytes())
     size = torch.Size([rows, 2**12])
@@ -329,10 +331,11 @@ def _broadcast_record_checkpoint(path: Path, rows: int) -> Any:
     (path / ".metadata").write_bytes(pickle.dumps(md))
 
 
-def test_a_dcp_record_that_broadcasts_is_refused_by_convert_verify_and_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parameter", [False, True])
+def test_a_dcp_record_that_broadcasts_is_refused_by_convert_verify_and_load(tmp_path: Path, parameter: bool) -> None:
     from dcp_storage import convert
 
-    _broadcast_record_checkpoint(tmp_path / "ckpt", rows=2**14)  # 256 MiB of view from 4 bytes
+    _broadcast_record_checkpoint(tmp_path / "ckpt", rows=2**14, parameter=parameter)  # 256 MiB of view from 4 bytes
     url = str(tmp_path / "ckpt")
     with pytest.raises(CorruptCheckpointError, match="evil.distcp.*broadcast"):
         convert(url, str(tmp_path / "out"), to="safetensors", drop_non_tensors=True)

@@ -346,15 +346,20 @@ _FORBIDDEN = re.compile(r"(?:GLOBAL|global)\s+([\w.]+(?:\s*\.\s*\w+)?)")
 
 
 def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
-    """Load a whole record with ``torch.load(weights_only=True)``; map refusals to our errors."""
+    """Load a whole record with ``torch.load(weights_only=True)``; map refusals to our errors. A tensor must
+    be a view that expands its storage by at most the broadcast limit (:func:`~..limits.check_view`)."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
         text = str(exc)
         if "Weights only load failed" in text or "weights_only" in text:
             match = _FORBIDDEN.search(text)
             raise UnsafeCheckpointError(path, match.group(1) if match else "unknown global", "weights_only=True refused it") from None
         raise CorruptCheckpointError(f"{path}: cannot decode a torch.save record ({type(exc).__name__}: {exc})") from exc
+    if isinstance(loaded, torch.Tensor) and loaded.layout == torch.strided:
+        storage_nbytes = loaded.untyped_storage().nbytes()
+        check_view(tuple(loaded.shape), loaded.stride(), loaded.storage_offset(), loaded.element_size(), storage_nbytes, path)
+    return loaded
 
 
 def check_byte_item(data: bytes, path: str) -> None:
