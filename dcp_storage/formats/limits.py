@@ -130,7 +130,7 @@ def check_view(
     """
     if not all(type(v) is int for v in (*shape, *stride, storage_offset)):
         raise CorruptCheckpointError(
-            f"{where}: tensor shape {list(shape)}, stride {list(stride)}, offset {storage_offset!r} are not all integers"
+            f"{where}: tensor shape {list(shape)}, stride {list(stride)}, offset {storage_offset!r}: not all integers"
         )
     if len(shape) != len(stride) or any(s < 0 for s in stride):
         raise CorruptCheckpointError(f"{where}: invalid tensor shape {list(shape)} / stride {list(stride)}")

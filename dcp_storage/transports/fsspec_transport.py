@@ -105,20 +105,13 @@ class FsspecTransport:
 
     Build it with :meth:`from_url`. Paths passed to its methods are paths of that filesystem (what
     ``fsspec.core.url_to_fs`` returns), joined with :meth:`join`.
-
-    On a local disk it reads regular files only, and with ``confinement`` (which :meth:`from_url` sets to
-    the URL's checkpoint, and to which a reader given this transport adds its own) only files that resolve
-    inside their checkpoint (see :mod:`.local_open`).
+    On a local disk it reads only regular files inside their checkpoint (``confinement``, :mod:`.local_open`).
     """
 
     def __init__(
-        self,
-        fs: fsspec.AbstractFileSystem,
-        config: TransportConfig | None = None,
-        *,
-        scheme: str | None = None,
+        self, fs: fsspec.AbstractFileSystem, config: TransportConfig | None = None, *, scheme: str | None = None,
         confinement: Confinement | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
         self.confinement = confinement if self.is_local else None
@@ -256,11 +249,8 @@ class FsspecTransport:
 
     # ------------------------------------------------------------------------------------ reading
     def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
-        """Read a whole (small) file, retrying transient errors.
-
-        ``max_bytes``: a larger file raises :class:`~dcp_storage.errors.FileTooLargeError` having read at most
-        ``max_bytes + 1`` bytes of it (none, where the store tells the size first: a local file, S3).
-        """
+        """Read a whole (small) file, retrying transient errors. One over ``max_bytes`` raises ``FileTooLargeError``
+        having read at most ``max_bytes + 1`` bytes of it (none where the size comes first: local, S3)."""
 
         def fetch() -> bytes:
             if self.is_local:

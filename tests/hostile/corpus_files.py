@@ -135,7 +135,8 @@ def add_file_cases(builder: Any) -> None:
 
     # Symlinks out: to a valid copy (only the link is wrong) and to a secret.
     for family in ("dcp", "dcp_st"):
-        builder.case(family, "escape-metadata-valid", METADATA, _link_out(builder, family, METADATA, f"{family}{METADATA}"))
+        valid_metadata = _link_out(builder, family, METADATA, f"{family}{METADATA}")
+        builder.case(family, "escape-metadata-valid", METADATA, valid_metadata)
         builder.case(family, "escape-metadata-secret", METADATA, _link_out(builder, family, METADATA, "secret.txt"))
         builder.case(family, "escape-data-valid", DISTCP, _link_out(builder, family, DISTCP, f"{family}{DISTCP}"))
         builder.case(family, "escape-data-secret", DISTCP, _link_out(builder, family, DISTCP, "secret.safetensors"))

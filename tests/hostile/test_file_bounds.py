@@ -95,7 +95,8 @@ def test_special_files_and_broadcasts_cost_bounded_memory_and_time(corpus: list[
 def _dcp_checkpoint(path: Path) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"w": torch.arange(64.0).reshape(8, 8), "step": 3}, storage_writer=FsspecWriter(str(path)), no_dist=True)
+        state = {"w": torch.arange(64.0).reshape(8, 8), "step": 3}
+        dcp.save(state, storage_writer=FsspecWriter(str(path)), no_dist=True)
     return path
 
 

@@ -357,8 +357,8 @@ def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
             raise UnsafeCheckpointError(path, match.group(1) if match else "unknown global", "weights_only=True refused it") from None
         raise CorruptCheckpointError(f"{path}: cannot decode a torch.save record ({type(exc).__name__}: {exc})") from exc
     if isinstance(loaded, torch.Tensor) and loaded.layout == torch.strided:
-        storage_nbytes = loaded.untyped_storage().nbytes()
-        check_view(tuple(loaded.shape), loaded.stride(), loaded.storage_offset(), loaded.element_size(), storage_nbytes, path)
+        stored = loaded.untyped_storage().nbytes()
+        check_view(tuple(loaded.shape), loaded.stride(), loaded.storage_offset(), loaded.element_size(), stored, path)
     return loaded
 
 

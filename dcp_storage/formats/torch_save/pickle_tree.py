@@ -174,7 +174,8 @@ class _Decoder:
             raise CorruptCheckpointError(
                 f"{self.where}: tensor shape {shape}, stride {strides}, offset {storage_offset!r} disagree"
             )
-        check_view(shape, strides, storage_offset, _itemsize(dtype), storage.nbytes, f"{self.where}: storage {storage.key!r}")
+        where = f"{self.where}: storage {storage.key!r}"
+        check_view(shape, strides, storage_offset, _itemsize(dtype), storage.nbytes, where)
         return TensorDescriptor(storage.key, dtype, shape, strides, int(storage_offset), storage.nbytes)
 
     def _rebuild_v2(
