@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DcpStorageError",
+    "FileTooLargeError",
     "IncompleteCheckpointError",
     "NonTensorStateError",
     "ShapeMismatchError",
@@ -93,6 +94,20 @@ class CheckpointExistsError(DcpStorageError, FileExistsError):
 
 class CorruptCheckpointError(DcpStorageError, ValueError):
     """A file exists but its bytes do not match what the metadata promises (truncated, garbled)."""
+
+
+class FileTooLargeError(CorruptCheckpointError):
+    """A file that is read whole (metadata, manifest, index) is larger than its limit; nothing past the limit
+    was read. ``size`` is its size where the store said so, else ``None`` (more than ``limit`` bytes)."""
+
+    def __init__(self, url: str, size: int | None, limit: int, what: str = "this file", fix: str = "") -> None:
+        self.url, self.size, self.limit, self.what, self.fix = url, size, limit, what, fix
+        has = f"is {size} bytes" if size is not None else f"has more than {limit} bytes"
+        msg = f"{url}: {has}, more than the {limit}-byte limit for {what}; refusing to read it (corrupt or hostile?)"
+        super().__init__(msg + (f"; {fix}" if fix else ""))
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
+        return (type(self), (self.url, self.size, self.limit, self.what, self.fix))
 
 
 class TransportError(DcpStorageError, OSError):

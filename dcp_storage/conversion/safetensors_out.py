@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from ..errors import CheckpointExistsError, NonTensorStateError, UnsupportedDtypeError
+from ..formats.limits import INDEX, read_limited
 from ..formats.safetensors.dtypes import safetensors_dtype
 from ..formats.safetensors.encode import (
     HeaderEntry,
@@ -54,7 +55,7 @@ def hf_index_json(total_size: int, weight_map: Mapping[str, str]) -> bytes:
 
 def _old_index_files(dest: Destination, index_path: str) -> set[str]:
     try:
-        doc = json.loads(dest.transport.read_file(index_path))
+        doc = json.loads(read_limited(dest.transport, index_path, INDEX))
         return {str(f) for f in doc.get("weight_map", {}).values() if "/" not in str(f) and ".." not in str(f)}
     except Exception:  # noqa: BLE001 - an unreadable old index: nothing to clean up
         return set()

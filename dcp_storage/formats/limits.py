@@ -4,18 +4,95 @@ Headers and pickles state shapes, offsets and lengths as integers of any size. t
 files with signed 64-bit integers, so a declared size past ``2**63 - 1`` bytes cannot be real: left
 unchecked it surfaces later as ``OverflowError`` or ``RuntimeError: numel: integer multiplication
 overflow`` deep inside torch, with no file named. Python ints do the arithmetic here, so nothing wraps.
+
+Files read whole before anything in them is checked have a size limit each (:class:`ByteLimit`), enforced
+from the file's real size before it is read (:func:`read_limited`): a sparse 8 GiB ``.metadata`` costs a
+``stat``, not 8 GiB. The defaults leave room for far larger checkpoints than exist (measured: 233 bytes of
+``.metadata`` and 82 bytes of index per tensor), and each can be raised with its environment variable:
+
+=============================  ============================================  ==========================
+limit                          what                                           environment variable
+=============================  ============================================  ==========================
+:data:`METADATA` 1 GiB         DCP ``.metadata`` (about 4M tensor chunks)     ``DCP_STORAGE_MAX_METADATA_BYTES``
+:data:`MANIFEST` 512 MiB       ``.dcp_storage.json`` (checksums, extensions)  ``DCP_STORAGE_MAX_MANIFEST_BYTES``
+:data:`INDEX` 256 MiB          ``model.safetensors.index.json``               ``DCP_STORAGE_MAX_INDEX_BYTES``
+safetensors header 100 MiB     the JSON header of a safetensors file          (fixed: the format's own)
+:data:`BROADCAST_BYTES` 64 MiB  bytes a view repeats beyond its storage        ``DCP_STORAGE_MAX_BROADCAST_BYTES``
+=============================  ============================================  ==========================
+
+Safetensors headers use the 100 MiB limit of the reference implementation
+(:data:`~dcp_storage.formats.safetensors.header.MAX_HEADER_BYTES`), checked against the file's size before
+the header is fetched. :data:`BROADCAST_BYTES` bounds what a saved *view* may expand to: a ``torch.save``d
+``torch.zeros(1).expand(2**28)`` stores 4 bytes and describes 1 GiB (see :func:`check_view`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, FileTooLargeError
 
-__all__ = ["MAX_BYTES", "check_byte_range", "checked_nbytes"]
+__all__ = [
+    "BROADCAST_BYTES",
+    "INDEX",
+    "MANIFEST",
+    "MAX_BYTES",
+    "METADATA",
+    "ByteLimit",
+    "check_byte_range",
+    "check_view",
+    "checked_nbytes",
+    "read_limited",
+]
 
 MAX_BYTES = 2**63 - 1
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ByteLimit:
+    """The most bytes a kind of file read whole may have: ``default``, or the value of ``env`` if set."""
+
+    what: str
+    default: int
+    env: str
+
+    @property
+    def bytes(self) -> int:
+        """The limit in force (read at each use, so a process can raise it before loading)."""
+        raw = os.environ.get(self.env)
+        if raw is None or not raw.strip():
+            return self.default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{self.env}={raw!r} is not a whole number of bytes") from None
+        if value < 0:
+            raise ValueError(f"{self.env}={raw!r} must not be negative")
+        return value
+
+
+METADATA = ByteLimit("a DCP .metadata file", 1024 * MiB, "DCP_STORAGE_MAX_METADATA_BYTES")
+MANIFEST = ByteLimit("a .dcp_storage.json manifest", 512 * MiB, "DCP_STORAGE_MAX_MANIFEST_BYTES")
+INDEX = ByteLimit("a safetensors index", 256 * MiB, "DCP_STORAGE_MAX_INDEX_BYTES")
+BROADCAST_BYTES = ByteLimit("a broadcast (overlapping) view", 64 * MiB, "DCP_STORAGE_MAX_BROADCAST_BYTES")
+
+
+def read_limited(transport: Any, path: str, limit: ByteLimit) -> bytes:
+    """The whole file at ``path``, if it has at most ``limit`` bytes: a larger one raises
+    :class:`~dcp_storage.errors.FileTooLargeError` naming it, the limit and how to raise it, having read
+    none of it where the store tells its size first (a local disk, S3) and at most ``limit + 1`` bytes
+    otherwise."""
+    cap = limit.bytes
+    try:
+        return transport.read_file(path, max_bytes=cap)
+    except FileTooLargeError as exc:
+        fix = f"if it is genuine, set {limit.env} to a larger number of bytes"
+        raise FileTooLargeError(transport.url(path), exc.size, cap, limit.what, fix) from None
 
 
 def checked_nbytes(shape: Sequence[int], itemsize: int, where: str) -> int:
@@ -37,4 +114,41 @@ def check_byte_range(offset: int, length: int, where: str) -> None:
     if offset < 0 or length < 0 or offset + length > MAX_BYTES:
         raise CorruptCheckpointError(
             f"{where}: byte range offset {offset}, length {length} is impossible (negative, or past 2**63 - 1)"
+        )
+
+
+def check_view(
+    shape: Sequence[int], stride: Sequence[int], storage_offset: int, itemsize: int, storage_nbytes: int, where: str
+) -> None:
+    """A saved tensor view must lie inside its storage, and may repeat storage bytes (stride 0, overlapping
+    strides) only up to :data:`BROADCAST_BYTES` beyond the storage's own size.
+
+    A view is a window on a storage: ``shape``, ``stride`` (elements) and ``storage_offset``. Reading it
+    yields ``prod(shape) * itemsize`` bytes, which for a broadcast view (``expand``) can be any number of
+    times the stored bytes: conversion and deep verification would materialise all of them. Views whose
+    element bytes exceed the stored bytes by more than the limit are refused with the file named.
+    """
+    if not all(type(v) is int for v in (*shape, *stride, storage_offset)):
+        raise CorruptCheckpointError(
+            f"{where}: tensor shape {list(shape)}, stride {list(stride)}, offset {storage_offset!r}: not all integers"
+        )
+    if len(shape) != len(stride) or any(s < 0 for s in stride):
+        raise CorruptCheckpointError(f"{where}: invalid tensor shape {list(shape)} / stride {list(stride)}")
+    if storage_offset < 0:
+        raise CorruptCheckpointError(f"{where}: negative storage offset {storage_offset}")
+    nbytes = checked_nbytes(shape, itemsize, f"{where}: tensor")
+    if nbytes == 0:
+        return
+    last = storage_offset + sum((s - 1) * st for s, st in zip(shape, stride))
+    if (last + 1) * itemsize > storage_nbytes:
+        raise CorruptCheckpointError(
+            f"{where}: tensor of shape {list(shape)} reaches element {last} beyond its storage ({storage_nbytes} bytes)"
+        )
+    extra = nbytes - storage_nbytes
+    cap = BROADCAST_BYTES.bytes
+    if extra > cap:
+        raise CorruptCheckpointError(
+            f"{where}: a view of shape {list(shape)}, stride {list(stride)} repeats its {storage_nbytes} stored "
+            f"bytes into {nbytes} bytes, more than {cap} bytes beyond what is stored (a broadcast or overlapping "
+            f"view); refusing to expand it. If it is genuine, set {BROADCAST_BYTES.env} to a larger number of bytes"
         )

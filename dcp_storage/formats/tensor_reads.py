@@ -240,7 +240,7 @@ def _copy_mapped(transport: FsspecTransport, works: list[SliceRead]) -> None:
     """
     jobs = []
     futures: list[Future[None]] = []
-    files = LocalFiles()
+    files = LocalFiles(transport.confinement)
     try:
         for work in works:
             stored, offsets = work.mapped  # type: ignore[misc]
@@ -274,7 +274,7 @@ def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
     closed right after its copy, so mapped page-cache pages never add up in a rank's RSS beyond the
     largest tensor. Maps are private and never written.
     """
-    files = LocalFiles()
+    files = LocalFiles(transport.confinement)
     try:
         for work in works:
             stored, offsets = work.mapped  # type: ignore[misc]

@@ -30,6 +30,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import DcpStorageError
+from ..integrity.checksums import mismatch
 from ..integrity.deep_check import deep_check_dcp, report_dcp_checksums
 from ..integrity.safetensors_check import deep_check_safetensors, report_safetensors_checksums
 from ..text import printable
@@ -73,7 +74,7 @@ def _named(keys: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------------------ DCP
 def _check_dcp(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
-    from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
+    from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
     from ..formats.safetensors.layout import check_relative
 
     transport, root = FsspecTransport.from_url(url, storage_options)
@@ -86,7 +87,7 @@ def _check_dcp(report: VerifyReport, url: str, storage_options: dict[str, Any] |
             )
             return
         try:
-            md = load_metadata(transport.read_file(path), transport.url(path))
+            md = read_metadata_file(transport, path)
         except Exception as exc:  # noqa: BLE001 - reported
             report.problems.append(f"{transport.url(path)}: cannot be decoded: {_err(exc)}")
             return
@@ -237,7 +238,7 @@ def _check_crc32(report: VerifyReport, url: str, storage_options: dict[str, Any]
                 crc = zlib.crc32(transport.read_range(path, lo, hi), crc)
             if crc != entry.crc32:
                 report.problems.append(
-                    f"{index.url}: record {name!r} fails its CRC32 check ({crc:08x}, expected {entry.crc32:08x}): "
+                    f"{index.url}: record {name!r}: {mismatch('CRC32', f'{entry.crc32:08x}')}: "
                     "the bytes were changed after the file was written"
                 )
         report.checked["crc32_records"] = len(names)

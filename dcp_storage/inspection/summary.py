@@ -115,12 +115,12 @@ def _tensor_table(md: Metadata, locate: Any) -> tuple[list[TensorInfo], list[Val
 
 
 def _describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:
-    from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
+    from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 
     transport, root = FsspecTransport.from_url(url, storage_options)
     with transport:
         path = transport.join(root, METADATA_FILE)
-        md = load_metadata(transport.read_file(path), transport.url(path))
+        md = read_metadata_file(transport, path)
         storage = md.storage_data or {}
 
         def locate(index: MetadataIndex) -> tuple[Any, ...]:

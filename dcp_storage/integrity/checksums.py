@@ -6,6 +6,13 @@ any of them whatever the writer's default. :data:`DEFAULT_ALGORITHM` is the fast
 xxh64 7.8 GB/s, zlib's crc32 well below), so hashing while writing or verifying costs little next to I/O.
 Digests are fixed-width lowercase hex, so a record's size is known before its value (the safetensors
 writer reserves header space for them).
+
+A mismatch is reported with the digest the checkpoint recorded, never the one computed from the stored
+bytes (:func:`mismatch`): a digest of content is a fingerprint of it, and an error or ``verify`` report
+that prints it lets whoever wrote the manifest test guesses about the bytes. Reads stay inside the
+checkpoint (:mod:`dcp_storage.transports.local_open`), so this is defence in depth: nothing a computed
+digest could describe lies outside the checkpoint, and the computed value tells a user nothing the
+words "mismatch" do not.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ __all__ = [
     "HashingWriter",
     "checksum",
     "digest_width",
+    "mismatch",
     "new_hasher",
 ]
 
@@ -166,3 +174,8 @@ class HashingWriter:
 
     def seekable(self) -> bool:
         return False
+
+
+def mismatch(algorithm: str | None, recorded: str) -> str:
+    """The words for a checksum that does not match: the recorded digest only (see the module docstring)."""
+    return f"{algorithm} checksum mismatch (recorded {recorded}; the digest of the stored bytes is not shown)"

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, DcpStorageError
+from ..formats.limits import MANIFEST, read_limited
 from ..text import printable
 from .manifest import MANIFEST_FILE, ExtensionInfo, Manifest, file_checksums
 from .provenance import describe_extension, format_distribution, writer_descriptor
@@ -51,7 +52,7 @@ def read_manifest(transport: Any, root: str) -> Manifest | None:
     """The manifest of the checkpoint at ``root``; ``None`` when it has none (torch or an older writer)."""
     path = transport.join(root, MANIFEST_FILE)
     try:
-        data = transport.read_file(path)
+        data = read_limited(transport, path, MANIFEST)
     except (CheckpointNotFoundError, FileNotFoundError):
         return None
     return Manifest.from_json(data, transport.url(path))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DcpStorageError
-from .checksums import new_hasher
+from .checksums import mismatch, new_hasher
 from .manifest import Manifest
 from .read_verify import key_name
 
@@ -110,8 +110,8 @@ def _check_file(
         if got != item.digest:
             held = _keys(keys.get((name, item.offset, item.length), []))
             result.problems.append(
-                f"{url} bytes [{item.offset}, {item.end}) (holding {held}): {algorithm} checksum mismatch (got {got}, "
-                f"recorded {item.digest}): the bytes changed after they were written"
+                f"{url} bytes [{item.offset}, {item.end}) (holding {held}): {mismatch(algorithm, item.digest)}: "
+                "the bytes changed after they were written"
             )
 
 
@@ -145,13 +145,13 @@ def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[A
 
 def deep_check_dcp(report: Any, url: str, storage_options: dict[str, Any] | None) -> None:
     """The deep half of :func:`report_dcp_checksums`, opening the checkpoint at ``url`` itself."""
-    from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
+    from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
     from ..transports import FsspecTransport
 
     transport, root = FsspecTransport.from_url(url, storage_options)
     with transport:
         path = transport.join(root, METADATA_FILE)
-        md = load_metadata(transport.read_file(path), transport.url(path))
+        md = read_metadata_file(transport, path)
         report_dcp_checksums(report, transport, root, md.storage_data or {}, deep=True)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Container
 from typing import Any
 
 from ..errors import DcpStorageError
+from ..formats.limits import MANIFEST, read_limited
 from .manifest import MANIFEST_FILE, Manifest, install_hint
 
 __all__ = ["missing_format_plugin"]
@@ -22,7 +23,7 @@ def missing_format_plugin(probe: Any, known_formats: Container[str]) -> str | No
         return None
     path = probe.transport.join(probe.path, MANIFEST_FILE)
     try:
-        manifest = Manifest.from_json(probe.transport.read_file(path), probe.transport.url(path))
+        manifest = Manifest.from_json(read_limited(probe.transport, path, MANIFEST), probe.transport.url(path))
     except DcpStorageError:
         return None  # a damaged manifest does not decide the format; verify reports it
     if manifest.format_name in known_formats:

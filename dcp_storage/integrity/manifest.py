@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from ..formats.paths import check_relative
 
 __all__ = ["MANIFEST_FILE", "SCHEMA", "ExtensionInfo", "FileChecksums", "ItemChecksum", "Manifest", "install_hint"]
 
@@ -131,7 +132,7 @@ class Manifest:
     def from_json(cls, data: bytes, url: str) -> Manifest:
         try:
             doc = json.loads(data)
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise CorruptCheckpointError(f"{url}: manifest is not valid JSON ({exc})") from None
         if not isinstance(doc, dict):
             raise CorruptCheckpointError(f"{url}: manifest is not a JSON object")
@@ -161,6 +162,9 @@ class Manifest:
             if not isinstance(files, dict):
                 raise CorruptCheckpointError(f"{url}: manifest 'checksums.files' is not an object")
             for name, f in files.items():
+                # A name leaving the checkpoint would have verify hash a file outside it against a digest
+                # the manifest chose: a way to test guesses about that file's content.
+                check_relative(name, f"{url}: checksums entry")
                 manifest.files[name] = _file_entry(f, url, name)
         return manifest
 
@@ -177,7 +181,7 @@ def _opt_str(doc: Mapping[str, Any], key: str) -> str | None:
 
 
 def _file_entry(f: Any, url: str, name: str) -> FileChecksums:
-    if not isinstance(f, dict) or not isinstance(f.get("size"), int):
+    if not isinstance(f, dict) or type(f.get("size")) is not int or f["size"] < 0:
         raise CorruptCheckpointError(f"{url}: manifest entry for {name!r} needs an integer 'size'")
     items = []
     for it in _list(f.get("items", []), url, f"checksums.files[{name!r}].items"):

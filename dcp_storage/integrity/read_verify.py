@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from .checksums import Hasher, checksum, new_hasher
+from .checksums import Hasher, checksum, mismatch, new_hasher
 from .manifest import Manifest
 
 __all__ = ["RecordVerifier", "batches_by_bytes", "key_name"]
@@ -76,8 +76,8 @@ class RecordVerifier:
             )
         if got != expected.digest:
             raise CorruptCheckpointError(
-                f"{where} (holding {keys or 'unknown keys'}): {self.algorithm} checksum mismatch (got {got}, "
-                f"recorded {expected.digest}): the stored bytes changed after they were written"
+                f"{where} (holding {keys or 'unknown keys'}): {mismatch(self.algorithm, expected.digest)}: the stored "
+                "bytes changed after they were written"
             )
         self.checked += 1
         self.checked_bytes += length

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import DcpStorageError
-from .checksums import new_hasher
+from .checksums import mismatch, new_hasher
 from .deep_check import PIECE_BYTES, no_checksums_note
 from .safetensors_sums import FileSums, Piece
 
@@ -65,7 +65,7 @@ def check_file(
                 if got != piece.digest:
                     problems.append(
                         f"{sums.url} bytes [{base + lo}, {base + hi}) (holding {piece.describe(name)}): "
-                        f"{sums.algorithm} checksum mismatch (got {got}, recorded {piece.digest}): the stored "
+                        f"{mismatch(sums.algorithm, piece.digest)}: the stored "
                         "bytes changed after they were written"
                     )
             continue

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
-from .checksums import checksum, digest_width
+from .checksums import checksum, digest_width, mismatch
 
 __all__ = [
     "ALGORITHM_KEY",
@@ -123,8 +123,8 @@ def _pieces(value: str, algorithm: str, where: str) -> list[Piece] | str:
     try:
         doc = json.loads(value)
         pieces = [Piece(tuple(int(x) for x in o), tuple(int(x) for x in s), str(d)) for o, s, d in doc]
-    except (ValueError, TypeError) as exc:
-        return f"checksum list is malformed ({exc})"
+    except (ValueError, TypeError, RecursionError) as exc:
+        return f"checksum list is malformed ({type(exc).__name__})"
     return pieces
 
 
@@ -173,8 +173,8 @@ class FileSums:
         got = checksum(zeroed, self.algorithm)
         if got != self.header_digest:
             return (
-                f"{self.url} bytes [0, {len(self.raw_header)}) (the header): {self.algorithm} checksum mismatch "
-                f"(got {got}, recorded {self.header_digest}): the header bytes changed after they were written"
+                f"{self.url} bytes [0, {len(self.raw_header)}) (the header): "
+                f"{mismatch(self.algorithm, self.header_digest)}: the header bytes changed after they were written"
             )
         return None
 
@@ -227,8 +227,8 @@ class FileSums:
             got = checksum(memoryview(data.numpy()) if data.numel() else b"", self.algorithm or "")
             if got != piece.digest:
                 return (
-                    f"{self.url} {span} (holding {piece.describe(name)}): {self.algorithm} checksum mismatch (got "
-                    f"{got}, recorded {piece.digest}): the stored bytes changed after they were written"
+                    f"{self.url} {span} (holding {piece.describe(name)}): "
+                    f"{mismatch(self.algorithm, piece.digest)}: the stored bytes changed after they were written"
                 )
         return None
 

@@ -29,6 +29,7 @@ from ..errors import CheckpointNotFoundError
 from ..formats.completeness import find_leftovers
 from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
 from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
+from ..formats.limits import METADATA, read_limited
 from ..integrity.dcp_manifest import record_verifier
 from ..transports import FsspecTransport, TransportConfig
 from .location import BoundLocation
@@ -91,7 +92,7 @@ class FsspecReader(BoundLocation, StorageReader):
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
         path = self.transport.join(self.root, name)
         try:
-            data = self.transport.read_file(path)
+            data = read_limited(self.transport, path, METADATA)
         except CheckpointNotFoundError as exc:
             leftovers = find_leftovers(self.transport, self.root)  # an interrupted save: say so
             if leftovers is not None:

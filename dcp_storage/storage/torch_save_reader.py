@@ -48,7 +48,7 @@ from ..strategies.metadata_sharing import share_object
 from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order
 from ..tensor_buffers import host_buffer
 from ..transports import FsspecTransport, TransportConfig
-from ..transports.factory import open_transport
+from ..transports.factory import bind_transport
 
 __all__ = ["BroadcastingTorchSaveReader"]
 
@@ -121,12 +121,8 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
     def _open_transport(self) -> tuple[FsspecTransport, str]:
         if self.checkpoint_id is None:
             raise ValueError("BroadcastingTorchSaveReader: no checkpoint_id; pass it here or to dcp.load")
-        if self._given_transport is not None:
-            self._transport = self._given_transport
-            return self._transport, self._transport.fs._strip_protocol(self.checkpoint_id)
-        transport, path = open_transport(self.checkpoint_id, self.storage_options, self.transport_config)
-        if self._transport is None:
-            self._transport = transport
+        given = self._given_transport or self._transport  # one transport for every checkpoint_id
+        self._transport, path = bind_transport(self.checkpoint_id, self.storage_options, self.transport_config, given)
         return self._transport, path
 
     def _open_archive(self) -> TorchSaveArchive:

@@ -54,7 +54,9 @@ def bind_transport(
     """
     if given is not None:
         strip = getattr(given, "strip_url", None)
-        if callable(strip):
-            return given, strip(os.fspath(url))
-        return given, given.fs._strip_protocol(os.fspath(url))
+        path = strip(os.fspath(url)) if callable(strip) else given.fs._strip_protocol(os.fspath(url))
+        confinement = getattr(given, "confinement", None)
+        if confinement is not None:  # a shared local transport: it may now read this checkpoint too
+            confinement.add(path)
+        return given, path
     return open_transport(url, storage_options, config)

@@ -27,10 +27,11 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, FileTooLargeError
 from .counters import TransportCounters
 from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_read, gcs_size, is_gcs
-from .local_io import LocalFiles, preadv_exact
+from .local_io import LocalFiles, preadv_exact, read_whole
+from .local_open import Confinement, stat_regular
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import RetryPolicy, TruncatedReadError, call_with_retry, single_layer_client_options
@@ -104,13 +105,16 @@ class FsspecTransport:
 
     Build it with :meth:`from_url`. Paths passed to its methods are paths of that filesystem (what
     ``fsspec.core.url_to_fs`` returns), joined with :meth:`join`.
+    On a local disk it reads only regular files inside their checkpoint (``confinement``, :mod:`.local_open`).
     """
 
     def __init__(
-        self, fs: fsspec.AbstractFileSystem, config: TransportConfig | None = None, *, scheme: str | None = None
-    ) -> None:
+        self, fs: fsspec.AbstractFileSystem, config: TransportConfig | None = None, *, scheme: str | None = None,
+        confinement: Confinement | None = None,
+    ) -> None:  # fmt: skip
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
+        self.confinement = confinement if self.is_local else None
         self._gcs = is_gcs(fs)  # gcsfs: requests made one attempt at a time (gcs_io), under our retries
         # The scheme the caller wrote, if ``fs`` answers to several (adlfs: abfs, az, abfss), so that errors
         # name the URL the user gave (``az://...``), not the filesystem's first alias.
@@ -137,7 +141,7 @@ class FsspecTransport:
         options = single_layer_client_options(url, storage_options or {})
         fs, path = fsspec.core.url_to_fs(url, **options)
         scheme = url.split("://", 1)[0].lower() if "://" in url else None
-        return cls(fs, config, scheme=scheme), path
+        return cls(fs, config, scheme=scheme, confinement=Confinement(path)), path
 
     @property
     def protocol(self) -> str:
@@ -187,10 +191,11 @@ class FsspecTransport:
         return bool(self._retry(check, lambda: f"exists {self.url(path)}"))
 
     def size(self, path: str) -> int:
-        """Size of the file at ``path``; :class:`CheckpointNotFoundError` if it does not exist."""
+        """Size of the file at ``path``; :class:`CheckpointNotFoundError` if it does not exist (on a local
+        disk, :class:`CorruptCheckpointError` if it is no regular file or lies outside the checkpoint)."""
         try:
             if self.is_local:
-                return os.path.getsize(path)
+                return stat_regular(path, self.confinement).st_size
             stat = (lambda: s3_size(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.size(path))
             if self._gcs:
                 stat = lambda: gcs_size(self.fs, path)
@@ -243,20 +248,22 @@ class FsspecTransport:
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
     # ------------------------------------------------------------------------------------ reading
-    def read_file(self, path: str) -> bytes:
-        """Read a whole (small) file, retrying transient errors."""
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """Read a whole (small) file, retrying transient errors. One over ``max_bytes`` raises ``FileTooLargeError``
+        having read at most ``max_bytes + 1`` bytes of it (none where the size comes first: local, S3)."""
 
         def fetch() -> bytes:
             if self.is_local:
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = read_whole(path, self.confinement, max_bytes)
             elif can_stream(self.fs):
-                data = read_object(self.fs, path)
+                data = read_object(self.fs, path, max_bytes)
             elif self._gcs:
                 data = gcs_read(self.fs, path)
             else:
                 data = self.fs.cat_file(path)
             self.counters.add(requests=1, bytes_read=len(data))
+            if max_bytes is not None and len(data) > max_bytes:
+                raise FileTooLargeError(self.url(path), None, max_bytes)
             return data
 
         try:
@@ -281,7 +288,7 @@ class FsspecTransport:
             return RangeRun(
                 requests, groups, self._fetch_group_remote, self._executor(), cfg.max_inflight_bytes
             ).execute()
-        files = LocalFiles()
+        files = LocalFiles(self.confinement)
         try:
 
             def fetch(group: FetchGroup, views: list[memoryview]) -> None:

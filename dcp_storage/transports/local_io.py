@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import threading
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError, FileTooLargeError
+from .local_open import Confinement, open_regular
 
-__all__ = ["LocalFiles", "preadv_exact"]
+__all__ = ["LocalFiles", "preadv_exact", "read_whole"]
 
 _IOV_MAX = min(getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024, 1024)
 
@@ -52,25 +53,39 @@ def preadv_exact(fd: int, path: str, buffers: list[memoryview], offset: int) -> 
 
 
 class LocalFiles:
-    """Read-only descriptors of local files, opened on first use and shared by threads; ``close`` them all."""
+    """Read-only descriptors of local files, opened on first use and shared by threads; ``close`` them all.
 
-    def __init__(self) -> None:
+    Only regular files inside ``confinement`` (when given) are opened (see :mod:`.local_open`).
+    """
+
+    def __init__(self, confinement: Confinement | None = None) -> None:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._confinement = confinement
 
     def fd(self, path: str, where: str | None = None) -> int:
-        """The descriptor of ``path``; a missing file raises ``CheckpointNotFoundError`` naming ``where``."""
+        """The descriptor of ``path``; errors (``CheckpointNotFoundError`` for a missing file) name ``where``."""
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError as exc:
-                    raise CheckpointNotFoundError(f"{where or path}: no such file") from exc
-                self._fds[path] = fd
+                fd = self._fds[path] = open_regular(path, self._confinement, where)
             return fd
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def read_whole(path: str, confinement: Confinement | None, max_bytes: int | None) -> bytes:
+    """A whole regular file (inside ``confinement``); one larger than ``max_bytes`` is refused before any of
+    it is read, from its size, and a file that grows while it is read stops counting at ``max_bytes + 1``."""
+    fd = open_regular(path, confinement)
+    try:
+        size = os.fstat(fd).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise FileTooLargeError(path, size, max_bytes)
+        with open(fd, "rb", closefd=False) as f:  # noqa: PTH123 - a descriptor, not a path
+            return f.read(-1 if max_bytes is None else max_bytes + 1)
+    finally:
+        os.close(fd)

@@ -21,6 +21,8 @@ from typing import Any
 
 from fsspec.asyn import sync
 
+from ..errors import FileTooLargeError
+
 __all__ = ["ScatterSink", "can_stream", "read_object", "s3_call", "stream_range"]
 
 _CLIENT_HOOKS = ("loop", "set_session", "get_s3", "split_path", "_get_s3_method_kwargs")
@@ -119,7 +121,7 @@ def stream_range(fs: Any, path: str, start: int, end: int, emit: Callable[[int, 
     return int(sync(fs.loop, _get_range, fs, path, start, end, emit))
 
 
-async def _get_object(fs: Any, path: str) -> bytes:
+async def _get_object(fs: Any, path: str, max_bytes: int | None) -> bytes:
     bucket, key, version = fs.split_path(path)
     kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
     if version:
@@ -127,11 +129,17 @@ async def _get_object(fs: Any, path: str) -> bytes:
     response = await _call(fs, "get_object", **kwargs)
     body = response["Body"]
     try:
+        size = response.get("ContentLength")
+        if max_bytes is not None and isinstance(size, int) and size > max_bytes:
+            raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)  # the body is never read
+        if max_bytes is not None and not isinstance(size, int):
+            return bytes(await body.read(max_bytes + 1))
         return bytes(await body.read())  # a body cut short raises (the length is checked by the client)
     finally:
         body.close()
 
 
-def read_object(fs: Any, path: str) -> bytes:
-    """GET a whole (small) object: ``.metadata``, an index file."""
-    return bytes(sync(fs.loop, _get_object, fs, path))
+def read_object(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
+    """GET a whole (small) object: ``.metadata``, an index file; at most ``max_bytes + 1`` bytes of it, and
+    none when the response says it is larger (:class:`~dcp_storage.errors.FileTooLargeError`)."""
+    return bytes(sync(fs.loop, _get_object, fs, path, max_bytes))

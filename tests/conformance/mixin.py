@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage import FsspecReader, FsspecWriter, SafetensorsWriter, open_reader
-from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError, DcpStorageError
+from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError, DcpStorageError, FileTooLargeError
 from dcp_storage.testing.compare import raw_bytes as _raw
 from dcp_storage.testing.distributed import run_ranks
 from dcp_storage.transports import FsspecTransport, RangeRequest, RetryPolicy, TransportConfig
@@ -282,6 +282,18 @@ class StorageConformance:
         url = t.url(a)
         assert url.startswith(root) if t.is_local else url.endswith(a.split("/", 1)[1])
         assert t.counters.retries == 0
+
+    def test_read_file_with_a_limit_refuses_a_larger_file(self, transport: Any) -> None:
+        t, root = transport
+        path = t.join(root, "limited.bin")
+        data = random_bytes(10_000, seed=3)
+        t.write_file(path, data)
+        assert t.read_file(path, max_bytes=10_000) == data
+        before = t.counters.bytes_read
+        with pytest.raises(FileTooLargeError, match="limited.bin") as err:
+            t.read_file(path, max_bytes=9_999)
+        assert err.value.limit == 9_999 and err.value.size in (10_000, None)
+        assert t.counters.bytes_read - before <= 10_000  # at most limit + 1 bytes read
 
     def test_read_ranges_with_coalescing(self, transport: Any) -> None:
         t, root = transport

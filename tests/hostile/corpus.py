@@ -797,9 +797,12 @@ def _hostile_safetensors_blobs(rng: random.Random) -> dict[str, bytes]:
 
 def build_corpus(root: Path, seed: int = SEED) -> list[Case]:
     """Write every case under ``root`` (an empty directory); returns them in a stable order."""
+    from .corpus_files import add_file_cases
+
     builder = _Builder(root, seed)
     for family in FAMILIES:
         getattr(builder, family)()
+    add_file_cases(builder)  # special files, sparse giants, symlinks out, broadcast views
     return builder.cases
 
 

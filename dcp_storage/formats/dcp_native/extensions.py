@@ -26,6 +26,7 @@ from torch.distributed.checkpoint._extension import Extension, ExtensionRegistry
 from ... import registry as plugin_registry
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownExtensionError
 from ...integrity.manifest import MANIFEST_FILE, install_hint
+from ..limits import MANIFEST, read_limited
 from .framed_items import decode_whole
 from .seekable import SeekableTransform
 
@@ -175,10 +176,10 @@ class ExtensionResolver:
         if self._manifest is None:
             path = self.transport.join(self.root, MANIFEST_FILE)
             try:
-                parsed = json.loads(self.transport.read_file(path))
+                parsed = json.loads(read_limited(self.transport, path, MANIFEST))
                 self._manifest = parsed if isinstance(parsed, dict) else "manifest is not a JSON object"
             except (CheckpointNotFoundError, FileNotFoundError):
                 self._manifest = "the checkpoint has no manifest naming the distribution that wrote it"
-            except (ValueError, UnicodeDecodeError) as exc:
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
                 self._manifest = f"manifest is not valid JSON ({exc})"
         return self._manifest

@@ -22,9 +22,10 @@ import torch.distributed.checkpoint.metadata as dcp_md
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...safe_unpickle import StandInRefusal, globals_of, safe_loads
+from ..limits import METADATA, read_limited
 from .metadata_checks import check_metadata
 
-__all__ = ["METADATA_FILE", "dump_metadata", "load_metadata", "metadata_allow_list"]
+__all__ = ["METADATA_FILE", "dump_metadata", "load_metadata", "metadata_allow_list", "read_metadata_file"]
 
 METADATA_FILE = ".metadata"
 
@@ -105,6 +106,11 @@ def load_metadata(data: bytes | bytearray | memoryview, path: str) -> Metadata:
     """
     metadata = safe_loads(data, path, _ALLOWED, expected=Metadata)
     return check_metadata(metadata, path)
+
+
+def read_metadata_file(transport: Any, path: str) -> Metadata:
+    """Read (at most :data:`~dcp_storage.formats.limits.METADATA` bytes) and decode the ``.metadata`` at ``path``."""
+    return load_metadata(read_limited(transport, path, METADATA), transport.url(path))
 
 
 def dump_metadata(metadata: Metadata) -> bytes:

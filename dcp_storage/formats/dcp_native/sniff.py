@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from ...errors import DcpStorageError
 from ..spec import HEAD_BYTES, Probe
-from .metadata_io import METADATA_FILE, load_metadata
+from .metadata_io import METADATA_FILE, read_metadata_file
 
 __all__ = ["NATIVE", "SAFETENSORS", "dcp_data_kind"]
 
@@ -44,7 +44,7 @@ def _ends_with_zip(probe: Probe, name: str) -> bool:
 def _kind_from_metadata(probe: Probe) -> str:
     path = probe.transport.join(probe.path, METADATA_FILE)
     try:
-        md = load_metadata(probe.transport.read_file(path), probe.transport.url(path))
+        md = read_metadata_file(probe.transport, path)
     except DcpStorageError:
         return NATIVE  # FsspecReader reports the problem, naming the file
     storage: dict[Any, Any] = md.storage_data or {}

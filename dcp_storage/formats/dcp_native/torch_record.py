@@ -24,7 +24,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...safe_unpickle import AllowListUnpickler
-from ..limits import checked_nbytes
+from ..limits import check_view
 from ..slices import is_row_major
 from .record_pickle import decode_tensor_pickle
 
@@ -338,18 +338,7 @@ def _parse_record(buf: memoryview, record_len: int, path: str) -> TensorRecord:
         raise CorruptCheckpointError(
             f"{path}: storage data/{spec.storage.key} holds {data_size} bytes, data.pkl says {spec.storage.nbytes}"
         )
-    itemsize = spec.dtype.itemsize
-    if any(s < 0 for s in spec.size) or any(s < 0 for s in spec.stride) or len(spec.size) != len(spec.stride):
-        raise CorruptCheckpointError(f"{path}: invalid tensor shape {spec.size} / stride {spec.stride}")
-    if spec.storage_offset < 0:
-        raise CorruptCheckpointError(f"{path}: negative storage offset {spec.storage_offset}")
-    checked_nbytes(spec.size, itemsize, f"{path}: tensor")
-    if all(s > 0 for s in spec.size):
-        last = spec.storage_offset + sum((s - 1) * st for s, st in zip(spec.size, spec.stride))
-        if (last + 1) * itemsize > data_size:
-            raise CorruptCheckpointError(
-                f"{path}: tensor of shape {spec.size} reaches element {last} beyond its storage ({data_size} bytes)"
-            )
+    check_view(spec.size, spec.stride, spec.storage_offset, spec.dtype.itemsize, data_size, path)
     return TensorRecord(spec.dtype, spec.size, spec.stride, spec.storage_offset, data_start, data_size)
 
 
@@ -357,15 +346,20 @@ _FORBIDDEN = re.compile(r"(?:GLOBAL|global)\s+([\w.]+(?:\s*\.\s*\w+)?)")
 
 
 def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
-    """Load a whole record with ``torch.load(weights_only=True)``; map refusals to our errors."""
+    """Load a whole record with ``torch.load(weights_only=True)``; map refusals to our errors. A tensor must
+    be a view that expands its storage by at most the broadcast limit (:func:`~..limits.check_view`)."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
         text = str(exc)
         if "Weights only load failed" in text or "weights_only" in text:
             match = _FORBIDDEN.search(text)
             raise UnsafeCheckpointError(path, match.group(1) if match else "unknown global", "weights_only=True refused it") from None
         raise CorruptCheckpointError(f"{path}: cannot decode a torch.save record ({type(exc).__name__}: {exc})") from exc
+    if isinstance(loaded, torch.Tensor) and loaded.layout == torch.strided:
+        stored = loaded.untyped_storage().nbytes()
+        check_view(tuple(loaded.shape), loaded.stride(), loaded.storage_offset(), loaded.element_size(), stored, path)
+    return loaded
 
 
 def check_byte_item(data: bytes, path: str) -> None:

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...transports import FsspecTransport
 from ..completeness import raise_if_incomplete
-from ..dcp_native.metadata_io import METADATA_FILE, load_metadata
+from ..dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from ..limits import INDEX, read_limited
 from ..paths import check_relative
 from .header import LENGTH_BYTES, MAX_HEADER_BYTES
 
@@ -151,7 +152,7 @@ def _single_file(transport: FsspecTransport, path: str) -> Layout:
 def _index_layout(transport: FsspecTransport, index_path: str) -> Layout:
     url = transport.url(index_path)
     try:
-        data = transport.read_file(index_path)
+        data = read_limited(transport, index_path, INDEX)
     except CheckpointNotFoundError as exc:
         raise CheckpointNotFoundError(f"{url}: no such index file") from exc
     weight_map = parse_index(data, url)
@@ -164,7 +165,7 @@ def _index_layout(transport: FsspecTransport, index_path: str) -> Layout:
 
 def _dcp_layout(transport: FsspecTransport, root: str) -> Layout:
     path = transport.join(root, METADATA_FILE)
-    metadata = load_metadata(transport.read_file(path), transport.url(path))
+    metadata = read_metadata_file(transport, path)
     if metadata.storage_data is None or not isinstance(metadata.storage_data, dict):
         raise CorruptCheckpointError(f"{transport.url(path)}: metadata carries no storage map")
     files: set[str] = set()

@@ -147,7 +147,11 @@ class TorchSaveArchive:
             names = {f"{self.prefix}data/{k}": k for k in self.storages}
             # Headers lie between tensors: with an object store's coalescing gap, fetching them together
             # would read the small tensors between them too. Read them exactly (same counters, same fs).
-            exact = FsspecTransport(self.transport.fs, dataclasses.replace(self.transport.config, coalesce_gap=0))
+            exact = FsspecTransport(
+                self.transport.fs,
+                dataclasses.replace(self.transport.config, coalesce_gap=0),
+                confinement=self.transport.confinement,
+            )
             exact.counters = self.transport.counters
             try:
                 starts = data_starts(exact, self.index, names)

@@ -28,7 +28,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...safe_unpickle import AllowListUnpickler
-from ..limits import checked_nbytes
+from ..limits import check_view
 
 __all__ = ["LEGACY_MAGIC", "LegacyNeedsMoreBytes", "TensorDescriptor", "decode_data_pkl", "scan_legacy"]
 
@@ -174,15 +174,8 @@ class _Decoder:
             raise CorruptCheckpointError(
                 f"{self.where}: tensor shape {shape}, stride {strides}, offset {storage_offset!r} disagree"
             )
-        itemsize = _itemsize(dtype)
-        checked_nbytes(shape, itemsize, f"{self.where}: tensor")
-        if all(shape):
-            last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides))
-            if (last + 1) * itemsize > storage.nbytes:
-                raise CorruptCheckpointError(
-                    f"{self.where}: a tensor of shape {list(shape)} reaches byte {(last + 1) * itemsize} of storage "
-                    f"{storage.key!r}, which holds {storage.nbytes} bytes"
-                )
+        where = f"{self.where}: storage {storage.key!r}"
+        check_view(shape, strides, storage_offset, _itemsize(dtype), storage.nbytes, where)
         return TensorDescriptor(storage.key, dtype, shape, strides, int(storage_offset), storage.nbytes)
 
     def _rebuild_v2(

@@ -30,7 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import obstore
-from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, TransportError
+from dcp_storage.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DcpStorageError,
+    FileTooLargeError,
+    TransportError,
+)
 from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig, TransportCounters, is_transient
 from dcp_storage.transports.range_run import RangeRun
 from dcp_storage.transports.ranges import FetchGroup, plan_fetches
@@ -192,12 +198,17 @@ class ObstoreTransport:
         return sorted(set(names))
 
     # ------------------------------------------------------------------------------------ reading
-    def read_file(self, path: str) -> bytes:
-        """Read a whole (small) object, retrying transient errors."""
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """Read a whole (small) object, retrying transient errors; one larger than ``max_bytes`` raises
+        :class:`~dcp_storage.errors.FileTooLargeError` before its body is read (the size comes first)."""
         store, key = self._locate(path)
 
         def fetch() -> bytes:
-            data = bytes(obstore.get(store, key).bytes())
+            result = obstore.get(store, key)
+            size = result.meta["size"]
+            if max_bytes is not None and size > max_bytes:
+                raise FileTooLargeError(self.url(path), size, max_bytes)
+            data = bytes(result.bytes())
             self.counters.add(requests=1, bytes_read=len(data))
             return data
 

@@ -1,0 +1,162 @@
+"""Opening checkpoint files on a local disk: regular files only, and only inside the checkpoint.
+
+A local checkpoint is a directory anyone may have prepared, so a name in it may be anything the file system
+allows:
+
+* a FIFO, socket or device (``.metadata`` as a FIFO blocks ``open`` until a writer comes; as a symlink to
+  ``/dev/zero`` it never ends). Such entries are refused from ``stat`` alone, never opened; the descriptor
+  is then opened with ``O_NONBLOCK`` and checked again with ``fstat`` (something swapped in between is
+  refused too).
+* a symlink, or a symlinked directory, that leads out of the checkpoint (``__0_0.distcp -> /etc/passwd``).
+  Its bytes would reach error messages and ``verify`` reports, and a manifest's checksums could be used
+  to test guesses against it. Every path is resolved (``realpath``) and must stay under the checkpoint's
+  :class:`Confinement`; symlinks that stay inside are fine.
+
+The containment check resolves the path and then opens the resolved path with ``O_NOFOLLOW``, so a final
+symlink swapped in after the check is refused. A directory above it swapped by a concurrent writer in the
+meantime is not caught: whoever can rename directories inside the checkpoint while it loads could as well
+have changed the bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TransportError
+
+__all__ = ["Confinement", "open_regular", "stat_regular"]
+
+# Hugging Face's hub cache keeps files in ``<repo>/blobs/`` and links them from ``<repo>/snapshots/<rev>/``:
+# a checkpoint opened inside a snapshot may follow links up to its repository directory.
+_HUB_SNAPSHOTS = "snapshots"
+_HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+class Confinement:
+    """The directories local checkpoint files must resolve into: one per checkpoint a transport serves.
+
+    A checkpoint is added as the user named it (:meth:`add`): a directory, or a file (a safetensors file,
+    an index, a ``torch.save`` file), whose directory then bounds its siblings. A path is checked against
+    the checkpoint it lies in by name (the longest added directory that is a prefix of it: one transport
+    may serve several checkpoints), and must resolve inside that checkpoint's resolved directory. The
+    checkpoint root may itself be a symlink: it is resolved once, when the first file in it is opened
+    (a writer's root need not exist before). A path in no added checkpoint is refused.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self._added: dict[str, tuple[str, str] | None] = {}  # as named -> (directory, resolved) once known
+        if path is not None:
+            self.add(path)
+
+    def add(self, path: str) -> None:
+        """Let files of the checkpoint at ``path`` be read."""
+        self._added.setdefault(os.path.abspath(path), None)
+
+    def _roots(self) -> list[tuple[str, str]]:
+        out = []
+        for named, known in list(self._added.items()):
+            if known is None:
+                directory = named if os.path.isdir(named) else os.path.dirname(named)
+                known = (directory, _resolved_root(directory))
+                if os.path.exists(named):  # a writer's root may appear later: decide once it exists
+                    self._added[named] = known
+            out.append(known)
+        return out
+
+    def check(self, path: str, where: str | None = None) -> str:
+        """The resolved ``path``; :class:`CorruptCheckpointError` naming ``where`` (default ``path``) if it
+        resolves outside its checkpoint."""
+        lexical = os.path.abspath(path)
+        inside = [(d, r) for d, r in self._roots() if _under(lexical, d)]
+        if not inside:
+            raise CorruptCheckpointError(f"{where or path}: is in no checkpoint this transport was opened for")
+        _directory, root = max(inside, key=lambda dr: len(dr[0]))
+        real = os.path.realpath(path)
+        if not _under(real, root):
+            raise CorruptCheckpointError(
+                f"{where or path}: resolves outside the checkpoint directory {root} (a symlink, or a symlinked "
+                "directory, leading out of it); refusing to read it. Copy the file into the checkpoint instead of "
+                "linking it"
+            )
+        return real
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _resolved_root(directory: str) -> str:
+    root = os.path.realpath(directory)
+    parent = os.path.dirname(root)
+    if os.path.basename(parent) == _HUB_SNAPSHOTS and os.path.basename(os.path.dirname(parent)).startswith(
+        _HUB_REPO_PREFIXES
+    ):
+        root = os.path.dirname(parent)
+    return root
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _refuse(path: str, mode: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path}: is {_kind(mode)}, not a regular file; a checkpoint holds only regular files, refusing to open it"
+    )
+
+
+def _os_error(path: str, exc: OSError) -> Exception:
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointNotFoundError(f"{path}: no such file")
+    if isinstance(exc, NotADirectoryError):
+        return CheckpointNotFoundError(f"{path}: no such file (a directory on its path is a file)")
+    return TransportError(f"{path}: cannot open for reading ({exc.strerror or type(exc).__name__})")
+
+
+def stat_regular(path: str, confinement: Confinement | None = None, where: str | None = None) -> os.stat_result:
+    """``stat`` of ``path``, which must be a regular file (inside ``confinement`` when given); errors name
+    ``where`` (default: ``path``)."""
+    where = where or path
+    target = confinement.check(path, where) if confinement is not None else path
+    try:
+        st = os.stat(target)
+    except OSError as exc:
+        raise _os_error(where, exc) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(where, st.st_mode)
+    return st
+
+
+def open_regular(path: str, confinement: Confinement | None = None, where: str | None = None) -> int:
+    """A read-only descriptor of ``path``: a regular file (inside ``confinement`` when given), never
+    anything that could block or never end. The caller closes it; errors name ``where``."""
+    where = where or path
+    before = stat_regular(path, confinement, where)
+    target = confinement.check(path, where) if confinement is not None else path
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if confinement is not None:
+        flags |= getattr(os, "O_NOFOLLOW", 0)  # ``target`` is resolved: a symlink there now was swapped in
+    try:
+        fd = os.open(target, flags)
+    except OSError as exc:
+        raise _os_error(where, exc) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(where, st.st_mode)
+        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise CorruptCheckpointError(f"{where}: was replaced while being opened; refusing to read it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
