@@ -3,7 +3,7 @@
 Object stores throttle, fail, reset connections and cut bodies short; emulators (moto, fake-gcs-server)
 do none of that. :class:`FaultProxy` listens on ``127.0.0.1`` (port 0, read back), forwards every request
 *verbatim* to one upstream (request line, headers including ``Host``, body bytes), and on the requests its
-:class:`FaultRule` s select, misbehaves in one of these ways (:data:`FAULT_MODES`):
+:class:`FaultRule` s select, misbehaves in one of these ways (:data:`FAULT_MODES`, any request):
 
 ``slowdown_503``
     ``503`` with an S3 ``SlowDown`` XML body (or, with ``dialect="gcs"``, a GCS JSON error); upstream
@@ -18,6 +18,18 @@ do none of that. :class:`FaultProxy` listens on ``127.0.0.1`` (port 0, read back
 ``slow``
     Forwarded; the response is held back for ``delay`` seconds (a client with a shorter read timeout gives
     up; the upstream acted on the request either way).
+
+and, on ranged GETs only (a single-range ``Range`` header; :data:`RANGE_FAULT_MODES`), as a server or a
+cache in between may that mishandles ``Range``: a well-formed answer with other bytes than were asked for.
+The request goes upstream with its ``Range`` changed (moto and fake-gcs-server do not check signatures);
+the answer comes back as the store gave it.
+
+``ignore_range``
+    ``Range`` dropped: ``200`` and the whole object.
+``shift_range``
+    As many bytes, one byte down (up, for a range from 0): a ``206`` whose ``Content-Range`` names them.
+``short_range``
+    The first half of the range: a complete ``206`` with that ``Content-Range`` and ``Content-Length``.
 
 Why a byte-level proxy rather than an HTTP framework: S3 SigV4 signs the ``Host`` header, so the client
 must talk to the proxy's address and the proxy must pass the head on untouched; and resets and truncated
@@ -36,6 +48,15 @@ returns a consistent snapshot.
 """
 
 from .proxy import FaultProxy, FaultProxyError
-from .rules import FAULT_MODES, FaultCounters, FaultMode, FaultRule
+from .rules import ALL_FAULT_MODES, FAULT_MODES, RANGE_FAULT_MODES, FaultCounters, FaultMode, FaultRule
 
-__all__ = ["FAULT_MODES", "FaultCounters", "FaultMode", "FaultProxy", "FaultProxyError", "FaultRule"]
+__all__ = [
+    "ALL_FAULT_MODES",
+    "FAULT_MODES",
+    "RANGE_FAULT_MODES",
+    "FaultCounters",
+    "FaultMode",
+    "FaultProxy",
+    "FaultProxyError",
+    "FaultRule",
+]

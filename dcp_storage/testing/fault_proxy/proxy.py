@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from .._server_process import StartStop
-from .rules import FaultCounters, FaultRule, RuleBook
+from .rules import RANGE_FAULT_MODES, FaultCounters, FaultRule, RuleBook, faulted_range, parse_range
 from .wire import CHUNK, MAX_HEAD, Head, read_head, relay_body, reset, response_has_body
 
 __all__ = ["FaultProxy", "FaultProxyError"]
@@ -177,7 +177,8 @@ class FaultProxy(StartStop):
                 if len(parts) != 3:
                     raise ValueError(f"malformed request line {head.start_line!r}")
                 method, target = parts[0].upper(), parts[1]
-                rule = self._state.decide(method, target)
+                byte_range = parse_range(head.get("range"))
+                rule = self._state.decide(method, target, byte_range)
                 mode = rule.mode if rule is not None else None
                 if mode == "reset":
                     reset(writer)
@@ -188,6 +189,8 @@ class FaultProxy(StartStop):
                     continue
                 if upstream is None or upstream[1].is_closing():
                     upstream = await asyncio.open_connection(self._up_host, self._up_port, limit=MAX_HEAD)
+                if rule is not None and byte_range is not None and rule.mode in RANGE_FAULT_MODES:
+                    head = head.with_header("Range", faulted_range(rule.mode, *byte_range))
                 keep = await self._forward(reader, writer, upstream, head, method, rule)
                 if not keep:
                     return
@@ -306,11 +309,7 @@ class FaultProxy(StartStop):
         location = response.get("location")
         if location is None or not location.startswith(self.upstream):
             return response
-        headers = [
-            (k, self.url + v[len(self.upstream) :] if k.lower() == "location" else v) for k, v in response.headers
-        ]
-        lines = [response.start_line, *(f"{k}: {v}" for k, v in headers)]
-        return Head(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), response.start_line, headers)
+        return response.with_header("Location", self.url + location[len(self.upstream) :])
 
     async def _pump_request(self, reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, head: Head) -> None:
         await relay_body(reader, up_writer, head, until_eof=False, count=lambda n: self._count(up=n))

@@ -30,6 +30,17 @@ class Head:
                 return value
         return None
 
+    def with_header(self, name: str, value: str | None) -> Head:
+        """This head with header ``name`` set to ``value`` in place (appended if absent; removed if ``None``)."""
+        lower = name.lower()
+        headers = [(k, v) for k, v in self.headers if k.lower() != lower or value is not None]
+        if value is not None:
+            headers = [(k, value if k.lower() == lower else v) for k, v in headers]
+            if self.get(name) is None:
+                headers.append((name, value))
+        lines = [self.start_line, *(f"{k}: {v}" for k, v in headers)]
+        return Head(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), self.start_line, headers)
+
     def has_token(self, name: str, token: str) -> bool:
         value = self.get(name)
         return value is not None and token in (t.strip().lower() for t in value.split(","))
