@@ -7,7 +7,8 @@ where it asked: a ``206`` naming other bytes of the right length is returned as 
 download on adlfs's client, with adlfs's timeouts and concurrency, and hands the SDK a
 ``raw_response_hook`` that checks every successful answer of the download (the SDK may split a range
 into several requests) against the ``x-ms-range`` of its own request (:mod:`.range_check`), before the
-SDK reads its body. Missing blobs raise ``FileNotFoundError``, as in adlfs.
+SDK reads its body. A ``200`` is refused even for a whole object (the SDK needs ``Content-Range`` to know
+the object's size); like any mismatch it is retried. Missing blobs raise ``FileNotFoundError``, as in adlfs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from .range_check import check_range_answer
+from .range_check import check_range_answer, describe_answer, range_mismatch
 
 __all__ = ["azure_read_range", "is_azure"]
 
@@ -54,9 +55,11 @@ def check_each_answer(pipeline_response: Any) -> None:
     if asked is None:
         return
     length = response.headers.get("Content-Length")
-    check_range_answer(
-        *asked, response.status_code, response.headers.get("Content-Range"), int(length) if length else None
-    )
+    size = int(length) if length else None
+    if response.status_code == 200:  # the SDK takes the object's size from Content-Range: it cannot use a 200
+        got = f"{describe_answer(200, None, size)}; the Azure SDK reads only 206 answers to its ranged requests"
+        raise range_mismatch(*asked, got)
+    check_range_answer(*asked, response.status_code, response.headers.get("Content-Range"), size)
 
 
 async def _get_range(fs: Any, path: str, start: int, end: int) -> bytes:

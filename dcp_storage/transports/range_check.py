@@ -26,7 +26,8 @@ http(s):// (fsspec HTTP)           status, ``Content-Range`` and the body's leng
 az:// (adlfs)                      status, ``Content-Range`` and ``Content-Length`` of every response of the
                                    download (the Azure SDK may split a range into several requests), each
                                    against the range its own request asked for (:mod:`.azure_io`); then the
-                                   body's length
+                                   body's length. A ``200`` is refused even for a whole object: the SDK
+                                   cannot read one
 any other fsspec filesystem        the body's length only: the client hides the headers
 obstore plugin                     object_store checks status ``206`` and ``Content-Range`` (a mismatch
                                    reaches us as its error and is retried like ours); then the bytes
@@ -42,7 +43,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["RangeMismatchError", "check_range_answer", "describe_answer", "read_range_body"]
+__all__ = ["RangeMismatchError", "check_range_answer", "describe_answer", "range_mismatch", "read_range_body"]
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _QUOTED_MAX = 80  # a Content-Range comes from the server: quoted with repr, and cut to this many characters
@@ -54,6 +55,11 @@ class RangeMismatchError(OSError):
     Internal signal for "retry this" (like :class:`~dcp_storage.transports.retry.TruncatedReadError`):
     the retry layer turns the last one into a :class:`~dcp_storage.errors.TransportError`.
     """
+
+
+def range_mismatch(start: int, end: int, got: str) -> RangeMismatchError:
+    """The error for an answer to ``[start, end)`` described by ``got`` (see :func:`describe_answer`)."""
+    return RangeMismatchError(f"asked for bytes [{start}, {end}), got {got}")
 
 
 def describe_answer(status: int | None, content_range: str | None, length: int | None) -> str:
@@ -86,9 +92,7 @@ def check_range_answer(start: int, end: int, status: int | None, content_range: 
             return
     elif status == 200 and start == 0 and length == want:
         return  # the range was the whole object
-    raise RangeMismatchError(
-        f"asked for bytes [{start}, {end}) ({want} bytes), got {describe_answer(status, content_range, length)}"
-    )
+    raise range_mismatch(start, end, describe_answer(status, content_range, length))
 
 
 async def read_range_body(response: Any, start: int, end: int) -> bytes:
@@ -102,7 +106,5 @@ async def read_range_body(response: Any, start: int, end: int) -> bytes:
     check_range_answer(start, end, status, content_range, length)
     body = await response.content.readexactly(end - start)
     if length is None and await response.content.read(1):  # no Content-Length (chunked): nothing may follow
-        raise RangeMismatchError(
-            f"asked for bytes [{start}, {end}), got a longer body ({describe_answer(status, content_range, None)})"
-        )
+        raise range_mismatch(start, end, f"a longer body ({describe_answer(status, content_range, None)})")
     return body

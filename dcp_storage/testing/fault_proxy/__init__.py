@@ -19,10 +19,11 @@ do none of that. :class:`FaultProxy` listens on ``127.0.0.1`` (port 0, read back
     Forwarded; the response is held back for ``delay`` seconds (a client with a shorter read timeout gives
     up; the upstream acted on the request either way).
 
-and, on ranged GETs only (a single-range ``Range`` header; :data:`RANGE_FAULT_MODES`), as a server or a
-cache in between may that mishandles ``Range``: a well-formed answer with other bytes than were asked for.
-The request goes upstream with its ``Range`` changed (moto and fake-gcs-server do not check signatures);
-the answer comes back as the store gave it.
+and, on ranged GETs only (a single range in ``Range``, or in Azure's ``x-ms-range``;
+:data:`RANGE_FAULT_MODES`), as a server or a cache in between that mishandles ranges may: a well-formed
+answer with other bytes than were asked for. The request goes upstream with its range changed, and the
+answer comes back as the store gave it. moto and fake-gcs-server do not check request signatures; azurite
+does, so reach it with a SAS (which signs the URL, not the headers).
 
 ``ignore_range``
     ``Range`` dropped: ``200`` and the whole object.

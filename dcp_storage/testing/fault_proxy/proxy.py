@@ -177,7 +177,8 @@ class FaultProxy(StartStop):
                 if len(parts) != 3:
                     raise ValueError(f"malformed request line {head.start_line!r}")
                 method, target = parts[0].upper(), parts[1]
-                byte_range = parse_range(head.get("range"))
+                range_header = "x-ms-range" if head.get("x-ms-range") is not None else "Range"  # Azure's wins
+                byte_range = parse_range(head.get(range_header))
                 rule = self._state.decide(method, target, byte_range)
                 mode = rule.mode if rule is not None else None
                 if mode == "reset":
@@ -190,7 +191,7 @@ class FaultProxy(StartStop):
                 if upstream is None or upstream[1].is_closing():
                     upstream = await asyncio.open_connection(self._up_host, self._up_port, limit=MAX_HEAD)
                 if rule is not None and byte_range is not None and rule.mode in RANGE_FAULT_MODES:
-                    head = head.with_header("Range", faulted_range(rule.mode, *byte_range))
+                    head = head.with_header(range_header, faulted_range(rule.mode, *byte_range))
                 keep = await self._forward(reader, writer, upstream, head, method, rule)
                 if not keep:
                     return

@@ -26,7 +26,7 @@ FaultMode = Literal[
 ]
 # Faults of the transport: every request can meet them, and a retry of the same request may succeed.
 FAULT_MODES: tuple[FaultMode, ...] = ("slowdown_503", "error_500", "reset", "truncate", "slow")
-# Well-formed answers with other bytes than a ranged GET asked for; only requests with a ``Range`` meet them.
+# Well-formed answers with other bytes than a ranged GET asked for; only requests with a range meet them.
 RANGE_FAULT_MODES: tuple[FaultMode, ...] = ("ignore_range", "shift_range", "short_range")
 ALL_FAULT_MODES: tuple[FaultMode, ...] = FAULT_MODES + RANGE_FAULT_MODES
 
@@ -36,7 +36,7 @@ _RANGE = re.compile(r"\s*bytes\s*=\s*(\d+)\s*-\s*(\d*)\s*")
 
 
 def parse_range(value: str | None) -> ByteRange | None:
-    """``(first, last)`` of a single-range ``Range`` header; ``None`` for none, suffix or multiple ranges."""
+    """``(first, last)`` of a single-range ``Range`` or ``x-ms-range`` value; ``None`` for none, suffix, multiple."""
     match = _RANGE.fullmatch(value) if value is not None else None
     if match is None:
         return None
@@ -44,7 +44,7 @@ def parse_range(value: str | None) -> ByteRange | None:
 
 
 def faulted_range(mode: FaultMode, first: int, last: int | None) -> str | None:
-    """The ``Range`` header the proxy sends upstream instead (``None``: none at all) in a range mode.
+    """The range header the proxy sends upstream instead (``None``: none at all) in a range mode.
 
     ``ignore_range`` drops it, so the store answers ``200`` with the whole object. ``shift_range`` asks for
     as many bytes one byte further down (up, for a range starting at 0): the store's ``206`` names the other
@@ -79,7 +79,8 @@ class FaultRule:
     string). Every ``every``-th matching request (the ``every``-th, ``2*every``-th, ...) is faulted in
     ``mode``; ``every=1`` faults all of them. ``limit`` stops the rule after that many faults.
     ``delay`` is the hold-back of ``slow``. A rule in one of the :data:`RANGE_FAULT_MODES` matches only
-    requests with a single-range ``Range`` header (and, for ``short_range``, a range of 2 bytes or more).
+    requests with a single-range ``Range`` or ``x-ms-range`` header (and, for ``short_range``, a range of 2
+    bytes or more).
     """
 
     mode: FaultMode

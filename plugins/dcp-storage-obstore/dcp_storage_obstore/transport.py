@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import obstore
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, TransportError
 from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig, TransportCounters, is_transient
-from dcp_storage.transports.range_check import RangeMismatchError
+from dcp_storage.transports.range_check import RangeMismatchError, range_mismatch
 from dcp_storage.transports.range_run import RangeRun
 from dcp_storage.transports.ranges import FetchGroup, plan_fetches
 from dcp_storage.transports.retry import TruncatedReadError, call_with_retry
@@ -349,13 +349,11 @@ def _get_range(store: S3Store, key: str, start: int, end: int) -> Any:
         if not is_range_mismatch(exc):
             raise
         if not (start == 0 and is_not_partial(exc)):
-            raise RangeMismatchError(f"asked for bytes [{start}, {end}), got: {short_message(exc)}") from exc
+            raise range_mismatch(start, end, short_message(exc)) from exc
     whole = obstore.get(store, key)
     size = whole.meta["size"]
     if size != end:
-        raise RangeMismatchError(
-            f"asked for bytes [0, {end}), got status 200 (Range ignored) for an object of {size} bytes"
-        )
+        raise range_mismatch(0, end, f"status 200 (Range ignored) for an object of {size} bytes")
     return whole
 
 
