@@ -29,10 +29,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError
 from .counters import TransportCounters
-from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_read, gcs_size, is_gcs
+from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_size, is_gcs
 from .local_io import LocalFiles, preadv_exact
 from .range_check import RangeMismatchError
-from .range_readers import buffered_range_reader
+from .range_readers import buffered_range_reader, whole_file_reader
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import RetryPolicy, TruncatedReadError, call_with_retry, single_layer_client_options
@@ -254,10 +254,8 @@ class FsspecTransport:
                     data = f.read()
             elif can_stream(self.fs):
                 data = read_object(self.fs, path)
-            elif self._gcs:
-                data = gcs_read(self.fs, path)
             else:
-                data = self.fs.cat_file(path)
+                data = whole_file_reader(self.fs)(path)
             self.counters.add(requests=1, bytes_read=len(data))
             return data
 
