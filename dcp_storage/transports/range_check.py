@@ -104,7 +104,9 @@ async def read_range_body(response: Any, start: int, end: int) -> bytes:
     """
     status, length, content_range = response.status, response.content_length, response.headers.get("Content-Range")
     check_range_answer(start, end, status, content_range, length)
-    body = await response.content.readexactly(end - start)
-    if length is None and await response.content.read(1):  # no Content-Length (chunked): nothing may follow
+    if length is not None:  # checked to be end - start: aiohttp reads no more, and raises if cut short
+        return bytes(await response.read())
+    body = await response.content.readexactly(end - start)  # no Content-Length (chunked): count, then
+    if await response.content.read(1):  # nothing may follow
         raise range_mismatch(start, end, f"a longer body ({describe_answer(status, content_range, None)})")
     return body
