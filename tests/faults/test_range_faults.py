@@ -178,7 +178,9 @@ def test_a_wrong_answer_is_retried_then_a_transport_error(
     assert proxy.counters().faults[mode] == 3 and transport.counters.retries == 2
 
 
-def test_a_200_to_a_range_that_was_the_whole_object_is_used(blob: tuple[Any, str], proxy: FaultProxy, store: Store) -> None:
+def test_a_200_to_a_range_that_was_the_whole_object_is_used(
+    blob: tuple[Any, str], proxy: FaultProxy, store: Store
+) -> None:
     transport, path = blob
     proxy.set_rules([FaultRule("ignore_range")])
     if store.backend == "az":  # the Azure SDK needs Content-Range to learn the size: a 200 is refused
