@@ -10,7 +10,8 @@ traffic beyond 127.0.0.1:
   :mod:`~dcp_storage.testing.gcs_server`), Azure Blob (azurite,
   :mod:`~dcp_storage.testing.azurite`);
 * :mod:`~dcp_storage.testing.fault_proxy`: a reverse proxy that injects 503s,
-  500s, resets, truncated bodies and slow responses in front of any of them;
+  500s, resets, truncated bodies and slow responses in front of any of them, and
+  answers ranged GETs with other bytes than asked for;
 * :mod:`~dcp_storage.testing.distributed`: real multi-process gloo ranks.
 
 Nothing in the library proper imports this package, and it imports nothing

@@ -16,6 +16,7 @@ server from any process.
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import tempfile
@@ -159,6 +160,26 @@ class AzuriteServer(Launcher):
     def storage_options(self, **extra: Any) -> dict[str, Any]:
         """adlfs options for this server (development account, explicit endpoint); ``extra`` merged on top."""
         options: dict[str, Any] = {"connection_string": self.connection_string}
+        options.update(extra)
+        return options
+
+    def sas_storage_options(self, via: str | None = None, **extra: Any) -> dict[str, Any]:
+        """adlfs options that authenticate with an account SAS, through ``via`` (``http://host:port``) if given.
+
+        A SAS signs the URL, not the headers (a shared key signs ``x-ms-range`` too), so a
+        :class:`~dcp_storage.testing.fault_proxy.FaultProxy` at ``via`` may change a request's range.
+        """
+        from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas  # adlfs dependency
+
+        sas = generate_account_sas(
+            ACCOUNT_NAME,
+            ACCOUNT_KEY,
+            ResourceTypes(service=True, container=True, object=True),
+            AccountSasPermissions(read=True, write=True, delete=True, list=True, add=True, create=True),
+            expiry=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=12),
+        )
+        endpoint = f"{via}/{ACCOUNT_NAME}" if via else self.endpoint_url
+        options: dict[str, Any] = {"connection_string": f"BlobEndpoint={endpoint};SharedAccessSignature={sas}"}
         options.update(extra)
         return options
 

@@ -29,9 +29,11 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, FileTooLargeError
 from .counters import TransportCounters
-from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_read, gcs_size, is_gcs
+from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_size, is_gcs
 from .local_io import LocalFiles, preadv_exact, read_whole
 from .local_open import Confinement, stat_regular
+from .range_check import RangeMismatchError
+from .range_readers import buffered_range_reader, whole_file_reader
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import RetryPolicy, TruncatedReadError, call_with_retry, single_layer_client_options
@@ -257,10 +259,8 @@ class FsspecTransport:
                 data = read_whole(path, self.confinement, max_bytes)
             elif can_stream(self.fs):
                 data = read_object(self.fs, path, max_bytes)
-            elif self._gcs:
-                data = gcs_read(self.fs, path)
             else:
-                data = self.fs.cat_file(path)
+                data = whole_file_reader(self.fs)(path)
             self.counters.add(requests=1, bytes_read=len(data))
             if max_bytes is not None and len(data) > max_bytes:
                 raise FileTooLargeError(self.url(path), None, max_bytes)
@@ -311,12 +311,18 @@ class FsspecTransport:
 
     def _fetch_group_remote(self, group: FetchGroup, views: list[memoryview]) -> None:
         pieces = [(seg.start - group.start, seg.end - group.start, view) for seg, view in zip(group.segments, views)]
-        if can_stream(self.fs):
-            fetch = self._streaming_fetch(group, ScatterSink(pieces))
-        else:
-            fetch = self._buffered_fetch(group, pieces)
+        stream = can_stream(self.fs)
+        fetch = self._streaming_fetch(group, ScatterSink(pieces)) if stream else self._buffered_fetch(group, pieces)
+
+        def checked() -> None:  # a short body, or other bytes than asked: retried, unless the object is short
+            try:
+                fetch()
+            except (TruncatedReadError, RangeMismatchError) as exc:
+                self._raise_if_ends_before(group.path, group.end, exc)  # a short object is not transient
+                raise
+
         try:
-            self._retry(fetch, lambda: f"read {self.url(group.path)} bytes [{group.start}, {group.end})")
+            self._retry(checked, lambda: f"read {self.url(group.path)} bytes [{group.start}, {group.end})")
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(group.path)}: no such file") from exc
         except DcpStorageError:
@@ -326,18 +332,15 @@ class FsspecTransport:
             self._raise_if_ends_before(group.path, group.end, exc)
             raise
 
-    def _short_read(self, group: FetchGroup, got: int) -> TruncatedReadError:
-        self._raise_if_ends_before(group.path, group.end)  # a short object is not transient
-        return TruncatedReadError(
-            f"{self.url(group.path)}: got {got} of {group.length} bytes for [{group.start}, {group.end})"
-        )
+    def _short_read(self, group: FetchGroup, got: int) -> OSError:
+        error = TruncatedReadError if got < group.length else RangeMismatchError  # longer: not the range asked
+        return error(f"{self.url(group.path)}: got {got} of {group.length} bytes for [{group.start}, {group.end})")
 
     def _buffered_fetch(self, group: FetchGroup, pieces: list[tuple[int, int, memoryview]]) -> Any:
+        read = buffered_range_reader(self.fs)  # status and Content-Range checked where the client exposes them
+
         def fetch() -> None:
-            if self._gcs:
-                data = gcs_read(self.fs, group.path, group.start, group.end)
-            else:
-                data = self.fs.cat_file(group.path, start=group.start, end=group.end)
+            data = read(group.path, group.start, group.end)
             self.counters.add(requests=1, bytes_read=len(data))
             if len(data) != group.length:
                 raise self._short_read(group, len(data))

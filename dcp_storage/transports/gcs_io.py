@@ -6,7 +6,8 @@ of 1, 2, 4, 8, 16 s on 5xx, 429 and connection errors. The count is fixed when t
 functions here call the undecorated request (``_request.__wrapped__``, kept by the ``decorator`` package
 gcsfs uses) with gcsfs's own session, headers, credentials and error mapping (404 is
 ``FileNotFoundError``, other errors ``HttpError`` with the status as ``code``): a permanent fault then
-costs exactly the policy's ``max_attempts`` requests, and its deadline holds.
+costs exactly the policy's ``max_attempts`` requests, and its deadline holds. Ranged reads check the
+answer's status and ``Content-Range`` before reading the body (:func:`gcs_read_range`, :mod:`.range_check`).
 
 Writes: :class:`GcsAtomicUpload` sends the whole file as one ``uploadType=media`` request at commit, from
 memory (small files) or from a temporary file it spills to (larger ones). A media upload is idempotent (a
@@ -29,9 +30,22 @@ from typing import IO, Any
 
 from fsspec import asyn
 
-__all__ = ["GcsAtomicUpload", "gcs_delete", "gcs_exists", "gcs_list_names", "gcs_put", "gcs_read", "gcs_size", "is_gcs"]
+from .range_check import read_range_body
+
+__all__ = [
+    "GcsAtomicUpload",
+    "gcs_delete",
+    "gcs_exists",
+    "gcs_list_names",
+    "gcs_put",
+    "gcs_read",
+    "gcs_read_range",
+    "gcs_size",
+    "is_gcs",
+]
 
 _CONTENT_TYPE = "application/octet-stream"
+_ERROR_BODY_MAX = 64 * 1024  # of an error answer, enough for GCS's JSON message
 
 
 def _single_attempt(fs: Any) -> Any:
@@ -57,14 +71,32 @@ def _split(fs: Any, path: str) -> tuple[str, str]:
     return bucket, key
 
 
-def gcs_read(fs: Any, path: str, start: int | None = None, end: int | None = None) -> bytes:
-    """The object's bytes ``[start, end)`` (all of them when both are ``None``); the caller checks the length."""
-    headers = {}
-    if start is not None or end is not None:
-        first = start or 0
-        headers["Range"] = f"bytes={first}-{'' if end is None else end - 1}"
-    _, _, body = gcs_call(fs, "GET", fs.url(path), headers=headers)
+def gcs_read(fs: Any, path: str) -> bytes:
+    """The whole object's bytes (``.metadata``, an index file)."""
+    _, _, body = gcs_call(fs, "GET", fs.url(path))
     return body
+
+
+async def _get_range(fs: Any, path: str, start: int, end: int) -> bytes:
+    from gcsfs.retry import validate_response  # gcsfs is optional; fs is a gcsfs filesystem here
+
+    await fs._set_session()
+    headers = fs._get_headers({"Range": f"bytes={start}-{end - 1}"})
+    params = fs._get_params({})  # userProject, for requester-pays buckets
+    async with fs.session.get(fs.url(path), params=params, headers=headers, timeout=fs.requests_timeout) as r:
+        if r.status >= 400:
+            validate_response(r.status, await r.content.read(_ERROR_BODY_MAX), path)
+        return await read_range_body(r, start, end)
+
+
+def gcs_read_range(fs: Any, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the object: exactly those, or :class:`~.range_check.RangeMismatchError`.
+
+    One GET on gcsfs's session, with its headers (credentials), parameters, timeout and error mapping, like
+    :func:`gcs_call`; it is not :func:`gcs_call` because gcsfs reads the whole body before returning, and the
+    status and ``Content-Range`` must be checked before that (a ``200`` may carry a whole large object).
+    """
+    return bytes(asyn.sync(fs.loop, _get_range, fs, path, start, end))
 
 
 def _metadata(fs: Any, path: str) -> dict[str, Any]:

@@ -80,6 +80,7 @@ _TRANSIENT_CLASS_NAMES = frozenset(
         "ProtocolError",  # urllib3
         "FSTimeoutError",  # fsspec
         "TruncatedReadError",
+        "RangeMismatchError",  # range_check: an answer with other bytes than the range asked for
     }
 )
 _TRANSIENT_ERRNOS = frozenset(

@@ -4,9 +4,10 @@
 pages) and the caller copies it again; on a 2-core machine that client CPU is most of the cost
 (measured here: 0.3-0.4 GB/s with threads over ``cat_file`` vs 0.7-0.9 GB/s streaming, see
 ``benchmarks/NOTES-s3-throughput.md``). This module issues the same signed ``GetObject`` through s3fs's
-own client (credentials, endpoint, ``s3_additional_kwargs`` and ``requester_pays`` all apply), then copies
-each body chunk into the caller's buffers as it arrives. A body cut short resumes from the first missing
-byte.
+own client (credentials, endpoint, ``s3_additional_kwargs`` and ``requester_pays`` all apply), checks that
+the answer is the range asked for (:mod:`.range_check`: status, ``Content-Range``, ``Content-Length``), then
+copies each body chunk into the caller's buffers as it arrives. A body cut short resumes from the first
+missing byte.
 
 Every call here goes to the botocore client directly, past s3fs's ``_error_wrapper``: the transport's own
 retry layer (:mod:`dcp_storage.transports.retry`) is the one that retries these calls, under its attempt
@@ -22,6 +23,7 @@ from typing import Any
 from fsspec.asyn import sync
 
 from ..errors import FileTooLargeError
+from .range_check import check_range_answer
 
 __all__ = ["ScatterSink", "can_stream", "read_object", "s3_call", "stream_range"]
 
@@ -94,6 +96,8 @@ async def _get_range(fs: Any, path: str, start: int, end: int, emit: Callable[[i
     got = 0
     want = end - start
     try:
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        check_range_answer(start, end, status, response.get("ContentRange"), response.get("ContentLength"))
         content = getattr(getattr(body, "raw_stream", None), "content", None)
         if content is not None and hasattr(content, "readany"):
             while got < want:
@@ -116,7 +120,8 @@ async def _get_range(fs: Any, path: str, start: int, end: int, emit: Callable[[i
 def stream_range(fs: Any, path: str, start: int, end: int, emit: Callable[[int, memoryview], None]) -> int:
     """GET bytes ``[start, end)`` of ``path``, calling ``emit(offset, chunk)`` per chunk; returns bytes got.
 
-    Fewer than ``end - start`` bytes means the body was cut short; the caller decides whether to resume.
+    Fewer than ``end - start`` bytes means the body was cut short; the caller decides whether to resume. An
+    answer with other bytes than asked raises :class:`~.range_check.RangeMismatchError` before any ``emit``.
     """
     return int(sync(fs.loop, _get_range, fs, path, start, end, emit))
 

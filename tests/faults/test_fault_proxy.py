@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
+from dcp_storage.testing.fault_proxy import RANGE_FAULT_MODES, FaultProxy, FaultRule
 
 
 class _Echo(BaseHTTPRequestHandler):
@@ -38,9 +39,35 @@ class _Echo(BaseHTTPRequestHandler):
     do_GET = do_PUT = do_HEAD = _answer
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+OBJECT = bytes(range(256)) * 4  # what _Ranged serves at every path
+
+
+class _Ranged(BaseHTTPRequestHandler):
+    """Serves ``OBJECT``, honouring a single ``Range: bytes=FIRST-[LAST]`` as a store does (206)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if match is None:
+            self.send_response(200)
+            body = OBJECT
+        else:
+            first = int(match.group(1))
+            last = min(int(match.group(2) or len(OBJECT) - 1), len(OBJECT) - 1)
+            body = OBJECT[first : last + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {first}-{last}/{len(OBJECT)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -49,6 +76,16 @@ def upstream() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[str]:
+    yield from _serve(_Echo)
+
+
+@pytest.fixture(scope="module")
+def ranged_upstream() -> Iterator[str]:
+    yield from _serve(_Ranged)
 
 
 @pytest.fixture
@@ -146,3 +183,45 @@ def test_rule_validation() -> None:
         FaultRule("reset", every=0)
     with pytest.raises(ValueError, match="upstream"):
         FaultProxy("https://example.com")
+
+
+def ranged_get(proxy: FaultProxy, byte_range: str | None) -> tuple[int, str | None, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+    try:
+        conn.request("GET", "/b/k", headers={"Range": byte_range} if byte_range else {})
+        response = conn.getresponse()
+        return response.status, response.getheader("Content-Range"), response.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "asked", "status", "content_range", "body"),
+    [
+        (None, "bytes=100-199", 206, "bytes 100-199/1024", OBJECT[100:200]),
+        ("ignore_range", "bytes=100-199", 200, None, OBJECT),
+        ("shift_range", "bytes=100-199", 206, "bytes 99-198/1024", OBJECT[99:199]),
+        ("shift_range", "bytes=0-9", 206, "bytes 1-10/1024", OBJECT[1:11]),
+        ("shift_range", "bytes=1000-", 206, "bytes 999-1023/1024", OBJECT[999:]),
+        ("short_range", "bytes=100-199", 206, "bytes 100-149/1024", OBJECT[100:150]),
+        ("short_range", "bytes=1000-", 206, "bytes 1000-1000/1024", OBJECT[1000:1001]),
+    ],
+)
+def test_range_modes_answer_other_bytes_than_asked(
+    ranged_upstream: str, mode: str | None, asked: str, status: int, content_range: str | None, body: bytes
+) -> None:
+    with FaultProxy(ranged_upstream, [FaultRule(mode)] if mode else []) as proxy:  # type: ignore[arg-type]
+        assert ranged_get(proxy, asked) == (status, content_range, body)
+        assert proxy.counters().total_faults == (1 if mode else 0)
+
+
+@pytest.mark.parametrize("mode", RANGE_FAULT_MODES)
+def test_range_modes_leave_requests_they_cannot_fault_alone(ranged_upstream: str, mode: str) -> None:
+    with FaultProxy(ranged_upstream, [FaultRule(mode)]) as proxy:  # type: ignore[arg-type]
+        assert ranged_get(proxy, None) == (200, None, OBJECT)  # no Range
+        assert ranged_get(proxy, "bytes=-10")[2] == OBJECT  # a suffix range: _Ranged ignores it, so does the proxy
+        one_byte = ranged_get(proxy, "bytes=5-5")
+        if mode == "short_range":  # no shorter half of one byte
+            assert one_byte == (206, "bytes 5-5/1024", OBJECT[5:6]) and proxy.counters().total_faults == 0
+        else:
+            assert proxy.counters().faults[mode] == 1 and one_byte[2] != OBJECT[5:6]

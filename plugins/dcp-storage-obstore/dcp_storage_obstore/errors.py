@@ -12,7 +12,14 @@ import re
 
 from dcp_storage.transports import is_transient
 
-__all__ = ["is_not_found", "is_transient_obstore", "range_not_satisfiable", "short_message"]
+__all__ = [
+    "is_not_found",
+    "is_not_partial",
+    "is_range_mismatch",
+    "is_transient_obstore",
+    "range_not_satisfiable",
+    "short_message",
+]
 
 _STATUS_RE = re.compile(r"status(?: code)?:? (\d{3})")
 # Connection-level failures as reqwest/hyper word them: the same request may well succeed.
@@ -31,6 +38,13 @@ _TRANSIENT_TEXT = (
     "dispatch task is gone",
     "slowdown",
     "reduce your request rate",
+)
+# object_store's errors for an answer to a ranged GET that is not the range asked for (its client/get.rs):
+# a 200, a 206 without or with an unreadable Content-Range, or one naming another range.
+_NOT_PARTIAL = "received non-partial response when range requested"
+_RANGE_MISMATCH_RE = re.compile(
+    r"received non-partial response when range requested|content-range header|content_range header"
+    r"|requested \d+\.\.\d+, got \d+\.\.\d+"
 )
 _PERMANENT_CLASSES = frozenset(
     {
@@ -72,6 +86,16 @@ def is_transient_obstore(exc: BaseException) -> bool:
 def is_not_found(exc: BaseException) -> bool:
     """obstore raises the builtin ``FileNotFoundError`` (and has a ``NotFoundError`` class) for 404s."""
     return isinstance(exc, FileNotFoundError) or type(exc).__name__ == "NotFoundError"
+
+
+def is_range_mismatch(exc: BaseException) -> bool:
+    """object_store refused an answer to a ranged GET as not the range asked for (status or Content-Range)."""
+    return _is_obstore(exc) and _RANGE_MISMATCH_RE.search(str(exc).lower()) is not None
+
+
+def is_not_partial(exc: BaseException) -> bool:
+    """The answer to a ranged GET was a ``200`` (``Range`` ignored): acceptable only for a whole object."""
+    return _is_obstore(exc) and _NOT_PARTIAL in str(exc).lower()
 
 
 def range_not_satisfiable(exc: BaseException) -> bool:

@@ -10,6 +10,8 @@ ranged GET run by a worker thread, which blocks inside obstore's Tokio runtime w
 copies each body chunk into the destination views as it arrives (so a body cut short resumes from the
 last byte in place, and no whole-range buffer is ever held). Worker threads rather than an asyncio loop
 so that ``on_complete`` callbacks (which decode tensors) run in parallel, as with the fsspec transport.
+object_store checks that each answer is the range asked for (status ``206`` and ``Content-Range``); a
+mismatch is retried, and a ``200`` is taken only for a whole object (:func:`_get_range`).
 
 Retries: reads use a store with obstore's own retries off, so every retry goes through the policy and
 is counted; streamed uploads use a second store whose obstore retries follow the same policy (a part
@@ -38,6 +40,7 @@ from dcp_storage.errors import (
     TransportError,
 )
 from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig, TransportCounters, is_transient
+from dcp_storage.transports.range_check import RangeMismatchError, range_mismatch
 from dcp_storage.transports.range_run import RangeRun
 from dcp_storage.transports.ranges import FetchGroup, plan_fetches
 from dcp_storage.transports.retry import TruncatedReadError, call_with_retry
@@ -45,7 +48,14 @@ from dcp_storage.transports.s3_stream import ScatterSink
 from dcp_storage.transports.worker_pool import WorkerPool
 from obstore.store import S3Store
 
-from .errors import is_not_found, is_transient_obstore, range_not_satisfiable, short_message
+from .errors import (
+    is_not_found,
+    is_not_partial,
+    is_range_mismatch,
+    is_transient_obstore,
+    range_not_satisfiable,
+    short_message,
+)
 from .options import S3Settings, s3_settings
 from .writer import CopyingWriter
 
@@ -243,7 +253,7 @@ class ObstoreTransport:
             sink.reset()
             got = 0
             try:
-                result = obstore.get(store, key, options={"range": (group.start + base, group.end)})
+                result = _get_range(store, key, group.start + base, group.end)
                 for chunk in result.stream(min_chunk_size=STREAM_CHUNK):
                     view = memoryview(chunk)
                     room = group.length - base - got
@@ -254,6 +264,9 @@ class ObstoreTransport:
                     done = base + got
                     if got == group.length - base:
                         break
+            except RangeMismatchError as exc:
+                self._raise_if_ends_before(group.path, group.end, exc)  # a short object is not transient
+                raise
             finally:
                 self.counters.add(requests=1, bytes_read=got)
             if done != group.length:
@@ -331,6 +344,28 @@ class ObstoreTransport:
 
             self._call(put, path, f"write ({nbytes} bytes)")
         self.counters.add(requests=_put_requests(nbytes, part))
+
+
+def _get_range(store: S3Store, key: str, start: int, end: int) -> Any:
+    """``obstore.get`` of bytes ``[start, end)``: their answer, or :class:`RangeMismatchError` (retried).
+
+    object_store itself refuses an answer that is not a ``206`` naming exactly that range; its error becomes
+    ours, so the core's retry layer retries it. A ``200`` (the store ignored ``Range``) is the answer only
+    when the range was the whole object: then one GET without ``Range`` is taken, if its object is exactly
+    ``end`` bytes long (its headers are checked before any byte of its body is read).
+    """
+    try:
+        return obstore.get(store, key, options={"range": (start, end)})
+    except Exception as exc:
+        if not is_range_mismatch(exc):
+            raise
+        if not (start == 0 and is_not_partial(exc)):
+            raise range_mismatch(start, end, short_message(exc)) from exc
+    whole = obstore.get(store, key)
+    size = whole.meta["size"]
+    if size != end:
+        raise range_mismatch(0, end, f"status 200 (Range ignored) for an object of {size} bytes")
+    return whole
 
 
 def _put_requests(nbytes: int, part_size: int) -> int:

@@ -1,64 +1,22 @@
-"""A fault-injecting HTTP/1.1 reverse proxy for tests: put it between a client and an emulator.
-
-Object stores throttle, fail, reset connections and cut bodies short; emulators (moto, fake-gcs-server)
-do none of that. :class:`FaultProxy` listens on ``127.0.0.1`` (port 0, read back), forwards every request
-*verbatim* to one upstream (request line, headers including ``Host``, body bytes), and on the requests its
-:class:`FaultRule` s select, misbehaves in one of these ways (:data:`FAULT_MODES`):
-
-``slowdown_503``
-    ``503`` with an S3 ``SlowDown`` XML body (or, with ``dialect="gcs"``, a GCS JSON error); upstream
-    never sees the request.
-``error_500``
-    ``500 InternalError``, likewise never forwarded.
-``reset``
-    A TCP reset before any response byte (``SO_LINGER`` 0, then close); never forwarded.
-``truncate``
-    Forwarded; the client gets the upstream's headers (full ``Content-Length``) and half of the body, then
-    a reset. The upstream *did* act on the request, as a real store may have before a connection dies.
-``slow``
-    Forwarded; the response is held back for ``delay`` seconds (a client with a shorter read timeout gives
-    up; the upstream acted on the request either way).
-
-Why a byte-level proxy rather than an HTTP framework: S3 SigV4 signs the ``Host`` header, so the client
-must talk to the proxy's address and the proxy must pass the head on untouched; and resets and truncated
-bodies need control of the socket that frameworks hide. Bodies are streamed in 64 KiB pieces, never
-buffered whole.
-
-It runs an asyncio loop in a daemon thread, so synchronous tests and pytest fixtures use it directly::
-
-    with FaultProxy(moto.endpoint_url) as proxy:
-        proxy.set_rules([FaultRule("truncate", every=3, method="GET")])
-        ...  # point the client's endpoint_url at proxy.url
-        assert proxy.counters().faults["truncate"] > 0
-
-Rules can be replaced at any time from any thread (:meth:`FaultProxy.set_rules`); :meth:`counters`
-returns a consistent snapshot.
-"""
+"""The proxy itself: an asyncio server in a daemon thread that forwards, or misbehaves as its rules say."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import re
-import socket
-import struct
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
-from ._server_process import StartStop
+from .._server_process import StartStop
+from .rules import RANGE_FAULT_MODES, FaultCounters, FaultRule, RuleBook, faulted_range, parse_range
+from .wire import CHUNK, MAX_HEAD, Head, read_head, relay_body, reset, response_has_body
 
-__all__ = ["FAULT_MODES", "FaultCounters", "FaultMode", "FaultProxy", "FaultProxyError", "FaultRule"]
-
-FaultMode = Literal["slowdown_503", "error_500", "reset", "truncate", "slow"]
-FAULT_MODES: tuple[FaultMode, ...] = ("slowdown_503", "error_500", "reset", "truncate", "slow")
+__all__ = ["FaultProxy", "FaultProxyError"]
 
 _HOST = "127.0.0.1"
-_CHUNK = 64 * 1024
-_MAX_HEAD = 64 * 1024
 # After a truncated body, wait this long before the reset so the client reads the half body first (a
 # reset can make the peer's kernel drop data it has not read yet, which would look like a plain reset).
 _TRUNCATE_GRACE = 0.05
@@ -66,214 +24,6 @@ _TRUNCATE_GRACE = 0.05
 
 class FaultProxyError(RuntimeError):
     """The proxy could not start, or was used while not running."""
-
-
-@dataclass(frozen=True)
-class FaultRule:
-    """Which requests to fault and how.
-
-    A request *matches* when every given filter matches: ``method`` (case-insensitive, exact),
-    ``path`` and ``query`` (regular expressions searched in the URL-decoded path and in the raw query
-    string). Every ``every``-th matching request (the ``every``-th, ``2*every``-th, ...) is faulted in
-    ``mode``; ``every=1`` faults all of them. ``limit`` stops the rule after that many faults.
-    ``delay`` is the hold-back of ``slow``.
-    """
-
-    mode: FaultMode
-    every: int = 1
-    method: str | None = None
-    path: str | None = None
-    query: str | None = None
-    delay: float = 1.0
-    limit: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in FAULT_MODES:
-            raise ValueError(f"FaultRule.mode must be one of {FAULT_MODES}, got {self.mode!r}")
-        if self.every < 1:
-            raise ValueError(f"FaultRule.every must be >= 1, got {self.every}")
-        if self.delay < 0:
-            raise ValueError(f"FaultRule.delay must be >= 0, got {self.delay}")
-        if self.limit is not None and self.limit < 0:
-            raise ValueError(f"FaultRule.limit must be >= 0 or None, got {self.limit}")
-        for name in ("path", "query"):
-            pattern = getattr(self, name)
-            if pattern is not None:
-                re.compile(pattern)  # fail here, not inside the proxy thread
-
-    def matches(self, method: str, path: str, query: str) -> bool:
-        if self.method is not None and method.upper() != self.method.upper():
-            return False
-        if self.path is not None and re.search(self.path, path) is None:
-            return False
-        return self.query is None or re.search(self.query, query) is not None
-
-
-@dataclass(frozen=True)
-class FaultCounters:
-    """A snapshot of what the proxy has done since it started (or since :meth:`FaultProxy.reset_counters`).
-
-    ``faults`` has every mode as a key. ``faulted`` lists ``(method, path, mode)`` of each fault, oldest
-    first (the last 10,000). ``bytes_to_upstream`` / ``bytes_to_client`` count forwarded bytes (heads
-    and bodies).
-    """
-
-    requests: int = 0
-    faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULT_MODES, 0))
-    faulted: tuple[tuple[str, str, str], ...] = ()
-    bytes_to_upstream: int = 0
-    bytes_to_client: int = 0
-
-    @property
-    def total_faults(self) -> int:
-        return sum(self.faults.values())
-
-
-class _State:
-    """Rules and counters, shared between the proxy thread and callers; every access holds the lock."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.rules: list[FaultRule] = []
-        self.seen: list[int] = []
-        self.fired: list[int] = []
-        self.reset_counters()
-
-    def reset_counters(self) -> None:
-        self.requests = 0
-        self.faults = dict.fromkeys(FAULT_MODES, 0)
-        self.faulted: list[tuple[str, str, str]] = []
-        self.up = 0
-        self.down = 0
-
-    def decide(self, method: str, target: str) -> FaultRule | None:
-        split = urllib.parse.urlsplit(target)
-        path = urllib.parse.unquote(split.path)
-        with self.lock:
-            self.requests += 1
-            for i, rule in enumerate(self.rules):
-                if not rule.matches(method, path, split.query):
-                    continue
-                self.seen[i] += 1
-                if self.seen[i] % rule.every or (rule.limit is not None and self.fired[i] >= rule.limit):
-                    continue
-                self.fired[i] += 1
-                self.faults[rule.mode] += 1
-                self.faulted.append((method, path, rule.mode))
-                del self.faulted[:-10_000]
-                return rule
-            return None
-
-
-@dataclass
-class _Head:
-    """A parsed HTTP/1.x message head; ``raw`` is the exact bytes received (forwarded as they are)."""
-
-    raw: bytes
-    start_line: str
-    headers: list[tuple[str, str]]
-
-    def get(self, name: str) -> str | None:
-        name = name.lower()
-        for key, value in self.headers:
-            if key.lower() == name:
-                return value
-        return None
-
-    def has_token(self, name: str, token: str) -> bool:
-        value = self.get(name)
-        return value is not None and token in (t.strip().lower() for t in value.split(","))
-
-
-async def _read_head(reader: asyncio.StreamReader) -> _Head | None:
-    """The next message head, or ``None`` on a clean end of stream before any byte."""
-    try:
-        raw = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise
-    except asyncio.LimitOverrunError as exc:
-        raise ValueError(f"message head larger than {_MAX_HEAD} bytes") from exc
-    lines = raw[:-4].decode("latin-1").split("\r\n")
-    headers = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise ValueError(f"malformed header line {line!r}")
-        headers.append((name.strip(), value.strip()))
-    return _Head(raw, lines[0], headers)
-
-
-async def _relay_body(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter | None,
-    head: _Head,
-    *,
-    until_eof: bool,
-    count: Callable[[int], None] | None = None,
-) -> int:
-    """Copy one message body (``Content-Length``, chunked, or to EOF) as raw bytes; ``writer=None`` drops it.
-
-    ``count(n)`` is called before each piece is written, so counters never lag what the peer has seen.
-    """
-
-    async def put(data: bytes) -> None:
-        if count is not None:
-            count(len(data))
-        if writer is not None:
-            writer.write(data)
-            await writer.drain()
-
-    moved = 0
-    if head.has_token("transfer-encoding", "chunked"):
-        while True:
-            size_line = await reader.readuntil(b"\r\n")
-            size = int(size_line.split(b";", 1)[0].strip(), 16)
-            await put(size_line)
-            moved += len(size_line)
-            if size == 0:
-                while True:  # trailers, then the empty line
-                    line = await reader.readuntil(b"\r\n")
-                    await put(line)
-                    moved += len(line)
-                    if line == b"\r\n":
-                        return moved
-            left = size + 2  # the chunk and its CRLF
-            while left:
-                data = await reader.readexactly(min(_CHUNK, left))
-                await put(data)
-                moved += len(data)
-                left -= len(data)
-    length = head.get("content-length")
-    if length is not None:
-        left = int(length)
-        while left:
-            data = await reader.read(min(_CHUNK, left))
-            if not data:
-                raise asyncio.IncompleteReadError(b"", left)
-            await put(data)
-            moved += len(data)
-            left -= len(data)
-        return moved
-    if until_eof:
-        while data := await reader.read(_CHUNK):
-            await put(data)
-            moved += len(data)
-    return moved
-
-
-def _reset(writer: asyncio.StreamWriter) -> None:
-    """Close with a TCP RST instead of a FIN: ``SO_LINGER`` on with a zero timeout, then close."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
-
-
-def _response_has_body(method: str, status: int) -> bool:
-    return method != "HEAD" and not (100 <= status < 200 or status in (204, 304))
 
 
 class FaultProxy(StartStop):
@@ -303,7 +53,7 @@ class FaultProxy(StartStop):
         self.dialect = dialect
         self.rewrite_location = rewrite_location
         self._up_host, self._up_port = parsed.hostname, parsed.port
-        self._state = _State()
+        self._state = RuleBook()
         self.set_rules(rules)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
@@ -324,7 +74,7 @@ class FaultProxy(StartStop):
             asyncio.set_event_loop(loop)
             try:
                 self._server = loop.run_until_complete(
-                    asyncio.start_server(self._serve_client, _HOST, 0, limit=_MAX_HEAD)
+                    asyncio.start_server(self._serve_client, _HOST, 0, limit=MAX_HEAD)
                 )
                 self._port = self._server.sockets[0].getsockname()[1]
             except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
@@ -420,24 +170,28 @@ class FaultProxy(StartStop):
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
             while True:
-                head = await _read_head(reader)
+                head = await read_head(reader)
                 if head is None:
                     return
                 parts = head.start_line.split(" ")
                 if len(parts) != 3:
                     raise ValueError(f"malformed request line {head.start_line!r}")
                 method, target = parts[0].upper(), parts[1]
-                rule = self._state.decide(method, target)
+                range_header = "x-ms-range" if head.get("x-ms-range") is not None else "Range"  # Azure's wins
+                byte_range = parse_range(head.get(range_header))
+                rule = self._state.decide(method, target, byte_range)
                 mode = rule.mode if rule is not None else None
                 if mode == "reset":
-                    _reset(writer)
+                    reset(writer)
                     return
                 if mode in ("slowdown_503", "error_500"):
                     if not await self._answer_error(reader, writer, head, method, mode):
                         return
                     continue
                 if upstream is None or upstream[1].is_closing():
-                    upstream = await asyncio.open_connection(self._up_host, self._up_port, limit=_MAX_HEAD)
+                    upstream = await asyncio.open_connection(self._up_host, self._up_port, limit=MAX_HEAD)
+                if rule is not None and byte_range is not None and rule.mode in RANGE_FAULT_MODES:
+                    head = head.with_header(range_header, faulted_range(rule.mode, *byte_range))
                 keep = await self._forward(reader, writer, upstream, head, method, rule)
                 if not keep:
                     return
@@ -455,13 +209,13 @@ class FaultProxy(StartStop):
             self._tasks.discard(task)  # type: ignore[arg-type]
 
     async def _answer_error(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: _Head, method: str, mode: str
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: Head, method: str, mode: str
     ) -> bool:
         """Answer an injected 503/500 without forwarding; returns whether the connection stays usable."""
         # A client waiting for "100 Continue" has not sent its body: answer now and close (RFC 9110 15.2.1).
         keep = not head.has_token("expect", "100-continue")
         if keep:
-            await _relay_body(reader, None, head, until_eof=False)
+            await relay_body(reader, None, head, until_eof=False)
         status, reason, body, ctype = self._error_body(mode)
         if method == "HEAD":  # no body, and (as S3 does) no length of one either
             body = b""
@@ -502,7 +256,7 @@ class FaultProxy(StartStop):
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-        head: _Head,
+        head: Head,
         method: str,
         rule: FaultRule | None,
     ) -> bool:
@@ -515,7 +269,7 @@ class FaultProxy(StartStop):
         if body_sent:
             await self._pump_request(reader, up_writer, head)
         while True:
-            response = await _read_head(up_reader)
+            response = await read_head(up_reader)
             if response is None:
                 raise ConnectionResetError("upstream closed the connection before responding")
             status = int(response.start_line.split(" ", 2)[1])
@@ -534,7 +288,7 @@ class FaultProxy(StartStop):
         mode = rule.mode if rule is not None else None
         if mode == "slow":
             await asyncio.sleep(rule.delay)  # type: ignore[union-attr]
-        has_body = _response_has_body(method, status)
+        has_body = response_has_body(method, status)
         if mode == "truncate":
             await self._truncate(up_reader, writer, response, has_body)
             return False
@@ -542,7 +296,7 @@ class FaultProxy(StartStop):
         writer.write(response.raw)
         await writer.drain()
         if has_body:
-            await _relay_body(up_reader, writer, response, until_eof=True, count=lambda n: self._count(down=n))
+            await relay_body(up_reader, writer, response, until_eof=True, count=lambda n: self._count(down=n))
         closes = response.has_token("connection", "close") or head.has_token("connection", "close")
         delimited = (
             not has_body
@@ -551,22 +305,18 @@ class FaultProxy(StartStop):
         )
         return not closes and delimited
 
-    def _local_location(self, response: _Head) -> _Head:
+    def _local_location(self, response: Head) -> Head:
         """``response`` with a ``Location`` under the upstream's URL moved to the proxy's (else unchanged)."""
         location = response.get("location")
         if location is None or not location.startswith(self.upstream):
             return response
-        headers = [
-            (k, self.url + v[len(self.upstream) :] if k.lower() == "location" else v) for k, v in response.headers
-        ]
-        lines = [response.start_line, *(f"{k}: {v}" for k, v in headers)]
-        return _Head(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), response.start_line, headers)
+        return response.with_header("Location", self.url + location[len(self.upstream) :])
 
-    async def _pump_request(self, reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, head: _Head) -> None:
-        await _relay_body(reader, up_writer, head, until_eof=False, count=lambda n: self._count(up=n))
+    async def _pump_request(self, reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, head: Head) -> None:
+        await relay_body(reader, up_writer, head, until_eof=False, count=lambda n: self._count(up=n))
 
     async def _truncate(
-        self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: _Head, has_body: bool
+        self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: Head, has_body: bool
     ) -> None:
         """Headers and half the body (half the head when there is no body), then a reset."""
         length = response.get("content-length")
@@ -576,7 +326,7 @@ class FaultProxy(StartStop):
             writer.write(response.raw)
             sent = 0
             while sent < half:
-                data = await up_reader.read(min(_CHUNK, half - sent))
+                data = await up_reader.read(min(CHUNK, half - sent))
                 if not data:
                     break
                 writer.write(data)
@@ -594,4 +344,4 @@ class FaultProxy(StartStop):
         await writer.drain()
         self._count(down=moved)
         await asyncio.sleep(_TRUNCATE_GRACE)
-        _reset(writer)
+        reset(writer)

@@ -1,0 +1,63 @@
+"""A fault-injecting HTTP/1.1 reverse proxy for tests: put it between a client and an emulator.
+
+Object stores throttle, fail, reset connections and cut bodies short; emulators (moto, fake-gcs-server)
+do none of that. :class:`FaultProxy` listens on ``127.0.0.1`` (port 0, read back), forwards every request
+*verbatim* to one upstream (request line, headers including ``Host``, body bytes), and on the requests its
+:class:`FaultRule` s select, misbehaves in one of these ways (:data:`FAULT_MODES`, any request):
+
+``slowdown_503``
+    ``503`` with an S3 ``SlowDown`` XML body (or, with ``dialect="gcs"``, a GCS JSON error); upstream
+    never sees the request.
+``error_500``
+    ``500 InternalError``, likewise never forwarded.
+``reset``
+    A TCP reset before any response byte (``SO_LINGER`` 0, then close); never forwarded.
+``truncate``
+    Forwarded; the client gets the upstream's headers (full ``Content-Length``) and half of the body, then
+    a reset. The upstream *did* act on the request, as a real store may have before a connection dies.
+``slow``
+    Forwarded; the response is held back for ``delay`` seconds (a client with a shorter read timeout gives
+    up; the upstream acted on the request either way).
+
+and, on ranged GETs only (a single range in ``Range``, or in Azure's ``x-ms-range``;
+:data:`RANGE_FAULT_MODES`), as a server or a cache in between that mishandles ranges may: a well-formed
+answer with other bytes than were asked for. The request goes upstream with its range changed, and the
+answer comes back as the store gave it. moto and fake-gcs-server do not check request signatures; azurite
+does, so reach it with a SAS (which signs the URL, not the headers).
+
+``ignore_range``
+    ``Range`` dropped: ``200`` and the whole object.
+``shift_range``
+    As many bytes, one byte down (up, for a range from 0): a ``206`` whose ``Content-Range`` names them.
+``short_range``
+    The first half of the range: a complete ``206`` with that ``Content-Range`` and ``Content-Length``.
+
+Why a byte-level proxy rather than an HTTP framework: S3 SigV4 signs the ``Host`` header, so the client
+must talk to the proxy's address and the proxy must pass the head on untouched; and resets and truncated
+bodies need control of the socket that frameworks hide. Bodies are streamed in 64 KiB pieces, never
+buffered whole.
+
+It runs an asyncio loop in a daemon thread, so synchronous tests and pytest fixtures use it directly::
+
+    with FaultProxy(moto.endpoint_url) as proxy:
+        proxy.set_rules([FaultRule("truncate", every=3, method="GET")])
+        ...  # point the client's endpoint_url at proxy.url
+        assert proxy.counters().faults["truncate"] > 0
+
+Rules can be replaced at any time from any thread (:meth:`FaultProxy.set_rules`); :meth:`counters`
+returns a consistent snapshot.
+"""
+
+from .proxy import FaultProxy, FaultProxyError
+from .rules import ALL_FAULT_MODES, FAULT_MODES, RANGE_FAULT_MODES, FaultCounters, FaultMode, FaultRule
+
+__all__ = [
+    "ALL_FAULT_MODES",
+    "FAULT_MODES",
+    "RANGE_FAULT_MODES",
+    "FaultCounters",
+    "FaultMode",
+    "FaultProxy",
+    "FaultProxyError",
+    "FaultRule",
+]

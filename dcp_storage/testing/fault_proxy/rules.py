@@ -1,0 +1,171 @@
+"""Which requests the :class:`~dcp_storage.testing.fault_proxy.FaultProxy` faults, how, and what it counted."""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "ALL_FAULT_MODES",
+    "FAULT_MODES",
+    "RANGE_FAULT_MODES",
+    "ByteRange",
+    "FaultCounters",
+    "FaultMode",
+    "FaultRule",
+    "RuleBook",
+    "faulted_range",
+    "parse_range",
+]
+
+FaultMode = Literal[
+    "slowdown_503", "error_500", "reset", "truncate", "slow", "ignore_range", "shift_range", "short_range"
+]
+# Faults of the transport: every request can meet them, and a retry of the same request may succeed.
+FAULT_MODES: tuple[FaultMode, ...] = ("slowdown_503", "error_500", "reset", "truncate", "slow")
+# Well-formed answers with other bytes than a ranged GET asked for; only requests with a range meet them.
+RANGE_FAULT_MODES: tuple[FaultMode, ...] = ("ignore_range", "shift_range", "short_range")
+ALL_FAULT_MODES: tuple[FaultMode, ...] = FAULT_MODES + RANGE_FAULT_MODES
+
+# A request's ``Range: bytes=FIRST-LAST`` (LAST inclusive; ``None`` for ``bytes=FIRST-``).
+ByteRange = tuple[int, int | None]
+_RANGE = re.compile(r"\s*bytes\s*=\s*(\d+)\s*-\s*(\d*)\s*")
+
+
+def parse_range(value: str | None) -> ByteRange | None:
+    """``(first, last)`` of a single-range ``Range`` or ``x-ms-range`` value; ``None`` for none, suffix, multiple."""
+    match = _RANGE.fullmatch(value) if value is not None else None
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2)) if match.group(2) else None
+
+
+def faulted_range(mode: FaultMode, first: int, last: int | None) -> str | None:
+    """The range header the proxy sends upstream instead (``None``: none at all) in a range mode.
+
+    ``ignore_range`` drops it, so the store answers ``200`` with the whole object. ``shift_range`` asks for
+    as many bytes one byte further down (up, for a range starting at 0): the store's ``206`` names the other
+    range honestly. ``short_range`` asks for the first half: a complete, well-formed ``206`` that is short.
+    """
+    if mode == "ignore_range":
+        return None
+    if mode == "shift_range":
+        step = -1 if first > 0 else 1
+        return f"bytes={first + step}-{'' if last is None else last + step}"
+    if last is None:
+        return f"bytes={first}-{first}"
+    return f"bytes={first}-{first + (last - first + 1) // 2 - 1}"
+
+
+def _range_eligible(mode: FaultMode, byte_range: ByteRange | None) -> bool:
+    """Whether a request with ``byte_range`` can be faulted in ``mode`` (other modes: any request)."""
+    if mode not in RANGE_FAULT_MODES:
+        return True
+    if byte_range is None:
+        return False
+    first, last = byte_range
+    return mode != "short_range" or last is None or last > first  # a 1-byte range has no shorter half
+
+
+@dataclass(frozen=True)
+class FaultRule:
+    """Which requests to fault and how.
+
+    A request *matches* when every given filter matches: ``method`` (case-insensitive, exact),
+    ``path`` and ``query`` (regular expressions searched in the URL-decoded path and in the raw query
+    string). Every ``every``-th matching request (the ``every``-th, ``2*every``-th, ...) is faulted in
+    ``mode``; ``every=1`` faults all of them. ``limit`` stops the rule after that many faults.
+    ``delay`` is the hold-back of ``slow``. A rule in one of the :data:`RANGE_FAULT_MODES` matches only
+    requests with a single-range ``Range`` or ``x-ms-range`` header (and, for ``short_range``, a range of 2
+    bytes or more).
+    """
+
+    mode: FaultMode
+    every: int = 1
+    method: str | None = None
+    path: str | None = None
+    query: str | None = None
+    delay: float = 1.0
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ALL_FAULT_MODES:
+            raise ValueError(f"FaultRule.mode must be one of {ALL_FAULT_MODES}, got {self.mode!r}")
+        if self.every < 1:
+            raise ValueError(f"FaultRule.every must be >= 1, got {self.every}")
+        if self.delay < 0:
+            raise ValueError(f"FaultRule.delay must be >= 0, got {self.delay}")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"FaultRule.limit must be >= 0 or None, got {self.limit}")
+        for name in ("path", "query"):
+            pattern = getattr(self, name)
+            if pattern is not None:
+                re.compile(pattern)  # fail here, not inside the proxy thread
+
+    def matches(self, method: str, path: str, query: str, byte_range: ByteRange | None = None) -> bool:
+        if not _range_eligible(self.mode, byte_range):
+            return False
+        if self.method is not None and method.upper() != self.method.upper():
+            return False
+        if self.path is not None and re.search(self.path, path) is None:
+            return False
+        return self.query is None or re.search(self.query, query) is not None
+
+
+@dataclass(frozen=True)
+class FaultCounters:
+    """A snapshot of what the proxy has done since it started (or since :meth:`FaultProxy.reset_counters`).
+
+    ``faults`` has every mode as a key. ``faulted`` lists ``(method, path, mode)`` of each fault, oldest
+    first (the last 10,000). ``bytes_to_upstream`` / ``bytes_to_client`` count forwarded bytes (heads
+    and bodies).
+    """
+
+    requests: int = 0
+    faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ALL_FAULT_MODES, 0))
+    faulted: tuple[tuple[str, str, str], ...] = ()
+    bytes_to_upstream: int = 0
+    bytes_to_client: int = 0
+
+    @property
+    def total_faults(self) -> int:
+        return sum(self.faults.values())
+
+
+class RuleBook:
+    """Rules and counters, shared between the proxy thread and callers; every access holds the lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rules: list[FaultRule] = []
+        self.seen: list[int] = []
+        self.fired: list[int] = []
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.requests = 0
+        self.faults = dict.fromkeys(ALL_FAULT_MODES, 0)
+        self.faulted: list[tuple[str, str, str]] = []
+        self.up = 0
+        self.down = 0
+
+    def decide(self, method: str, target: str, byte_range: ByteRange | None = None) -> FaultRule | None:
+        split = urllib.parse.urlsplit(target)
+        path = urllib.parse.unquote(split.path)
+        with self.lock:
+            self.requests += 1
+            for i, rule in enumerate(self.rules):
+                if not rule.matches(method, path, split.query, byte_range):
+                    continue
+                self.seen[i] += 1
+                if self.seen[i] % rule.every or (rule.limit is not None and self.fired[i] >= rule.limit):
+                    continue
+                self.fired[i] += 1
+                self.faults[rule.mode] += 1
+                self.faulted.append((method, path, rule.mode))
+                del self.faulted[:-10_000]
+                return rule
+            return None

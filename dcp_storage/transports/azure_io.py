@@ -1,0 +1,100 @@
+"""Ranged Azure Blob downloads (adlfs) with every answer checked against the range its request asked for.
+
+adlfs's ``cat_file(path, start, end)`` calls the Azure SDK's ``download_blob(offset, length)``, which
+takes the object's size from the first answer's ``Content-Range`` but never checks that the answer starts
+where it asked: a ``206`` naming other bytes of the right length is returned as the range, and a ``200``
+(``Range`` ignored) fails with a ``ValueError`` outside any retry. :func:`azure_read_range` makes the same
+download on adlfs's client, with adlfs's timeouts and concurrency, and hands the SDK a
+``raw_response_hook`` that checks every successful answer of the download (the SDK may split a range
+into several requests) against the ``x-ms-range`` of its own request (:mod:`.range_check`), before the
+SDK reads its body. A ``200`` is refused even for a whole object (the SDK needs ``Content-Range`` to know
+the object's size); like any mismatch it is retried, in whole-blob reads (:func:`azure_read`) too, where the
+SDK would raise a ``ValueError``. Missing blobs raise ``FileNotFoundError``, as in adlfs.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from typing import Any
+
+from fsspec.asyn import sync
+
+from .range_check import check_range_answer, describe_answer, range_mismatch
+
+__all__ = ["azure_read", "azure_read_range", "check_each_answer", "is_azure"]
+
+_HOOKS = ("service_client", "split_path", "_strip_protocol", "loop")
+_RANGE_HEADERS = ("x-ms-range", "Range")
+
+
+def is_azure(fs: Any) -> bool:
+    """Whether ``fs`` is adlfs's ``AzureBlobFileSystem`` (az://, abfs://) with the hooks used here."""
+    return type(fs).__name__ == "AzureBlobFileSystem" and all(hasattr(fs, name) for name in _HOOKS)
+
+
+def _asked(headers: Any) -> tuple[int, int] | None:
+    """``[start, end)`` of a request's ``x-ms-range: bytes=FIRST-LAST`` (``None`` if it has none)."""
+    for name in _RANGE_HEADERS:
+        value = headers.get(name)
+        if value and value.startswith("bytes="):
+            first, sep, last = value[len("bytes=") :].partition("-")
+            if sep and first.isdigit() and last.isdigit():
+                return int(first), int(last) + 1
+    return None
+
+
+def check_each_answer(pipeline_response: Any, whole: bool = False) -> None:
+    """``raw_response_hook``: a successful answer to a ranged request holds exactly the range it asked for.
+
+    Error statuses are left to the SDK (404 becomes ``ResourceNotFoundError``, 5xx are retried or raised).
+    A ``200`` is refused (the SDK cannot read one). In a ``whole`` download the SDK's first range runs past
+    the end of a small blob and is answered shorter, so only the status is checked there.
+    """
+    response = pipeline_response.http_response
+    if not 200 <= response.status_code < 300:
+        return
+    asked = _asked(pipeline_response.http_request.headers)
+    if asked is None:
+        return
+    length = response.headers.get("Content-Length")
+    size = int(length) if length else None
+    if response.status_code == 200:  # the SDK takes the object's size from Content-Range: it cannot use a 200
+        got = f"{describe_answer(200, None, size)}; the Azure SDK reads only 206 answers to its ranged requests"
+        raise range_mismatch(*asked, got)
+    if not whole:
+        check_range_answer(*asked, response.status_code, response.headers.get("Content-Range"), size)
+
+
+async def _download(fs: Any, path: str, start: int | None, end: int | None) -> bytes:
+    from azure.core.exceptions import ResourceNotFoundError  # adlfs depends on it; fs is adlfs's here
+
+    whole = start is None or end is None
+    container, blob, version_id = fs.split_path(fs._strip_protocol(path))
+    async with fs.service_client.get_blob_client(container=container, blob=blob) as client:
+        try:
+            stream = await client.download_blob(
+                offset=None if whole else start,
+                length=None if whole else end - start,  # type: ignore[operator]
+                version_id=version_id,
+                max_concurrency=getattr(fs, "max_concurrency", None) or 1,
+                raw_response_hook=functools.partial(check_each_answer, whole=whole),
+                **getattr(fs, "_timeout_kwargs", {}),
+            )
+        except ResourceNotFoundError as exc:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from exc
+        return bytes(await stream.readall())
+
+
+def azure_read(fs: Any, path: str) -> bytes:
+    """The whole blob at ``path`` (``.metadata``, an index file); a ``200`` the SDK cannot read is refused."""
+    return bytes(sync(fs.loop, _download, fs, path, None, None))
+
+
+def azure_read_range(fs: Any, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the blob at ``path``; an answer with other bytes raises ``RangeMismatchError``.
+
+    The caller checks the body's length.
+    """
+    return bytes(sync(fs.loop, _download, fs, path, start, end))

@@ -1,0 +1,112 @@
+"""Checking that the answer to a ranged GET holds exactly the bytes asked for.
+
+A server, or a cache or proxy in between, may ignore ``Range`` and answer ``200`` with the whole object,
+answer ``206`` with another range than asked (its ``Content-Range`` says which), or a shorter one. Client
+libraries hand any of these on as "the body", and a reader that copies the body into a tensor would load
+wrong bytes without an error. So every ranged read checks the answer's status, ``Content-Range`` and
+length against the request, before a byte of the body is used, with :func:`check_range_answer` (O(1) per
+response). A mismatch raises :class:`RangeMismatchError`, which the retry layer
+(:mod:`~dcp_storage.transports.retry`) retries like a body cut short; when the policy gives up, the
+transport raises :class:`~dcp_storage.errors.TransportError` naming the URL, the range asked, the last
+answer and the attempts. If the object itself is shorter than the range, that is a truncated file
+(:class:`~dcp_storage.errors.CorruptCheckpointError`), not a mismatch, and is not retried.
+
+A ``200`` is accepted only for a range that was the whole object: from byte 0, with a body exactly as long
+as the range (so the object ends where the caller expected it to).
+
+What each backend checks (a ranged read is always ``[start, end)`` with ``end`` known):
+
+=================================  =========================================================================
+s3:// (s3fs, our streaming GET)    status, ``Content-Range`` and ``Content-Length`` of botocore's response
+                                   (``HTTPStatusCode``, ``ContentRange``, ``ContentLength``) before the body
+                                   is read; then the bytes streamed (:mod:`.s3_stream`)
+gs:// (gcsfs, one-attempt request) status, ``Content-Range`` and the body's length (:mod:`.gcs_io`)
+http(s):// (fsspec HTTP)           status, ``Content-Range`` and the body's length, on fsspec's own aiohttp
+                                   session (:mod:`.http_io`)
+az:// (adlfs)                      status, ``Content-Range`` and ``Content-Length`` of every response of the
+                                   download (the Azure SDK may split a range into several requests), each
+                                   against the range its own request asked for (:mod:`.azure_io`); then the
+                                   body's length. A ``200`` is refused even for a whole object: the SDK
+                                   cannot read one
+any other fsspec filesystem        the body's length only: the client hides the headers
+obstore plugin                     object_store checks status ``206`` and ``Content-Range`` (a mismatch
+                                   reaches us as its error and is retried like ours); then the bytes
+                                   streamed. A ``200`` is read only as a whole-object answer (see the plugin)
+=================================  =========================================================================
+
+A length check alone cannot catch a ``206`` that names other bytes of the right length; where a client
+hides the headers, only the length is checked (local files are read with ``preadv`` and need neither).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["RangeMismatchError", "check_range_answer", "describe_answer", "range_mismatch", "read_range_body"]
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_QUOTED_MAX = 80  # a Content-Range comes from the server: quoted with repr, and cut to this many characters
+
+
+class RangeMismatchError(OSError):
+    """The answer to a ranged read was not the range asked for (status, ``Content-Range`` or length).
+
+    Internal signal for "retry this" (like :class:`~dcp_storage.transports.retry.TruncatedReadError`):
+    the retry layer turns the last one into a :class:`~dcp_storage.errors.TransportError`.
+    """
+
+
+def range_mismatch(start: int, end: int, got: str) -> RangeMismatchError:
+    """The error for an answer to ``[start, end)`` described by ``got`` (see :func:`describe_answer`)."""
+    return RangeMismatchError(f"asked for bytes [{start}, {end}), got {got}")
+
+
+def describe_answer(status: int | None, content_range: str | None, length: int | None) -> str:
+    """``status 206, Content-Range 'bytes 1-10/99', 10 bytes``: what came back, for error messages."""
+    parts = [f"status {status}" if status is not None else "no status"]
+    if content_range is not None:
+        parts.append(f"Content-Range {content_range[:_QUOTED_MAX]!r}")
+    elif status == 200:
+        parts.append("no Content-Range (Range ignored?)")
+    parts.append(f"{length} bytes" if length is not None else "length unknown")
+    return ", ".join(parts)
+
+
+def check_range_answer(start: int, end: int, status: int | None, content_range: str | None, length: int | None) -> None:
+    """Raise :class:`RangeMismatchError` unless an answer to ``Range: bytes=start-(end-1)`` holds those bytes.
+
+    ``length`` is the body's length as far as known before it is used (``Content-Length``, or the length of
+    a body already read); ``None`` if unknown, and then the caller checks the bytes it got.
+    """
+    want = end - start
+    if status == 206:
+        match = _CONTENT_RANGE.fullmatch(content_range.strip()) if content_range is not None else None
+        if (
+            match is not None
+            and int(match.group(1)) == start
+            and int(match.group(2)) == end - 1
+            and (match.group(3) == "*" or int(match.group(3)) >= end)
+            and (length is None or length == want)
+        ):
+            return
+    elif status == 200 and start == 0 and length == want:
+        return  # the range was the whole object
+    raise range_mismatch(start, end, describe_answer(status, content_range, length))
+
+
+async def read_range_body(response: Any, start: int, end: int) -> bytes:
+    """Check an aiohttp response to ``Range: bytes=start-(end-1)``, then read exactly its ``end - start`` bytes.
+
+    The check comes before the body is read, so a ``200`` with a whole large object costs no memory. A
+    body cut short raises as aiohttp does (a transient error); one longer than its checked range raises
+    :class:`RangeMismatchError`.
+    """
+    status, length, content_range = response.status, response.content_length, response.headers.get("Content-Range")
+    check_range_answer(start, end, status, content_range, length)
+    if length is not None:  # checked to be end - start: aiohttp reads no more, and raises if cut short
+        return bytes(await response.read())
+    body = await response.content.readexactly(end - start)  # no Content-Length (chunked): count, then
+    if await response.content.read(1):  # nothing may follow
+        raise range_mismatch(start, end, f"a longer body ({describe_answer(status, content_range, None)})")
+    return body

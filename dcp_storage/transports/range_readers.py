@@ -1,0 +1,44 @@
+"""The reads each fsspec filesystem gets for buffered fetches: checked ones where the headers are reachable.
+
+s3fs reads are streamed and checked in :mod:`.s3_stream`. For the rest, ``fs.cat_file(path, start, end)``
+returns only the body, so gcsfs, fsspec's HTTP filesystem and adlfs get their own request that checks the
+answer's status and ``Content-Range`` (:mod:`.range_check`). Any other filesystem keeps ``cat_file``, and
+the caller checks the body's length, which is all that can be checked there. Whole-file reads
+(:func:`whole_file_reader`) are made with one attempt on gcsfs and with a 200 refused on adlfs (whose SDK
+ranges even a whole read, and raises a ``ValueError`` for a 200).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from .azure_io import azure_read, azure_read_range, is_azure
+from .gcs_io import gcs_read, gcs_read_range, is_gcs
+from .http_io import http_read_range, is_http
+
+__all__ = ["RangeReader", "buffered_range_reader", "whole_file_reader"]
+
+# ``read(path, start, end) -> bytes``: bytes ``[start, end)`` of ``path`` (the caller checks the length).
+RangeReader = Callable[[str, int, int], bytes]
+
+
+def _cat_file(fs: Any, path: str, start: int, end: int) -> bytes:
+    return fs.cat_file(path, start=start, end=end)
+
+
+def buffered_range_reader(fs: Any) -> RangeReader:
+    """The ranged read for ``fs`` (O(1): a few type checks, no I/O)."""
+    for matches, read in ((is_gcs, gcs_read_range), (is_http, http_read_range), (is_azure, azure_read_range)):
+        if matches(fs):
+            return functools.partial(read, fs)
+    return functools.partial(_cat_file, fs)
+
+
+def whole_file_reader(fs: Any) -> Callable[[str], bytes]:
+    """``read(path) -> bytes`` of a whole (small) file on ``fs``, s3fs aside (see :mod:`.s3_stream`)."""
+    for matches, read in ((is_gcs, gcs_read), (is_azure, azure_read)):
+        if matches(fs):
+            return functools.partial(read, fs)
+    return fs.cat_file  # type: ignore[no-any-return]
