@@ -31,6 +31,7 @@ Pass the same ``process_group`` as to ``dcp.load`` (default: the default group).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -39,10 +40,12 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from ..errors import CorruptCheckpointError, ShapeMismatchError
 from ..formats.tensor_reads import SliceRead, plan_slice_read, read_slices
 from ..formats.torch_save import ArchiveConfig, TorchSaveArchive
+from ..planners.key_check import check_planned_keys, enforce_for, rules_of
 from ..strategies.coordinator_served import CoordinatorServedReader
+from ..strategies.dcp_call import running_planner
 from ..strategies.group import GroupView
 from ..strategies.metadata_sharing import share_object
 from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order
@@ -143,13 +146,8 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        view = self._view()
-        if is_coordinator != (view.rank == self.coordinator_rank):
-            raise ValueError(
-                f"BroadcastingTorchSaveReader(coordinator_rank={self.coordinator_rank}) on rank {view.rank}: DCP's "
-                f"coordinator {'is' if is_coordinator else 'is not'} this rank; pass dcp.load's coordinator rank "
-                "and process group to the reader"
-            )
+        self._check_coordinator(self._view(), is_coordinator)
+        check_planned_keys(running_planner(), metadata)
         self._metadata = metadata
         self.is_coordinator = is_coordinator
 
@@ -157,8 +155,21 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Coordinator only: check every rank's plan against the archive and remember it."""
+        """Coordinator only: check every rank's plan against the archive and remember it.
+
+        Keys the file lacks (planned by a planner that describes the checkpoint from the state dict) raise
+        :class:`~dcp_storage.planners.IncompatibleKeysError`, or are left out of the plans when the
+        planner loads partially (``allow_partial_load=True``, ``strict=False``).
+        """
         archive = self._open_archive()
+        absent = {i.dest_index.fqn: i.storage_index.fqn for p in plans for i in p.items if i.storage_index.fqn not in archive.flat}
+        if absent:
+            planner = running_planner()
+            if rules_of(planner).fail_on_missing:
+                wanted = {i.storage_index.fqn for p in plans for i in p.items}
+                unexpected = [k for k in archive.flat if k not in wanted]
+                enforce_for(planner, sorted(absent), unexpected, len(wanted) - len(set(absent.values())))
+            plans = [dataclasses.replace(p, items=[i for i in p.items if i.storage_index.fqn in archive.flat]) for p in plans]
         for rank, plan in enumerate(plans):
             for item in plan.items:
                 _check_item(archive, item, rank)
@@ -167,14 +178,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
 
     # ------------------------------------------------------------------------------------ data
     def _serve(self, view: GroupView, plan: LoadPlan, planner: LoadPlanner) -> None:
-        plans = self._plans if self._plans is not None else [plan]
-        if len(plans) != view.world:
-            raise DcpStorageError(
-                f"BroadcastingTorchSaveReader: the coordinator saw {len(plans)} plans for a group of {view.world} "
-                "ranks (was prepare_global_plan called on this rank?)"
-            )
-        plans = list(plans)
-        plans[view.rank] = plan  # the final local plan, after the planner's finish_plan
+        plans = self._all_plans(view, plan)
         expected = {r: len(p.items) for r, p in enumerate(plans)}
         sender = SliceSender(view, expected, self.delivery, self.delivery_config)
         try:
