@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dcp_storage.testing.distributed import run_ranks
+from dcp_storage.testing.every_format import every_reader, write_every_format
 
 from . import _no_dist_fns as F
 
@@ -24,14 +25,14 @@ DEADLINE_S = 60.0  # a healthy run takes a few seconds
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root: Path = tmp_path_factory.mktemp("no_dist")
-    return F.write_checkpoints(str(root))
+    return write_every_format(str(root), F.reference())
 
 
 @pytest.mark.parametrize("pattern", ["rank0", "every", "dist"])
 def test_every_reader_loads_without_a_hang(paths: dict[str, str], pattern: str) -> None:
     results = run_ranks(F.load_every_reader, WORLD, paths, pattern, timeout=DEADLINE_S)
     loaders = [0] if pattern == "rank0" else list(range(WORLD))
-    names = list(F.readers(paths))
+    names = list(every_reader(paths))
     for rank in range(WORLD):
         if rank not in loaders:
             assert results[rank] == {}
