@@ -8,7 +8,8 @@ A drop-in for ``torch.distributed.checkpoint.format_utils.BroadcastingTorchSaveR
 Differences from torch's class:
 
 * any fsspec URL, through :class:`~dcp_storage.transports.FsspecTransport` (retries, ranged reads);
-* never runs code from the file: ``data.pkl`` is decoded with an allow-list (like ``weights_only=True``);
+* never runs code from the file: ``data.pkl`` is decoded with an allow-list (like ``weights_only=True``,
+  honouring ``torch.serialization.add_safe_globals``), unless you pass ``trust=True`` for a trusted file;
 * the coordinator never holds the whole checkpoint: it indexes the zip, then reads tensor data slice by
   slice with ranged reads, holding at most about one tensor plus bounded send buffers;
 * each rank receives only the slices of its own plan (point to point), not every full tensor;
@@ -68,6 +69,16 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         process_group: the group ``dcp.load`` uses; ``None`` for the default group (or none at all).
         transport_config / archive_config / delivery_config: tuning (see each class).
         transport: an existing transport to read through (its counters then add up).
+        trust: ``False`` (default): ``data.pkl`` is decoded by an allow-list (what a state dict pickles to,
+            plus what you registered with ``torch.serialization.add_safe_globals`` or inside
+            ``torch.serialization.safe_globals``); anything else raises
+            :class:`~dcp_storage.errors.UnsafeCheckpointError` naming the global, and nothing runs.
+            ``True``: an explicit opt-in for files from a source you trust: the file is decoded as
+            ``torch.load(weights_only=False)`` would, so it may hold any object (an ``argparse.Namespace``,
+            a config) and may run code while it is decoded, on the coordinator. Its non-tensor values then
+            reach the planner's ``load_bytes`` as ``torch.save`` bytes: DCP's ``DefaultLoadPlanner`` decodes
+            them with ``weights_only=False``; this package's planners with ``weights_only=True`` plus their
+            ``safe_globals=[...]``.
     """
 
     def __init__(
@@ -81,8 +92,12 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         archive_config: ArchiveConfig | None = None,
         delivery_config: DeliveryConfig | None = None,
         transport: FsspecTransport | None = None,
+        trust: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(trust, bool):
+            raise TypeError(f"trust must be True or False, got {trust!r}")
+        self.trust = trust
         if coordinator_rank < 0:
             raise ValueError(f"coordinator_rank must be >= 0, got {coordinator_rank}")
         self.checkpoint_id = os.fspath(checkpoint_id) if checkpoint_id is not None else None
@@ -131,7 +146,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
     def _open_archive(self) -> TorchSaveArchive:
         if self._archive is None:
             transport, path = self._open_transport()
-            self._archive = TorchSaveArchive.open(transport, path, self.archive_config)
+            self._archive = TorchSaveArchive.open(transport, path, self.archive_config, trust=self.trust)
         return self._archive
 
     # ------------------------------------------------------------------------------------ metadata
