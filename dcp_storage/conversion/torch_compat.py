@@ -3,10 +3,11 @@
 Same names, arguments and results (the ``torch.save`` file holds the nested state dict DCP saved,
 non-tensor values included; the DCP checkpoint is what ``dcp.save`` writes for the file's state dict), with
 three differences: both paths may be any fsspec URL (pass ``storage_options``), memory stays near one
-tensor instead of the whole checkpoint, and ``torch_save_to_dcp`` never unpickles with
-``weights_only=False`` (torch's does) unless told ``trust=True``: the file's ``data.pkl`` is decoded through
-an allow-list (plus ``torch.serialization.add_safe_globals``), so a file holding custom classes raises
-:class:`~dcp_storage.errors.UnsafeCheckpointError` naming the class instead of running code. Like torch's, both replace an existing output.
+tensor instead of the whole checkpoint, and ``torch_save_to_dcp`` never unpickles with ``weights_only=False``
+(torch's does) unless told ``trust=True``: the file's ``data.pkl`` is decoded through an allow-list (plus
+``torch.serialization.add_safe_globals``), so a file holding custom classes raises
+:class:`~dcp_storage.errors.UnsafeCheckpointError` naming the class instead of running code. Like torch's,
+both replace an existing output.
 """
 
 from __future__ import annotations

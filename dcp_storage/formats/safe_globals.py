@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.serialization import get_safe_globals
+
 __all__ = ["registered_globals", "with_registered_globals"]
 
 
 def registered_globals() -> dict[tuple[str, str], Any]:
     """``(module, name) -> object`` for every global in torch's ``get_safe_globals()``."""
-    from torch.serialization import get_safe_globals
-
     out: dict[tuple[str, str], Any] = {}
     for entry in get_safe_globals():
         if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], str):

@@ -100,7 +100,9 @@ def _recompute(model: nn.Module, names: set[str]) -> list[str]:
             try:
                 initialise()
             except Exception as exc:  # noqa: BLE001 - a hook that cannot run here: try the next, and say so
-                warnings.warn(f"materialize_meta: {initialise.__qualname__} failed on {prefix!r}: {exc!r}", stacklevel=4)
+                warnings.warn(
+                    f"materialize_meta: {initialise.__qualname__} failed on {prefix!r}: {exc!r}", stacklevel=4
+                )
             if all(_restored(buf) for _name, buf in bufs):
                 break
         left += [name for name, buf in bufs if not _restored(buf)]

@@ -74,7 +74,10 @@ def _same(key: str) -> str:
 
 
 def _planned_keys(
-    planner: DefaultLoadPlanner, state_dict: Mapping[str, Any], ckpt_keys: Mapping[str, Any], key_map: Callable[[str], str]
+    planner: DefaultLoadPlanner,
+    state_dict: Mapping[str, Any],
+    ckpt_keys: Mapping[str, Any],
+    key_map: Callable[[str], str],
 ) -> list[str]:
     """The state-dict keys the planner will look up: torch < 2.4's flattening for checkpoints saved so.
 

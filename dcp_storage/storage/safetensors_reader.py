@@ -57,8 +57,8 @@ class SafetensorsReader(BoundLocation, StorageReader):
         scan_config: how much of each file the first header request fetches.
         loader_config: staging limit and run limits for data reads.
         transport: an existing transport to share (its counters then add up across readers).
-        process_group: the group whose coordinator reads the headers and broadcasts the metadata; the
-            default group if ``None``. Pass the same group as to ``dcp.load``.
+        process_group: the group whose coordinator reads the headers and broadcasts the metadata; if
+            ``None``, the group ``dcp.load`` runs on (its ``process_group``, else the default group).
         coordinator_rank: the rank, within ``process_group``, that reads the headers.
         broadcast_metadata: ``False``: every caller reads the headers itself, never sharing them. Not needed
             for ``dcp.load(..., no_dist=True)`` (on one rank or on all), which the reader detects: each
@@ -121,7 +121,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         view = load_view(self.process_group)
         if not view.distributed or view.world == 1:
             return None
-        return self.process_group if self.process_group is not None else dist.group.WORLD
+        return view.group if view.group is not None else dist.group.WORLD
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:

@@ -66,7 +66,8 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         coordinator_rank: the rank (of ``process_group``) that reads; must be DCP's coordinator (rank 0
             unless ``dcp.load`` is told otherwise).
         storage_options: fsspec filesystem options (credentials, endpoint, ...).
-        process_group: the group ``dcp.load`` uses; ``None`` for the default group (or none at all).
+        process_group: the group ``dcp.load`` uses; ``None``: the one ``dcp.load`` runs on (its
+            ``process_group``, else the default group, or none at all).
         transport_config / archive_config / delivery_config: tuning (see each class).
         transport: an existing transport to read through (its counters then add up).
         trust: ``False`` (default): ``data.pkl`` is decoded by an allow-list (what a state dict pickles to,
@@ -177,14 +178,16 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         planner loads partially (``allow_partial_load=True``, ``strict=False``).
         """
         archive = self._open_archive()
-        absent = {i.dest_index.fqn: i.storage_index.fqn for p in plans for i in p.items if i.storage_index.fqn not in archive.flat}
+        held = archive.flat
+        items = [i for p in plans for i in p.items]
+        absent = {i.dest_index.fqn: i.storage_index.fqn for i in items if i.storage_index.fqn not in held}
         if absent:
             planner = running_planner()
             if rules_of(planner).fail_on_missing:
-                wanted = {i.storage_index.fqn for p in plans for i in p.items}
-                unexpected = [k for k in archive.flat if k not in wanted]
+                wanted = {i.storage_index.fqn for i in items}
+                unexpected = [k for k in held if k not in wanted]
                 enforce_for(planner, sorted(absent), unexpected, len(wanted) - len(set(absent.values())))
-            plans = [dataclasses.replace(p, items=[i for i in p.items if i.storage_index.fqn in archive.flat]) for p in plans]
+            plans = [dataclasses.replace(p, items=[i for i in p.items if i.storage_index.fqn in held]) for p in plans]
         for rank, plan in enumerate(plans):
             for item in plan.items:
                 _check_item(archive, item, rank)

@@ -63,7 +63,8 @@ class Broadcasting(CoordinatorServedReader):
     Args:
         reader: any DCP ``StorageReader`` (e.g. :class:`~dcp_storage.FsspecReader`).
         coordinator_rank: the rank of ``process_group`` that reads; must be DCP's coordinator.
-        process_group: the group ``dcp.load`` uses; ``None``: the default group (or none at all).
+        process_group: the group ``dcp.load`` uses; ``None``: the one ``dcp.load`` runs on (its
+            ``process_group``, else the default group, or none at all).
         delivery_config: in-flight and staging limits of the coordinator.
     """
 

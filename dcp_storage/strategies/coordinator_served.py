@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, DcpStorageError
-from .dcp_call import SOLO, works_alone
+from .dcp_call import SOLO, load_group, works_alone
 from .group import GroupView, group_view
 from .slice_delivery import DeliveryStats, receive_items
 
@@ -43,7 +43,7 @@ class CoordinatorServedReader(StorageReader):
         """This rank in the load's group; :data:`~.dcp_call.SOLO` when it works alone."""
         if works_alone():
             return SOLO
-        view = group_view(self.process_group)
+        view = group_view(load_group(self.process_group))
         view.check_src(self.coordinator_rank, "coordinator_rank")
         return view
 

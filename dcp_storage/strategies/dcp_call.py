@@ -21,6 +21,9 @@ more than one rank means a distributed load.
 :func:`working_alone` is the other signal: a strategy that calls the reader it wraps on one rank only
 (:class:`~dcp_storage.strategies.Broadcasting`) runs those calls inside it, so the wrapped reader, which
 sees the same distributed DCP call on the stack, does not start collectives of its own.
+
+The call's process group matters too: a reader built without one (``process_group=None``) runs its
+collectives on the group ``dcp.load`` was given (:func:`load_group`), not on the default group.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 from .group import GroupView, group_view
 
-__all__ = ["DcpCall", "current_call", "load_view", "running_planner", "working_alone", "works_alone"]
+__all__ = ["DcpCall", "current_call", "load_group", "load_view", "running_planner", "working_alone", "works_alone"]
 
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("dcp_storage_working_alone", default=False)
 _MAX_FRAMES = 64  # dcp.load -> _load_state_dict -> reduce_scatter -> local_step -> a reader: a dozen at most
@@ -93,9 +96,21 @@ def works_alone() -> bool:
     return call is not None and not call.distributed
 
 
+def load_group(group: Any = None) -> Any:
+    """``group``, or when it is ``None`` the running DCP call's process group (``None``: the default group).
+
+    A reader built without a group serves the ``dcp.load(..., process_group=...)`` it is passed to: its
+    collectives must run on that group, or ranks outside it wait for them forever.
+    """
+    if group is not None:
+        return group
+    call = current_call()
+    return None if call is None else call.group
+
+
 def load_view(group: Any = None) -> GroupView:
-    """:func:`~.group.group_view` of ``group``, or :data:`SOLO` when this process works alone."""
-    return SOLO if works_alone() else group_view(group)
+    """:func:`~.group.group_view` of :func:`load_group`, or :data:`SOLO` when this process works alone."""
+    return SOLO if works_alone() else group_view(load_group(group))
 
 
 @contextlib.contextmanager

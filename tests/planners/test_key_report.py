@@ -117,7 +117,8 @@ def test_a_partial_load_that_matches_some_keys_loads_them_quietly(paths: dict[st
     dest["extra.weight"] = torch.zeros(3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dcp.load(dest, storage_reader=FsspecReader(paths["dcp"]), planner=RemappingLoadPlanner(strict=False), no_dist=True)
+        reader = FsspecReader(paths["dcp"])
+        dcp.load(dest, storage_reader=reader, planner=RemappingLoadPlanner(strict=False), no_dist=True)
     assert not [w for w in caught if "loads nothing" in str(w.message)]
     assert all(torch.equal(dest[f"model.{k}"], v) for k, v in model_state().items())
 

@@ -26,13 +26,13 @@ def reference() -> dict[str, torch.Tensor]:
     }
 
 
-def _load(make: Callable[[], Any], no_dist: bool) -> str:
+def _load(make: Callable[[], Any], no_dist: bool, group: Any = None) -> str:
     import torch.distributed.checkpoint as dcp
 
     ref = reference()
     dest = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
     try:
-        dcp.load(dest, storage_reader=make(), no_dist=no_dist)
+        dcp.load(dest, storage_reader=make(), no_dist=no_dist, process_group=group)
     except Exception as exc:  # noqa: BLE001 - reported to the test, which names the reader
         return f"{type(exc).__name__}: {exc}"
     bad = [k for k, v in ref.items() if not torch.equal(dest[k].view(torch.uint8), v.view(torch.uint8))]
@@ -52,4 +52,20 @@ def load_every_reader(rank: int, world: int, paths: dict[str, str], pattern: str
         for name, make in every_reader(paths).items():
             out[name] = _load(make, no_dist=pattern != "dist")
     dist.barrier()  # the other ranks wait here, as an eval script's would, outside any collective of the load
+    return out
+
+
+def load_on_a_subgroup(rank: int, world: int, paths: dict[str, str]) -> dict[str, str]:
+    """Ranks 0 and 1 load over their own group (``dcp.load(process_group=...)``); the last rank does not load."""
+    import torch.distributed as dist
+
+    from dcp_storage.testing.every_format import every_reader
+
+    warnings.filterwarnings("ignore")
+    group = dist.new_group([0, 1])  # every rank takes part in creating it
+    out: dict[str, str] = {}
+    if rank in (0, 1):
+        for name, make in every_reader(paths).items():
+            out[name] = _load(make, no_dist=False, group=group)
+    dist.barrier()
     return out

@@ -3,7 +3,7 @@
 ``if rank == 0: dcp.load(..., no_dist=True)`` (export and eval code) and every rank loading its own full
 copy with ``no_dist=True`` must work with every reader, including the strategies around them and the
 readers ``open_reader`` picks; a distributed load over the same readers must still work. A reader that
-starts a collective the other rank is not in hangs: ``run_ranks``' deadline (a process-join timeout,
+starts a collective the other rank is not in hangs (also one that ignores ``dcp.load``'s ``process_group``): ``run_ranks``' deadline (a process-join timeout,
 far below the process group's) turns that into a failure that names the stuck rank and its stack.
 """
 
@@ -40,6 +40,16 @@ def test_every_reader_loads_without_a_hang(paths: dict[str, str], pattern: str) 
         assert list(results[rank]) == names
         failed = {name: outcome for name, outcome in results[rank].items() if outcome != "ok"}
         assert not failed, f"rank {rank}, pattern {pattern}: {failed}"
+
+
+def test_every_reader_serves_the_load_s_process_group(paths: dict[str, str]) -> None:
+    """``dcp.load(process_group=sub)`` with readers built without a group: their collectives run on ``sub``,
+    so the rank outside it is never waited for."""
+    results = run_ranks(F.load_on_a_subgroup, 3, paths, timeout=DEADLINE_S)
+    names = list(every_reader(paths))
+    assert results[2] == {}
+    for rank in (0, 1):
+        assert results[rank] == dict.fromkeys(names, "ok"), f"rank {rank}"
 
 
 def test_broadcast_metadata_false_still_works(paths: dict[str, str]) -> None:
