@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ..errors import DcpStorageError
-from ..tensor_buffers import host_buffer
 from ..planners.key_check import check_planned_keys
+from ..tensor_buffers import host_buffer
 from .coordinator_served import CoordinatorServedReader
 from .dcp_call import running_planner, working_alone
 from .group import GroupView
