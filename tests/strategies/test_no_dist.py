@@ -2,9 +2,10 @@
 
 ``if rank == 0: dcp.load(..., no_dist=True)`` (export and eval code) and every rank loading its own full
 copy with ``no_dist=True`` must work with every reader, including the strategies around them and the
-readers ``open_reader`` picks; a distributed load over the same readers must still work. A reader that
-starts a collective the other rank is not in hangs (also one that ignores ``dcp.load``'s ``process_group``): ``run_ranks``' deadline (a process-join timeout,
-far below the process group's) turns that into a failure that names the stuck rank and its stack.
+readers ``open_reader`` picks; a distributed load over the same readers must still work, also over a
+subgroup passed as ``dcp.load(process_group=...)``. A reader that starts a collective another rank is not in
+hangs: ``run_ranks``' deadline (a process-join timeout, far below the process group's) turns that into a
+failure that names the stuck rank and its stack.
 """
 
 from __future__ import annotations
