@@ -33,6 +33,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--drop-non-tensors", action="store_true",
                    help="leave non-tensor values out of outputs that hold only tensors (safetensors, sharded torch)")
+    p.add_argument("--trust", action="store_true",
+                   help="decode SRC as torch.load(weights_only=False) would (objects such as argparse.Namespace); "
+                   "it can run code from SRC: only for checkpoints you trust")
     _common.add_storage_options(p, sides=True)
     _common.add_json(p)
     _common.add_common(p)
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             src_storage_options=_common.storage_options(args, "src"),
             dst_storage_options=_common.storage_options(args, "dst"),
             overwrite=args.overwrite, drop_non_tensors=args.drop_non_tensors,
-            progress=bar.update, on_start=lambda _source, total: _common.set_total(bar, total),
+            progress=bar.update, on_start=lambda _source, total: _common.set_total(bar, total), trust=args.trust,
         )
     if args.json:
         _common.emit_json(result.as_dict())

@@ -191,6 +191,7 @@ def convert(
     single_file: bool | None = None,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[TensorSource, int], None] | None = None,
+    trust: bool = False,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
@@ -216,6 +217,11 @@ def convert(
             ``False`` as a directory; ``None`` decides by ``dst``'s suffix.
         progress: called with the byte count of each tensor once it is written.
         on_start: called once with the opened source and the total tensor bytes, before writing.
+        trust: an explicit opt-in for a source you trust: decode it as ``torch.load(weights_only=False)``
+            would (a ``torch.save`` file holding an ``argparse.Namespace`` or a config object; non-tensor items
+            of DCP and safetensors checkpoints), which may run code from it. Without it, globals outside the
+            allow-list (and what ``torch.serialization.add_safe_globals`` registered) raise
+            ``UnsafeCheckpointError`` naming them.
     """
     started = time.monotonic()
     src, dst = os.fspath(src), os.fspath(dst)
@@ -226,7 +232,7 @@ def convert(
     dst_opts = {**(storage_options or {}), **(dst_storage_options or {})} or None
     if same_location(src, src_opts, dst, dst_opts):
         raise ValueError(f"{dst!r} is the input itself; convert to another location")
-    with TensorSource.open(src, src_opts, src_format) as source:
+    with TensorSource.open(src, src_opts, src_format, trust=trust) as source:
         tensors, values = plan_outputs(source, dtype=cast)
         return _run(
             source, dst, dst_opts, target, tensors, values, shard, overwrite, drop_non_tensors, progress, on_start,

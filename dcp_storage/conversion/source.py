@@ -113,8 +113,9 @@ def _paths(metadata: Metadata) -> dict[str, Path]:
 class TensorSource:
     """One checkpoint, read key by key. Build with :meth:`open`; use as a context manager."""
 
-    def __init__(self, url: str, spec: FormatSpec, reader: Any, metadata: Metadata) -> None:
+    def __init__(self, url: str, spec: FormatSpec, reader: Any, metadata: Metadata, trust: bool = False) -> None:
         self.url = url
+        self.trust = trust
         self.spec = spec
         self.reader = reader
         self.metadata = metadata
@@ -135,16 +136,20 @@ class TensorSource:
         url: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
         format: str | None = None,
+        trust: bool = False,
     ) -> TensorSource:
+        """Open ``url``. ``trust``: the reader decodes the checkpoint as ``torch.load(weights_only=False)`` would
+        (formats whose reader takes a ``trust`` option: the built-in ones), and so does :meth:`read_value`."""
         from .. import registry
         from ..opening import detect_format
 
         url = os.fspath(url)
         spec = registry.get("formats", format) if format is not None else detect_format(url, storage_options)
-        reader = spec.open_reader(url, storage_options=storage_options)
+        options = {"trust": True} if trust else {}
+        reader = spec.open_reader(url, storage_options=storage_options, **options)
         metadata = reader.read_metadata()
         reader.set_up_storage_reader(metadata, True)
-        return cls(url, spec, reader, metadata)
+        return cls(url, spec, reader, metadata, trust)
 
     def __enter__(self) -> TensorSource:
         return self
@@ -199,7 +204,11 @@ class TensorSource:
         return planner.values[fqn]
 
     def read_value(self, fqn: str) -> Any:
-        """Non-tensor value ``fqn``, decoded with ``torch.load(weights_only=True)`` (never runs code)."""
+        """Non-tensor value ``fqn``, decoded with ``torch.load(weights_only=True)`` (never runs code), or for a
+        trusted source with ``weights_only=False``."""
         from ..formats.dcp_native.torch_record import load_tensor_record  # maps refusals to our errors
 
-        return load_tensor_record(self.read_value_bytes(fqn), f"{self.url} (value {fqn!r})")
+        data = self.read_value_bytes(fqn)
+        if self.trust:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        return load_tensor_record(data, f"{self.url} (value {fqn!r})")

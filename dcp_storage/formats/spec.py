@@ -7,6 +7,7 @@ bytes of a file) and asks every format's ``sniff``; the best score wins.
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 from ..transports import FsspecTransport
 from ..transports.factory import open_transport
 
-__all__ = ["FormatSpec", "Probe"]
+__all__ = ["FormatSpec", "Probe", "trust_byte_items"]
 
 HEAD_BYTES = 64
 
@@ -76,3 +77,11 @@ class FormatSpec:
     @property
     def descriptor(self) -> str:
         return f"{self.name}/{self.version}"
+
+
+def trust_byte_items(options: dict[str, Any], config_class: type) -> None:
+    """A reader factory's ``trust=True`` (what ``convert(trust=True)`` passes), for readers whose non-tensor
+    items are vetted by a loader config: ``options["loader_config"]`` with ``trust_byte_items=True``."""
+    if options.pop("trust", False):
+        config = options.get("loader_config") or config_class()
+        options["loader_config"] = dataclasses.replace(config, trust_byte_items=True)

@@ -17,12 +17,15 @@ Works for both FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) and F
 * :func:`is_fsdp_model`, :func:`get_fsdp_parent`, :func:`maybe_get_wrapped`, :func:`set_wrapped_model`:
   :mod:`.introspection`;
 * :func:`load_full_state_dict`: :mod:`.loading` (what it does for FSDP1 vs FSDP2), :mod:`.scatter` (the
-  rank-0-to-shards protocol), :mod:`.local_shards` (what each rank holds).
+  rank-0-to-shards protocol), :mod:`.local_shards` (what each rank holds);
+* :func:`materialize_meta`: ``to_empty`` that also restores non-persistent buffers (rotary ``inv_freq``),
+  for ``to_empty`` + ``dcp.load`` code (:mod:`.materialize`).
 """
 
 from .errors import FullStateDictKeysError, UnknownModuleError
 from .introspection import get_fsdp_parent, is_fsdp_model, is_fsdp_unit, maybe_get_wrapped, set_wrapped_model
 from .loading import load_full_state_dict
+from .materialize import materialize_meta
 
 __all__ = [
     "FullStateDictKeysError",
@@ -31,6 +34,7 @@ __all__ = [
     "is_fsdp_model",
     "is_fsdp_unit",
     "load_full_state_dict",
+    "materialize_meta",
     "maybe_get_wrapped",
     "set_wrapped_model",
 ]

@@ -4,8 +4,10 @@ What it does, per kind of model (every rank of the default process group calls i
 
 * **FSDP2** (``fully_shard``; also HSDP meshes, and plain modules): if any parameter or buffer is on the
   meta device, ``model.to_empty(device)`` first (``cpu_offload=True``: CPU; else the device mesh's device,
-  the current CUDA device for ``"cuda"``). The state dict's tensors (``DTensor`` local shards, unsharded
-  buffers) share storage with the model, so they are filled in place.
+  the current CUDA device for ``"cuda"``), restoring non-persistent buffers, which no state dict holds
+  (Llama's rotary ``inv_freq``): kept if they were real, else recomputed by their modules' initialisers,
+  else NaN with a warning naming them (:mod:`.materialize`). The state dict's tensors (``DTensor`` local
+  shards, unsharded buffers) share storage with the model, so they are filled in place.
 * **FSDP1** (``FullyShardedDataParallel``): the model's state dict is taken under FSDP1's own
   ``StateDictType.SHARDED_STATE_DICT`` (``ShardedTensor`` local shards, one ``torch.chunk`` of dim 0 per
   rank), filled, and loaded back with ``model.load_state_dict`` in the same context. FSDP1 then
@@ -46,7 +48,8 @@ from ..planners import DtypePolicy, IncompatibleKeysError, RemappingLoadPlanner
 from ..strategies.group import GroupView, group_view
 from ..strategies.metadata_sharing import share_object
 from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats
-from .local_shards import LocalShards, materialize_meta, model_state_dict
+from .local_shards import LocalShards, model_state_dict
+from .materialize import materialize_meta
 from .scatter import agree, scatter_full_state_dict
 
 __all__ = ["load_full_state_dict"]

@@ -1,4 +1,4 @@
-"""The model side of a full-state-dict load: materialise meta tensors, and describe what each rank holds.
+"""The model side of a full-state-dict load: describe what each rank holds (meta tensors: :mod:`.materialize`).
 
 Every value of the model's state dict becomes an :class:`Entry`: its global shape and dtype, and the
 blocks (:class:`Chunk`) of the global tensor this rank stores, each backed by a local tensor:
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,7 @@ from ..errors import DcpStorageError
 from ..planners.errors import ValueTypeMismatchError, format_keys
 from .introspection import WRAPPER_SEGMENTS
 
-__all__ = ["Chunk", "Entry", "LocalShards", "clean_key", "materialize_meta", "model_state_dict", "uses_fsdp1"]
+__all__ = ["Chunk", "Entry", "LocalShards", "clean_key", "model_state_dict", "uses_fsdp1"]
 
 
 @dataclass(frozen=True)
@@ -149,54 +148,3 @@ def model_state_dict(model: nn.Module) -> Iterator[tuple[dict[str, Any], bool]]:
             yield model.state_dict(), True
     else:
         yield model.state_dict(), False
-
-
-def materialize_meta(model: nn.Module, device: torch.device) -> list[str]:
-    """If any parameter or buffer is on the meta device, ``to_empty`` the model onto ``device``.
-
-    ``to_empty`` on the root (FSDP2 re-registers its sharded parameters in its ``_apply``) replaces every
-    tensor with an uninitialised one, so non-persistent buffers that were already real are saved and put
-    back. Returns the names of non-persistent buffers that were on meta: nothing can fill them (they are
-    not in any state dict), so the caller warns. FSDP1 models must be materialised when wrapped
-    (``param_init_fn``/``device_id``); meta tensors there raise.
-    """
-    if not any(t.is_meta for t in _tensors(model)):
-        return []
-    if uses_fsdp1(model):
-        raise DcpStorageError(
-            "load_full_state_dict: an FSDP1 (FullyShardedDataParallel) model has parameters on the meta device; "
-            "FSDP1 materialises them at wrap time: pass param_init_fn (or device_id) to FullyShardedDataParallel"
-        )
-    kept: dict[str, torch.Tensor] = {}
-    on_meta: list[str] = []
-    for name, buf in _non_persistent_buffers(model):
-        if buf.is_meta:
-            on_meta.append(name)
-        else:
-            kept[name] = buf.detach().clone()
-    model.to_empty(device=device)
-    if kept:
-        with torch.no_grad():
-            for name, buf in _non_persistent_buffers(model):
-                if name in kept:
-                    buf.copy_(kept[name])
-    if on_meta:
-        warnings.warn(
-            f"load_full_state_dict: non-persistent buffers {format_keys(on_meta)} were on the meta device; they are "
-            "not part of any state dict, so they are now uninitialised: recompute them after loading",
-            stacklevel=3,
-        )
-    return on_meta
-
-
-def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
-
-
-def _non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for prefix, module in model.named_modules():
-        for name in module._non_persistent_buffers_set:
-            buf = module._buffers.get(name)
-            if buf is not None:
-                yield (f"{prefix}.{name}" if prefix else name), buf

@@ -38,14 +38,22 @@ def format_keys(keys: Iterable[str], limit: int = KEYS_SHOWN) -> str:
     return shown
 
 
+#: What :class:`IncompatibleKeysError` tells a ``RemappingLoadPlanner`` user to do (``fix`` replaces it).
+STRICT_FIX = "Pass strict=False to load the keys that match (planner.result lists the rest)"
+
+
 class IncompatibleKeysError(DcpStorageError, RuntimeError):
     """``strict=True`` and the state dict and the checkpoint do not hold the same keys.
 
     ``missing_keys`` are state-dict keys the checkpoint lacks; ``unexpected_keys`` are checkpoint keys no
-    state-dict key maps to (the meanings of ``nn.Module.load_state_dict``).
+    state-dict key maps to (the meanings of ``nn.Module.load_state_dict``). ``hint`` is a key map that would
+    match (:func:`~.report.suggest_key_map`); ``fix`` replaces the closing advice (for other planners).
+    Raised the same way whatever the planner (:mod:`.key_check` covers torch's) and whatever the reader.
     """
 
-    def __init__(self, missing_keys: Sequence[str], unexpected_keys: Sequence[str], hint: str = "") -> None:
+    def __init__(
+        self, missing_keys: Sequence[str], unexpected_keys: Sequence[str], hint: str = "", fix: str | None = None
+    ) -> None:
         self.missing_keys = list(missing_keys)
         self.unexpected_keys = list(unexpected_keys)
         parts = []
@@ -62,12 +70,13 @@ class IncompatibleKeysError(DcpStorageError, RuntimeError):
         msg = "checkpoint and state dict keys differ: " + "; ".join(parts)
         if hint:
             msg += f". {hint}"
-        msg += ". Pass strict=False to load the keys that match (planner.result lists the rest)"
+        msg += ". " + (fix if fix is not None else STRICT_FIX)
         self.hint = hint
+        self.fix = fix
         super().__init__(msg)
 
     def __reduce__(self) -> tuple[object, ...]:  # DCP gathers rank errors by pickle
-        return (type(self), (self.missing_keys, self.unexpected_keys, self.hint))
+        return (type(self), (self.missing_keys, self.unexpected_keys, self.hint, self.fix))
 
 
 class KeyCollisionError(DcpStorageError, ValueError):

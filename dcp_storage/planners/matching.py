@@ -38,7 +38,7 @@ from .errors import (
     UnsupportedValueError,
     ValueTypeMismatchError,
 )
-from .report import LoadResult, suggest_key_map
+from .report import LoadResult, suggest_key_map, warn_nothing_matched
 
 __all__ = ["KeyMatch", "KeyRules", "build_read_items", "check_values", "match_keys", "metadata_from_state_dict"]
 
@@ -82,11 +82,20 @@ class KeyRules:
     def is_ignored(self, checkpoint_key: str) -> bool:
         return any(fnmatch.fnmatchcase(checkpoint_key, p) for p in self.ignore_unexpected)
 
-    def enforce(self, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+    def enforce(
+        self, missing: Sequence[str], unexpected: Sequence[str], matched: int, who: str, fix: str | None = None
+    ) -> None:
+        """Raise :class:`IncompatibleKeysError` for the mismatches these rules fail on; warn if nothing matched.
+
+        ``matched`` is the number of state-dict keys found in the checkpoint: a partial load that matches
+        none loads nothing at all, which is almost always a wrong key map (``who`` names the planner).
+        """
         bad_missing = list(missing) if self.fail_on_missing else []
         bad_unexpected = list(unexpected) if self.fail_on_unexpected else []
         if bad_missing or bad_unexpected:
-            raise IncompatibleKeysError(bad_missing, bad_unexpected, suggest_key_map(missing, unexpected))
+            raise IncompatibleKeysError(bad_missing, bad_unexpected, suggest_key_map(missing, unexpected), fix)
+        if not matched and missing:
+            warn_nothing_matched(who, len(missing), len(unexpected), suggest_key_map(missing, unexpected))
 
 
 def match_keys(

@@ -49,7 +49,7 @@ from .matching import (
 from .report import LoadResult
 from .safe_bytes import safe_load_bytes
 
-__all__ = ["DynamicMetaLoadPlanner", "MetadataSource", "RemappingLoadPlanner"]
+__all__ = ["DynamicMetaLoadPlanner", "MetadataSource", "RemappingLoadPlanner", "flatten_v2_3"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         strict: ``True`` (default) raises :class:`~.errors.IncompatibleKeysError` when a state-dict key
             is missing from the checkpoint or a checkpoint key is unexpected, like
             ``nn.Module.load_state_dict``; ``False`` loads what matches and reports the rest in
-            ``planner.result``. A :class:`KeyRules` chooses finer (e.g.
+            ``planner.result`` (and warns when no key at all matches: such a load loads nothing). A
+            :class:`KeyRules` chooses finer (e.g.
             ``KeyRules.strict(ignore_unexpected=["optim.*"])`` to load a model from a training checkpoint).
         dtype_policy: which stored -> destination dtype conversions to accept; default
             ``DtypePolicy.cast()`` (any conversion within float, int or complex).
@@ -165,7 +166,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         if self.metadata is None:
             raise RuntimeError(f"{type(self).__name__}.create_local_plan called before set_up_planner gave it metadata")
         match = self._match(self.metadata)
-        self.key_rules.enforce(match.missing, match.unexpected)
+        self.key_rules.enforce(match.missing, match.unexpected, len(match.pairs), type(self).__name__)
         casts = check_values(self.state_dict, self.metadata, match.pairs, self.dtype_policy)
         items = build_read_items(self.state_dict, self.metadata, match.pairs)
         self.result = result_of(match, casts)
@@ -193,15 +194,20 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         leftover = {c for c in ckpt_keys if c not in wanted}
         if not leftover:
             return match
-        _version._derived_version = "2_3"
-        try:
-            old_state_dict, old_mappings = _flatten(self.original_state_dict)
-        finally:
-            _version._derived_version = None
+        old_state_dict, old_mappings = flatten_v2_3(self.original_state_dict)
         if any(self.key_map(k) in leftover for k in old_state_dict):
             self.state_dict, self.mappings = old_state_dict, old_mappings
             return match_keys(self.state_dict, ckpt_keys, self.key_map, self.key_rules)
         return match
+
+
+def flatten_v2_3(state_dict: STATE_DICT_TYPE) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``state_dict`` flattened as torch < 2.4 saved it (what DCP's planners fall back to for old checkpoints)."""
+    _version._derived_version = "2_3"
+    try:
+        return _flatten(state_dict)
+    finally:
+        _version._derived_version = None
 
 
 class DynamicMetaLoadPlanner(RemappingLoadPlanner):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LoadResult", "suggest_key_map"]
+__all__ = ["LoadResult", "suggest_key_map", "warn_nothing_matched"]
 
 # Bounds on the hint's search: it runs only when a strict load is about to fail.
 _HINT_MAX_KEYS = 20_000
@@ -60,3 +61,13 @@ def suggest_key_map(missing: Sequence[str], unexpected: Sequence[str]) -> str:
     if scope:
         text = f"KeyMap.within({scope!r}, {text})"
     return f"key_map={text} would match {count} of the missing keys"
+
+
+def warn_nothing_matched(who: str, state_dict_keys: int, checkpoint_keys: int, hint: str) -> None:
+    """Warn that a partial load matched no key at all: it will load nothing (``who`` names the planner)."""
+    warnings.warn(
+        f"{who}: none of the {state_dict_keys} state-dict keys is among the checkpoint's {checkpoint_keys} keys, "
+        "so this partial load loads nothing"
+        + (f"; {hint}" if hint else "; check the key map and the checkpoint's keys (dcp-storage inspect)"),
+        stacklevel=4,
+    )

@@ -4,7 +4,9 @@ Call order (torch's ``dcp.load`` drives it; every rank calls every step unless n
 
 1. ``reset(checkpoint_id)`` - point at a checkpoint (also done by the constructor).
 2. ``read_metadata()`` - reads ``.metadata`` through an allow-list unpickler; never runs code from it.
-3. ``set_up_storage_reader(metadata, is_coordinator)`` - keeps the storage map.
+3. ``set_up_storage_reader(metadata, is_coordinator)`` - keeps the storage map; with torch's planners,
+   reports key mismatches as :class:`~dcp_storage.planners.IncompatibleKeysError`
+   (:mod:`dcp_storage.planners.key_check`).
 4. ``prepare_local_plan`` / ``prepare_global_plan`` (coordinator only) - unchanged plans.
 5. ``read_data(plan, planner)`` - fetches only the byte ranges of this rank's plan, coalesced and
    concurrent, and writes them straight into the destination tensors where it can.
@@ -31,6 +33,8 @@ from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
 from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
 from ..formats.limits import METADATA, read_limited
 from ..integrity.dcp_manifest import record_verifier
+from ..planners.key_check import check_planned_keys
+from ..strategies.dcp_call import running_planner
 from ..transports import FsspecTransport, TransportConfig
 from .location import BoundLocation
 
@@ -110,6 +114,7 @@ class FsspecReader(BoundLocation, StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
             raise CheckpointNotFoundError(f"{self.path}: metadata carries no storage map")
+        check_planned_keys(running_planner(), metadata)
         self.storage_data = metadata.storage_data
         self.metadata = metadata  # chunk sizes: whole-chunk vs partial reads of framed (compressed) items
         self.is_coordinator = is_coordinator

@@ -10,10 +10,11 @@ Call order (torch's ``dcp.load`` drives it; every rank calls every step unless n
 
 1. ``reset(checkpoint_id)`` - point at a checkpoint (also done by the constructor).
 2. ``read_metadata()`` - builds DCP ``Metadata`` from the safetensors headers (8-byte length + JSON,
-   fetched with one small ranged read per file, all files concurrently). When a process group of more
-   than one rank exists, only its coordinator reads storage and broadcasts the ``Metadata`` (a collective:
-   every rank of the group must call it, as ``dcp.load`` does), so header requests grow with files, not
-   with ranks x files. A coordinator's failure is re-raised on every rank.
+   fetched with one small ranged read per file, all files concurrently). When ``dcp.load`` runs
+   distributed over a group of more than one rank, only its coordinator reads storage and broadcasts the
+   ``Metadata`` (a collective: every rank of the group must call it, as ``dcp.load`` does), so header
+   requests grow with files, not with ranks x files. A coordinator's failure is re-raised on every rank.
+   Under ``dcp.load(..., no_dist=True)`` each caller reads the headers itself.
 3. ``set_up_storage_reader(metadata, is_coordinator)`` - keeps the storage map.
 4. ``prepare_local_plan`` / ``prepare_global_plan`` (coordinator only) - unchanged plans.
 5. ``read_data(plan, planner)`` - fetches exactly the byte ranges of this rank's plan, coalesced and
@@ -37,6 +38,8 @@ from ..errors import CheckpointNotFoundError, DcpStorageError
 from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
+from ..planners.key_check import check_planned_keys
+from ..strategies.dcp_call import load_view, running_planner
 from ..transports import FsspecTransport, TransportConfig
 from .location import BoundLocation
 
@@ -54,11 +57,12 @@ class SafetensorsReader(BoundLocation, StorageReader):
         scan_config: how much of each file the first header request fetches.
         loader_config: staging limit and run limits for data reads.
         transport: an existing transport to share (its counters then add up across readers).
-        process_group: the group whose coordinator reads the headers and broadcasts the metadata; the
-            default group if ``None``. Pass the same group as to ``dcp.load``.
+        process_group: the group whose coordinator reads the headers and broadcasts the metadata; if
+            ``None``, the group ``dcp.load`` runs on (its ``process_group``, else the default group).
         coordinator_rank: the rank, within ``process_group``, that reads the headers.
-        broadcast_metadata: set ``False`` when not every rank of the group calls ``dcp.load`` (for example
-            one rank loading with ``no_dist=True``): each caller then reads the headers itself.
+        broadcast_metadata: ``False``: every caller reads the headers itself, never sharing them. Not needed
+            for ``dcp.load(..., no_dist=True)`` (on one rank or on all), which the reader detects: each
+            caller then reads the headers itself anyway (see :mod:`dcp_storage.strategies.dcp_call`).
         verify: check every tensor this rank reads against the digests ``SafetensorsWriter`` recorded in
             the file's header (and the header against its own digest). Each tensor touched is fetched whole
             (a slice cannot be checked); a mismatch raises :class:`~dcp_storage.errors.CorruptCheckpointError`
@@ -111,10 +115,13 @@ class SafetensorsReader(BoundLocation, StorageReader):
         return layout.root, scan_metadata(self.transport, layout, self.scan_config)
 
     def _group(self) -> Any:
-        if not self.broadcast_metadata or not dist.is_available() or not dist.is_initialized():
+        """The group to share the metadata over, or ``None`` to read it here (see the class docstring)."""
+        if not self.broadcast_metadata:
             return None
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        return group if dist.get_world_size(group) > 1 else None
+        view = load_view(self.process_group)
+        if not view.distributed or view.world == 1:
+            return None
+        return view.group if view.group is not None else dist.group.WORLD
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -153,6 +160,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
             raise CheckpointNotFoundError(f"{self.path}: metadata carries no storage map")
+        check_planned_keys(running_planner(), metadata)
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
 

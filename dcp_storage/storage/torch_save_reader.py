@@ -8,7 +8,8 @@ A drop-in for ``torch.distributed.checkpoint.format_utils.BroadcastingTorchSaveR
 Differences from torch's class:
 
 * any fsspec URL, through :class:`~dcp_storage.transports.FsspecTransport` (retries, ranged reads);
-* never runs code from the file: ``data.pkl`` is decoded with an allow-list (like ``weights_only=True``);
+* never runs code from the file: ``data.pkl`` is decoded with an allow-list (like ``weights_only=True``,
+  honouring ``torch.serialization.add_safe_globals``), unless you pass ``trust=True`` for a trusted file;
 * the coordinator never holds the whole checkpoint: it indexes the zip, then reads tensor data slice by
   slice with ranged reads, holding at most about one tensor plus bounded send buffers;
 * each rank receives only the slices of its own plan (point to point), not every full tensor;
@@ -31,6 +32,7 @@ Pass the same ``process_group`` as to ``dcp.load`` (default: the default group).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -39,10 +41,12 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from ..errors import CorruptCheckpointError, ShapeMismatchError
 from ..formats.tensor_reads import SliceRead, plan_slice_read, read_slices
 from ..formats.torch_save import ArchiveConfig, TorchSaveArchive
+from ..planners.key_check import check_planned_keys, enforce_for, rules_of
 from ..strategies.coordinator_served import CoordinatorServedReader
+from ..strategies.dcp_call import running_planner
 from ..strategies.group import GroupView
 from ..strategies.metadata_sharing import share_object
 from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order
@@ -62,9 +66,20 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         coordinator_rank: the rank (of ``process_group``) that reads; must be DCP's coordinator (rank 0
             unless ``dcp.load`` is told otherwise).
         storage_options: fsspec filesystem options (credentials, endpoint, ...).
-        process_group: the group ``dcp.load`` uses; ``None`` for the default group (or none at all).
+        process_group: the group ``dcp.load`` uses; ``None``: the one ``dcp.load`` runs on (its
+            ``process_group``, else the default group, or none at all).
         transport_config / archive_config / delivery_config: tuning (see each class).
         transport: an existing transport to read through (its counters then add up).
+        trust: ``False`` (default): ``data.pkl`` is decoded by an allow-list (what a state dict pickles to,
+            plus what you registered with ``torch.serialization.add_safe_globals`` or inside
+            ``torch.serialization.safe_globals``); anything else raises
+            :class:`~dcp_storage.errors.UnsafeCheckpointError` naming the global, and nothing runs.
+            ``True``: an explicit opt-in for files from a source you trust: the file is decoded as
+            ``torch.load(weights_only=False)`` would, so it may hold any object (an ``argparse.Namespace``,
+            a config) and may run code while it is decoded, on the coordinator. Its non-tensor values then
+            reach the planner's ``load_bytes`` as ``torch.save`` bytes: DCP's ``DefaultLoadPlanner`` decodes
+            them with ``weights_only=False``; this package's planners with ``weights_only=True`` plus their
+            ``safe_globals=[...]``.
     """
 
     def __init__(
@@ -78,8 +93,12 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         archive_config: ArchiveConfig | None = None,
         delivery_config: DeliveryConfig | None = None,
         transport: FsspecTransport | None = None,
+        trust: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(trust, bool):
+            raise TypeError(f"trust must be True or False, got {trust!r}")
+        self.trust = trust
         if coordinator_rank < 0:
             raise ValueError(f"coordinator_rank must be >= 0, got {coordinator_rank}")
         self.checkpoint_id = os.fspath(checkpoint_id) if checkpoint_id is not None else None
@@ -128,7 +147,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
     def _open_archive(self) -> TorchSaveArchive:
         if self._archive is None:
             transport, path = self._open_transport()
-            self._archive = TorchSaveArchive.open(transport, path, self.archive_config)
+            self._archive = TorchSaveArchive.open(transport, path, self.archive_config, trust=self.trust)
         return self._archive
 
     # ------------------------------------------------------------------------------------ metadata
@@ -143,13 +162,8 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        view = self._view()
-        if is_coordinator != (view.rank == self.coordinator_rank):
-            raise ValueError(
-                f"BroadcastingTorchSaveReader(coordinator_rank={self.coordinator_rank}) on rank {view.rank}: DCP's "
-                f"coordinator {'is' if is_coordinator else 'is not'} this rank; pass dcp.load's coordinator rank "
-                "and process group to the reader"
-            )
+        self._check_coordinator(self._view(), is_coordinator)
+        check_planned_keys(running_planner(), metadata)
         self._metadata = metadata
         self.is_coordinator = is_coordinator
 
@@ -157,8 +171,23 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Coordinator only: check every rank's plan against the archive and remember it."""
+        """Coordinator only: check every rank's plan against the archive and remember it.
+
+        Keys the file lacks (planned by a planner that describes the checkpoint from the state dict) raise
+        :class:`~dcp_storage.planners.IncompatibleKeysError`, or are left out of the plans when the
+        planner loads partially (``allow_partial_load=True``, ``strict=False``).
+        """
         archive = self._open_archive()
+        held = archive.flat
+        items = [i for p in plans for i in p.items]
+        absent = {i.dest_index.fqn: i.storage_index.fqn for i in items if i.storage_index.fqn not in held}
+        if absent:
+            planner = running_planner()
+            if rules_of(planner).fail_on_missing:
+                wanted = {i.storage_index.fqn for i in items}
+                unexpected = [k for k in held if k not in wanted]
+                enforce_for(planner, sorted(absent), unexpected, len(wanted) - len(set(absent.values())))
+            plans = [dataclasses.replace(p, items=[i for i in p.items if i.storage_index.fqn in held]) for p in plans]
         for rank, plan in enumerate(plans):
             for item in plan.items:
                 _check_item(archive, item, rank)
@@ -167,14 +196,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
 
     # ------------------------------------------------------------------------------------ data
     def _serve(self, view: GroupView, plan: LoadPlan, planner: LoadPlanner) -> None:
-        plans = self._plans if self._plans is not None else [plan]
-        if len(plans) != view.world:
-            raise DcpStorageError(
-                f"BroadcastingTorchSaveReader: the coordinator saw {len(plans)} plans for a group of {view.world} "
-                "ranks (was prepare_global_plan called on this rank?)"
-            )
-        plans = list(plans)
-        plans[view.rank] = plan  # the final local plan, after the planner's finish_plan
+        plans = self._all_plans(view, plan)
         expected = {r: len(p.items) for r, p in enumerate(plans)}
         sender = SliceSender(view, expected, self.delivery, self.delivery_config)
         try:

@@ -22,6 +22,11 @@ Call order (``dcp.load`` drives it; "all" = every rank of the process group):
    ``prepare_global_plan``; the results are remembered.
 5. ``read_data`` (all, point to point).
 
+Under ``dcp.load(..., no_dist=True)`` each calling rank works alone (:mod:`.dcp_call`): no collective, the
+wrapped reader reads that rank's own plan. The wrapped reader is always called inside
+:func:`~.dcp_call.working_alone`, so a reader that would share metadata itself (``SafetensorsReader``)
+reads it on the coordinator instead of starting a collective the other ranks are not in.
+
 The wrapped reader must hand the planner the ``ReadItem`` objects of the plan it was given (DCP's and this
 package's readers do) and must be usable for several ``read_data`` calls per load.
 """
@@ -41,8 +46,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ..errors import DcpStorageError
+from ..planners.key_check import check_planned_keys
 from ..tensor_buffers import host_buffer
 from .coordinator_served import CoordinatorServedReader
+from .dcp_call import running_planner, working_alone
 from .group import GroupView
 from .metadata_sharing import share_object
 from .slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, item_key
@@ -56,7 +63,8 @@ class Broadcasting(CoordinatorServedReader):
     Args:
         reader: any DCP ``StorageReader`` (e.g. :class:`~dcp_storage.FsspecReader`).
         coordinator_rank: the rank of ``process_group`` that reads; must be DCP's coordinator.
-        process_group: the group ``dcp.load`` uses; ``None``: the default group (or none at all).
+        process_group: the group ``dcp.load`` uses; ``None``: the one ``dcp.load`` runs on (its
+            ``process_group``, else the default group, or none at all).
         delivery_config: in-flight and staging limits of the coordinator.
     """
 
@@ -102,31 +110,33 @@ class Broadcasting(CoordinatorServedReader):
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]
         self._view()
-        self._metadata = share_object(
-            self.reader.read_metadata, group=self.process_group, src_rank=self.coordinator_rank
-        )
+
+        def read() -> Metadata:
+            with working_alone():
+                return self.reader.read_metadata()
+
+        self._metadata = share_object(read, group=self.process_group, src_rank=self.coordinator_rank)
         return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         view = self._view()
-        if is_coordinator != (view.rank == self.coordinator_rank):
-            raise ValueError(
-                f"Broadcasting(coordinator_rank={self.coordinator_rank}) on rank {view.rank}: DCP's coordinator "
-                f"{'is' if is_coordinator else 'is not'} this rank; pass dcp.load's coordinator and process group"
-            )
+        self._check_coordinator(view, is_coordinator)
+        check_planned_keys(running_planner(), metadata)
         self._metadata = metadata
         if is_coordinator:
-            if "kwargs" in inspect.signature(self.reader.set_up_storage_reader).parameters:
-                self.reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-            else:
-                self.reader.set_up_storage_reader(metadata, is_coordinator)
+            with working_alone():
+                if "kwargs" in inspect.signature(self.reader.set_up_storage_reader).parameters:
+                    self.reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+                else:
+                    self.reader.set_up_storage_reader(metadata, is_coordinator)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        plans = [self.reader.prepare_local_plan(p) for p in plans]
-        plans = self.reader.prepare_global_plan(plans)
+        with working_alone():
+            plans = [self.reader.prepare_local_plan(p) for p in plans]
+            plans = self.reader.prepare_global_plan(plans)
         self._plans = list(plans)
         return plans
 
@@ -136,13 +146,7 @@ class Broadcasting(CoordinatorServedReader):
 
     # ------------------------------------------------------------------------------------ internals
     def _serve(self, view: GroupView, plan: LoadPlan, planner: LoadPlanner) -> None:
-        plans = list(self._plans) if self._plans is not None else [plan]
-        if len(plans) != view.world:
-            raise DcpStorageError(
-                f"Broadcasting: the coordinator saw {len(plans)} plans for a group of {view.world} ranks "
-                "(was prepare_global_plan called on this rank?)"
-            )
-        plans[view.rank] = plan
+        plans = self._all_plans(view, plan)
         sender = SliceSender(view, {r: len(p.items) for r, p in enumerate(plans)}, self.delivery, self.delivery_config)
         try:
             router = _RoutingPlanner(planner, view.rank, sender, self._stored_dtype, self.delivery)
@@ -154,7 +158,8 @@ class Broadcasting(CoordinatorServedReader):
             for chunk in self._chunks(jobs, view.rank):
                 router.route(chunk)
                 inner_plan = LoadPlan([item for _r, _i, item in chunk], plan.storage_data, plan.planner_data)
-                self.reader.read_data(inner_plan, router).wait()
+                with working_alone():
+                    self.reader.read_data(inner_plan, router).wait()
                 router.check_done()
             sender.finish()
         except BaseException as exc:

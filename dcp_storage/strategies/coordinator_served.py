@@ -5,6 +5,9 @@
 coordinator gets tensor bytes; what every rank does in ``read_data`` is the same and lives here: the
 coordinator serves each rank its slices (``_serve``), every other rank receives its own (in the dtype the
 checkpoint stores, from the shared metadata).
+
+A rank that works alone (``dcp.load(..., no_dist=True)``, see :mod:`.dcp_call`) is its own coordinator:
+it reads its own plan from storage and sends nothing, whatever ``coordinator_rank`` says.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, DcpStorageError
+from .dcp_call import SOLO, load_group, works_alone
 from .group import GroupView, group_view
 from .slice_delivery import DeliveryStats, receive_items
 
@@ -26,22 +30,49 @@ __all__ = ["CoordinatorServedReader"]
 
 
 class CoordinatorServedReader(StorageReader):
-    """Subclasses set ``process_group``, ``coordinator_rank``, ``_metadata`` and ``delivery``; define ``_serve``."""
+    """Subclasses set ``process_group``, ``coordinator_rank``, ``_metadata``, ``_plans`` and ``delivery``;
+    define ``_serve``."""
 
     process_group: Any
     coordinator_rank: int
     _metadata: Metadata | None
+    _plans: list[LoadPlan] | None
     delivery: DeliveryStats
 
     def _view(self) -> GroupView:
-        view = group_view(self.process_group)
+        """This rank in the load's group; :data:`~.dcp_call.SOLO` when it works alone."""
+        if works_alone():
+            return SOLO
+        view = group_view(load_group(self.process_group))
         view.check_src(self.coordinator_rank, "coordinator_rank")
         return view
+
+    def _check_coordinator(self, view: GroupView, is_coordinator: bool) -> None:
+        """``set_up_storage_reader``: DCP's coordinator must be ours (it runs ``prepare_global_plan``)."""
+        if view.distributed and is_coordinator != (view.rank == self.coordinator_rank):
+            raise ValueError(
+                f"{type(self).__name__}(coordinator_rank={self.coordinator_rank}) on rank {view.rank}: DCP's "
+                f"coordinator {'is' if is_coordinator else 'is not'} this rank; pass dcp.load's coordinator rank "
+                "and process group to the reader"
+            )
+
+    def _all_plans(self, view: GroupView, plan: LoadPlan) -> list[LoadPlan]:
+        """Every rank's plan, this rank's being its final one (after the planner's ``finish_plan``)."""
+        if not view.distributed:
+            return [plan]
+        plans = list(self._plans) if self._plans is not None else [plan]
+        if len(plans) != view.world:
+            raise DcpStorageError(
+                f"{type(self).__name__}: the coordinator saw {len(plans)} plans for a group of {view.world} ranks "
+                "(was prepare_global_plan called on this rank?)"
+            )
+        plans[view.rank] = plan
+        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         view = self._view()
         self.delivery = DeliveryStats()
-        if view.rank == self.coordinator_rank:
+        if not view.distributed or view.rank == self.coordinator_rank:
             self._serve(view, plan, planner)
         else:
             receive_items(plan.items, planner, view, self.coordinator_rank, self._stored_dtype, self.delivery)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import DcpStorageError
+from .dcp_call import load_group, works_alone
 from .group import group_view
 
 __all__ = ["decode_error", "encode_error", "share_object"]
@@ -31,10 +32,16 @@ _SIMPLE = (str, int, float, bool, type(None))
 def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -> T:
     """Run ``fn`` on ``src_rank`` (a rank of ``group``) and return its result on every rank.
 
-    Collective: every rank of ``group`` must call it. Without a process group (or at world size 1) it
+    ``group=None``: the process group of the running ``dcp.load``, if any, else the default group.
+
+    Collective: every rank of ``group`` must call it. Without a process group (or at world size 1), and
+    while this process works alone (inside ``dcp.load(..., no_dist=True)``, see :mod:`.dcp_call`), it
     just calls ``fn``. If ``fn`` raises, every rank raises (see the module docstring for which class).
     The result must be picklable; if it is not, that too is raised on every rank.
     """
+    if works_alone():
+        return fn()
+    group = load_group(group)
     view = group_view(group)
     view.check_src(src_rank, "src_rank")
     if not view.distributed or view.world == 1:

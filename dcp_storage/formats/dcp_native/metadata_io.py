@@ -3,8 +3,9 @@
 torch writes ``.metadata`` with ``pickle.dump`` and reads it with ``pickle.load``. We write the same bytes
 (so torch's reader loads our checkpoints) but read them with an allow-list: the DCP metadata classes,
 ``torch.Size``, dtypes, layouts, memory formats, enums (also pickled as ``getattr(enum, name)``) and plain
-containers. Anything else raises :class:`~dcp_storage.errors.UnsafeCheckpointError` naming the file and
-the global.
+containers, and what the user registered with ``torch.serialization.add_safe_globals`` /
+``safe_globals`` (:mod:`..safe_globals`). Anything else raises
+:class:`~dcp_storage.errors.UnsafeCheckpointError` naming the file and the global.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...safe_unpickle import StandInRefusal, globals_of, safe_loads
 from ..limits import METADATA, read_limited
+from ..safe_globals import with_registered_globals
 from .metadata_checks import check_metadata
 
 __all__ = ["METADATA_FILE", "dump_metadata", "load_metadata", "metadata_allow_list", "read_metadata_file"]
@@ -104,7 +106,7 @@ def load_metadata(data: bytes | bytearray | memoryview, path: str) -> Metadata:
     The decoded object is checked too (:mod:`.metadata_checks`: dtypes, shapes, byte counts, chunk bounds,
     storage entries that stay inside the checkpoint), so every problem is reported here, naming ``path``.
     """
-    metadata = safe_loads(data, path, _ALLOWED, expected=Metadata)
+    metadata = safe_loads(data, path, with_registered_globals(_ALLOWED), expected=Metadata)
     return check_metadata(metadata, path)
 
 

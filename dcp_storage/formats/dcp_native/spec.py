@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec import FormatSpec, Probe
+from ..spec import FormatSpec, Probe, trust_byte_items
 from .sniff import NATIVE, dcp_data_kind
 
 __all__ = ["FORMAT"]
@@ -17,7 +17,9 @@ def _sniff(probe: Probe) -> int | None:
 
 def _reader(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
     from ...storage import FsspecReader
+    from .item_loader import ItemLoaderConfig
 
+    trust_byte_items(options, ItemLoaderConfig)
     return FsspecReader(url, storage_options, **options)
 
 

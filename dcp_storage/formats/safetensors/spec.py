@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec import HEAD_BYTES, FormatSpec, Probe
+from ..spec import HEAD_BYTES, FormatSpec, Probe, trust_byte_items
 from .layout import looks_like_safetensors
 
 __all__ = ["FORMAT"]
@@ -33,7 +33,9 @@ def _sniff(probe: Probe) -> int | None:
 
 def _reader(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
     from ...storage import SafetensorsReader
+    from .loader import LoaderConfig
 
+    trust_byte_items(options, LoaderConfig)
     return SafetensorsReader(url, storage_options, **options)
 
 

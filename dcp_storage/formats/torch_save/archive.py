@@ -79,13 +79,18 @@ class TorchSaveArchive:
 
     # ------------------------------------------------------------------------------------- opening
     @classmethod
-    def open(cls, transport: FsspecTransport, path: str, config: ArchiveConfig | None = None) -> TorchSaveArchive:
-        """Index the archive at ``path``; raises our errors, each naming the file, for anything else."""
+    def open(
+        cls, transport: FsspecTransport, path: str, config: ArchiveConfig | None = None, *, trust: bool = False
+    ) -> TorchSaveArchive:
+        """Index the archive at ``path``; raises our errors, each naming the file, for anything else.
+
+        ``trust``: decode ``data.pkl`` as ``torch.load(weights_only=False)`` would (see :mod:`.pickle_tree`).
+        """
         config = config or ArchiveConfig()
         try:
             index = read_zip_index(transport, path)
         except NotAZipError as exc:
-            _refuse_not_zip(transport, path, exc, config)
+            _refuse_not_zip(transport, path, exc, config, trust)
             raise  # unreachable: _refuse_not_zip always raises
         url = index.url
         prefix = _archive_prefix(index)
@@ -95,7 +100,7 @@ class TorchSaveArchive:
             if order != b"little":
                 raise UnsupportedFormatError(f"{url}: byte order {order!r}: only little-endian archives are supported")
         pkl = read_entry(transport, index, prefix + "data.pkl", config.max_pickle_bytes)
-        tree, storages = decode_data_pkl(pkl, f"{url} (data.pkl)")
+        tree, storages = decode_data_pkl(pkl, f"{url} (data.pkl)", trust=trust)
         if not isinstance(tree, Mapping):
             raise UnsupportedFormatError(
                 f"{url}: the file holds a {type(tree).__name__}, not a state dict; only dicts of tensors and "
@@ -198,8 +203,8 @@ class TorchSaveArchive:
     def value_bytes(self, fqn: str) -> bytes:
         """The non-tensor value ``fqn`` as ``torch.save`` bytes (what DCP's ``load_bytes`` expects).
 
-        The value was decoded by the allow-list, so it holds only plain objects; tensors nested in it are
-        read whole first.
+        The value was decoded by the allow-list (or, for a trusted file, as pickle decodes it); tensors nested
+        in it, also in the attributes of objects, are read whole first.
         """
         value = self._materialize(self.flat[fqn], fqn)
         buf = io.BytesIO()
@@ -218,6 +223,10 @@ class TorchSaveArchive:
             return [self._materialize(v, fqn) for v in value]
         if isinstance(value, tuple) and not isinstance(value, torch.Size):
             return tuple(self._materialize(v, fqn) for v in value)
+        attrs = getattr(value, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(value, type):  # an argparse.Namespace, a config object
+            for name, v in list(attrs.items()):
+                attrs[name] = self._materialize(v, fqn)
         return value
 
 
@@ -260,24 +269,32 @@ def _archive_prefix(index: ZipIndex) -> str:
     return candidates[0]
 
 
-def _refuse_not_zip(transport: FsspecTransport, path: str, exc: NotAZipError, config: ArchiveConfig) -> None:
-    """Raise the most useful error for a file without a zip end record."""
+def _scan_legacy_file(transport: FsspecTransport, path: str, url: str, config: ArchiveConfig) -> None:
+    """Refuse a legacy file whose pickles name a forbidden global (else it is refused as unsupported)."""
+    size = transport.size(path)
+    n = min(size, 1 * MiB)
+    while True:
+        prefix = bytes(transport.read_range(path, 0, n))
+        try:
+            scan_legacy(prefix, url, complete=n >= size)
+        except LegacyNeedsMoreBytes:
+            if n >= min(size, config.legacy_scan_bytes):
+                return
+            n = min(size, 4 * n, config.legacy_scan_bytes)
+            continue
+        return
+
+
+def _refuse_not_zip(
+    transport: FsspecTransport, path: str, exc: NotAZipError, config: ArchiveConfig, trust: bool
+) -> None:
+    """Raise the most useful error for a file without a zip end record (for a trusted one, never "unsafe")."""
     url = transport.url(path)
     if not exc.head:
         raise CorruptCheckpointError(str(exc)) from None
     if is_legacy_head(exc.head):
-        size = transport.size(path)
-        n = min(size, 1 * MiB)
-        while True:
-            prefix = bytes(transport.read_range(path, 0, n))
-            try:
-                scan_legacy(prefix, url, complete=n >= size)
-            except LegacyNeedsMoreBytes:
-                if n >= min(size, config.legacy_scan_bytes):
-                    break
-                n = min(size, 4 * n, config.legacy_scan_bytes)
-                continue
-            break
+        if not trust:
+            _scan_legacy_file(transport, path, url, config)
         raise UnsupportedFormatError(
             f"{url}: legacy torch.save format (saved with _use_new_zipfile_serialization=False or torch < 1.6) is "
             "not supported: its tensors cannot be located without reading the whole file. Re-save it in the "

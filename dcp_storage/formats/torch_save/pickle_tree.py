@@ -5,9 +5,16 @@
 containers, ``OrderedDict``, ``set``, ``torch.Size``, dtypes, devices, storage classes, bytes via
 ``_codecs.encode``, tensors via ``torch._utils._rebuild_tensor_v2``/``_v3``, parameters via
 ``_rebuild_parameter``), and tensors become :class:`TensorDescriptor` objects: storage key, dtype, shape,
-stride and storage offset, without reading a byte of storage. Any other global raises
+stride and storage offset, without reading a byte of storage. Globals the user registered with torch
+(``torch.serialization.add_safe_globals`` / ``safe_globals``, :mod:`..safe_globals`) are accepted as
+``torch.load(weights_only=True)`` accepts them. Any other global raises
 :class:`~dcp_storage.errors.UnsafeCheckpointError` before it is resolved, so a malicious payload never runs
-(the same guarantee as ``torch.load(weights_only=True)``, with a smaller allow-list).
+(the same guarantee as ``torch.load(weights_only=True)``, with a smaller allow-list); the message names the
+global and both ways out.
+
+``trust=True`` (an explicit opt-in, for files from a trusted source only) decodes as
+``torch.load(weights_only=False)`` would: any other global is imported and called as pickle does, so the
+file can run code. Tensors still become descriptors; nothing else changes.
 
 :func:`scan_legacy` applies the same allow-list to the legacy (pre-1.6, ``_use_new_zipfile_serialization=
 False``) format, so that such a file is refused as unsafe when it is, and as unsupported otherwise.
@@ -29,6 +36,7 @@ import torch
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from ...safe_unpickle import AllowListUnpickler
 from ..limits import check_view
+from ..safe_globals import with_registered_globals
 
 __all__ = ["LEGACY_MAGIC", "LegacyNeedsMoreBytes", "TensorDescriptor", "decode_data_pkl", "scan_legacy"]
 
@@ -91,14 +99,33 @@ def _ints(value: Any, what: str, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+#: How to load a file the allow-list refuses, appended to the refusal ({} is the global's dotted name).
+WAYS_OUT = (
+    "if you trust this file and where it came from: allow that global with "
+    "torch.serialization.add_safe_globals([{}]) (or inside torch.serialization.safe_globals([...])), or decode the "
+    "whole file as torch.load(weights_only=False) would with trust=True (dcp-storage convert --trust)"
+)
+
+
+class _TrustingUnpickler(AllowListUnpickler):
+    """``trust=True``: the allow-list's stand-ins first (tensors stay descriptors), then any global, as pickle does."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get((module, name))
+        if found is not None:
+            return found
+        return pickle.Unpickler.find_class(self, module, name)
+
+
 class _Decoder:
     """One ``data.pkl``: the allow-list and the storages seen so far."""
 
-    def __init__(self, where: str, legacy: bool = False) -> None:
+    def __init__(self, where: str, legacy: bool = False, trust: bool = False) -> None:
         self.where = where
         self.legacy = legacy
+        self.trust = trust
         self.storages: dict[str, _StorageRef] = {}
-        self.allowed = self._allowed()
+        self.allowed = with_registered_globals(self._allowed())
 
     # ------------------------------------------------------------------------------------ globals
     def _allowed(self) -> dict[tuple[str, str], Any]:
@@ -214,7 +241,8 @@ class _Decoder:
 
     # ------------------------------------------------------------------------------------ loading
     def unpickler(self, stream: io.BytesIO) -> AllowListUnpickler:
-        return AllowListUnpickler(stream, self.where, self.allowed, self.persistent_load)
+        kind = _TrustingUnpickler if self.trust else AllowListUnpickler
+        return kind(stream, self.where, self.allowed, self.persistent_load)
 
 
 def _storage_classes() -> dict[str, torch.dtype | None]:
@@ -232,22 +260,30 @@ def _storage_classes() -> dict[str, torch.dtype | None]:
     return out
 
 
-def decode_data_pkl(data: bytes, where: str) -> tuple[Any, dict[str, int]]:
+def decode_data_pkl(data: bytes, where: str, trust: bool = False) -> tuple[Any, dict[str, int]]:
     """Decode ``data.pkl``: the object tree (tensors as :class:`TensorDescriptor`) and storage sizes by key.
 
     Raises :class:`UnsafeCheckpointError` for a global outside the allow-list (nothing is executed) and
-    :class:`CorruptCheckpointError` for anything malformed.
+    :class:`CorruptCheckpointError` for anything malformed. ``trust``: see the module docstring.
     """
-    decoder = _Decoder(where)
+    decoder = _Decoder(where, trust=trust)
     try:
         obj = decoder.unpickler(io.BytesIO(data)).load()
-    except (UnsafeCheckpointError, CorruptCheckpointError) as exc:
-        if isinstance(exc, UnsafeCheckpointError) and not exc.path:
-            raise UnsafeCheckpointError(where, exc.forbidden) from None
+    except UnsafeCheckpointError as exc:
+        raise _refusal(exc, where) from None
+    except CorruptCheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - any other decoder failure means the bytes are garbage
         raise CorruptCheckpointError(f"{where}: data.pkl is not a valid pickle ({type(exc).__name__}: {exc})") from None
     return obj, {k: r.nbytes for k, r in decoder.storages.items()}
+
+
+def _refusal(exc: UnsafeCheckpointError, where: str) -> UnsafeCheckpointError:
+    """The refusal naming the file, the global, and (for a global refused by the allow-list) the ways out."""
+    detail = exc.detail
+    if not detail and "." in exc.forbidden:  # a global the allow-list lacks, not a refused use of an allowed one
+        detail = WAYS_OUT.format(exc.forbidden)
+    return UnsafeCheckpointError(exc.path or where, exc.forbidden, detail)
 
 
 class LegacyNeedsMoreBytes(Exception):
@@ -268,9 +304,7 @@ def scan_legacy(prefix: bytes, where: str, complete: bool) -> None:
         for _ in range(4):  # magic number, protocol version, sys info, the object
             decoder.unpickler(stream).load()
     except UnsafeCheckpointError as exc:
-        if not exc.path:
-            raise UnsafeCheckpointError(where, exc.forbidden) from None
-        raise
+        raise _refusal(exc, where) from None
     except CorruptCheckpointError:
         raise
     except (EOFError, pickle.UnpicklingError) as exc:
