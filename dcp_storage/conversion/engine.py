@@ -191,6 +191,7 @@ def convert(
     single_file: bool | None = None,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[TensorSource, int], None] | None = None,
+    create_bucket: bool = False,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
@@ -216,6 +217,8 @@ def convert(
             ``False`` as a directory; ``None`` decides by ``dst``'s suffix.
         progress: called with the byte count of each tensor once it is written.
         on_start: called once with the opened source and the total tensor bytes, before writing.
+        create_bucket: create ``dst``'s bucket (Azure: container) if it does not exist; otherwise a missing
+            one raises :class:`~dcp_storage.errors.BucketNotFoundError` before anything is written.
     """
     started = time.monotonic()
     src, dst = os.fspath(src), os.fspath(dst)
@@ -230,7 +233,7 @@ def convert(
         tensors, values = plan_outputs(source, dtype=cast)
         return _run(
             source, dst, dst_opts, target, tensors, values, shard, overwrite, drop_non_tensors, progress, on_start,
-            started, single_file=single_file,
+            started, single_file=single_file, create_bucket=create_bucket,
         )
 
 
@@ -247,9 +250,10 @@ def _run(
     progress: Callable[[int], None] | None,
     on_start: Callable[[TensorSource, int], None] | None,
     started: float,
+    create_bucket: bool = False,
     **options: Any,
 ) -> ConvertResult:
-    dest = Destination.of(dst, dst_opts, overwrite)
+    dest = Destination.of(dst, dst_opts, overwrite, create_bucket)
     dest.progress = progress
     try:
         total = sum(t.nbytes for t in tensors)
