@@ -34,6 +34,7 @@ from torch.futures import Future
 
 from .. import errors
 from ..errors import CheckpointNotFoundError, DcpStorageError
+from ..formats.misdirected import explain_missing
 from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
@@ -107,8 +108,15 @@ class SafetensorsReader(BoundLocation, StorageReader):
 
     # ---------------------------------------------------------------------------------------- metadata
     def _scan(self) -> tuple[str, Metadata]:
-        layout = discover(self.transport, self.target)
-        return layout.root, scan_metadata(self.transport, layout, self.scan_config)
+        try:
+            layout = discover(self.transport, self.target)
+            return layout.root, scan_metadata(self.transport, layout, self.scan_config)
+        except (CheckpointNotFoundError, errors.CorruptCheckpointError, NotADirectoryError, IsADirectoryError) as exc:
+            # A missing bucket, or another format at the URL (a DCP directory, a torch.save file): say which.
+            better = explain_missing(self.transport, self.target, "safetensors", "SafetensorsReader", exc)
+            if better is exc:
+                raise
+            raise better from exc
 
     def _group(self) -> Any:
         if not self.broadcast_metadata or not dist.is_available() or not dist.is_initialized():
@@ -196,6 +204,8 @@ _MESSAGE_ERRORS: dict[str, type[DcpStorageError]] = {
         errors.CorruptCheckpointError,
         errors.TransportError,
         errors.ShapeMismatchError,
+        errors.StorageAccessError,
+        errors.WrongFormatError,
     )
 }
 

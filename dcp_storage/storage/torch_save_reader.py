@@ -39,7 +39,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from ..formats.misdirected import explain_missing
 from ..formats.tensor_reads import SliceRead, plan_slice_read, read_slices
 from ..formats.torch_save import ArchiveConfig, TorchSaveArchive
 from ..strategies.coordinator_served import CoordinatorServedReader
@@ -128,7 +129,18 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
     def _open_archive(self) -> TorchSaveArchive:
         if self._archive is None:
             transport, path = self._open_transport()
-            self._archive = TorchSaveArchive.open(transport, path, self.archive_config)
+            try:
+                self._archive = TorchSaveArchive.open(transport, path, self.archive_config)
+            except (CheckpointNotFoundError, CorruptCheckpointError, IsADirectoryError) as exc:
+                # A missing bucket, or another format at the URL (a directory, a safetensors file): say which.
+                better = explain_missing(transport, path, "torch_save", "BroadcastingTorchSaveReader", exc)
+                if better is not exc:
+                    raise better from exc
+                if isinstance(exc, IsADirectoryError):  # the OS error names no path
+                    raise CheckpointNotFoundError(
+                        f"{transport.url(path)}: is a directory, not a torch.save file"
+                    ) from exc
+                raise
         return self._archive
 
     # ------------------------------------------------------------------------------------ metadata
