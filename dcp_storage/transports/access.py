@@ -136,6 +136,8 @@ def _code(exc: BaseException) -> str | None:
 
 
 def _status(exc: BaseException) -> int | None:
+    if isinstance(exc, OSError) and str(exc).startswith(_GCSFS_FORBIDDEN):
+        return 403
     for attr in ("status_code", "status", "code"):  # azure-core, aiohttp, gcsfs HttpError
         value = getattr(exc, attr, None)
         if isinstance(value, int) and 100 <= value < 600:
@@ -146,10 +148,6 @@ def _status(exc: BaseException) -> int | None:
         if isinstance(value, int):
             return value
     return None
-
-
-def _forbidden(exc: BaseException) -> bool:
-    return isinstance(exc, PermissionError) or (isinstance(exc, OSError) and str(exc).startswith(_GCSFS_FORBIDDEN))
 
 
 def _kind(chain: list[BaseException]) -> str | None:
@@ -169,7 +167,7 @@ def _kind(chain: list[BaseException]) -> str | None:
         return "denied"
     if 401 in statuses:
         return "rejected"
-    if 403 in statuses or any(map(_forbidden, chain)):
+    if 403 in statuses or any(isinstance(exc, PermissionError) for exc in chain):
         return "denied"
     return None
 
