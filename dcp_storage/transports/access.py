@@ -151,7 +151,13 @@ def _status(exc: BaseException) -> int | None:
 
 
 def _kind(chain: list[BaseException]) -> str | None:
-    """``"missing"``, ``"rejected"``, ``"denied"`` for an access failure; ``None`` for anything else.
+    """``"missing"``, ``"rejected"``, ``"denied"``, ``"forbidden"`` (a 403 with no reason: the answer to a HEAD
+    request has no body), ``"head_400"`` for an access failure; ``None`` for anything else.
+
+    S3 answers an expired or malformed session token (``ExpiredToken``, ``InvalidToken``) and a request
+    signed for the wrong region with 400, and to a HEAD request (``HeadObject``, ``HeadBucket``: existence
+    and size checks) without a body, so nothing but "400 Bad Request" reaches the client. Our own HEAD
+    requests are well formed, so a 400 to one of them is taken for such a refusal.
 
     The most specific evidence anywhere along the chain wins: s3fs's bare ``PermissionError`` on top says
     less than the botocore error code below it.
@@ -168,7 +174,9 @@ def _kind(chain: list[BaseException]) -> str | None:
     if 401 in statuses:
         return "rejected"
     if 403 in statuses or any(isinstance(exc, PermissionError) for exc in chain):
-        return "denied"
+        return "forbidden"
+    if any(_status(exc) == 400 and str(getattr(exc, "operation_name", "")).startswith("Head") for exc in chain):
+        return "head_400"
     return None
 
 
@@ -202,6 +210,11 @@ _PHRASES = {
     "missing": "no credentials were found",
     "rejected": "the store rejected the credentials",
     "denied": "access denied",
+    "forbidden": "the store refused the request (wrong credentials, or credentials without this permission)",
+    "head_400": (
+        "the store refused the request (400 with no reason, as HEAD requests get it: usually an expired or invalid "
+        "session token, or credentials for another region)"
+    ),
 }
 
 
@@ -218,7 +231,7 @@ def access_error(exc: BaseException, what: str) -> StorageAccessError | None:
     if kind is None:
         return None
     fix = credentials_fix(what)
-    if kind == "denied" and fix != _LOCAL_FIX:
+    if kind in ("denied", "forbidden") and fix != _LOCAL_FIX:
         fix = f"{_DENIED_HINT}; otherwise {fix}"
     return StorageAccessError(f"{what}: {_PHRASES[kind]} ({_reason(chain)}); {fix}")
 

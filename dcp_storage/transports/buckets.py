@@ -67,8 +67,8 @@ def require_bucket(transport: Any, path: str, *, create: bool = False) -> None:
     """Raise :class:`BucketNotFoundError` if ``path``'s bucket is missing; with ``create``, create it instead.
 
     Credentials that may write objects but not ask about the bucket (S3 ``HeadBucket`` needs
-    ``s3:ListBucket``) answer 403: the bucket's existence is then unknown, and the save goes on (its first
-    write will tell).
+    ``s3:ListBucket``) get a 403: the bucket's existence is then unknown, and the save goes on (its next
+    request tells what is wrong, with a body that says why, where a HEAD answer has none).
     """
     try:
         error = missing_bucket(transport, path, SAVE_FIX)

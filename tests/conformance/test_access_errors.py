@@ -137,7 +137,7 @@ def test_gs_forbidden(gs_forbidding: tuple[Location, FaultProxy]) -> None:
     proxy.set_rules([FaultRule("forbidden_403")])
     reader = ds.FsspecReader(url, opts)
     exc = _access_error(reader.read_metadata)
-    _assert_message(exc, f"read {url}/.metadata", "does not have storage.objects.get access", ("access denied", *gs_fix))
+    _assert_message(exc, f"read {url}/.metadata", "does not have storage.objects.get access", ("the store refused the request", *gs_fix))
     assert reader.counters["retries"] == 0 and proxy.counters().faults["forbidden_403"] == 1  # one request, no retry
     exc = _access_error(lambda: dcp.save(dict(STATE), storage_writer=ds.FsspecWriter(url + "-2", opts), no_dist=True))
     _assert_message(exc, "gs://", "HTTP 403", gs_fix)
