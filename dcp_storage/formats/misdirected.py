@@ -3,7 +3,7 @@
 A safetensors file given to ``FsspecReader`` used to fail with ``[Errno 20] Not a directory:
 .../model.safetensors/.metadata``, an HF directory with "the checkpoint does not exist", and an HF
 directory given to ``BroadcastingTorchSaveReader`` with ``[Errno 21] Is a directory`` and no path. Readers
-call :func:`explain_missing` on such an error path, and only there (a healthy load makes no extra
+call :func:`raise_explained` on such an error path, and only there (a healthy load makes no extra
 request): it asks whether the bucket exists (:func:`~dcp_storage.transports.buckets.missing_bucket`), then
 probes the URL once and runs every registered sniffer (:mod:`.detection`, the same ones ``open_reader``
 uses). If another format wins, the reader raises :class:`~dcp_storage.errors.WrongFormatError` naming it and
@@ -12,14 +12,14 @@ the reader to use; otherwise the reader's own error stands.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import DcpStorageError, IncompleteCheckpointError, WrongFormatError
 from ..transports.buckets import missing_bucket
 from .detection import best_formats, registered_formats, score_formats
 from .spec import Probe
 
-__all__ = ["explain_missing", "wrong_format"]
+__all__ = ["explain_missing", "raise_explained", "wrong_format"]
 
 
 def wrong_format(transport: Any, path: str, own_format: str, reader: str) -> WrongFormatError | None:
@@ -51,3 +51,19 @@ def explain_missing(transport: Any, path: str, own_format: str, reader: str, err
     except (DcpStorageError, OSError):
         return error
     return better if better is not None else error
+
+
+def raise_explained(
+    transport: Any, path: str, own_format: str, reader: str, error: BaseException, fallback: BaseException | None = None
+) -> NoReturn:
+    """Raise :func:`explain_missing`'s answer for a reader's failure ``error`` (from an ``except`` block).
+
+    ``fallback`` replaces ``error`` when nothing better is found (an OS error that names no path, say).
+    Anything but ``error`` itself is chained to it.
+    """
+    if isinstance(error, IncompleteCheckpointError):
+        raise error  # an interrupted save of some format: already the precise answer
+    better = explain_missing(transport, path, own_format, reader, fallback if fallback is not None else error)
+    if better is error:
+        raise error
+    raise better from error

@@ -30,7 +30,7 @@ from ..formats.completeness import find_leftovers
 from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
 from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
 from ..formats.limits import METADATA, read_limited
-from ..formats.misdirected import explain_missing
+from ..formats.misdirected import raise_explained
 from ..integrity.dcp_manifest import record_verifier
 from ..transports import FsspecTransport, TransportConfig
 from .location import BoundLocation
@@ -103,7 +103,7 @@ class FsspecReader(BoundLocation, StorageReader):
                 "did not complete (metadata is written last)"
             )
             # A missing bucket, or another format at the URL (a safetensors file, an HF directory): say which.
-            raise explain_missing(self.transport, self.root, "dcp", "FsspecReader", missing) from exc
+            raise_explained(self.transport, self.root, "dcp", "FsspecReader", exc, missing)
         metadata = load_metadata(data, self.transport.url(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -34,7 +34,7 @@ from torch.futures import Future
 
 from .. import errors
 from ..errors import CheckpointNotFoundError, DcpStorageError
-from ..formats.misdirected import explain_missing
+from ..formats.misdirected import raise_explained
 from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
@@ -113,10 +113,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
             return layout.root, scan_metadata(self.transport, layout, self.scan_config)
         except (CheckpointNotFoundError, errors.CorruptCheckpointError, NotADirectoryError, IsADirectoryError) as exc:
             # A missing bucket, or another format at the URL (a DCP directory, a torch.save file): say which.
-            better = explain_missing(self.transport, self.target, "safetensors", "SafetensorsReader", exc)
-            if better is exc:
-                raise
-            raise better from exc
+            raise_explained(self.transport, self.target, "safetensors", "SafetensorsReader", exc)
 
     def _group(self) -> Any:
         if not self.broadcast_metadata or not dist.is_available() or not dist.is_initialized():

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, ShapeMismatchError
-from ..formats.misdirected import explain_missing
+from ..formats.misdirected import raise_explained
 from ..formats.tensor_reads import SliceRead, plan_slice_read, read_slices
 from ..formats.torch_save import ArchiveConfig, TorchSaveArchive
 from ..strategies.coordinator_served import CoordinatorServedReader
@@ -133,14 +133,11 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
                 self._archive = TorchSaveArchive.open(transport, path, self.archive_config)
             except (CheckpointNotFoundError, CorruptCheckpointError, IsADirectoryError) as exc:
                 # A missing bucket, or another format at the URL (a directory, a safetensors file): say which.
-                better = explain_missing(transport, path, "torch_save", "BroadcastingTorchSaveReader", exc)
-                if better is not exc:
-                    raise better from exc
-                if isinstance(exc, IsADirectoryError):  # the OS error names no path
-                    raise CheckpointNotFoundError(
-                        f"{transport.url(path)}: is a directory, not a torch.save file"
-                    ) from exc
-                raise
+                unnamed = isinstance(exc, IsADirectoryError)  # the OS error names no path
+                fallback = CheckpointNotFoundError(f"{transport.url(path)}: is a directory, not a torch.save file")
+                raise_explained(
+                    transport, path, "torch_save", "BroadcastingTorchSaveReader", exc, fallback if unnamed else None
+                )
         return self._archive
 
     # ------------------------------------------------------------------------------------ metadata
