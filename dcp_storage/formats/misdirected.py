@@ -21,9 +21,20 @@ from .spec import Probe
 
 __all__ = ["explain_missing", "raise_explained", "wrong_format"]
 
+# What a reader says when nothing of its format is at the URL: its own words add nothing to the hint.
+_NOTHING_THERE = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
-def wrong_format(transport: Any, path: str, own_format: str, reader: str) -> WrongFormatError | None:
-    """:class:`WrongFormatError` if ``path`` holds a checkpoint of a format other than ``own_format``."""
+
+def wrong_format(
+    transport: Any, path: str, own_format: str, reader: str, error: BaseException | None = None
+) -> WrongFormatError | None:
+    """:class:`WrongFormatError` if ``path`` holds a checkpoint of a format other than ``own_format``.
+
+    Sniffers look at names and first bytes, and some guess (a directory whose ``.metadata`` cannot be read
+    goes to the DCP reader, whose error then names it). So when the reader's own ``error`` was about the
+    content (a corrupt file it recognised as its own), that error is kept in the message: it may be the
+    real story, and it names the file.
+    """
     specs = registered_formats()
     probe = Probe.at(transport, path)
     scores, _failures = score_formats(probe, specs)
@@ -32,10 +43,13 @@ def wrong_format(transport: Any, path: str, own_format: str, reader: str) -> Wro
         return None
     found = specs[winners[0]]
     use = found.reader or f"dcp_storage.open_reader(url, format={found.name!r})"
-    return WrongFormatError(
-        f"{transport.url(path)}: this is a {found.name} checkpoint, not a {own_format} one, which {reader} reads; "
-        f"use dcp_storage.open_reader(url) (it detects the format) or {use}"
+    message = (
+        f"{transport.url(path)}: this looks like a {found.name} checkpoint, not a {own_format} one, which {reader} "
+        f"reads; use dcp_storage.open_reader(url) (it detects the format) or {use}"
     )
+    if error is not None and not isinstance(error, _NOTHING_THERE):
+        message += f" (if it is not, {reader}'s own error was: {error})"
+    return WrongFormatError(message)
 
 
 def explain_missing(transport: Any, path: str, own_format: str, reader: str, error: BaseException) -> BaseException:
@@ -47,7 +61,7 @@ def explain_missing(transport: Any, path: str, own_format: str, reader: str, err
     if isinstance(error, IncompleteCheckpointError):
         return error  # an interrupted save of some format: already the precise answer
     try:
-        better = missing_bucket(transport, path) or wrong_format(transport, path, own_format, reader)
+        better = missing_bucket(transport, path) or wrong_format(transport, path, own_format, reader, error)
     except (DcpStorageError, OSError):
         return error
     return better if better is not None else error

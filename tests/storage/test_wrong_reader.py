@@ -74,7 +74,7 @@ def _assert_hint(exc: BaseException, url: str, kind: str) -> None:
     text = str(exc)
     assert isinstance(exc, WrongFormatError) and isinstance(exc, ValueError), repr(exc)
     assert url.split("://")[-1] in text, text
-    assert f"this is a {found} checkpoint" in text, text
+    assert f"this looks like a {found} checkpoint" in text, text
     assert "open_reader(url)" in text and f"{right_reader}(url)" in text, text
     assert "Errno" not in text, text
 
@@ -99,7 +99,7 @@ def test_the_hint_survives_dcp_load(local_inputs: dict[str, str]) -> None:
     url = local_inputs["hf_dir"]
     with pytest.raises((CheckpointException, AssertionError)) as info:
         dcp.load({k: torch.zeros_like(v) for k, v in STATE.items()}, storage_reader=ds.FsspecReader(url), no_dist=True)
-    assert "this is a safetensors checkpoint" in str(info.value) and "SafetensorsReader(url)" in str(info.value)
+    assert "this looks like a safetensors checkpoint" in str(info.value) and "SafetensorsReader(url)" in str(info.value)
 
 
 def test_wrong_readers_on_s3_and_no_probe_on_the_happy_path(s3_url: S3Location) -> None:
