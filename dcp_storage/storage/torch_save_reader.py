@@ -131,13 +131,9 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
             transport, path = self._open_transport()
             try:
                 self._archive = TorchSaveArchive.open(transport, path, self.archive_config)
-            except (CheckpointNotFoundError, CorruptCheckpointError, IsADirectoryError) as exc:
+            except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
                 # A missing bucket, or another format at the URL (a directory, a safetensors file): say which.
-                unnamed = isinstance(exc, IsADirectoryError)  # the OS error names no path
-                fallback = CheckpointNotFoundError(f"{transport.url(path)}: is a directory, not a torch.save file")
-                raise_explained(
-                    transport, path, "torch_save", "BroadcastingTorchSaveReader", exc, fallback if unnamed else None
-                )
+                raise_explained(transport, path, "torch_save", "BroadcastingTorchSaveReader", exc)
         return self._archive
 
     # ------------------------------------------------------------------------------------ metadata
