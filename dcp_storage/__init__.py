@@ -17,9 +17,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     ".conversion": ("ConvertResult", "convert", "dcp_to_torch_save", "merge_fsdp_weights", "torch_save_to_dcp"),
     ".errors": (
-        "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError", "DcpStorageError",
-        "FileTooLargeError", "IncompleteCheckpointError", "NonTensorStateError", "ShapeMismatchError", "TransportError",
-        "UnknownExtensionError", "UnsafeCheckpointError", "UnsupportedDtypeError", "UnsupportedKeyError",
+        "BucketNotFoundError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
+        "DcpStorageError", "FileTooLargeError", "IncompleteCheckpointError", "NonTensorStateError", "ShapeMismatchError",
+        "StorageAccessError", "TransportError", "UnknownExtensionError", "UnsafeCheckpointError", "UnsupportedDtypeError",
+        "UnsupportedKeyError", "WrongFormatError",
     ),
     ".inspection": ("describe", "verify"),
     ".opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
@@ -50,6 +51,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from . import fsdp, registry
     from .conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
     from .errors import (
+        BucketNotFoundError,
         CheckpointExistsError,
         CheckpointNotFoundError,
         CorruptCheckpointError,
@@ -58,11 +60,13 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         IncompleteCheckpointError,
         NonTensorStateError,
         ShapeMismatchError,
+        StorageAccessError,
         TransportError,
         UnknownExtensionError,
         UnsafeCheckpointError,
         UnsupportedDtypeError,
         UnsupportedKeyError,
+        WrongFormatError,
     )
     from .inspection import describe, verify
     from .opening import UnknownFormatError, detect_format, open_reader, open_writer
@@ -75,6 +79,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
 __all__ = [
     "Broadcasting",
     "BroadcastingTorchSaveReader",
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ConvertResult",
@@ -95,6 +100,7 @@ __all__ = [
     "SafetensorsReader",
     "SafetensorsWriter",
     "ShapeMismatchError",
+    "StorageAccessError",
     "TransportConfig",
     "TransportError",
     "UnknownExtensionError",
@@ -102,6 +108,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedDtypeError",
     "UnsupportedKeyError",
+    "WrongFormatError",
     "__version__",
     "convert",
     "dcp_to_torch_save",

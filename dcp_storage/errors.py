@@ -16,6 +16,7 @@ from __future__ import annotations
 from .text import printable
 
 __all__ = [
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -24,11 +25,13 @@ __all__ = [
     "IncompleteCheckpointError",
     "NonTensorStateError",
     "ShapeMismatchError",
+    "StorageAccessError",
     "TransportError",
     "UnknownExtensionError",
     "UnsafeCheckpointError",
     "UnsupportedDtypeError",
     "UnsupportedKeyError",
+    "WrongFormatError",
 ]
 
 
@@ -88,6 +91,27 @@ class IncompleteCheckpointError(CheckpointNotFoundError):
         return (type(self), (self.url, self.data_files, self.marker, self.detail))
 
 
+class BucketNotFoundError(CheckpointNotFoundError):
+    """The bucket (or Azure container) a URL names does not exist, so nothing under it can either.
+
+    Raised on load (a checkpoint cannot be there) and on save: writers never create buckets unless asked
+    (``create_bucket=True``), so a typo in a bucket name fails instead of saving into a new bucket.
+    """
+
+    def __init__(self, url: str, bucket: str, noun: str = "bucket", fix: str = "") -> None:
+        self.url = url
+        self.bucket = bucket
+        self.noun = noun
+        self.fix = fix
+        msg = f"{url}: the {noun} {bucket!r} does not exist"
+        if fix:
+            msg += f"; {fix}"
+        super().__init__(msg)
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
+        return (type(self), (self.url, self.bucket, self.noun, self.fix))
+
+
 class CheckpointExistsError(DcpStorageError, FileExistsError):
     """A save would clobber an existing checkpoint and ``overwrite=False`` was asked for."""
 
@@ -112,6 +136,19 @@ class FileTooLargeError(CorruptCheckpointError):
 
 class TransportError(DcpStorageError, OSError):
     """Storage kept failing after the retry policy gave up; the message names URL, range and attempts."""
+
+
+class StorageAccessError(DcpStorageError, PermissionError):
+    """The store refused the credentials, or found none, or they do not grant the operation (401/403).
+
+    Never retried. The message names the operation and URL, the store's reason, and where credentials come
+    from; it never shows a credential.
+    """
+
+
+class WrongFormatError(DcpStorageError, ValueError):
+    """A reader was pointed at a checkpoint of another format; the message names that format and the reader
+    to use (``open_reader`` detects it)."""
 
 
 class UnknownExtensionError(DcpStorageError, LookupError):

@@ -12,6 +12,7 @@ from typing import Any
 from . import registry
 from .errors import DcpStorageError
 from .formats.completeness import probe_or_refuse
+from .formats.detection import best_formats, registered_formats, score_formats
 from .formats.spec import FormatSpec, Probe
 from .integrity.format_check import missing_format_plugin
 
@@ -20,10 +21,6 @@ __all__ = ["UnknownFormatError", "detect_format", "open_reader", "open_writer"]
 
 class UnknownFormatError(DcpStorageError, ValueError):
     """No format (or more than one, equally) recognised the input; the message lists what was tried."""
-
-
-def _formats() -> dict[str, FormatSpec]:
-    return {name: spec for name, spec in registry.load_all("formats").items() if isinstance(spec, FormatSpec)}
 
 
 def _describe(probe: Probe) -> str:
@@ -36,20 +33,11 @@ def _describe(probe: Probe) -> str:
 def detect_format(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> FormatSpec:
     """The format whose sniffer scores ``url`` highest; :class:`UnknownFormatError` if none or a tie."""
     probe = probe_or_refuse(os.fspath(url), storage_options)  # an interrupted save: IncompleteCheckpointError
-    specs = _formats()
+    specs = registered_formats()
     missing = missing_format_plugin(probe, specs)  # the manifest names a format no plugin here provides
     if missing is not None:
         raise UnknownFormatError(missing)
-    scores: dict[str, int] = {}
-    failures: list[str] = []
-    for name, spec in specs.items():
-        try:
-            score = spec.sniff(probe)
-        except DcpStorageError as exc:
-            failures.append(f"{name}: {exc}")
-            continue
-        if score is not None:
-            scores[name] = score
+    scores, failures = score_formats(probe, specs)
     broken = [f"{p.name} ({p.distribution}): {p.error}" for p in registry.list("formats") if p.status == "failed"]
     if not scores:
         tried = ", ".join(sorted(specs)) or "none"
@@ -59,8 +47,7 @@ def detect_format(url: str | os.PathLike[str], storage_options: dict[str, Any] |
             f"{probe.transport.url(probe.path)}: unrecognised checkpoint ({_describe(probe)}); tried formats: "
             f"{tried}{extra}. Pass format=... to choose one."
         )
-    best = max(scores.values())
-    winners = sorted(n for n, s in scores.items() if s == best)
+    winners = best_formats(scores)
     if len(winners) > 1:
         raise UnknownFormatError(
             f"{probe.transport.url(probe.path)}: ambiguous checkpoint ({_describe(probe)}): formats "
@@ -88,5 +75,5 @@ def open_writer(
     spec = registry.get("formats", format)
     if spec.open_writer is None:
         raise UnknownFormatError(f"format {format!r} is read-only; writable formats: "
-                                 + ", ".join(n for n, s in _formats().items() if s.open_writer is not None))
+                                 + ", ".join(n for n, s in registered_formats().items() if s.open_writer is not None))
     return spec.open_writer(os.fspath(url), storage_options=storage_options, **options)

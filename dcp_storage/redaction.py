@@ -6,6 +6,7 @@ places that must show options or text that may hold them:
 
 * :func:`redacted_options` - a copy fit to print: secret-looking keys' values replaced by ``"***"``;
 * :func:`redact` - ``text`` with given secret values replaced;
+* :func:`mask_credentials` - ``text`` with tokens, key ids and authorization headers masked by pattern;
 * :class:`CredentialLogFilter` - botocore logs every signed request at DEBUG level, session token and
   access key id included (``x-amz-security-token:...``, ``Credential=AKIA...``). The filter, installed on
   those loggers by :func:`install_log_redaction` (idempotent; done when :mod:`dcp_storage.transports` is
@@ -25,6 +26,7 @@ __all__ = [
     "CredentialLogFilter",
     "install_log_redaction",
     "is_secret_key",
+    "mask_credentials",
     "redact",
     "redacted_options",
     "secret_values",
@@ -96,7 +98,8 @@ def redact(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
-def _mask_patterns(text: str) -> str:
+def mask_credentials(text: str) -> str:
+    """``text`` with session tokens, access key ids and authorization headers masked, by pattern."""
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
     return text
@@ -110,7 +113,7 @@ class CredentialLogFilter(logging.Filter):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a record that cannot format is logging's problem, not ours
             return True
-        masked = _mask_patterns(message)
+        masked = mask_credentials(message)
         if masked != message:
             record.msg, record.args = masked, None
         return True

@@ -22,6 +22,7 @@ __all__ = [
     "UsageError",
     "add_command",
     "add_common",
+    "add_create_bucket",
     "add_json",
     "add_storage_options",
     "as_typed",
@@ -93,6 +94,15 @@ def add_command(
     )
     parser.set_defaults(flags=flags)
     return parser
+
+
+def add_create_bucket(parser: argparse.ArgumentParser) -> None:
+    """``--create-bucket`` for commands that write: without it a missing output bucket is an error."""
+    parser.add_argument(
+        "--create-bucket", action="store_true",
+        help="create the output's bucket (Azure: container) if it does not exist; without it a missing bucket "
+        "is an error, so a typo in its name never creates a new one",
+    )
 
 
 def add_storage_options(parser: argparse.ArgumentParser, *, sides: bool = False) -> None:

@@ -22,6 +22,7 @@ def add_parser(sub: Any) -> None:
             "dcp-storage convert s3://bucket/step-1000 ./local-ckpt --to dcp -o client_kwargs.endpoint_url=http://127.0.0.1:9000",
         ],
         format="--from FORMAT", src_format="--from FORMAT", overwrite="--overwrite", drop_non_tensors="--drop-non-tensors",
+        create_bucket="--create-bucket",
     )
     p.add_argument("src", metavar="SRC", help="input checkpoint URL (format detected)")
     p.add_argument("dst", metavar="DST", help="output URL: a directory, or a .safetensors / .pt / .bin file")
@@ -36,6 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--trust", action="store_true",
                    help="decode SRC as torch.load(weights_only=False) would (objects such as argparse.Namespace); "
                    "it can run code from SRC: only for checkpoints you trust")
+    _common.add_create_bucket(p)
     _common.add_storage_options(p, sides=True)
     _common.add_json(p)
     _common.add_common(p)
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype, storage_options=_common.storage_options(args),
             src_storage_options=_common.storage_options(args, "src"),
             dst_storage_options=_common.storage_options(args, "dst"),
-            overwrite=args.overwrite, drop_non_tensors=args.drop_non_tensors,
+            overwrite=args.overwrite, drop_non_tensors=args.drop_non_tensors, create_bucket=args.create_bucket,
             progress=bar.update, on_start=lambda _source, total: _common.set_total(bar, total), trust=args.trust,
         )
     if args.json:

@@ -21,7 +21,7 @@ def add_parser(sub: Any) -> None:
             "dcp-storage merge out/pytorch_model_fsdp_0 out/merged",
             "dcp-storage merge out/pytorch_model_fsdp_0 out/merged --no-safe-serialization --max-shard-size 2GB",
         ],
-        drop_non_tensors="--drop-non-tensors",
+        drop_non_tensors="--drop-non-tensors", create_bucket="--create-bucket",
     )
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the DCP checkpoint directory (holds .metadata)")
     p.add_argument("output", metavar="OUTPUT", help="output directory (created if missing)")
@@ -33,6 +33,7 @@ def add_parser(sub: Any) -> None:
                    help="delete CHECKPOINT_DIR once the output is written and verified")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest output file (default 5GB)")
     p.add_argument("--drop-non-tensors", action="store_true", help="leave non-tensor values out of safetensors output")
+    _common.add_create_bucket(p)
     _common.add_storage_options(p, sides=True)
     _common.add_json(p)
     _common.add_common(p)
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             remove_checkpoint_dir=args.remove_checkpoint_dir, max_shard_size=args.max_shard_size,
             storage_options=_common.storage_options(args, "src"),
             output_storage_options=_common.storage_options(args, "dst"),
-            drop_non_tensors=args.drop_non_tensors, progress=bar.update,
+            drop_non_tensors=args.drop_non_tensors, create_bucket=args.create_bucket, progress=bar.update,
             on_start=lambda _source, total: _common.set_total(bar, total),
         )
     if args.json:

@@ -36,6 +36,7 @@ from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter
 from ..integrity.dcp_manifest import build_manifest
 from ..integrity.manifest import MANIFEST_FILE
 from ..storage.fsspec_writer import DATA_SUFFIX, DCP_VERSION
+from ..transports.buckets import make_output_root
 from .plan import Destination, Fetch, OutTensor, OutValue
 
 __all__ = ["write_dcp"]
@@ -68,7 +69,7 @@ def write_dcp(
                 "to replace it"
             )
         transport.remove(metadata_path)  # retire the old checkpoint before any data file is replaced
-    transport.makedirs(dest.path)
+    make_output_root(transport, dest.path)  # object stores: nothing to make (Destination checked the bucket)
 
     state: dict[str, object] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}

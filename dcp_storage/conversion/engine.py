@@ -192,6 +192,7 @@ def convert(
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[TensorSource, int], None] | None = None,
     trust: bool = False,
+    create_bucket: bool = False,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``, streaming tensor by tensor.
 
@@ -222,6 +223,8 @@ def convert(
             of DCP and safetensors checkpoints), which may run code from it. Without it, globals outside the
             allow-list (and what ``torch.serialization.add_safe_globals`` registered) raise
             ``UnsafeCheckpointError`` naming them.
+        create_bucket: create ``dst``'s bucket (Azure: container) if it does not exist; otherwise a missing
+            one raises :class:`~dcp_storage.errors.BucketNotFoundError` before anything is written.
     """
     started = time.monotonic()
     src, dst = os.fspath(src), os.fspath(dst)
@@ -236,7 +239,7 @@ def convert(
         tensors, values = plan_outputs(source, dtype=cast)
         return _run(
             source, dst, dst_opts, target, tensors, values, shard, overwrite, drop_non_tensors, progress, on_start,
-            started, single_file=single_file,
+            started, single_file=single_file, create_bucket=create_bucket,
         )
 
 
@@ -253,9 +256,10 @@ def _run(
     progress: Callable[[int], None] | None,
     on_start: Callable[[TensorSource, int], None] | None,
     started: float,
+    create_bucket: bool = False,
     **options: Any,
 ) -> ConvertResult:
-    dest = Destination.of(dst, dst_opts, overwrite)
+    dest = Destination.of(dst, dst_opts, overwrite, create_bucket)
     dest.progress = progress
     try:
         total = sum(t.nbytes for t in tensors)

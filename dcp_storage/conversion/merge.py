@@ -120,6 +120,7 @@ def merge_fsdp_weights(
     drop_non_tensors: bool = False,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[TensorSource, int], None] | None = None,
+    create_bucket: bool = False,
 ) -> ConvertResult:
     """Merge a sharded (FSDP ``SHARDED_STATE_DICT``) DCP checkpoint into one Hugging Face style state dict.
 
@@ -129,6 +130,7 @@ def merge_fsdp_weights(
     ``max_shard_size``. A state dict with a single top-level key (accelerate's ``{"model": ...}``) is
     unwrapped, so keys drop that prefix. Both paths may be any fsspec URL (``output_storage_options``
     defaults to ``storage_options``). ``overwrite=True`` (accelerate replaces an existing file too).
+    ``create_bucket=True`` creates the output's bucket if missing (otherwise ``BucketNotFoundError``).
 
     Returns a :class:`~dcp_storage.conversion.ConvertResult` (``.output``: the file or index to load).
     """
@@ -153,6 +155,7 @@ def merge_fsdp_weights(
         result = _run(
             source, output_path, out_opts, target, tensors, values, shard, overwrite, drop_non_tensors,
             progress, on_start, started, safetensors_prefix="model", torch_prefix="pytorch_model",
+            create_bucket=create_bucket,
         )
     verify_output(result, tensors, out_opts)
     if remove_checkpoint_dir:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from ..transports import FsspecTransport
+from ..transports.buckets import require_bucket
 from .memory import MemoryReleaser
 
 __all__ = [
@@ -86,9 +87,17 @@ class Destination:
     releaser: MemoryReleaser = field(default_factory=MemoryReleaser)
 
     @classmethod
-    def of(cls, url: str | os.PathLike[str], storage_options: dict[str, Any] | None, overwrite: bool) -> Destination:
+    def of(
+        cls, url: str | os.PathLike[str], storage_options: dict[str, Any] | None, overwrite: bool, create_bucket: bool = False
+    ) -> Destination:
+        """Open the output location; its bucket must exist (or is created with ``create_bucket``)."""
         url = os.fspath(url)
         transport, path = FsspecTransport.from_url(url, storage_options)
+        try:
+            require_bucket(transport, path, create=create_bucket)
+        except BaseException:
+            transport.close()
+            raise
         return cls(url, transport, path.rstrip("/") if path not in ("/", "") else path, overwrite)
 
     def join(self, name: str) -> str:

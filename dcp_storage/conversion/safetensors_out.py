@@ -25,6 +25,7 @@ from ..formats.safetensors.encode import (
     unstorable_keys,
 )
 from ..formats.safetensors.write_plan import TensorSpec, index_name, pack_files, shard_name, single_name
+from ..transports.buckets import make_output_root
 from .plan import Destination, Fetch, OutTensor, OutValue
 
 __all__ = ["check_safetensors", "hf_index_json", "write_safetensors"]
@@ -97,7 +98,7 @@ def write_safetensors(
         transport.remove(index_path)  # an old index would shadow the new files
     if len(names) > 1 and dest.overwrite and transport.exists(transport.join(root, single_name(prefix))):
         stale.add(single_name(prefix))  # an unsharded file left by an earlier run
-    transport.makedirs(root)
+    make_output_root(transport, root)
 
     weight_map: dict[str, str] = {}
     for name, group in zip(names, groups):

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint._traverse import set_element
 
 from ..errors import CheckpointExistsError, NonTensorStateError
 from ..formats.safetensors.write_plan import TensorSpec, pack_files
+from ..transports.buckets import make_output_root
 from .plan import Destination, Fetch, OutTensor, OutValue
 from .safetensors_out import hf_index_json
 
@@ -197,7 +198,7 @@ def write_torch_save(
         )
     if not single_file:
         transport.remove(transport.join(root, index_name))
-    transport.makedirs(root)
+    make_output_root(transport, root)
 
     n = len(groups)
     weight_map: dict[str, str] = {}

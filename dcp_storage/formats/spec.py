@@ -13,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import CheckpointNotFoundError
 from ..transports import FsspecTransport
+from ..transports.buckets import missing_bucket
 from ..transports.factory import open_transport
 
 __all__ = ["FormatSpec", "Probe", "trust_byte_items"]
@@ -36,13 +38,19 @@ class Probe:
     @classmethod
     def of(cls, url: str, storage_options: dict[str, Any] | None = None) -> Probe:
         transport, path = open_transport(url, storage_options)
+        return cls.at(transport, path, url)
+
+    @classmethod
+    def at(cls, transport: FsspecTransport, path: str, url: str | None = None) -> Probe:
+        """Probe ``path`` on an open transport (a reader's own, on its error path)."""
+        url = transport.url(path) if url is None else url
         names = transport.listdir(path)
         if names:
             return cls(url, transport, path, True, tuple(names))
         if not transport.exists(path):
-            from ..errors import CheckpointNotFoundError
-
-            raise CheckpointNotFoundError(f"{transport.url(path)}: no such file or directory")
+            raise missing_bucket(transport, path) or CheckpointNotFoundError(
+                f"{transport.url(path)}: no such file or directory"
+            )
         size = transport.size(path)
         head = bytes(transport.read_range(path, 0, min(size, HEAD_BYTES))) if size else b""
         return cls(url, transport, path, False, (), head, size)
@@ -64,7 +72,9 @@ class FormatSpec:
 
     ``sniff(probe)`` returns a score (higher is more specific) when the probe looks like this format, or
     ``None``. ``open_reader(url, storage_options=..., **options)`` returns a DCP ``StorageReader``;
-    ``open_writer`` a ``StorageWriter`` (``None`` for read-only formats).
+    ``open_writer`` a ``StorageWriter`` (``None`` for read-only formats). ``reader`` names the reader class
+    to suggest to a user who pointed another format's reader at such a checkpoint
+    (``"dcp_storage.SafetensorsReader(url)"``); empty: ``open_reader(url, format=name)`` is suggested.
     """
 
     name: str
@@ -73,6 +83,7 @@ class FormatSpec:
     open_reader: Callable[..., Any]
     open_writer: Callable[..., Any] | None = None
     description: str = ""
+    reader: str = ""
 
     @property
     def descriptor(self) -> str:

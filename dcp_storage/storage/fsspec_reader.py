@@ -32,6 +32,7 @@ from ..formats.completeness import find_leftovers
 from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
 from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
 from ..formats.limits import METADATA, read_limited
+from ..formats.misdirected import raise_explained
 from ..integrity.dcp_manifest import record_verifier
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
@@ -97,14 +98,16 @@ class FsspecReader(BoundLocation, StorageReader):
         path = self.transport.join(self.root, name)
         try:
             data = read_limited(self.transport, path, METADATA)
-        except CheckpointNotFoundError as exc:
+        except (CheckpointNotFoundError, NotADirectoryError) as exc:  # NotADirectory: the URL is a file
             leftovers = find_leftovers(self.transport, self.root)  # an interrupted save: say so
             if leftovers is not None:
                 raise leftovers.error() from exc
-            raise CheckpointNotFoundError(
+            missing = CheckpointNotFoundError(
                 f"{self.transport.url(path)}: no checkpoint metadata; the checkpoint does not exist or its save "
                 "did not complete (metadata is written last)"
-            ) from exc
+            )
+            # A missing bucket, or another format at the URL (a safetensors file, an HF directory): say which.
+            raise_explained(self.transport, self.root, "dcp", "FsspecReader", exc, missing)
         metadata = load_metadata(data, self.transport.url(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

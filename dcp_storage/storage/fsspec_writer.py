@@ -43,6 +43,7 @@ from ..integrity.dcp_manifest import build_manifest
 from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import FsspecTransport, TransportConfig
+from ..transports.buckets import prepare_output
 from .fsspec_reader import _is_fsspec_url
 from .location import BoundLocation
 
@@ -69,6 +70,9 @@ class FsspecWriter(BoundLocation, StorageWriter):
             torch's ``FileSystemWriter(_extensions=...)`` records them (each side reads the other's output).
         checksum_algorithm: checksum of every record, recorded in ``.dcp_storage.json`` (``"xxh3_64"``,
             ``"xxh64"``, ``"crc32c"``, ``"crc32"``; see :mod:`dcp_storage.integrity.checksums`).
+        create_bucket: create the URL's bucket (Azure: container) if it does not exist. ``False`` (the
+            default) raises :class:`~dcp_storage.errors.BucketNotFoundError` instead, so a typo in a bucket
+            name never becomes a new bucket (see :mod:`dcp_storage.transports.buckets`).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class FsspecWriter(BoundLocation, StorageWriter):
         transport: FsspecTransport | None = None,
         checksum_algorithm: str = DEFAULT_ALGORITHM,
         extensions: Sequence[StreamTransformExtension] | None = None,
+        create_bucket: bool = False,
     ) -> None:
         super().__init__()
         digest_width(checksum_algorithm)  # refuses an unknown algorithm before any planning
@@ -95,6 +100,7 @@ class FsspecWriter(BoundLocation, StorageWriter):
         self.thread_count = thread_count
         self.single_file_per_rank = single_file_per_rank
         self.overwrite = overwrite
+        self.create_bucket = create_bucket
         self.transport_config = transport_config
         self._given_transport = transport
         self.is_coordinator = False
@@ -131,6 +137,8 @@ class FsspecWriter(BoundLocation, StorageWriter):
         return list(dict.fromkeys([self._metadata_path(), self.transport.join(self.root, METADATA_FILE)]))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        checks_bucket = self.is_coordinator or not self.use_collectives  # rank-local saves: each rank on its own
+        prepare_output(self.transport, self.root, coordinator=checks_bucket, create_bucket=self.create_bucket)
         if not self.overwrite:
             for metadata_path in self._shadowing_metadata_paths():
                 if self.transport.exists(metadata_path):
@@ -138,7 +146,6 @@ class FsspecWriter(BoundLocation, StorageWriter):
                         f"{self.transport.url(metadata_path)}: a checkpoint already exists here; pass "
                         "overwrite=True to replace it or save to another path"
                     )
-        self.transport.makedirs(self.root)
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan

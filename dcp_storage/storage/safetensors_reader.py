@@ -35,6 +35,7 @@ from torch.futures import Future
 
 from .. import errors
 from ..errors import CheckpointNotFoundError, DcpStorageError
+from ..formats.misdirected import raise_explained
 from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
@@ -111,8 +112,12 @@ class SafetensorsReader(BoundLocation, StorageReader):
 
     # ---------------------------------------------------------------------------------------- metadata
     def _scan(self) -> tuple[str, Metadata]:
-        layout = discover(self.transport, self.target)
-        return layout.root, scan_metadata(self.transport, layout, self.scan_config)
+        try:
+            layout = discover(self.transport, self.target)
+            return layout.root, scan_metadata(self.transport, layout, self.scan_config)
+        except (CheckpointNotFoundError, errors.CorruptCheckpointError, NotADirectoryError, IsADirectoryError) as exc:
+            # A missing bucket, or another format at the URL (a DCP directory, a torch.save file): say which.
+            raise_explained(self.transport, self.target, "safetensors", "SafetensorsReader", exc)
 
     def _group(self) -> Any:
         """The group to share the metadata over, or ``None`` to read it here (see the class docstring)."""
@@ -204,6 +209,8 @@ _MESSAGE_ERRORS: dict[str, type[DcpStorageError]] = {
         errors.CorruptCheckpointError,
         errors.TransportError,
         errors.ShapeMismatchError,
+        errors.StorageAccessError,
+        errors.WrongFormatError,
     )
 }
 

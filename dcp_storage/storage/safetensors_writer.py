@@ -61,6 +61,7 @@ from ..formats.safetensors.write_plan import (
 from ..integrity.checksums import DEFAULT_ALGORITHM, checksum, digest_width
 from ..integrity.safetensors_sums import RESERVED_PREFIX
 from ..transports import FsspecTransport, TransportConfig
+from ..transports.buckets import prepare_output
 from ..transports.fsspec_transport import _fsync_dir
 from .fsspec_reader import _is_fsspec_url
 from .location import BoundLocation
@@ -115,6 +116,8 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
             send chunks to the coordinator over it.
         transport_config: concurrency, part size and retry settings.
         transport: an existing transport to share.
+        create_bucket: create the URL's bucket (Azure: container) if it does not exist; ``False`` (the
+            default) raises :class:`~dcp_storage.errors.BucketNotFoundError` naming it instead.
 
     How bytes reach storage (chosen per filesystem, not by a flag):
 
@@ -162,6 +165,7 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
         process_group: dist.ProcessGroup | None = None,
         transport_config: TransportConfig | None = None,
         transport: FsspecTransport | None = None,
+        create_bucket: bool = False,
     ) -> None:
         super().__init__()
         self.max_shard_size = parse_size(max_shard_size)
@@ -185,6 +189,7 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
         self.header_metadata = header_md
         self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite
+        self.create_bucket = create_bucket
         self.filename_prefix = filename_prefix
         self.allow_extra_state = allow_extra_state
         self.process_group = process_group
@@ -240,6 +245,7 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
                 "or leave them out of the state dict",
             )
         if self.is_coordinator:
+            prepare_output(self.transport, self.root, coordinator=True, create_bucket=self.create_bucket)
             if not self.overwrite:
                 for name in (single_name(self.filename_prefix), index_name(self.filename_prefix)):
                     if self.transport.exists(self._path(name)):
@@ -247,7 +253,6 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
                             f"{self.transport.url(self._path(name))}: a checkpoint already exists here; pass "
                             "overwrite=True to replace it or save to another path"
                         )
-            self.transport.makedirs(self.root)
         fqns = tuple(dict.fromkeys(i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO))
         return dataclasses.replace(plan, storage_data=LocalOrder(fqns))
 

@@ -41,7 +41,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import CorruptCheckpointError, ShapeMismatchError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from ..formats.misdirected import raise_explained
 from ..formats.tensor_reads import SliceRead, plan_slice_read, read_slices
 from ..formats.torch_save import ArchiveConfig, TorchSaveArchive
 from ..planners.key_check import check_planned_keys, enforce_for, rules_of
@@ -147,7 +148,11 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
     def _open_archive(self) -> TorchSaveArchive:
         if self._archive is None:
             transport, path = self._open_transport()
-            self._archive = TorchSaveArchive.open(transport, path, self.archive_config, trust=self.trust)
+            try:
+                self._archive = TorchSaveArchive.open(transport, path, self.archive_config, trust=self.trust)
+            except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+                # A missing bucket, or another format at the URL (a directory, a safetensors file): say which.
+                raise_explained(transport, path, "torch_save", "BroadcastingTorchSaveReader", exc)
         return self._archive
 
     # ------------------------------------------------------------------------------------ metadata

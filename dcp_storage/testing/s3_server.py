@@ -15,10 +15,13 @@ there is no probe-then-rebind race.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from ._server_process import HOST as _HOST
@@ -162,6 +165,52 @@ class MotoS3Server(Launcher):
         for upload in uploads:
             client.abort_multipart_upload(Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"])
         client.delete_bucket(Bucket=name)
+
+    # ------------------------------------------------------------- credentials
+    def create_access_key(self, user: str, policy: dict[str, Any] | None = None) -> tuple[str, str]:
+        """Create IAM ``user`` (with ``policy`` attached; none: it may do nothing) and an access key for it.
+
+        Returns ``(access key id, secret)``. Create users before :meth:`iam_auth`, which checks even this.
+        """
+        iam = self._iam_client()
+        iam.create_user(UserName=user)
+        if policy is not None:
+            iam.put_user_policy(UserName=user, PolicyName=f"{user}-policy", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        return key["AccessKeyId"], key["SecretAccessKey"]
+
+    @contextlib.contextmanager
+    def iam_auth(self) -> Iterator[None]:
+        """While inside, the server checks every request as AWS would: signature, key, IAM permissions.
+
+        moto's IAM simulation (its ``INITIAL_NO_AUTH_ACTION_COUNT`` set to 0 through ``/moto-api/reset-auth``):
+        unknown key ids get ``InvalidAccessKeyId``, wrong secrets ``SignatureDoesNotMatch``, users without a
+        permission ``AccessDenied``. The default ``storage_options`` keys are then unknown, and bucket admin
+        (:meth:`create_bucket`, :meth:`delete_bucket`) fails: do it outside. Server-wide: do not overlap with
+        tests that expect anyone to get in.
+        """
+        self._set_auth("0")
+        try:
+            yield
+        finally:
+            self._set_auth("inf")
+
+    def _set_auth(self, count: str) -> None:
+        request = urllib.request.Request(
+            self.endpoint_url + "/moto-api/reset-auth", data=count.encode(), method="POST",
+            headers={"Content-Type": "text/plain"},  # a form body would be parsed away before moto reads it
+        )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(request, timeout=10) as response:
+            response.read()
+
+    def _iam_client(self) -> Any:
+        import boto3  # deferred, as in client()
+
+        return boto3.client(
+            "iam", endpoint_url=self.endpoint_url, region_name=_REGION, aws_access_key_id=_KEY,
+            aws_secret_access_key=_SECRET,
+        )
 
     def reset(self) -> None:
         """Wipe all state on the server (every bucket, every service)."""

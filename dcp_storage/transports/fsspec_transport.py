@@ -28,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, FileTooLargeError
+from .access import access_errors
 from .counters import TransportCounters
 from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_size, is_gcs
 from .local_io import LocalFiles, preadv_exact, read_whole
@@ -177,7 +178,8 @@ class FsspecTransport:
         return self._workers.get()
 
     def _retry(self, fn: Any, describe: Any) -> Any:
-        return call_with_retry(fn, self.config.retry, describe, on_retry=lambda _e: self.counters.add(retries=1))
+        with access_errors(describe):  # credential and permission failures: StorageAccessError naming the call
+            return call_with_retry(fn, self.config.retry, describe, on_retry=lambda _e: self.counters.add(retries=1))
 
     def _runner(self, path: str) -> Any:
         """``runner(fn, what)`` for the S3 upload helpers: ``fn`` retried, errors naming ``what`` and the URL."""
@@ -453,7 +455,9 @@ class FsspecTransport:
         if self._gcs:
             yield from self._open_atomic_gcs(path)
             return
-        raw = self.fs.open(path, "wb", block_size=self.config.part_size)
+        describe = lambda: f"write {self.url(path)}"  # noqa: E731
+        with access_errors(describe):
+            raw = self.fs.open(path, "wb", block_size=self.config.part_size)
         writer = _CountingWriter(raw, self.counters)
         try:
             yield writer
@@ -461,7 +465,8 @@ class FsspecTransport:
             _abandon(raw)
             raise
         try:
-            raw.close()  # commits: the single PUT, or completing the multipart upload
+            with access_errors(describe):
+                raw.close()  # commits: the single PUT, or completing the multipart upload
         except BaseException:
             _abandon(raw)
             raise

@@ -213,6 +213,53 @@ def test_no_leak_from_errors(
     assert bucket in texts["unsafe checkpoint"] and "forbidden global" in texts["unsafe checkpoint"]
 
 
+def test_no_leak_from_access_errors(
+    secret_location: S3Location, moto_server: MotoS3Server, debug_logs: pytest.LogCaptureFixture
+) -> None:
+    """Credentials the store refuses: the StorageAccessError explains, and still shows no credential.
+
+    moto checks every request as AWS would (:meth:`MotoS3Server.iam_auth`): the sentinel key id is unknown
+    (``InvalidAccessKeyId``); a known key id with the sentinel secret and session token is refused
+    (``InvalidToken``; to the HEAD requests of a save, a bare 400). Error messages, chained tracebacks, DEBUG logs (botocore logs response bodies) and the CLI's
+    output must hold no sentinel, and must say where credentials come from.
+    """
+    url, opts = secret_location
+    dcp.save({"w": torch.ones(4)}, storage_writer=ds.FsspecWriter(url, opts), no_dist=True)
+    known_id, _ = moto_server.create_access_key(f"sentinel-{_RUN}")
+    wrong_secret = {**opts, "key": known_id}  # the sentinel secret and token, with a key id moto knows
+    from tests.cli._helpers import option_flags, run_batch
+
+    flags = option_flags({k: v for k, v in opts.items() if k not in ("skip_instance_cache", "use_listings_cache")}, "-o")
+    attempts: dict[str, BaseException] = {}
+    with moto_server.iam_auth():
+        for name, options in (("unknown key", opts), ("wrong secret", wrong_secret)):
+            for what, fn in {
+                "load": lambda o=options: dcp.load(
+                    {"w": torch.zeros(4)}, storage_reader=ds.FsspecReader(url, o), no_dist=True
+                ),
+                "save": lambda o=options: dcp.save(
+                    {"w": torch.ones(4)}, storage_writer=ds.FsspecWriter(url + "-new", o), no_dist=True
+                ),
+                "open_reader": lambda o=options: ds.open_reader(url, storage_options=o),
+                "convert": lambda o=options: ds.convert(url, url + "-st", to="safetensors", storage_options=o),
+            }.items():
+                with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
+                    fn()
+                attempts[f"{name} {what}"] = info.value
+        (cli,) = run_batch([["inspect", url, *flags]])
+    texts = {name: _exception_text(exc) for name, exc in attempts.items()}
+    texts["logs"] = _all_log_text(debug_logs)
+    texts["cli"] = cli.stdout + cli.stderr
+    leaks = {name: _leaks(text) for name, text in texts.items() if _leaks(text)}
+    assert not leaks, {name: texts[name][-3000:] for name in leaks}
+    for name, text in texts.items():
+        if name != "logs":  # (dcp.load re-raises a metadata failure as its own AssertionError: message only)
+            refused = "the store rejected the credentials" in text or "the store refused the request" in text
+            assert refused and "-o key=... -o secret=..." in text, (name, text[-2000:])
+    assert "InvalidAccessKeyId" in texts["unknown key load"] and "InvalidToken" in texts["wrong secret load"]
+    assert cli.rc == 1, cli
+
+
 def test_no_leak_through_the_cli(secret_location: S3Location) -> None:
     from tests.cli._helpers import option_flags, run_batch
 

@@ -36,4 +36,5 @@ FORMAT = FormatSpec(
     open_reader=_reader,
     open_writer=_writer,
     description="torch.distributed.checkpoint native layout: .metadata + __R_N.distcp",
+    reader="dcp_storage.FsspecReader(url)",
 )

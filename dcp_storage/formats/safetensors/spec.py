@@ -52,4 +52,5 @@ FORMAT = FormatSpec(
     open_reader=_reader,
     open_writer=_writer,
     description="safetensors: a file, a directory, an HF model.safetensors.index.json, torch's DCP layouts",
+    reader="dcp_storage.SafetensorsReader(url)",
 )

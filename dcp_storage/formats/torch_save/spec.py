@@ -53,4 +53,5 @@ FORMAT = FormatSpec(
     open_reader=_reader,
     open_writer=None,
     description="a single torch.save file (zip format); legacy pickles are recognised and refused",
+    reader="dcp_storage.BroadcastingTorchSaveReader(url)",
 )

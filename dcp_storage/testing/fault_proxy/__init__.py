@@ -19,6 +19,13 @@ do none of that. :class:`FaultProxy` listens on ``127.0.0.1`` (port 0, read back
     Forwarded; the response is held back for ``delay`` seconds (a client with a shorter read timeout gives
     up; the upstream acted on the request either way).
 
+and one refusal no retry gets past (:data:`PERMANENT_MODES`):
+
+``forbidden_403``
+    ``403`` with the body the real store sends for credentials that lack a permission (S3 ``AccessDenied``
+    XML; GCS JSON, ``reason: forbidden``); never forwarded. Emulators that check no credentials
+    (fake-gcs-server) get their 403s this way.
+
 and, on ranged GETs only (a single range in ``Range``, or in Azure's ``x-ms-range``;
 :data:`RANGE_FAULT_MODES`), as a server or a cache in between that mishandles ranges may: a well-formed
 answer with other bytes than were asked for. The request goes upstream with its range changed, and the
@@ -49,11 +56,12 @@ returns a consistent snapshot.
 """
 
 from .proxy import FaultProxy, FaultProxyError
-from .rules import ALL_FAULT_MODES, FAULT_MODES, RANGE_FAULT_MODES, FaultCounters, FaultMode, FaultRule
+from .rules import ALL_FAULT_MODES, FAULT_MODES, PERMANENT_MODES, RANGE_FAULT_MODES, FaultCounters, FaultMode, FaultRule
 
 __all__ = [
     "ALL_FAULT_MODES",
     "FAULT_MODES",
+    "PERMANENT_MODES",
     "RANGE_FAULT_MODES",
     "FaultCounters",
     "FaultMode",

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 import urllib.parse
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from .._server_process import StartStop
+from .bodies import ANSWERED_MODES, error_body
 from .rules import RANGE_FAULT_MODES, FaultCounters, FaultRule, RuleBook, faulted_range, parse_range
 from .wire import CHUNK, MAX_HEAD, Head, read_head, relay_body, reset, response_has_body
 
@@ -29,8 +29,9 @@ class FaultProxyError(RuntimeError):
 class FaultProxy(StartStop):
     """Reverse proxy from ``127.0.0.1:<port>`` to ``upstream`` (``http://host:port``) with fault rules.
 
-    ``dialect`` shapes the error bodies of ``slowdown_503`` and ``error_500``: ``"s3"`` (XML, what
-    botocore parses into ``SlowDown`` / ``InternalError``) or ``"gcs"`` (JSON, what gcsfs reads).
+    ``dialect`` shapes the error bodies of ``slowdown_503``, ``error_500`` and ``forbidden_403``
+    (:mod:`.bodies`): ``"s3"`` (XML, what botocore parses into ``SlowDown`` / ``InternalError`` /
+    ``AccessDenied``) or ``"gcs"`` (JSON, what gcsfs reads).
     ``rewrite_location``: a response ``Location`` header that points at the upstream is rewritten to point
     at the proxy. fake-gcs-server names its own address there for every resumable upload, so without it
     the upload's chunks would go around the proxy.
@@ -184,7 +185,7 @@ class FaultProxy(StartStop):
                 if mode == "reset":
                     reset(writer)
                     return
-                if mode in ("slowdown_503", "error_500"):
+                if mode in ANSWERED_MODES:
                     if not await self._answer_error(reader, writer, head, method, mode):
                         return
                     continue
@@ -216,7 +217,7 @@ class FaultProxy(StartStop):
         keep = not head.has_token("expect", "100-continue")
         if keep:
             await relay_body(reader, None, head, until_eof=False)
-        status, reason, body, ctype = self._error_body(mode)
+        status, reason, body, ctype = error_body(mode, self.dialect)
         if method == "HEAD":  # no body, and (as S3 does) no length of one either
             body = b""
         lines = [f"HTTP/1.1 {status} {reason}", f"Content-Type: {ctype}", f"Content-Length: {len(body)}"]
@@ -225,31 +226,6 @@ class FaultProxy(StartStop):
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
         await writer.drain()
         return keep
-
-    def _error_body(self, mode: str) -> tuple[int, str, bytes, str]:
-        slow = mode == "slowdown_503"
-        status, reason = (503, "Slow Down") if slow else (500, "Internal Server Error")
-        if self.dialect == "gcs":
-            message = (
-                "We encountered an internal error. Please try again."
-                if not slow
-                else "Please reduce your request rate."
-            )
-            payload = {
-                "error": {
-                    "code": status,
-                    "message": message,
-                    "errors": [{"message": message, "reason": "backendError"}],
-                }
-            }
-            return status, reason, json.dumps(payload).encode(), "application/json; charset=UTF-8"
-        code = "SlowDown" if slow else "InternalError"
-        message = "Please reduce your request rate." if slow else "We encountered an internal error. Please try again."
-        xml = (
-            f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
-            f"<RequestId>fault-proxy</RequestId></Error>"
-        )
-        return status, reason, xml.encode(), "application/xml"
 
     async def _forward(
         self,

@@ -11,6 +11,7 @@ from typing import Literal
 __all__ = [
     "ALL_FAULT_MODES",
     "FAULT_MODES",
+    "PERMANENT_MODES",
     "RANGE_FAULT_MODES",
     "ByteRange",
     "FaultCounters",
@@ -22,13 +23,16 @@ __all__ = [
 ]
 
 FaultMode = Literal[
-    "slowdown_503", "error_500", "reset", "truncate", "slow", "ignore_range", "shift_range", "short_range"
+    "slowdown_503", "error_500", "reset", "truncate", "slow", "ignore_range", "shift_range", "short_range",
+    "forbidden_403",
 ]
 # Faults of the transport: every request can meet them, and a retry of the same request may succeed.
 FAULT_MODES: tuple[FaultMode, ...] = ("slowdown_503", "error_500", "reset", "truncate", "slow")
 # Well-formed answers with other bytes than a ranged GET asked for; only requests with a range meet them.
 RANGE_FAULT_MODES: tuple[FaultMode, ...] = ("ignore_range", "shift_range", "short_range")
-ALL_FAULT_MODES: tuple[FaultMode, ...] = FAULT_MODES + RANGE_FAULT_MODES
+# Refusals no retry can get past (a 403 for credentials without the permission); every request can meet them.
+PERMANENT_MODES: tuple[FaultMode, ...] = ("forbidden_403",)
+ALL_FAULT_MODES: tuple[FaultMode, ...] = FAULT_MODES + RANGE_FAULT_MODES + PERMANENT_MODES
 
 # A request's ``Range: bytes=FIRST-LAST`` (LAST inclusive; ``None`` for ``bytes=FIRST-``).
 ByteRange = tuple[int, int | None]
