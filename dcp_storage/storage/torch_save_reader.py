@@ -41,7 +41,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShapeMismatchError
 from ..formats.misdirected import raise_explained
 from ..formats.tensor_reads import SliceRead, plan_slice_read, read_slices
 from ..formats.torch_save import ArchiveConfig, TorchSaveArchive
