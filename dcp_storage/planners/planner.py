@@ -107,9 +107,9 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
             ``DtypePolicy.cast()`` (any conversion within float, int or complex).
         metadata_source: default ``MetadataSource.storage()``.
         safe_globals: classes/functions ``BYTE_IO`` values may contain beyond torch's ``weights_only``
-            allow-list (only for checkpoints you trust). Readers that vet ``BYTE_IO`` themselves before
-            calling ``load_bytes`` (``FsspecReader``) do not see this list: for those, wrap ``dcp.load``
-            in ``torch.serialization.safe_globals([...])``, which both honour.
+            allow-list (only for checkpoints you trust). Our readers, which decode ``BYTE_IO`` themselves
+            before calling ``load_bytes`` (:mod:`dcp_storage.formats.byte_items`), honour this list too;
+            ``torch.serialization.safe_globals([...])`` around ``dcp.load`` works for every layer.
         flatten_state_dict, flatten_sharded_tensors: as in torch's ``DefaultLoadPlanner``.
 
     After ``create_local_plan`` (so after ``dcp.load``), ``planner.result`` is a :class:`LoadResult`.
