@@ -50,82 +50,46 @@ MISSING = object()  # what ``resolve`` returns for a global outside the allow-li
 # -- tags. Fresh objects get unique tags >= _FRESH (even: no __setstate__ of their own, odd: one).
 _OTHER, _FACTORY, _FACTORY_SETSTATE, _RECONSTRUCTOR, _NONE, _PAIR, _TRIPLE, _TRIPLE_SETSTATE = range(8)
 _FRESH = 16
-# Strings (candidates for STACK_GLOBAL): -1 - 2 * opcode position, minus 1 more for "__dunder__" ones.
+# Strings (candidates for STACK_GLOBAL) are negative: -1 - opcode position, and "__dunder__" ones a
+# further _DUNDER lower, so "is any key a dunder" is one C-speed min() over the keys.
+_DUNDER = 1 << 62
 
-# -- what each opcode does (the walk's dispatch codes)
+# -- dispatch codes, roughly in order of frequency in real pickles (the loop tests them in this order)
 (
-    _BAD, _SKIP, _PUSH, _STR, _LINE_PUSH, _BYTES, _MARK, _STOP, _POP, _POP_MARK, _DUP, _PUT, _GET, _MEMOIZE,
-    _EMPTY_FRESH, _DICT, _LIST, _TUPLE, _TUPLE1, _TUPLE2, _TUPLE3, _FROZENSET, _APPEND, _APPENDS, _SETITEM,
-    _SETITEMS, _ADDITEMS, _BUILD, _REDUCE, _NEWOBJ, _NEWOBJ_EX, _OBJ, _INST, _GLOBAL, _STACK_GLOBAL, _PERSID,
-    _BINPERSID, _PROTO, _FRAME, _BYTEARRAY,
-) = range(40)
+    _MEMOIZE, _BINGET, _STR, _PUSH, _BINPUT, _MARK, _EMPTY, _NEWOBJ, _BUILD, _SETITEMS, _REDUCE, _TUPLE1,
+    _TUPLE2, _STACK_GLOBAL, _LONG_BINPUT, _APPENDS, _TUPLE, _TUPLE3, _EMPTY_DICT, _BYTES,
+    _SETITEM, _APPEND, _ADDITEMS, _DICT, _LIST, _FROZENSET, _GLOBAL, _INST, _OBJ, _NEWOBJ_EX, _LINE, _PERSID,
+    _BINPERSID, _PUT, _GET, _POP, _POP_MARK, _DUP, _PROTO, _FRAME, _BYTEARRAY, _STOP, _BAD,
+) = range(43)
+
+_OPS: dict[int, tuple[str, int]] = {  # dispatch code -> "OPCODE NAMES", argument width
+    _MEMOIZE: ("MEMOIZE", 0), _BINGET: ("BINGET LONG_BINGET", 0), _GET: ("GET", 0),
+    _BINPUT: ("BINPUT", 1), _LONG_BINPUT: ("LONG_BINPUT", 4), _PUT: ("PUT", 0), _MARK: ("MARK", 0),
+    _EMPTY: ("EMPTY_LIST EMPTY_SET", 0), _EMPTY_DICT: ("EMPTY_DICT", 0), _NEWOBJ: ("NEWOBJ", 0),
+    _BUILD: ("BUILD", 0), _SETITEMS: ("SETITEMS", 0), _REDUCE: ("REDUCE", 0), _TUPLE1: ("TUPLE1", 0),
+    _TUPLE2: ("TUPLE2", 0), _TUPLE3: ("TUPLE3", 0), _TUPLE: ("TUPLE", 0), _STACK_GLOBAL: ("STACK_GLOBAL", 0),
+    _APPENDS: ("APPENDS", 0), _SETITEM: ("SETITEM", 0), _APPEND: ("APPEND", 0), _ADDITEMS: ("ADDITEMS", 0),
+    _DICT: ("DICT", 0), _LIST: ("LIST", 0), _FROZENSET: ("FROZENSET", 0), _GLOBAL: ("GLOBAL", 0),
+    _INST: ("INST", 0), _OBJ: ("OBJ", 0), _NEWOBJ_EX: ("NEWOBJ_EX", 0), _PERSID: ("PERSID", 0),
+    _LINE: ("INT LONG FLOAT STRING UNICODE", 0), _BINPERSID: ("BINPERSID", 0), _POP: ("POP", 0),
+    _POP_MARK: ("POP_MARK", 0), _DUP: ("DUP", 0), _PROTO: ("PROTO", 1), _FRAME: ("FRAME", 8), _STOP: ("STOP", 0),
+}
 
 
 def _table() -> tuple[list[int], list[int]]:
-    """Opcode -> (dispatch code, argument width): fixed bytes to skip, or the width of a length field."""
-    code, width = [_BAD] * 256, [0] * 256
-
-    def put(names: str, what: int, w: int = 0) -> None:
+    """Opcode -> (dispatch code, argument width: fixed bytes, or the bytes of a length; negative: signed)."""
+    code, width = [_BAD] * 256, [0] * 256  # NEXT_BUFFER, READONLY_BUFFER (out-of-band buffers) stay _BAD
+    rows = [(c, names, w) for c, (names, w) in _OPS.items()] + [
+        (_PUSH, "NONE NEWTRUE NEWFALSE EMPTY_TUPLE", 0), (_PUSH, "BININT1 EXT1", 1), (_PUSH, "BININT2 EXT2", 2),
+        (_PUSH, "BININT EXT4", 4), (_PUSH, "BINFLOAT", 8), (_STR, "SHORT_BINUNICODE", 1), (_STR, "BINUNICODE", 4),
+        (_STR, "BINUNICODE8", 8), (_BYTES, "SHORT_BINBYTES SHORT_BINSTRING LONG1", 1), (_BYTES, "BINBYTES", 4),
+        (_BYTES, "BINSTRING LONG4", -4), (_BYTES, "BINBYTES8", 8), (_BYTEARRAY, "BYTEARRAY8", 8),
+    ]  # EXT codes resolve through find_class: like any global, not created by this load
+    for what, names, w in rows:
         for name in names.split():
             op = getattr(pickle, name)[0]
             code[op], width[op] = what, w
-
-    put("NONE", _PUSH)
-    put("NEWTRUE NEWFALSE EMPTY_TUPLE", _PUSH)
-    put("BININT1", _PUSH, 1)
-    put("BININT2", _PUSH, 2)
-    put("BININT", _PUSH, 4)
-    put("BINFLOAT", _PUSH, 8)
-    put("EXT1", _PUSH, 1)  # the unpickler resolves extension codes through find_class: not created here
-    put("EXT2", _PUSH, 2)
-    put("EXT4", _PUSH, 4)
-    put("SHORT_BINUNICODE", _STR, 1)
-    put("BINUNICODE", _STR, 4)
-    put("BINUNICODE8", _STR, 8)
-    put("SHORT_BINBYTES SHORT_BINSTRING LONG1", _BYTES, 1)
-    put("BINBYTES", _BYTES, 4)
-    put("BINSTRING LONG4", _BYTES, -4)  # signed lengths
-    put("BINBYTES8", _BYTES, 8)
-    put("BYTEARRAY8", _BYTEARRAY, 8)
-    put("INT LONG FLOAT STRING UNICODE", _LINE_PUSH)
-    put("MARK", _MARK)
-    put("STOP", _STOP)
-    put("POP", _POP)
-    put("POP_MARK", _POP_MARK)
-    put("DUP", _DUP)
-    put("PUT", _PUT)
-    put("BINPUT", _PUT, 1)
-    put("LONG_BINPUT", _PUT, 4)
-    put("GET", _GET)
-    put("BINGET", _GET, 1)
-    put("LONG_BINGET", _GET, 4)
-    put("MEMOIZE", _MEMOIZE)
-    put("EMPTY_DICT EMPTY_LIST EMPTY_SET", _EMPTY_FRESH)
-    put("DICT", _DICT)
-    put("LIST", _LIST)
-    put("TUPLE", _TUPLE)
-    put("TUPLE1", _TUPLE1)
-    put("TUPLE2", _TUPLE2)
-    put("TUPLE3", _TUPLE3)
-    put("FROZENSET", _FROZENSET)
-    put("APPEND", _APPEND)
-    put("APPENDS", _APPENDS)
-    put("SETITEM", _SETITEM)
-    put("SETITEMS", _SETITEMS)
-    put("ADDITEMS", _ADDITEMS)
-    put("BUILD", _BUILD)
-    put("REDUCE", _REDUCE)
-    put("NEWOBJ", _NEWOBJ)
-    put("NEWOBJ_EX", _NEWOBJ_EX)
-    put("OBJ", _OBJ)
-    put("INST", _INST)
-    put("GLOBAL", _GLOBAL)
-    put("STACK_GLOBAL", _STACK_GLOBAL)
-    put("PERSID", _PERSID)
-    put("BINPERSID", _BINPERSID)
-    put("PROTO", _PROTO, 1)
-    put("FRAME", _FRAME, 8)
-    return code, width  # NEXT_BUFFER, READONLY_BUFFER (out-of-band buffers) stay _BAD
+    return code, width
 
 
 _CODE, _WIDTH = _table()
@@ -158,30 +122,27 @@ def guard_pickle(data: bytes, start: int, path: str, resolve: Callable[[str, str
     except (UnsafeCheckpointError, CorruptCheckpointError, pickle.UnpicklingError):
         raise
     except _Refused as refused:
-        raise UnsafeCheckpointError(path, str(refused), "the pickle would modify an object it did not create") from None
+        raise UnsafeCheckpointError(
+            path, str(refused), "a pickle may set state only on objects it created, dunder or slot state only through __setstate__"
+        ) from None
     except (IndexError, KeyError, ValueError, UnicodeDecodeError):
         raise pickle.UnpicklingError("malformed or truncated pickle") from None
 
 
 def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]) -> int:  # noqa: C901 - one dispatch loop
-    code_of, width_of = _CODE, _WIDTH
+    """The abstract interpretation. Stack underflows are not checked: the C unpickler raises at that
+    same opcode, so nothing after it runs, and every opcode before it was checked on the same stack."""
+    code_of, width_of, from_bytes = _CODE, _WIDTH, int.from_bytes
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[int, int] = {}
-    dicts: set[int] = set()  # fresh dicts built by DICT / EMPTY_DICT: their keys are all seen here
+    dicts: set[int] = set()  # fresh dicts built by DICT / EMPTY_DICT: every key they get is seen here
     dunder: set[int] = set()  # fresh objects that got a "__x__" key
     kinds: dict[tuple[str, str], int] = {}
-    fence, fresh = 0, _FRESH
+    fresh = _FRESH
     end = len(data)
     limit = end - start  # no memo index, length or frame can exceed the stream
     pos = start
-    from_bytes = int.from_bytes
-
-    def line(at: int) -> int:
-        nl = data.find(b"\n", at)
-        if nl < 0:
-            raise pickle.UnpicklingError("pickle data was truncated")
-        return nl
 
     def kind(module: str, name: str) -> int:
         key = (module, name)
@@ -191,35 +152,89 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             found = kinds[key] = _OTHER if obj is MISSING else _kind(obj)
         return found
 
-    def called(what: int, args: int) -> int:
+    def called(what: int) -> int:  # what a call of ``what`` returns (INST, OBJ, NEWOBJ_EX: rare)
         nonlocal fresh
         fresh += 2
-        if what == _FACTORY:
-            return fresh
-        if what == _FACTORY_SETSTATE:
-            return fresh + 1
-        if what == _RECONSTRUCTOR:  # copyreg._reconstructor(cls, base, state): a new cls
-            return fresh + 1 if args == _TRIPLE_SETSTATE else fresh
-        return _OTHER
+        return fresh if what == _FACTORY else fresh + 1 if what == _FACTORY_SETSTATE else _OTHER
 
     def string(tag: int) -> str | None:
         if tag >= 0:
             return None
-        at = (-1 - tag) >> 1
+        at = -1 - (tag if tag > -_DUNDER else tag + _DUNDER)
         w = width_of[data[at]]
         n = from_bytes(data[at + 1 : at + 1 + w], "little")
         return data[at + 1 + w : at + 1 + w + n].decode("utf-8", "surrogatepass")
 
-    while True:
-        if pos >= end:
+    def put(index: int, at: int) -> None:
+        if index < 0 or index > limit:
+            raise CorruptCheckpointError(
+                f"{path}: pickle memo index {index} at byte {at} exceeds the stream's {limit} bytes: "
+                "a hostile pickle (it would make the unpickler allocate gigabytes)"
+            )
+        memo[index] = stack[-1]
+
+    def line(at: int) -> int:
+        nl = data.find(b"\n", at)
+        if nl < 0:
             raise pickle.UnpicklingError("pickle data was truncated")
+        return nl
+
+    while pos < end:
         op = data[pos]
         what = code_of[op]
         pos += 1
         if what == _MEMOIZE:
-            if len(stack) <= fence:
-                raise pickle.UnpicklingError("stack underflow")
             memo[len(memo)] = stack[-1]
+        elif what == _BINGET:
+            if op == 104:  # BINGET
+                stack.append(memo[data[pos]])
+                pos += 1
+            else:
+                stack.append(memo[from_bytes(data[pos : pos + 4], "little")])
+                pos += 4
+        elif what == _PUSH:
+            pos += width_of[op]
+            stack.append(_NONE if op == 78 else _OTHER)  # 78: NONE
+        elif what == _MARK:
+            marks.append(len(stack))
+        elif what == _NEWOBJ:
+            del stack[-1]
+            fresh += 2
+            cls = stack[-1]
+            stack[-1] = fresh if cls == _FACTORY else fresh + 1 if cls == _FACTORY_SETSTATE else _OTHER
+        elif what == _BUILD:
+            state = stack.pop()
+            target = stack[-1]
+            if target < _FRESH:
+                raise _Refused("BUILD on an object the stream did not create")
+            if not target & 1 and state != _NONE and (state not in dicts or state in dunder):
+                raise _Refused("BUILD with dunder or slot state")  # only a class's own __setstate__ may
+        elif what == _SETITEMS or what == _APPENDS or what == _ADDITEMS:
+            k = marks.pop()
+            target = stack[k - 1] if k else _OTHER
+            if target < _FRESH:
+                raise _Refused(f"{pickle_name(op)} on an object the stream did not create")
+            if what == _SETITEMS and len(stack) > k and min(stack[k::2]) <= -_DUNDER:
+                dunder.add(target)
+            del stack[k:]
+        elif what == _EMPTY or what == _EMPTY_DICT:
+            fresh += 2
+            stack.append(fresh)
+            if what == _EMPTY_DICT:
+                dicts.add(fresh)
+        elif what == _TUPLE1:
+            stack[-1] = _OTHER
+        elif what == _REDUCE:
+            args = stack.pop()
+            fresh += 2
+            func = stack[-1]
+            if func == _RECONSTRUCTOR:  # copyreg._reconstructor(cls, base, state): a new cls
+                stack[-1] = fresh + 1 if args == _TRIPLE_SETSTATE else fresh
+            else:
+                stack[-1] = fresh if func == _FACTORY else fresh + 1 if func == _FACTORY_SETSTATE else _OTHER
+        elif what == _TUPLE2:
+            del stack[-1]
+            stack[-1] = _PAIR
         elif what == _STR:
             w = width_of[op]
             n = from_bytes(data[pos : pos + w], "little")
@@ -227,122 +242,58 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             pos = s + n
             if pos > end:
                 raise pickle.UnpicklingError(f"a string of {n} bytes runs past the end of the stream")
-            tag = -1 - 2 * (s - w - 1)
-            if n >= 4 and data[s] == 95 == data[s + 1] == data[pos - 1] == data[pos - 2]:
-                tag -= 1
-            stack.append(tag)
+            if n >= 4 and data[s] == 95 == data[s + 1] == data[pos - 1] == data[pos - 2]:  # "__x__"
+                stack.append(-_DUNDER - s + w)
+            else:
+                stack.append(-s + w)
+        elif what == _BINPUT:
+            put(data[pos], pos - 1)
+            pos += 1
+        elif what == _STACK_GLOBAL:
+            name, module = string(stack.pop()), string(stack[-1])
+            stack[-1] = kind(module, name) if module is not None and name is not None else _OTHER
         elif what == _GET:
-            w = width_of[op]
-            if w:
-                index = from_bytes(data[pos : pos + w], "little")
-                pos += w
-            else:
+            nl = line(pos)
+            stack.append(memo[int(data[pos:nl])])
+            pos = nl + 1
+        elif what == _LONG_BINPUT or what == _PUT:
+            if what == _PUT:
                 nl = line(pos)
-                index = int(data[pos:nl])
+                put(int(data[pos:nl]), pos - 1)
                 pos = nl + 1
-            stack.append(memo[index])
-        elif what == _PUSH:
-            pos += width_of[op]
-            stack.append(_NONE if op == 78 else _OTHER)  # 78: NONE
-        elif what == _PUT:
-            w = width_of[op]
-            if w:
-                index = from_bytes(data[pos : pos + w], "little")
-                pos += w
             else:
-                nl = line(pos)
-                index = int(data[pos:nl])
-                pos = nl + 1
-            if index < 0 or index > limit:
-                raise CorruptCheckpointError(
-                    f"{path}: pickle memo index {index} at byte {pos - 1 - (w or 0)} exceeds the stream's {limit} bytes: "
-                    "a hostile pickle (it would make the unpickler allocate gigabytes)"
-                )
-            if len(stack) <= fence:
-                raise pickle.UnpicklingError("stack underflow")
-            memo[index] = stack[-1]
-        elif what == _MARK:
-            marks.append(len(stack))
-            fence = len(stack)
-        elif what == _EMPTY_FRESH:
-            fresh += 2
-            stack.append(fresh)
-            if op == 125:  # EMPTY_DICT
-                dicts.add(fresh)
-        elif what == _SETITEMS or what == _APPENDS or what == _ADDITEMS:
-            k = marks.pop()
-            fence = marks[-1] if marks else 0
-            if k < 1 or k - 1 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            target = stack[k - 1]
-            if target < _FRESH:
-                raise _Refused(pickle_name(op))
-            if what == _SETITEMS and any(key < 0 and not key & 1 for key in stack[k::2]):
-                dunder.add(target)
-            del stack[k:]
-        elif what == _BUILD:
-            if len(stack) - 2 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            state = stack.pop()
-            target = stack[-1]
-            if target < _FRESH:
-                raise _Refused("BUILD")
-            if not target & 1 and state != _NONE and (state not in dicts or state in dunder):
-                raise _Refused("BUILD state")  # would set dunder attributes or slots: only a __setstate__ may
-        elif what == _NEWOBJ:
-            if len(stack) - 2 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            stack.pop()
-            stack[-1] = called(stack[-1], _OTHER)
-        elif what == _REDUCE:
-            if len(stack) - 2 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            args = stack.pop()
-            stack[-1] = called(stack[-1], args)
-        elif what == _TUPLE1:
-            if len(stack) <= fence:
-                raise pickle.UnpicklingError("stack underflow")
-            stack[-1] = _OTHER
-        elif what == _TUPLE2:
-            if len(stack) - 2 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            stack.pop()
-            stack[-1] = _PAIR
-        elif what == _TUPLE3:
-            if len(stack) - 3 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            first = stack[-3]
-            del stack[-2:]
-            stack[-1] = _triple(first)
-        elif what == _TUPLE:
-            k = marks.pop()
-            fence = marks[-1] if marks else 0
+                put(from_bytes(data[pos : pos + 4], "little"), pos - 1)
+                pos += 4
+        elif what == _TUPLE or what == _TUPLE3:
+            k = marks.pop() if what == _TUPLE else len(stack) - 3
             n = len(stack) - k
             tag = _PAIR if n == 2 else _triple(stack[k]) if n == 3 else _OTHER
             del stack[k:]
             stack.append(tag)
-        elif what == _STACK_GLOBAL:
-            if len(stack) - 2 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            name, module = string(stack.pop()), string(stack[-1])
-            stack[-1] = kind(module, name) if module is not None and name is not None else _OTHER
-        elif what == _GLOBAL or what == _INST:
-            first = line(pos)
-            second = line(first + 1)
-            tag = kind(data[pos:first].decode("utf-8"), data[first + 1 : second].decode("utf-8"))
-            pos = second + 1
-            if what == _INST:
-                k = marks.pop()
-                fence = marks[-1] if marks else 0
-                del stack[k:]
-                tag = called(tag, _OTHER)
-            stack.append(tag)
+        elif what == _BYTES or what == _BYTEARRAY:
+            w = width_of[op]
+            n = from_bytes(data[pos : pos + abs(w)], "little", signed=w < 0)
+            pos += abs(w) + n
+            if n < 0 or pos > end:
+                raise pickle.UnpicklingError(f"a length of {n} bytes runs past the end of the stream")
+            fresh += 2
+            stack.append(fresh if what == _BYTEARRAY else _OTHER)
+        elif what == _SETITEM:
+            key = stack[-2]
+            del stack[-2:]
+            if stack[-1] < _FRESH:
+                raise _Refused("SETITEM on an object the stream did not create")
+            if key <= -_DUNDER:
+                dunder.add(stack[-1])
+        elif what == _APPEND:
+            del stack[-1]
+            if stack[-1] < _FRESH:
+                raise _Refused("APPEND on an object the stream did not create")
         elif what == _DICT or what == _LIST or what == _FROZENSET:
             k = marks.pop()
-            fence = marks[-1] if marks else 0
             if what == _DICT and (len(stack) - k) & 1:
                 raise pickle.UnpicklingError("odd number of items for DICT")
-            keyed = what == _DICT and any(key < 0 and not key & 1 for key in stack[k::2])
+            keyed = what == _DICT and len(stack) > k and min(stack[k::2]) <= -_DUNDER
             del stack[k:]
             fresh += 2
             stack.append(_OTHER if what == _FROZENSET else fresh)
@@ -350,66 +301,37 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
                 dicts.add(fresh)
                 if keyed:
                     dunder.add(fresh)
-        elif what == _SETITEM:
-            if len(stack) - 3 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            key = stack[-2]
+        elif what == _GLOBAL or what == _INST:
+            first = line(pos)
+            second = line(first + 1)
+            tag = kind(data[pos:first].decode("utf-8"), data[first + 1 : second].decode("utf-8"))
+            pos = second + 1
+            if what == _INST:
+                del stack[marks.pop() :]
+                tag = called(tag)
+            stack.append(tag)
+        elif what == _OBJ:
+            k = marks.pop()
+            cls = stack[k]
+            del stack[k:]
+            stack.append(called(cls))
+        elif what == _NEWOBJ_EX:
             del stack[-2:]
-            if stack[-1] < _FRESH:
-                raise _Refused("SETITEM")
-            if key < 0 and not key & 1:
-                dunder.add(stack[-1])
-        elif what == _APPEND:
-            if len(stack) - 2 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            stack.pop()
-            if stack[-1] < _FRESH:
-                raise _Refused("APPEND")
-        elif what == _BYTES or what == _BYTEARRAY:
-            w = width_of[op]
-            n = from_bytes(data[pos : pos + abs(w)], "little", signed=w < 0)
-            pos += abs(w) + n
-            if n < 0 or pos > end:
-                raise pickle.UnpicklingError(f"a length of {n} bytes runs past the end of the stream")
-            if what == _BYTEARRAY:
-                fresh += 2
-                stack.append(fresh)
-            else:
-                stack.append(_OTHER)
-        elif what == _LINE_PUSH or what == _PERSID:
+            stack[-1] = called(stack[-1])
+        elif what == _LINE or what == _PERSID:
             pos = line(pos) + 1
             stack.append(_OTHER)
         elif what == _BINPERSID:
-            if len(stack) <= fence:
-                raise pickle.UnpicklingError("stack underflow")
             stack[-1] = _OTHER
         elif what == _POP:
-            if len(stack) > fence:
-                stack.pop()
-            elif marks:
-                marks.pop()
-                fence = marks[-1] if marks else 0
+            if len(stack) > (marks[-1] if marks else 0):
+                del stack[-1]
             else:
-                raise pickle.UnpicklingError("stack underflow")
+                marks.pop()
         elif what == _POP_MARK:
-            k = marks.pop()
-            fence = marks[-1] if marks else 0
-            del stack[k:]
+            del stack[marks.pop() :]
         elif what == _DUP:
-            if len(stack) <= fence:
-                raise pickle.UnpicklingError("stack underflow")
             stack.append(stack[-1])
-        elif what == _NEWOBJ_EX:
-            if len(stack) - 3 < fence:
-                raise pickle.UnpicklingError("stack underflow")
-            del stack[-2:]
-            stack[-1] = called(stack[-1], _OTHER)
-        elif what == _OBJ:
-            k = marks.pop()
-            fence = marks[-1] if marks else 0
-            cls = stack[k]
-            del stack[k:]
-            stack.append(called(cls, _OTHER))
         elif what == _PROTO:
             if data[pos] > pickle.HIGHEST_PROTOCOL:
                 raise pickle.UnpicklingError(f"unsupported pickle protocol: {data[pos]}")
@@ -420,13 +342,12 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             if pos + n > end:
                 raise pickle.UnpicklingError(f"a frame of {n} bytes runs past the end of the stream")
         elif what == _STOP:
-            if len(stack) <= fence:
-                raise pickle.UnpicklingError("stack underflow")
+            if not stack:
+                raise pickle.UnpicklingError("STOP with an empty stack")
             return pos
         else:
             raise pickle.UnpicklingError(f"opcode {op:#04x} is not accepted")
-        if pos > end:
-            raise pickle.UnpicklingError("pickle data was truncated")
+    raise pickle.UnpicklingError("pickle data was truncated")
 
 
 def _triple(first: int) -> int:
@@ -438,7 +359,4 @@ def _triple(first: int) -> int:
 
 def pickle_name(op: int) -> str:
     """The opcode's name, for messages."""
-    for name in ("SETITEMS", "APPENDS", "ADDITEMS"):
-        if getattr(pickle, name)[0] == op:
-            return name
-    return f"opcode {op:#04x}"
+    return next(name for name in ("SETITEMS", "APPENDS", "ADDITEMS") if getattr(pickle, name)[0] == op)
