@@ -29,7 +29,9 @@ __all__ = [
     "FRESH_ATTACKS",
     "RECORD_STATE_ATTACKS",
     "STATE_ATTACKS",
+    "as_prefix",
     "deep_nesting",
+    "nest_inside",
     "size_bomb",
     "splice",
     "text_int_payload",
@@ -56,6 +58,22 @@ def _slot_build(target: bytes, attr: str, value: bytes) -> bytes:
 def _dict_build(target: bytes, attr: str, value: bytes) -> bytes:
     """``target``; ``{attr: value}``; BUILD; POP: target.__dict__[attr] = value."""
     return target + b"}" + _str(attr) + value + b"sb0"
+
+
+def as_prefix(whole: bytes) -> bytes:
+    """A whole protocol-2 pickle of one object made into a prefix that builds the object and drops it."""
+    if not (whole.startswith(b"\x80\x02") and whole.endswith(b".")):
+        raise ValueError("as_prefix needs a whole protocol-2 pickle")
+    return whole[2:-1] + b"0"
+
+
+def nest_inside(valid: bytes, placeholder: str, depth: int = 200_000) -> bytes:
+    """``valid`` (protocol 2) with the string ``placeholder`` replaced by a list nested ``depth`` deep."""
+    raw = placeholder.encode()
+    for needle in (b"X" + struct.pack("<I", len(raw)) + raw, b"\x8c" + bytes([len(raw)]) + raw):
+        if needle in valid:
+            return valid.replace(needle, b"]" * depth + b"a" * (depth - 1), 1)
+    raise ValueError(f"{placeholder!r} is not in the pickle")
 
 
 def splice(prefix: bytes, valid: bytes) -> bytes:
