@@ -117,7 +117,7 @@ FRESH_ATTACKS: dict[str, bytes] = {
 
 # data.pkl-level: allow-listed rebuild functions of torch.save's and DCP records' decoders.
 RECORD_STATE_ATTACKS: dict[str, bytes] = {
-    "rebuild-function-defaults": _slot_build(_global("torch._utils", "_rebuild_tensor_v2"), "__defaults__", b"N\x85"),
+    "rebuild-function-defaults": _slot_build(_global("torch._utils", "_rebuild_tensor_v2"), "__defaults__", b"K\x07\x85"),
     "rebuild-function-qualname": _slot_build(_global("torch._utils", "_rebuild_tensor_v2"), "__qualname__", _str("x")),
 }
 
