@@ -20,10 +20,16 @@ file is one pickle after another. So no sniffing decides anything here:
 
 Strategies that forward items (``Broadcasting``) pass :class:`VettedBytes` on and vet anything else
 (:func:`ensure_vetted`), so a reader that does not vet cannot open a path around this module.
+
+Planners whose class defines ``load_value(read_item, value)`` (ours: ``RemappingLoadPlanner``,
+``DynamicMetaLoadPlanner``) get the decoded value itself (:func:`deliver_byte_item`): one decode per item
+and no re-encoding. Only the class is asked, never the instance: a wrapper that forwards unknown
+attributes (``Broadcasting``'s routing planner) must keep getting bytes it can route.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import re
@@ -36,7 +42,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["VettedBytes", "decode_byte_item", "ensure_vetted", "planner_safe_globals", "vet_byte_item"]
+__all__ = ["VettedBytes", "decode_byte_item", "deliver_byte_item", "ensure_vetted", "planner_safe_globals", "vet_byte_item"]
 
 _ZIP_LOCAL = b"PK\x03\x04"
 _TRUST_HINT = "pass trust_byte_items=True only if you trust this checkpoint"
@@ -146,3 +152,24 @@ def planner_safe_globals(planner: Any) -> tuple[Any, ...]:
     a reader that decodes for it honours them too."""
     found = getattr(planner, "safe_globals", ())
     return tuple(found) if isinstance(found, (tuple, list)) else ()
+
+
+def deliver_byte_item(
+    planner: Any, item: Any, data: bytes | memoryview, where: str, *, trust: bool = False
+) -> None:
+    """Hand stored item ``data`` to ``planner``: the decoded value to a planner class with ``load_value``,
+    else :func:`vet_byte_item`'s bytes to ``load_bytes``. ``trust`` passes the stored bytes unchanged."""
+    safe = planner_safe_globals(planner)
+    if not trust and _takes_values(type(planner)):
+        planner.load_value(item, decode_byte_item(data, where, safe))
+    else:
+        planner.load_bytes(item, vet_byte_item(data, where, trust=trust, safe_globals=safe))
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_values(cls: type) -> bool:
+    """Whether ``cls`` defines ``load_value`` at or below the class that defines its ``load_bytes`` (a
+    subclass that overrides only ``load_bytes`` keeps getting bytes)."""
+    owners = {name: next((k for k in cls.__mro__ if name in vars(k)), None) for name in ("load_value", "load_bytes")}
+    value, raw = owners["load_value"], owners["load_bytes"]
+    return value is not None and callable(vars(value)["load_value"]) and (raw is None or issubclass(value, raw))

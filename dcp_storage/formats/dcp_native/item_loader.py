@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import RecordVerifier, batches_by_bytes
 from ...transports import FsspecTransport, RangeRequest
-from ..byte_items import planner_safe_globals, vet_byte_item
+from ..byte_items import deliver_byte_item
 from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
@@ -225,8 +225,7 @@ class DcpItemLoader:
             if item.type == LoadItemType.BYTE_IO:
                 data = self._untransform(entry, whole[entry], item.storage_index.fqn)  # type: ignore[arg-type]
                 where = f"{self._where(entry)} (item {item.storage_index.fqn!r})"
-                trust, safe = self.config.trust_byte_items, planner_safe_globals(planner)
-                planner.load_bytes(item, vet_byte_item(data, where, trust=trust, safe_globals=safe))
+                deliver_byte_item(planner, item, data, where, trust=self.config.trust_byte_items)
                 continue
             if entry in decoded:
                 self._deliver_decoded(item, entry, decoded[entry], planner)

@@ -29,7 +29,7 @@ from ...integrity.read_verify import batches_by_bytes
 from ...integrity.safetensors_sums import FileSums, require_checksummed
 from ...tensor_buffers import writable_bytes
 from ...transports import FsspecTransport, RangeRequest
-from ..byte_items import planner_safe_globals, vet_byte_item
+from ..byte_items import deliver_byte_item
 from ..paths import check_relative
 from ..tensor_reads import SliceRead, dense_gap_of, plan_slice_read, read_slices
 from .layout import resolve
@@ -224,5 +224,4 @@ class SafetensorsItemLoader:
         for (item, entry), buf in zip(byte_items, self.transport.read_ranges(reqs)):
             url = self.transport.url(self._path(entry.file))
             where = f"{url} [{entry.offset}, {entry.offset + entry.length}) (item {item.storage_index.fqn!r})"
-            vetted = vet_byte_item(buf, where, trust=self.config.trust_byte_items, safe_globals=planner_safe_globals(planner))  # type: ignore[arg-type]
-            planner.load_bytes(item, vetted)
+            deliver_byte_item(planner, item, buf, where, trust=self.config.trust_byte_items)  # type: ignore[arg-type]

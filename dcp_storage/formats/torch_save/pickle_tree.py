@@ -298,8 +298,9 @@ def _check_depth(tree: Any, where: str) -> None:
     value) recurses and would raise ``RecursionError``. Each container is visited once (pickles can make
     cycles), so the cost is linear in the tree.
     """
+    containers = (dict, list, tuple, set, frozenset)
     seen: set[int] = set()
-    todo: list[tuple[Any, int]] = [(tree, 1)]
+    todo: list[tuple[Any, int]] = [(tree, 1)] if isinstance(tree, containers) else []
     while todo:
         node, depth = todo.pop()
         if id(node) in seen:
@@ -308,7 +309,7 @@ def _check_depth(tree: Any, where: str) -> None:
         if depth > MAX_DEPTH:
             raise CorruptCheckpointError(f"{where}: values nested more than {MAX_DEPTH} levels deep")
         children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
-        todo.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple, set, frozenset)))
+        todo.extend((child, depth + 1) for child in children if isinstance(child, containers))
 
 
 class LegacyNeedsMoreBytes(Exception):
