@@ -29,7 +29,6 @@ attributes (``Broadcasting``'s routing planner) must keep getting bytes it can r
 
 from __future__ import annotations
 
-import functools
 import io
 import pickle
 import re
@@ -42,7 +41,14 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["VettedBytes", "decode_byte_item", "deliver_byte_item", "ensure_vetted", "planner_safe_globals", "vet_byte_item"]
+__all__ = [
+    "VettedBytes",
+    "decode_byte_item",
+    "deliver_byte_item",
+    "ensure_vetted",
+    "planner_safe_globals",
+    "vet_byte_item",
+]
 
 _ZIP_LOCAL = b"PK\x03\x04"
 _TRUST_HINT = "pass trust_byte_items=True only if you trust this checkpoint"
@@ -166,7 +172,6 @@ def deliver_byte_item(
         planner.load_bytes(item, vet_byte_item(data, where, trust=trust, safe_globals=safe))
 
 
-@functools.lru_cache(maxsize=64)
 def _takes_values(cls: type) -> bool:
     """Whether ``cls`` defines ``load_value`` at or below the class that defines its ``load_bytes`` (a
     subclass that overrides only ``load_bytes`` keeps getting bytes)."""
