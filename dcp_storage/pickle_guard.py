@@ -111,14 +111,18 @@ class _Refused(Exception):
     pass
 
 
-def guard_pickle(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]) -> int:
+def guard_pickle(
+    data: bytes, start: int, path: str, resolve: Callable[[str, str], Any], *, check_state: bool = True
+) -> int:
     """Check the pickle that starts at ``data[start]``; return the position just after its ``STOP``.
 
     ``resolve(module, name)`` is the allow-list: the object the unpickler's ``find_class`` will return,
-    or :data:`MISSING` (the unpickler then refuses it itself; here it is just not created by this load).
+    or :data:`MISSING` (then not created by this load), or it raises the unpickler's own refusal.
+    ``check_state=False`` checks sizes and parsing only, for streams the user chose to trust with any
+    global (state on what a trusted function returned is then theirs to judge).
     """
     try:
-        return _walk(data, start, path, resolve)
+        return _walk(data, start, path, resolve, check_state)
     except (UnsafeCheckpointError, CorruptCheckpointError, pickle.UnpicklingError):
         raise
     except _Refused as refused:
@@ -129,7 +133,7 @@ def guard_pickle(data: bytes, start: int, path: str, resolve: Callable[[str, str
         raise pickle.UnpicklingError("malformed or truncated pickle") from None
 
 
-def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]) -> int:  # noqa: C901 - one dispatch loop
+def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any], strict: bool) -> int:  # noqa: C901
     """The abstract interpretation. Stack underflows are not checked: the C unpickler raises at that
     same opcode, so nothing after it runs, and every opcode before it was checked on the same stack."""
     code_of, width_of, from_bytes = _CODE, _WIDTH, int.from_bytes
@@ -205,14 +209,14 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
         elif what == _BUILD:
             state = stack.pop()
             target = stack[-1]
-            if target < _FRESH:
+            if target < _FRESH and strict:
                 raise _Refused("BUILD on an object the stream did not create")
-            if not target & 1 and state != _NONE and (state not in dicts or state in dunder):
+            if strict and not target & 1 and state != _NONE and (state not in dicts or state in dunder):
                 raise _Refused("BUILD with dunder or slot state")  # only a class's own __setstate__ may
         elif what == _SETITEMS or what == _APPENDS or what == _ADDITEMS:
             k = marks.pop()
             target = stack[k - 1] if k else _OTHER
-            if target < _FRESH:
+            if target < _FRESH and strict:
                 raise _Refused(f"{pickle_name(op)} on an object the stream did not create")
             if what == _SETITEMS and len(stack) > k and min(stack[k::2]) <= -_DUNDER:
                 dunder.add(target)
@@ -281,13 +285,13 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
         elif what == _SETITEM:
             key = stack[-2]
             del stack[-2:]
-            if stack[-1] < _FRESH:
+            if stack[-1] < _FRESH and strict:
                 raise _Refused("SETITEM on an object the stream did not create")
             if key <= -_DUNDER:
                 dunder.add(stack[-1])
         elif what == _APPEND:
             del stack[-1]
-            if stack[-1] < _FRESH:
+            if stack[-1] < _FRESH and strict:
                 raise _Refused("APPEND on an object the stream did not create")
         elif what == _DICT or what == _LIST or what == _FROZENSET:
             k = marks.pop()

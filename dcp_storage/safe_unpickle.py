@@ -48,8 +48,11 @@ class AllowListUnpickler(pickle.Unpickler):
     anything this load did not create (an allow-listed class or function, an enum member, a shared
     constant), ``BUILD`` state that could set dunder attributes or slots, memo indices, lengths or frames
     beyond the stream and anything the walk cannot parse are refused before a single object is built.
-    Subclasses that change which globals resolve override :meth:`resolve`, which both use.
+    Subclasses that change which globals resolve override :meth:`resolve`, which both use; one that
+    resolves any global (a user's explicit trust) sets ``check_state = False``: sizes are still checked.
     """
+
+    check_state = True
 
     def __init__(
         self,
@@ -68,7 +71,7 @@ class AllowListUnpickler(pickle.Unpickler):
 
     def load(self) -> Any:
         stream = self._stream
-        guard_pickle(stream.getvalue(), stream.tell(), self._path, self.resolve)  # getvalue: no copy
+        guard_pickle(stream.getvalue(), stream.tell(), self._path, self._guard_resolve, check_state=self.check_state)
         try:
             with _gc_paused():
                 return super().load()
@@ -78,6 +81,14 @@ class AllowListUnpickler(pickle.Unpickler):
     def resolve(self, module: str, name: str) -> Any:
         """The object ``(module, name)`` stands for, or :data:`~dcp_storage.pickle_guard.MISSING`."""
         return self._allowed.get((module, name), MISSING)
+
+    def _guard_resolve(self, module: str, name: str) -> Any:
+        """For the guard walk: a global the allow-list lacks is refused there, as ``find_class`` would
+        refuse it when the unpickler reaches the same opcode (and with the same error)."""
+        found = self.resolve(module, name)
+        if found is MISSING and self.check_state:
+            return self.find_class(module, name)
+        return found
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.resolve(module, name)
