@@ -51,8 +51,6 @@ SUBSET = (
     "zip/data-pkl-state-rebuild-function-defaults",
 )
 # Byte items through Broadcasting(reader): the coordinator vets them before any rank's planner sees them.
-# (DCP native only: Broadcasting(SafetensorsReader) on 2 ranks hangs even on a valid checkpoint, since the
-# wrapped reader's read_metadata broadcasts over the group that only the coordinator is in at that point.)
 BROADCAST_SUBSET = (
     "dcp/byte-item-payload",
     "dcp/byte-item-payload-raw-pickle-p0",
@@ -60,6 +58,8 @@ BROADCAST_SUBSET = (
     "dcp/byte-item-payload-torchscript",
     "dcp/byte-item-deep-nesting",
     "dcp/byte-item-deflated",
+    "dcp_st/byte-item-payload-torchscript",
+    "dcp_st/byte-item-payload-text-int",
     "dcp/metadata-state-class-bases",
 )
 PREFIXES = (
