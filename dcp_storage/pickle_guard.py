@@ -133,7 +133,7 @@ def guard_pickle(
         raise pickle.UnpicklingError("malformed or truncated pickle") from None
 
 
-def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any], strict: bool) -> int:  # noqa: C901
+def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any], strict: bool) -> int:
     """The abstract interpretation. Stack underflows are not checked: the C unpickler raises at that
     same opcode, so nothing after it runs, and every opcode before it was checked on the same stack."""
     code_of, width_of, from_bytes = _CODE, _WIDTH, int.from_bytes

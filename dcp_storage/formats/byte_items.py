@@ -73,9 +73,15 @@ def _archive_names(data: bytes, where: str) -> list[str]:
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, struct.error) as exc:
         raise UnsafeCheckpointError(where, "damaged zip archive", f"{exc}; {_TRUST_HINT}") from None
     for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size or info.file_size > len(data):
+        if (
+            info.compress_type != zipfile.ZIP_STORED
+            or info.file_size != info.compress_size
+            or info.file_size > len(data)
+        ):
             raise UnsafeCheckpointError(
-                where, "compressed zip entry", f"entry {info.filename!r} is compressed or larger than the item; {_TRUST_HINT}"
+                where,
+                "compressed zip entry",
+                f"entry {info.filename!r} is compressed or larger than the item; {_TRUST_HINT}",
             )
     return [info.filename for info in infos]
 
@@ -160,9 +166,7 @@ def planner_safe_globals(planner: Any) -> tuple[Any, ...]:
     return tuple(found) if isinstance(found, (tuple, list)) else ()
 
 
-def deliver_byte_item(
-    planner: Any, item: Any, data: bytes | memoryview, where: str, *, trust: bool = False
-) -> None:
+def deliver_byte_item(planner: Any, item: Any, data: bytes | memoryview, where: str, *, trust: bool = False) -> None:
     """Hand stored item ``data`` to ``planner``: the decoded value to a planner class with ``load_value``,
     else :func:`vet_byte_item`'s bytes to ``load_bytes``. ``trust`` passes the stored bytes unchanged."""
     safe = planner_safe_globals(planner)

@@ -86,7 +86,9 @@ def splice(prefix: bytes, valid: bytes) -> bytes:
 # Metadata-level state attacks: name -> prefix for a DCP .metadata pickle (allow-listed globals only).
 STATE_ATTACKS: dict[str, bytes] = {
     "class-qualname": _slot_build(_global(MD.decode().strip(), "Metadata"), "__qualname__", _str("Pwned")),
-    "class-method": _slot_build(_global(MD.decode().strip(), "StorageMeta"), "__init__", _global("builtins", "getattr")),
+    "class-method": _slot_build(
+        _global(MD.decode().strip(), "StorageMeta"), "__init__", _global("builtins", "getattr")
+    ),
     "class-bases": _slot_build(
         _global("pathlib", "PosixPath"), "__bases__", _global("pathlib", "PurePosixPath") + b"\x85"
     ),
@@ -94,8 +96,10 @@ STATE_ATTACKS: dict[str, bytes] = {
         _global(MD.decode().strip(), "_MEM_FORMAT_ENCODING") + b"K\x01\x85R", "_value_", b"K\x02"
     ),
     "enum-member-by-getattr": _dict_build(
-        _global("builtins", "getattr") + _global(MD.decode().strip(), "_MEM_FORMAT_ENCODING")
-        + _str("TORCH_CONTIGUOUS_FORMAT") + b"\x86R",
+        _global("builtins", "getattr")
+        + _global(MD.decode().strip(), "_MEM_FORMAT_ENCODING")
+        + _str("TORCH_CONTIGUOUS_FORMAT")
+        + b"\x86R",
         "_value_",
         b"K\x03",
     ),
@@ -107,17 +111,32 @@ STATE_ATTACKS: dict[str, bytes] = {
 # __setstate__ may interpret. name -> a whole pickle whose result shows the effect when unguarded.
 _FRESH_META = _global(MD.decode().strip(), "StorageMeta") + b")\x81"
 FRESH_ATTACKS: dict[str, bytes] = {
-    "fresh-instance-class-swap": b"\x80\x02" + _FRESH_META + b"N}" + _str("__class__")
-    + _global(MD.decode().strip(), "Metadata") + b"s\x86b.",
-    "fresh-instance-dunder": b"\x80\x02" + _FRESH_META + b"}" + _str("__reduce_ex__") + _global("builtins", "getattr")
+    "fresh-instance-class-swap": b"\x80\x02"
+    + _FRESH_META
+    + b"N}"
+    + _str("__class__")
+    + _global(MD.decode().strip(), "Metadata")
+    + b"s\x86b.",
+    "fresh-instance-dunder": b"\x80\x02"
+    + _FRESH_META
+    + b"}"
+    + _str("__reduce_ex__")
+    + _global("builtins", "getattr")
     + b"sb.",
-    "fresh-instance-dict-from-call": b"\x80\x02" + _FRESH_META + _global("builtins", "dict") + b"](" + _str("__eq__")
-    + _global("builtins", "getattr") + b"ta\x85Rb.",
+    "fresh-instance-dict-from-call": b"\x80\x02"
+    + _FRESH_META
+    + _global("builtins", "dict")
+    + b"]("
+    + _str("__eq__")
+    + _global("builtins", "getattr")
+    + b"ta\x85Rb.",
 }
 
 # data.pkl-level: allow-listed rebuild functions of torch.save's and DCP records' decoders.
 RECORD_STATE_ATTACKS: dict[str, bytes] = {
-    "rebuild-function-defaults": _slot_build(_global("torch._utils", "_rebuild_tensor_v2"), "__defaults__", b"K\x07\x85"),
+    "rebuild-function-defaults": _slot_build(
+        _global("torch._utils", "_rebuild_tensor_v2"), "__defaults__", b"K\x07\x85"
+    ),
     "rebuild-function-qualname": _slot_build(_global("torch._utils", "_rebuild_tensor_v2"), "__qualname__", _str("x")),
 }
 
