@@ -107,9 +107,9 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
             ``DtypePolicy.cast()`` (any conversion within float, int or complex).
         metadata_source: default ``MetadataSource.storage()``.
         safe_globals: classes/functions ``BYTE_IO`` values may contain beyond torch's ``weights_only``
-            allow-list (only for checkpoints you trust). Readers that vet ``BYTE_IO`` themselves before
-            calling ``load_bytes`` (``FsspecReader``) do not see this list: for those, wrap ``dcp.load``
-            in ``torch.serialization.safe_globals([...])``, which both honour.
+            allow-list (only for checkpoints you trust). Our readers, which decode ``BYTE_IO`` themselves
+            before calling ``load_bytes`` (:mod:`dcp_storage.formats.byte_items`), honour this list too;
+            ``torch.serialization.safe_globals([...])`` around ``dcp.load`` works for every layer.
         flatten_state_dict, flatten_sharded_tensors: as in torch's ``DefaultLoadPlanner``.
 
     After ``create_local_plan`` (so after ``dcp.load``), ``planner.result`` is a :class:`LoadResult`.
@@ -175,7 +175,12 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         key, ckpt_key = read_item.dest_index.fqn, read_item.storage_index.fqn
         where = f"checkpoint key {ckpt_key!r}" + ("" if key == ckpt_key else f" (state-dict key {key!r})")
-        obj = safe_load_bytes(value, where, self.safe_globals)
+        self.load_value(read_item, safe_load_bytes(value, where, self.safe_globals))
+
+    def load_value(self, read_item: ReadItem, obj: Any) -> None:
+        """Place an already decoded ``BYTE_IO`` value (our readers decode safely and call this instead of
+        ``load_bytes``: :func:`dcp_storage.formats.byte_items.deliver_byte_item`)."""
+        key = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[key], obj)
         else:

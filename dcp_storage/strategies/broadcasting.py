@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ..errors import DcpStorageError
+from ..formats.byte_items import ensure_vetted
 from ..planners.key_check import check_planned_keys
 from ..tensor_buffers import host_buffer
 from .coordinator_served import CoordinatorServedReader
@@ -253,12 +254,14 @@ class _RoutingPlanner(LoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         rank, index, item = self._claim(read_item)
         self._open -= 1
+        # Our readers hand over VettedBytes; bytes from any other reader are vetted here, before they
+        # reach a planner (this rank's or, through the process group, another's).
+        vetted = ensure_vetted(value, f"item {read_item.storage_index.fqn!r} read by the wrapped reader")
         if rank == self._me:
-            data = value.read() if hasattr(value, "read") else bytes(value)
-            self._stats.bytes_local += len(data)
-            self._real.load_bytes(item, io.BytesIO(data))
+            self._stats.bytes_local += len(vetted.getbuffer())
+            self._real.load_bytes(item, vetted)
         else:
-            self._sender.send_bytes(rank, index, value.read() if hasattr(value, "read") else bytes(value))
+            self._sender.send_bytes(rank, index, vetted.getvalue())
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         job = self._claim(read_item)

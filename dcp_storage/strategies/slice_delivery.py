@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import io
 import math
 import pickle
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from ..formats.byte_items import VettedBytes
 from ..tensor_buffers import writable_bytes
 from .group import GroupView
 from .metadata_sharing import decode_error, encode_error
@@ -253,7 +253,7 @@ def receive_items(
                     dist.recv(body, group=view.group, group_src=src)
                 if item.type != LoadItemType.BYTE_IO:
                     raise DcpStorageError(f"{item.dest_index.fqn}: got bytes for a tensor item")
-                planner.load_bytes(item, io.BytesIO(_to_bytes(body)))
+                planner.load_bytes(item, VettedBytes(_to_bytes(body)))  # vetted by the coordinator
             else:
                 _receive_tensor(item, nbytes, planner, view, src, stored_dtype)
         except _PayloadPending as pending:  # keep draining so the coordinator is never left blocked

@@ -251,3 +251,27 @@ def test_torch_save_archive(scratch: Path, data: bytes, tail: bool) -> None:
         archive._data_starts()
     except DcpStorageError as exc:
         assert "model.pt" in str(exc)
+
+
+def _attack_pickles() -> list[bytes]:
+    from tests.hostile import payloads as P
+
+    valid = pickle.dumps(_valid_metadata(), protocol=2)
+    out = [P.splice(prefix, valid) for prefix in P.STATE_ATTACKS.values()]
+    out += [P.splice(P.as_prefix(whole), valid) for whole in P.FRESH_ATTACKS.values()]
+    return out + [P.size_bomb(op) for op in P.BOMBS]
+
+
+ATTACK_PICKLES = _attack_pickles()
+
+
+@FUZZ(weight=2)
+@given(data=mutated(ATTACK_PICKLES + VALID_PICKLES))
+def test_mutated_attacks_change_nothing(data: bytes) -> None:
+    """Hostile ``.metadata`` pickles (BUILD on allow-listed globals and enum members, dunder and slot state,
+    size bombs), mutated: whatever the decoder does, no allow-listed global or enum member changes."""
+    from tests.hostile.process_state import changed, snapshot
+
+    before = snapshot()
+    _check_metadata_bytes(data)
+    assert not changed(before, snapshot())

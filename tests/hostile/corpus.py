@@ -38,6 +38,8 @@ import torch
 
 from tests.storage.test_roundtrip_single_process import evil_reduce
 
+from . import payloads as P
+
 __all__ = ["FAMILIES", "Case", "build_corpus", "dest_state_dict", "torch_state_dict"]
 
 SEED = 20240607
@@ -445,6 +447,10 @@ class _Builder:
         payloads: dict[str, Callable[[], bytes]] = {
             "byte-item-payload": lambda: _torch_save_bytes(self.evil()),
             "byte-item-payload-legacy": lambda: _legacy_bytes(self.evil()),
+            # what a "does it look like a pickle?" sniff misses: pickletools cannot parse I0x10, and a
+            # TorchScript archive is a zip whose __setstate__ torch.jit.load runs
+            "byte-item-payload-text-int": lambda: P.text_int_payload(str(self._marker)),
+            "byte-item-payload-torchscript": lambda: P.torchscript_payload(str(self._marker)),
         }
         for protocol in raw_protocols:  # a bare pickle: torch.load(weights_only=False) unpickles it as a legacy file
             payloads[f"byte-item-payload-raw-pickle-p{protocol}"] = lambda p=protocol: pickle.dumps(
@@ -459,6 +465,45 @@ class _Builder:
                 in_metadata=False,
                 payload=True,
             )
+        self.case(  # a value 200,000 levels deep: decoding is iterative, re-encoding it recurses
+            family,
+            "byte-item-deep-nesting",
+            "evil.distcp",
+            lambda d: self.point_item(d, "step", _handmade_torch_zip(P.deep_nesting(), b"", with_storage=False)),
+            in_metadata=False,
+        )
+        self.case(  # stored deflated: torch.load would inflate it (to any size its header claims)
+            family,
+            "byte-item-deflated",
+            "evil.distcp",
+            lambda d: self.point_item(d, "step", P.deflated_torch_save(7)),
+            in_metadata=False,
+        )
+
+    def pickle_attacks(self, family: str, bombs: tuple[str, ...]) -> None:
+        """``.metadata`` pickles of allow-listed globals only that modify what they did not create, or
+        give a fresh instance dunder or slot state, then decode the valid Metadata; and size bombs."""
+
+        def spliced(prefix: bytes) -> Callable[[Path], None]:
+            def mutate(d: Path) -> None:
+                md = pickle.loads((d / METADATA).read_bytes())
+                (d / METADATA).write_bytes(P.splice(prefix, pickle.dumps(md, protocol=2)))
+
+            return mutate
+
+        for name, prefix in P.STATE_ATTACKS.items():
+            self.case(family, f"metadata-state-{name}", METADATA, spliced(prefix))
+        for name, whole in P.FRESH_ATTACKS.items():
+            self.case(family, f"metadata-state-{name}", METADATA, spliced(P.as_prefix(whole)))
+        for op in bombs:
+            self.case(family, f"metadata-bomb-{op}", METADATA, lambda d, o=op: (d / METADATA).write_bytes(P.size_bomb(o)))
+
+        def deep(d: Path) -> None:  # 200,000 levels from ~400 KB, built without recursion
+            md = pickle.loads((d / METADATA).read_bytes())
+            md.storage_meta = "DEEP-PLACEHOLDER"
+            (d / METADATA).write_bytes(P.nest_inside(pickle.dumps(md, protocol=2), "DEEP-PLACEHOLDER"))
+
+        self.case(family, "metadata-deep-nesting", METADATA, deep)
 
     def dcp(self) -> None:
         self.file_mutations("dcp", METADATA, in_metadata=True)
@@ -499,6 +544,11 @@ class _Builder:
             payload=True,
         )
         self.byte_item_payloads("dcp", raw_protocols=(0, 1))
+        self.pickle_attacks("dcp", P.BOMBS[:-1])  # LONG_BINPUT: metadata-memo-bomb
+        record = _data_pkl(_FakeTensor(_FakeStorage(torch.FloatStorage, 128), 0, (16, 8), (8, 1)))
+        for name, prefix in P.RECORD_STATE_ATTACKS.items():
+            blob = _handmade_torch_zip(P.splice(prefix, record), b"\0" * 512)
+            self.case("dcp", f"record-state-{name}", "evil.distcp", lambda d, b=blob: self.point_item(d, "w", b), in_metadata=False)
 
         f32 = torch.FloatStorage
         for tag, tensor, storage in (
@@ -533,6 +583,7 @@ class _Builder:
         self.metadata_edits("dcp_st")
 
         self.byte_item_payloads("dcp_st", raw_protocols=(0,))
+        self.pickle_attacks("dcp_st", ("BYTEARRAY8", "BINUNICODE8", "LONG4"))
         for tag, blob in _hostile_safetensors_blobs(_rng("dcp_st-blobs", self.seed)).items():
             self.case("dcp_st", f"blob-{tag}", "evil.distcp", lambda d, b=blob: self.point_item(d, "w", b))
 
@@ -713,6 +764,13 @@ class _Builder:
         ):
             self.case("zip", tag, PT_FILE, handmade(obj, storage, **kw), keys=("w",))
         self.case("zip", "data-pkl-memo-bomb", PT_FILE, handmade_raw(b"\x80\x02Nr\xff\xff\xff\x3f."), keys=("w",))
+        for op in ("BYTEARRAY8", "BINBYTES8", "BINBYTES", "FRAME"):
+            self.case("zip", f"data-pkl-bomb-{op}", PT_FILE, handmade_raw(P.size_bomb(op)), keys=("w",))
+        for name, prefix in P.RECORD_STATE_ATTACKS.items():
+            spliced = P.splice(prefix, _data_pkl({"w": good}))
+            self.case("zip", f"data-pkl-state-{name}", PT_FILE, handmade_raw(spliced), keys=("w",))
+        deep = P.nest_inside(_data_pkl({"w": good, "extra": "DEEP-PLACEHOLDER"}), "DEEP-PLACEHOLDER")
+        self.case("zip", "data-pkl-deep-nesting", PT_FILE, handmade_raw(deep), keys=("w",))
         unknown = _data_pkl({"w": good}).replace(b"ctorch\nFloatStorage\n", b"ctorch\nFloat99Storage\n")
         self.case(
             "zip",

@@ -18,9 +18,10 @@ from typing import Any
 
 from .corpus import Case, dest_state_dict
 
-__all__ = ["ENTRY_POINTS", "Outcome", "judge", "our_error_names", "run_entry"]
+__all__ = ["ENTRY_POINTS", "EXTRA_ENTRY_POINTS", "Outcome", "judge", "our_error_names", "run_entry"]
 
 ENTRY_POINTS = ("open_reader", "reader_class", "describe", "verify")
+EXTRA_ENTRY_POINTS = ("broadcasting",)  # run_entry takes these too; the tests choose the cases
 MAX_SECONDS = 10.0  # "within seconds": generous for a loaded 2-core CI box; typical cases take < 0.1 s
 
 
@@ -148,6 +149,10 @@ def run_entry(case: Case, entry: str) -> Outcome:
             _load_reporting_metadata_errors(case, lambda: (open_reader(case.url), None))
         elif entry == "reader_class":
             _load_reporting_metadata_errors(case, lambda: _reader_class(case))
+        elif entry == "broadcasting":  # only the coordinator reads; the others get what it vetted
+            from dcp_storage import Broadcasting, open_reader
+
+            _load_reporting_metadata_errors(case, lambda: (Broadcasting(open_reader(case.url)), None))
         elif entry == "describe":
             from dcp_storage.inspection import describe
 

@@ -22,7 +22,7 @@ from .corpus import FAMILIES, Case, build_corpus
 from .harness import ENTRY_POINTS, judge, our_error_names, run_entry
 
 # Minimum cases per family: the corpus must not silently shrink.
-MIN_CASES = {"dcp": 60, "dcp_st": 60, "st": 40, "hf": 35, "zip": 35, "legacy": 10}
+MIN_CASES = {"dcp": 90, "dcp_st": 80, "st": 40, "hf": 35, "zip": 45, "legacy": 10}
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +66,18 @@ def test_corpus_covers_each_attack(corpus: list[Case]) -> None:
         "zip/dtype-unknown",
         "dcp/metadata-path-url",
         "dcp_st/blob-length-2^63",
+        "dcp/byte-item-payload-text-int",
+        "dcp/byte-item-payload-torchscript",
+        "dcp_st/byte-item-payload-torchscript",
+        "dcp/byte-item-deflated",
+        "dcp/metadata-state-class-qualname",
+        "dcp/metadata-state-enum-member-value",
+        "dcp/metadata-state-fresh-instance-class-swap",
+        "dcp/metadata-bomb-BYTEARRAY8",
+        "dcp/metadata-deep-nesting",
+        "dcp/record-state-rebuild-function-defaults",
+        "zip/data-pkl-bomb-BINBYTES8",
+        "zip/data-pkl-deep-nesting",
     ):
         assert required in names, required
     assert sum(c.marker is not None for c in corpus) >= 15
@@ -101,6 +113,8 @@ def test_corpus_is_seeded_and_its_payloads_are_live(corpus: list[Case], tmp_path
         "zip/payload": lambda c: torch.load(c.url, weights_only=False),
         "legacy/payload": lambda c: torch.load(c.url, weights_only=False),
         "dcp/byte-item-payload-raw-pickle-p0": lambda c: torch.load(Path(c.url) / "evil.distcp", weights_only=False),
+        "dcp/byte-item-payload-text-int": lambda c: torch.load(Path(c.url) / "evil.distcp", weights_only=False),
+        "dcp/byte-item-payload-torchscript": lambda c: torch.load(Path(c.url) / "evil.distcp", weights_only=False),
     }
     for name, unsafe_load in live.items():
         case = by_name[name]

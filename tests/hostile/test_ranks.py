@@ -43,6 +43,24 @@ SUBSET = (
     "zip/shape-overflow",
     "legacy/payload",
     "legacy/plain",
+    "dcp/byte-item-payload-text-int",
+    "dcp/byte-item-payload-torchscript",
+    "dcp_st/byte-item-payload-text-int",
+    "dcp/metadata-state-enum-member-value",
+    "dcp/metadata-bomb-BYTEARRAY8",
+    "zip/data-pkl-state-rebuild-function-defaults",
+)
+# Byte items through Broadcasting(reader): the coordinator vets them before any rank's planner sees them.
+BROADCAST_SUBSET = (
+    "dcp/byte-item-payload",
+    "dcp/byte-item-payload-raw-pickle-p0",
+    "dcp/byte-item-payload-text-int",
+    "dcp/byte-item-payload-torchscript",
+    "dcp/byte-item-deep-nesting",
+    "dcp/byte-item-deflated",
+    "dcp_st/byte-item-payload-torchscript",
+    "dcp_st/byte-item-payload-text-int",
+    "dcp/metadata-state-class-bases",
 )
 PREFIXES = (
     "dcp/metadata-truncated-",
@@ -80,3 +98,17 @@ def test_every_rank_raises_our_error_without_hanging(corpus: list[Case]) -> None
     slowest = max(o["seconds"] for outcomes in results for o in outcomes)
     assert slowest < MAX_SECONDS, slowest
     assert elapsed < COLLECTIVE_TIMEOUT_S / 2, f"{len(cases)} cases took {elapsed:.1f}s on {WORLD} ranks"
+
+
+def test_byte_items_through_broadcasting_on_every_rank(corpus: list[Case]) -> None:
+    by_name = {c.name: c for c in corpus}
+    cases = [by_name[n] for n in BROADCAST_SUBSET]
+    results = run_ranks(R.load_cases, WORLD, cases, ["broadcasting"], timeout=COLLECTIVE_TIMEOUT_S)
+    failures = [
+        f"rank {rank} {case.name}: {why}"
+        for rank, outcomes in enumerate(results)
+        for case, raw in zip(cases, outcomes)
+        if (why := judge(case, Outcome(**raw))) is not None
+    ]
+    assert not failures, "\n".join(failures)
+    assert not [c.marker for c in cases if c.marker and os.path.exists(c.marker)], "payloads ran"

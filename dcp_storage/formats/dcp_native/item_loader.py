@@ -22,7 +22,6 @@ slice are fetched and decoded (:mod:`.framed_items`).
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import RecordVerifier, batches_by_bytes
 from ...transports import FsspecTransport, RangeRequest
+from ..byte_items import deliver_byte_item
 from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
@@ -43,7 +43,6 @@ from .torch_record import (
     NeedMoreBytes,
     TensorRecord,
     UnsupportedRecord,
-    check_byte_item,
     load_tensor_record,
     parse_tensor_record,
 )
@@ -61,9 +60,11 @@ class ItemLoaderConfig:
 
     ``trust_byte_items``: non-tensor items (``BYTE_IO``: step counters, extra state, Python objects) are
     handed to the planner's ``load_bytes``, and torch's ``DefaultLoadPlanner`` unpickles them with
-    ``weights_only=False``. By default each one is first checked with a ``weights_only=True`` decode and
-    refused with :class:`~dcp_storage.errors.UnsafeCheckpointError` if it needs anything more; set this to
-    ``True`` only for checkpoints from a trusted source that store custom objects.
+    ``weights_only=False``. By default each one is decoded with ``weights_only=True`` and the planner gets
+    a fresh ``torch.save`` of the result (:mod:`..byte_items`); anything else (a legacy or bare pickle, a
+    TorchScript archive, a refused global) raises :class:`~dcp_storage.errors.UnsafeCheckpointError`. Set
+    this to ``True`` only for checkpoints from a trusted source that store custom objects: the stored
+    bytes then go to the planner unchanged.
     """
 
     probe_bytes: int = 4 * KiB
@@ -222,10 +223,9 @@ class DcpItemLoader:
         for item in items:
             entry = entries[id(item)]
             if item.type == LoadItemType.BYTE_IO:
-                data = bytes(self._untransform(entry, whole[entry], item.storage_index.fqn))  # type: ignore[arg-type]
-                if not self.config.trust_byte_items:
-                    check_byte_item(data, f"{self._where(entry)} (item {item.storage_index.fqn!r})")
-                planner.load_bytes(item, io.BytesIO(data))
+                data = self._untransform(entry, whole[entry], item.storage_index.fqn)  # type: ignore[arg-type]
+                where = f"{self._where(entry)} (item {item.storage_index.fqn!r})"
+                deliver_byte_item(planner, item, data, where, trust=self.config.trust_byte_items)
                 continue
             if entry in decoded:
                 self._deliver_decoded(item, entry, decoded[entry], planner)

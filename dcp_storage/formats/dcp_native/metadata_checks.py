@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorStorageMetadata,
 )
 
@@ -155,6 +156,9 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         return ["carries no storage map" if storage is None else f"the storage map is a {type(storage).__name__}"]
+    meta = metadata.storage_meta
+    if meta is not None and not isinstance(meta, StorageMeta):
+        return [f"storage_meta is a {type(meta).__name__}, not a StorageMeta"]
     missing = _missing_fields(metadata)
     if missing:
         return missing

@@ -360,36 +360,3 @@ def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
         stored = loaded.untyped_storage().nbytes()
         check_view(tuple(loaded.shape), loaded.stride(), loaded.storage_offset(), loaded.element_size(), stored, path)
     return loaded
-
-
-def check_byte_item(data: bytes, path: str) -> None:
-    """Refuse a ``BYTE_IO`` payload that a ``weights_only=True`` load would refuse; run nothing from it.
-
-    Payloads that are neither a zip nor a pickle (raw bytes a planner wrote) pass unchanged. Any pickle is
-    checked, whatever its protocol: torch's ``DefaultLoadPlanner.load_bytes`` calls ``torch.load`` with
-    ``weights_only=False``, which unpickles a non-zip payload (a protocol-0 pickle starts with no ``\x80``).
-    """
-    if not (data.startswith(b"PK\x03\x04") or _starts_with_pickle(data)):
-        return
-    try:
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - only refusals matter here
-        text = str(exc)
-        if "Weights only load failed" in text:
-            match = _FORBIDDEN.search(text)
-            raise UnsafeCheckpointError(
-                path, match.group(1) if match else "unknown global", "pass trust_byte_items=True only if you trust it"
-            ) from None
-
-
-def _starts_with_pickle(data: bytes) -> bool:
-    """Whether ``data`` starts with a complete pickle stream (parsed by opcode, nothing resolved or run)."""
-    import pickletools
-
-    try:
-        for opcode, _arg, _pos in pickletools.genops(data):
-            if opcode.name == "STOP":
-                return True
-    except Exception:  # noqa: BLE001 - not a pickle
-        return False
-    return False

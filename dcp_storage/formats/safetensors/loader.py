@@ -15,7 +15,6 @@ whole into a contiguous CPU destination of its dtype is read straight into it an
 
 from __future__ import annotations
 
-import io
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -30,7 +29,7 @@ from ...integrity.read_verify import batches_by_bytes
 from ...integrity.safetensors_sums import FileSums, require_checksummed
 from ...tensor_buffers import writable_bytes
 from ...transports import FsspecTransport, RangeRequest
-from ..dcp_native.torch_record import check_byte_item
+from ..byte_items import deliver_byte_item
 from ..paths import check_relative
 from ..tensor_reads import SliceRead, dense_gap_of, plan_slice_read, read_slices
 from .layout import resolve
@@ -48,9 +47,9 @@ class LoaderConfig:
 
     ``trust_byte_items``: non-tensor items of torch's DCP-safetensors layout (a step counter, extra state)
     are ``torch.save`` payloads that torch's ``DefaultLoadPlanner`` unpickles with ``weights_only=False``.
-    By default each is first checked with a ``weights_only=True`` decode and refused with
-    :class:`~dcp_storage.errors.UnsafeCheckpointError` if it needs more (as the native reader does); set
-    ``True`` only for trusted checkpoints that store custom objects."""
+    By default each is decoded with ``weights_only=True`` and the planner gets a fresh ``torch.save`` of
+    the result, or :class:`~dcp_storage.errors.UnsafeCheckpointError` is raised (as the native reader
+    does: :mod:`..byte_items`); set ``True`` only for trusted checkpoints that store custom objects."""
 
     staging_bytes: int = 256 * MiB
     max_runs_per_item: int = 65536
@@ -223,9 +222,6 @@ class SafetensorsItemLoader:
                 )
         reqs = [RangeRequest(self._path(e.file), e.offset, e.offset + e.length) for _, e in byte_items]
         for (item, entry), buf in zip(byte_items, self.transport.read_ranges(reqs)):
-            data = bytes(buf)  # type: ignore[arg-type]
-            if not self.config.trust_byte_items:
-                url = self.transport.url(self._path(entry.file))
-                where = f"{url} [{entry.offset}, {entry.offset + entry.length}) (item {item.storage_index.fqn!r})"
-                check_byte_item(data, where)
-            planner.load_bytes(item, io.BytesIO(data))
+            url = self.transport.url(self._path(entry.file))
+            where = f"{url} [{entry.offset}, {entry.offset + entry.length}) (item {item.storage_index.fqn!r})"
+            deliver_byte_item(planner, item, buf, where, trust=self.config.trust_byte_items)  # type: ignore[arg-type]

@@ -110,6 +110,8 @@ WAYS_OUT = (
 class _TrustingUnpickler(AllowListUnpickler):
     """``trust=True``: the allow-list's stand-ins first (tensors stay descriptors), then any global, as pickle does."""
 
+    check_state = False  # any global may run anyway; only sizes and parsing are checked before unpickling
+
     def find_class(self, module: str, name: str) -> Any:
         found = self._allowed.get((module, name))
         if found is not None:
@@ -275,6 +277,7 @@ def decode_data_pkl(data: bytes, where: str, trust: bool = False) -> tuple[Any, 
         raise
     except Exception as exc:  # noqa: BLE001 - any other decoder failure means the bytes are garbage
         raise CorruptCheckpointError(f"{where}: data.pkl is not a valid pickle ({type(exc).__name__}: {exc})") from None
+    _check_depth(obj, where)
     return obj, {k: r.nbytes for k, r in decoder.storages.items()}
 
 
@@ -284,6 +287,31 @@ def _refusal(exc: UnsafeCheckpointError, where: str) -> UnsafeCheckpointError:
     if not detail and "." in exc.forbidden:  # a global the allow-list lacks, not a refused use of an allowed one
         detail = WAYS_OUT.format(exc.forbidden)
     return UnsafeCheckpointError(exc.path or where, exc.forbidden, detail)
+
+
+MAX_DEPTH = 100  # containers inside containers; real state dicts nest a handful of levels
+
+
+def _check_depth(tree: Any, where: str) -> None:
+    """Refuse containers nested deeper than :data:`MAX_DEPTH`, without recursion.
+
+    A pickle builds ``[[[...]]]`` 200,000 levels deep from a few hundred kilobytes and without any
+    recursion; everything that walks the tree afterwards (flattening it as DCP does, ``torch.save`` of a
+    value) recurses and would raise ``RecursionError``. Each container is visited once (pickles can make
+    cycles), so the cost is linear in the tree.
+    """
+    containers = (dict, list, tuple, set, frozenset)
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(tree, 1)] if isinstance(tree, containers) else []
+    while todo:
+        node, depth = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: values nested more than {MAX_DEPTH} levels deep")
+        children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        todo.extend((child, depth + 1) for child in children if isinstance(child, containers))
 
 
 class LegacyNeedsMoreBytes(Exception):

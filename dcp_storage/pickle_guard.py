@@ -1,0 +1,366 @@
+"""A walk over a pickle's opcodes, before the C unpickler sees them: what may be mutated, and sizes.
+
+CPython's unpickler applies ``BUILD`` (set state), ``SETITEM(S)``, ``APPEND(S)`` and ``ADDITEMS`` to
+whatever object is on its stack, and it offers no hook for them. An allow-list of globals is therefore
+not enough: a stream can push an allow-listed class, an enum member it got back from a call, or a shared
+constant, and ``BUILD`` it: a ``__qualname__`` or ``__bases__`` changed for the whole process, an enum
+member with another ``_value_``. Size fields are a second problem: ``LONG_BINPUT 0x3fffffff`` makes the
+C unpickler allocate and clear a memo of gigabytes, ``BYTEARRAY8`` allocates its claimed length before
+reading a byte of it.
+
+:func:`guard_pickle` interprets the stream abstractly, as the unpickler will (same stack, marks and
+memo), with a *tag* per stack entry instead of an object: which entries were created by this load
+(fresh containers, instances a constructor made), which are anything else (globals, what an arbitrary
+call returned, persistent objects, scalars). It refuses, before anything is built:
+
+* a mutating opcode whose target was not created by this load;
+* ``BUILD`` with state that could set dunder attributes or slots (``(dict, slotstate)`` pairs, dicts
+  with ``__x__`` keys, dicts that a call built) on an instance whose class has no ``__setstate__`` of
+  its own to interpret it;
+* every length, memo index and frame that reaches past the end of the stream (so nothing is allocated
+  for it), unknown opcodes, out-of-band buffers, and anything it cannot parse the way the C unpickler
+  does (text pickles included): a stream is accepted only if the walk understood all of it.
+
+A callable's result counts as created by this load only when the callable is a class whose instances
+are new objects (not an ``Enum``, whose call returns a shared member, nor a class with a custom
+metaclass ``__call__``) or ``copyreg._reconstructor``. Cost: ~0.2 us an opcode in pure Python, paid
+once per ``.metadata`` or ``data.pkl`` decode (the per-record fast path,
+:mod:`~dcp_storage.formats.dcp_native.record_pickle`, has no mutating opcodes at all).
+
+Errors: :class:`pickle.UnpicklingError` for malformed or truncated streams (as the C unpickler would
+raise; callers that read a stream in pieces rely on it),
+:class:`~dcp_storage.errors.CorruptCheckpointError` for memo bombs,
+:class:`~dcp_storage.errors.UnsafeCheckpointError` for mutations it refuses.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import enum
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = ["MISSING", "guard_pickle"]
+
+MISSING = object()  # what ``resolve`` returns for a global outside the allow-list
+
+# -- tags. Fresh objects get unique tags >= _FRESH (even: no __setstate__ of their own, odd: one).
+_OTHER, _FACTORY, _FACTORY_SETSTATE, _RECONSTRUCTOR, _NONE, _PAIR, _TRIPLE, _TRIPLE_SETSTATE = range(8)
+_FRESH = 16
+# Strings (candidates for STACK_GLOBAL) are negative: -1 - opcode position, and "__dunder__" ones a
+# further _DUNDER lower, so "is any key a dunder" is one C-speed min() over the keys.
+_DUNDER = 1 << 62
+
+# -- dispatch codes, roughly in order of frequency in real pickles (the loop tests them in this order)
+(
+    _MEMOIZE, _BINGET, _STR, _PUSH, _BINPUT, _MARK, _EMPTY, _NEWOBJ, _BUILD, _SETITEMS, _REDUCE, _TUPLE1,
+    _TUPLE2, _STACK_GLOBAL, _LONG_BINPUT, _APPENDS, _TUPLE, _TUPLE3, _EMPTY_DICT, _BYTES,
+    _SETITEM, _APPEND, _ADDITEMS, _DICT, _LIST, _FROZENSET, _GLOBAL, _INST, _OBJ, _NEWOBJ_EX, _LINE, _PERSID,
+    _BINPERSID, _PUT, _GET, _POP, _POP_MARK, _DUP, _PROTO, _FRAME, _BYTEARRAY, _STOP, _BAD,
+) = range(43)
+
+_OPS: dict[int, tuple[str, int]] = {  # dispatch code -> "OPCODE NAMES", argument width
+    _MEMOIZE: ("MEMOIZE", 0), _BINGET: ("BINGET LONG_BINGET", 0), _GET: ("GET", 0),
+    _BINPUT: ("BINPUT", 1), _LONG_BINPUT: ("LONG_BINPUT", 4), _PUT: ("PUT", 0), _MARK: ("MARK", 0),
+    _EMPTY: ("EMPTY_LIST EMPTY_SET", 0), _EMPTY_DICT: ("EMPTY_DICT", 0), _NEWOBJ: ("NEWOBJ", 0),
+    _BUILD: ("BUILD", 0), _SETITEMS: ("SETITEMS", 0), _REDUCE: ("REDUCE", 0), _TUPLE1: ("TUPLE1", 0),
+    _TUPLE2: ("TUPLE2", 0), _TUPLE3: ("TUPLE3", 0), _TUPLE: ("TUPLE", 0), _STACK_GLOBAL: ("STACK_GLOBAL", 0),
+    _APPENDS: ("APPENDS", 0), _SETITEM: ("SETITEM", 0), _APPEND: ("APPEND", 0), _ADDITEMS: ("ADDITEMS", 0),
+    _DICT: ("DICT", 0), _LIST: ("LIST", 0), _FROZENSET: ("FROZENSET", 0), _GLOBAL: ("GLOBAL", 0),
+    _INST: ("INST", 0), _OBJ: ("OBJ", 0), _NEWOBJ_EX: ("NEWOBJ_EX", 0), _PERSID: ("PERSID", 0),
+    _LINE: ("INT LONG FLOAT STRING UNICODE", 0), _BINPERSID: ("BINPERSID", 0), _POP: ("POP", 0),
+    _POP_MARK: ("POP_MARK", 0), _DUP: ("DUP", 0), _PROTO: ("PROTO", 1), _FRAME: ("FRAME", 8), _STOP: ("STOP", 0),
+}
+
+
+def _table() -> tuple[list[int], list[int]]:
+    """Opcode -> (dispatch code, argument width: fixed bytes, or the bytes of a length; negative: signed)."""
+    code, width = [_BAD] * 256, [0] * 256  # NEXT_BUFFER, READONLY_BUFFER (out-of-band buffers) stay _BAD
+    rows = [(c, names, w) for c, (names, w) in _OPS.items()] + [
+        (_PUSH, "NONE NEWTRUE NEWFALSE EMPTY_TUPLE", 0), (_PUSH, "BININT1 EXT1", 1), (_PUSH, "BININT2 EXT2", 2),
+        (_PUSH, "BININT EXT4", 4), (_PUSH, "BINFLOAT", 8), (_STR, "SHORT_BINUNICODE", 1), (_STR, "BINUNICODE", 4),
+        (_STR, "BINUNICODE8", 8), (_BYTES, "SHORT_BINBYTES SHORT_BINSTRING LONG1", 1), (_BYTES, "BINBYTES", 4),
+        (_BYTES, "BINSTRING LONG4", -4), (_BYTES, "BINBYTES8", 8), (_BYTEARRAY, "BYTEARRAY8", 8),
+    ]  # EXT codes resolve through find_class: like any global, not created by this load
+    for what, names, w in rows:
+        for name in names.split():
+            op = getattr(pickle, name)[0]
+            code[op], width[op] = what, w
+    return code, width
+
+
+_CODE, _WIDTH = _table()
+
+
+def _kind(obj: Any) -> int:
+    """The tag of an allow-listed global: may calling it yield a new object, and does that have a
+    ``__setstate__`` of its own?"""
+    if obj is copyreg._reconstructor:
+        return _RECONSTRUCTOR
+    if not isinstance(obj, type) or obj is type or issubclass(obj, (enum.Enum, type)):
+        return _OTHER  # functions and stand-ins may return shared objects; Enum(value) returns a member
+    if type(obj).__call__ is not type.__call__:
+        return _OTHER  # a metaclass that decides what a call returns
+    return _FACTORY_SETSTATE if getattr(obj, "__setstate__", None) is not None else _FACTORY
+
+
+class _Refused(Exception):
+    pass
+
+
+def guard_pickle(
+    data: bytes, start: int, path: str, resolve: Callable[[str, str], Any], *, check_state: bool = True
+) -> int:
+    """Check the pickle that starts at ``data[start]``; return the position just after its ``STOP``.
+
+    ``resolve(module, name)`` is the allow-list: the object the unpickler's ``find_class`` will return,
+    or :data:`MISSING` (then not created by this load), or it raises the unpickler's own refusal.
+    ``check_state=False`` checks sizes and parsing only, for streams the user chose to trust with any
+    global (state on what a trusted function returned is then theirs to judge).
+    """
+    try:
+        return _walk(data, start, path, resolve, check_state)
+    except (UnsafeCheckpointError, CorruptCheckpointError, pickle.UnpicklingError):
+        raise
+    except _Refused as refused:
+        raise UnsafeCheckpointError(
+            path, str(refused), "a pickle may set state only on objects it created, dunder or slot state only through __setstate__"
+        ) from None
+    except (IndexError, KeyError, ValueError, UnicodeDecodeError):
+        raise pickle.UnpicklingError("malformed or truncated pickle") from None
+
+
+def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any], strict: bool) -> int:
+    """The abstract interpretation. Stack underflows are not checked: the C unpickler raises at that
+    same opcode, so nothing after it runs, and every opcode before it was checked on the same stack."""
+    code_of, width_of, from_bytes = _CODE, _WIDTH, int.from_bytes
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[int, int] = {}
+    dicts: set[int] = set()  # fresh dicts built by DICT / EMPTY_DICT: every key they get is seen here
+    dunder: set[int] = set()  # fresh objects that got a "__x__" key
+    kinds: dict[tuple[str, str], int] = {}
+    fresh = _FRESH
+    end = len(data)
+    limit = end - start  # no memo index, length or frame can exceed the stream
+    pos = start
+
+    def kind(module: str, name: str) -> int:
+        key = (module, name)
+        found = kinds.get(key)
+        if found is None:
+            obj = resolve(module, name)
+            found = kinds[key] = _OTHER if obj is MISSING else _kind(obj)
+        return found
+
+    def called(what: int) -> int:  # what a call of ``what`` returns (INST, OBJ, NEWOBJ_EX: rare)
+        nonlocal fresh
+        fresh += 2
+        return fresh if what == _FACTORY else fresh + 1 if what == _FACTORY_SETSTATE else _OTHER
+
+    def string(tag: int) -> str | None:
+        if tag >= 0:
+            return None
+        at = -1 - (tag if tag > -_DUNDER else tag + _DUNDER)
+        w = width_of[data[at]]
+        n = from_bytes(data[at + 1 : at + 1 + w], "little")
+        return data[at + 1 + w : at + 1 + w + n].decode("utf-8", "surrogatepass")
+
+    def put(index: int, at: int) -> None:
+        if index < 0 or index > limit:
+            raise CorruptCheckpointError(
+                f"{path}: pickle memo index {index} at byte {at} exceeds the stream's {limit} bytes: "
+                "a hostile pickle (it would make the unpickler allocate gigabytes)"
+            )
+        memo[index] = stack[-1]
+
+    def line(at: int) -> int:
+        nl = data.find(b"\n", at)
+        if nl < 0:
+            raise pickle.UnpicklingError("pickle data was truncated")
+        return nl
+
+    while pos < end:
+        op = data[pos]
+        what = code_of[op]
+        pos += 1
+        if what == _MEMOIZE:
+            memo[len(memo)] = stack[-1]
+        elif what == _BINGET:
+            if op == 104:  # BINGET
+                stack.append(memo[data[pos]])
+                pos += 1
+            else:
+                stack.append(memo[from_bytes(data[pos : pos + 4], "little")])
+                pos += 4
+        elif what == _PUSH:
+            pos += width_of[op]
+            stack.append(_NONE if op == 78 else _OTHER)  # 78: NONE
+        elif what == _MARK:
+            marks.append(len(stack))
+        elif what == _NEWOBJ:
+            del stack[-1]
+            fresh += 2
+            cls = stack[-1]
+            stack[-1] = fresh if cls == _FACTORY else fresh + 1 if cls == _FACTORY_SETSTATE else _OTHER
+        elif what == _BUILD:
+            state = stack.pop()
+            target = stack[-1]
+            if target < _FRESH and strict:
+                raise _Refused("BUILD on an object the stream did not create")
+            if strict and not target & 1 and state != _NONE and (state not in dicts or state in dunder):
+                raise _Refused("BUILD with dunder or slot state")  # only a class's own __setstate__ may
+        elif what == _SETITEMS or what == _APPENDS or what == _ADDITEMS:
+            k = marks.pop()
+            target = stack[k - 1] if k else _OTHER
+            if target < _FRESH and strict:
+                raise _Refused(f"{pickle_name(op)} on an object the stream did not create")
+            if what == _SETITEMS and len(stack) > k and min(stack[k::2]) <= -_DUNDER:
+                dunder.add(target)
+            del stack[k:]
+        elif what == _EMPTY or what == _EMPTY_DICT:
+            fresh += 2
+            stack.append(fresh)
+            if what == _EMPTY_DICT:
+                dicts.add(fresh)
+        elif what == _TUPLE1:
+            stack[-1] = _OTHER
+        elif what == _REDUCE:
+            args = stack.pop()
+            fresh += 2
+            func = stack[-1]
+            if func == _RECONSTRUCTOR:  # copyreg._reconstructor(cls, base, state): a new cls
+                stack[-1] = fresh + 1 if args == _TRIPLE_SETSTATE else fresh
+            else:
+                stack[-1] = fresh if func == _FACTORY else fresh + 1 if func == _FACTORY_SETSTATE else _OTHER
+        elif what == _TUPLE2:
+            del stack[-1]
+            stack[-1] = _PAIR
+        elif what == _STR:
+            w = width_of[op]
+            n = from_bytes(data[pos : pos + w], "little")
+            s = pos + w
+            pos = s + n
+            if pos > end:
+                raise pickle.UnpicklingError(f"a string of {n} bytes runs past the end of the stream")
+            if n >= 4 and data[s] == 95 == data[s + 1] == data[pos - 1] == data[pos - 2]:  # "__x__"
+                stack.append(-_DUNDER - s + w)
+            else:
+                stack.append(-s + w)
+        elif what == _BINPUT:
+            put(data[pos], pos - 1)
+            pos += 1
+        elif what == _STACK_GLOBAL:
+            name, module = string(stack.pop()), string(stack[-1])
+            stack[-1] = kind(module, name) if module is not None and name is not None else _OTHER
+        elif what == _GET:
+            nl = line(pos)
+            stack.append(memo[int(data[pos:nl])])
+            pos = nl + 1
+        elif what == _LONG_BINPUT or what == _PUT:
+            if what == _PUT:
+                nl = line(pos)
+                put(int(data[pos:nl]), pos - 1)
+                pos = nl + 1
+            else:
+                put(from_bytes(data[pos : pos + 4], "little"), pos - 1)
+                pos += 4
+        elif what == _TUPLE or what == _TUPLE3:
+            k = marks.pop() if what == _TUPLE else len(stack) - 3
+            n = len(stack) - k
+            tag = _PAIR if n == 2 else _triple(stack[k]) if n == 3 else _OTHER
+            del stack[k:]
+            stack.append(tag)
+        elif what == _BYTES or what == _BYTEARRAY:
+            w = width_of[op]
+            n = from_bytes(data[pos : pos + abs(w)], "little", signed=w < 0)
+            pos += abs(w) + n
+            if n < 0 or pos > end:
+                raise pickle.UnpicklingError(f"a length of {n} bytes runs past the end of the stream")
+            fresh += 2
+            stack.append(fresh if what == _BYTEARRAY else _OTHER)
+        elif what == _SETITEM:
+            key = stack[-2]
+            del stack[-2:]
+            if stack[-1] < _FRESH and strict:
+                raise _Refused("SETITEM on an object the stream did not create")
+            if key <= -_DUNDER:
+                dunder.add(stack[-1])
+        elif what == _APPEND:
+            del stack[-1]
+            if stack[-1] < _FRESH and strict:
+                raise _Refused("APPEND on an object the stream did not create")
+        elif what == _DICT or what == _LIST or what == _FROZENSET:
+            k = marks.pop()
+            if what == _DICT and (len(stack) - k) & 1:
+                raise pickle.UnpicklingError("odd number of items for DICT")
+            keyed = what == _DICT and len(stack) > k and min(stack[k::2]) <= -_DUNDER
+            del stack[k:]
+            fresh += 2
+            stack.append(_OTHER if what == _FROZENSET else fresh)
+            if what == _DICT:
+                dicts.add(fresh)
+                if keyed:
+                    dunder.add(fresh)
+        elif what == _GLOBAL or what == _INST:
+            first = line(pos)
+            second = line(first + 1)
+            tag = kind(data[pos:first].decode("utf-8"), data[first + 1 : second].decode("utf-8"))
+            pos = second + 1
+            if what == _INST:
+                del stack[marks.pop() :]
+                tag = called(tag)
+            stack.append(tag)
+        elif what == _OBJ:
+            k = marks.pop()
+            cls = stack[k]
+            del stack[k:]
+            stack.append(called(cls))
+        elif what == _NEWOBJ_EX:
+            del stack[-2:]
+            stack[-1] = called(stack[-1])
+        elif what == _LINE or what == _PERSID:
+            pos = line(pos) + 1
+            stack.append(_OTHER)
+        elif what == _BINPERSID:
+            stack[-1] = _OTHER
+        elif what == _POP:
+            if len(stack) > (marks[-1] if marks else 0):
+                del stack[-1]
+            else:
+                marks.pop()
+        elif what == _POP_MARK:
+            del stack[marks.pop() :]
+        elif what == _DUP:
+            stack.append(stack[-1])
+        elif what == _PROTO:
+            if data[pos] > pickle.HIGHEST_PROTOCOL:
+                raise pickle.UnpicklingError(f"unsupported pickle protocol: {data[pos]}")
+            pos += 1
+        elif what == _FRAME:
+            n = from_bytes(data[pos : pos + 8], "little")
+            pos += 8
+            if pos + n > end:
+                raise pickle.UnpicklingError(f"a frame of {n} bytes runs past the end of the stream")
+        elif what == _STOP:
+            if not stack:
+                raise pickle.UnpicklingError("STOP with an empty stack")
+            return pos
+        else:
+            raise pickle.UnpicklingError(f"opcode {op:#04x} is not accepted")
+    raise pickle.UnpicklingError("pickle data was truncated")
+
+
+def _triple(first: int) -> int:
+    """A 3-tuple: ``(cls, base, state)`` for ``copyreg._reconstructor`` when ``cls`` is a class."""
+    if first == _FACTORY_SETSTATE:
+        return _TRIPLE_SETSTATE
+    return _TRIPLE if first == _FACTORY else _OTHER
+
+
+def pickle_name(op: int) -> str:
+    """The opcode's name, for messages."""
+    return next(name for name in ("SETITEMS", "APPENDS", "ADDITEMS") if getattr(pickle, name)[0] == op)
