@@ -30,7 +30,7 @@ from ...integrity.read_verify import batches_by_bytes
 from ...integrity.safetensors_sums import FileSums, require_checksummed
 from ...tensor_buffers import writable_bytes
 from ...transports import FsspecTransport, RangeRequest
-from ..dcp_native.torch_record import check_byte_item
+from ..dcp_native.torch_record import check_byte_item, check_record_zip
 from ..paths import check_relative
 from ..tensor_reads import SliceRead, dense_gap_of, plan_slice_read, read_slices
 from .layout import resolve
@@ -224,8 +224,9 @@ class SafetensorsItemLoader:
         reqs = [RangeRequest(self._path(e.file), e.offset, e.offset + e.length) for _, e in byte_items]
         for (item, entry), buf in zip(byte_items, self.transport.read_ranges(reqs)):
             data = bytes(buf)  # type: ignore[arg-type]
+            url = self.transport.url(self._path(entry.file))
+            where = f"{url} [{entry.offset}, {entry.offset + entry.length}) (item {item.storage_index.fqn!r})"
+            check_record_zip(data, where)
             if not self.config.trust_byte_items:
-                url = self.transport.url(self._path(entry.file))
-                where = f"{url} [{entry.offset}, {entry.offset + entry.length}) (item {item.storage_index.fqn!r})"
                 check_byte_item(data, where)
             planner.load_bytes(item, io.BytesIO(data))
