@@ -83,7 +83,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
             ``safe_globals=[...]``.
         verify: check the zip CRC32 of every tensor the coordinator reads whole (a full-tensor load; a
             slice is not covered by the CRC), raising :class:`~dcp_storage.errors.CorruptCheckpointError`
-            naming the file and tensor. Off by default: zlib's CRC32 adds about 20% to a full-tensor load
+            naming the file and tensor. Off by default: zlib's CRC32 adds about 25% to a full-tensor load
             (``dcp-storage verify --deep`` checks every record). ``data.pkl`` is always checked.
     """
 
