@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+import tests.hostile.zip_mutations as zm
 from tests.storage.test_roundtrip_single_process import evil_reduce
 
 __all__ = ["FAMILIES", "Case", "build_corpus", "dest_state_dict", "torch_state_dict"]
@@ -564,8 +565,6 @@ class _Builder:
         ``verify=True``: tests/formats/dcp_native): the attacks on what it reads, and deflated entries
         (such a record goes to ``torch.load``) are refused by default.
         """
-        import tests.hostile.zip_mutations as zm
-
         def attacks(record: bytes) -> dict[str, bytes]:
             with zipfile.ZipFile(io.BytesIO(record)) as zf:
                 plain = [(i.filename, zf.read(i)) for i in zf.infolist()]
@@ -801,8 +800,6 @@ class _Builder:
         """Zip layouts to refuse: duplicate names, local headers that disagree with the central directory,
         overlapping entries, zip64 fields that are missing, deflate bombs. (A flipped tensor byte is found by
         ``verify=True`` and ``verify --deep``: tests/formats/torch_save.)"""
-        import tests.hostile.zip_mutations as zm
-
         def mutated(fn: Callable[[bytes], bytes]) -> Callable[[Path], None]:
             return lambda d: (d / PT_FILE).write_bytes(fn((d / PT_FILE).read_bytes()))
 
