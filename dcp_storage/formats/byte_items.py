@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from .dcp_native.record_zip import check_record_zip
 
 __all__ = [
     "VettedBytes",
@@ -169,6 +170,7 @@ def planner_safe_globals(planner: Any) -> tuple[Any, ...]:
 def deliver_byte_item(planner: Any, item: Any, data: bytes | memoryview, where: str, *, trust: bool = False) -> None:
     """Hand stored item ``data`` to ``planner``: the decoded value to a planner class with ``load_value``,
     else :func:`vet_byte_item`'s bytes to ``load_bytes``. ``trust`` passes the stored bytes unchanged."""
+    check_record_zip(data, where)  # torch.load trusts the central directory and inflates what it declares
     safe = planner_safe_globals(planner)
     if not trust and _takes_values(type(planner)):
         planner.load_value(item, decode_byte_item(data, where, safe))

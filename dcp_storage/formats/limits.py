@@ -41,6 +41,7 @@ __all__ = [
     "INDEX",
     "MANIFEST",
     "MAX_BYTES",
+    "MAX_INFLATION_RATIO",
     "METADATA",
     "ByteLimit",
     "check_byte_range",
@@ -152,3 +153,10 @@ def check_view(
             f"bytes into {nbytes} bytes, more than {cap} bytes beyond what is stored (a broadcast or overlapping "
             f"view); refusing to expand it. If it is genuine, set {BROADCAST_BYTES.env} to a larger number of bytes"
         )
+
+
+# A deflated zip entry may declare at most this many times its compressed size. torch.save never
+# compresses; pickles and text that other zip writers deflate shrink 3-10x; deflate's own ceiling is about
+# 1032x (a run of one byte value), which is what a deflate bomb uses. Entries are also inflated into at
+# most their declared size, so an entry that lies about its size costs nothing more.
+MAX_INFLATION_RATIO = 100

@@ -24,10 +24,14 @@ def check_relative(name: Any, where: str) -> str:
         or name.startswith(("/", "\\", "~"))
         or (len(name) > 1 and name[1] == ":")  # C:\..., or a scheme without //
         or ".." in parts
-        or "" in parts
         or "\x00" in name
     ):
         raise CorruptCheckpointError(
             f"{where}: file name {name!r} escapes the checkpoint directory (absolute path, URL or '..'); refusing it"
+        )
+    if "" in parts or "." in parts:  # "x/", ".", "a//b", "a/./b": a directory, or a name no writer produces
+        raise CorruptCheckpointError(
+            f"{where}: file name {name!r} is not a plain file name (an empty or '.' part, or a trailing '/': it names "
+            "a directory, or the checkpoint itself); refusing it"
         )
     return name

@@ -78,13 +78,16 @@ class SliceRead:
     strided: tuple[int, ...] | None = None  # stride to view ``staging`` with, for bounding-range reads
     requests: list[RangeRequest] = field(default_factory=list)
     mapped: tuple[StoredTensor, tuple[int, ...]] | None = None  # (stored, offsets): local many-run read
+    check: Callable[[torch.Tensor], None] | None = None  # called with the landed bytes (CPU) before delivery
 
     @property
     def staging_bytes(self) -> int:
         return 0 if self.staging is None else self.staging.numel() * self.staging.element_size()
 
     def deliver(self) -> None:
-        """Copy staged bytes into ``dest`` (a no-op when they landed there directly)."""
+        """Check (``check``) and copy staged bytes into ``dest`` (a no-op when they landed there directly)."""
+        if self.check is not None:
+            self.check(self.staging if self.staging is not None else self.dest)
         if self.staging is not None:
             src = self.staging
             if self.strided is not None:

@@ -20,7 +20,6 @@ sequentially in bounded memory (:mod:`dcp_storage.integrity.deep_check`). Withou
 
 from __future__ import annotations
 
-import math
 import os
 import zlib
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import DcpStorageError
+from ..formats.tiling import tiling_problem
 from ..integrity.checksums import mismatch
 from ..integrity.deep_check import deep_check_dcp, report_dcp_checksums
 from ..integrity.safetensors_check import deep_check_safetensors, report_safetensors_checksums
@@ -140,20 +140,19 @@ def _check_dcp_coverage(report: VerifyReport, md: Any, storage: dict[Any, Any], 
             report.problems.append(f"{where}: {fqn!r} has unknown metadata {type(item).__name__}")
             continue
         size = [int(s) for s in item.size]
-        volume = 0
+        boxes, inside = [], True
         for chunk in item.chunks:
             chunks += 1
             offsets, sizes = [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes]
             if len(offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, sizes, size)):
                 report.problems.append(f"{where}: tensor {fqn!r} chunk at {offsets} of size {sizes} lies outside {size}")
+                inside = False
             if MetadataIndex(fqn, chunk.offsets) not in storage:
                 report.problems.append(f"{where}: tensor {fqn!r} chunk at {offsets} has no storage entry")
-            volume += math.prod(sizes)
-        if volume != math.prod(size):
-            report.problems.append(
-                f"{where}: the chunks of tensor {fqn!r} hold {volume} of its {math.prod(size)} elements "
-                "(missing or overlapping shards)"
-            )
+            boxes.append((offsets, sizes))
+        tiling = tiling_problem(size, boxes) if inside else None
+        if tiling is not None:
+            report.problems.append(f"{where}: tensor {fqn!r}: {tiling}")
     report.checked["tensors"] = sum(isinstance(i, TensorStorageMetadata) for i in md.state_dict_metadata.values())
     report.checked["chunks"] = chunks
 

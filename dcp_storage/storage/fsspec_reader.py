@@ -60,6 +60,7 @@ class FsspecReader(BoundLocation, StorageReader):
             ``.dcp_storage.json`` (records are then fetched whole, even when resharding), raising
             :class:`~dcp_storage.errors.CorruptCheckpointError` naming the URL, byte range and keys on a
             mismatch. Checkpoints without recorded checksums (torch's writers) load unchecked, with a warning.
+            Every record read whole also gets its zip layout and CRC32s checked.
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class FsspecReader(BoundLocation, StorageReader):
             self.extension_registry,
             verifier,
             metadata=self.metadata,
+            check_zips=self.verify,
         )
         loader.load(plan.items, planner)
         fut: Future[None] = Future()

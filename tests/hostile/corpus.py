@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+import tests.hostile.zip_mutations as zm
 from tests.storage.test_roundtrip_single_process import evil_reduce
 
 from . import payloads as P
@@ -380,6 +381,33 @@ class _Builder:
 
         self.case(family, "metadata-chunk-outside-tensor", METADATA, edit(chunk_outside))
 
+        def chunks(*spans: tuple[list[int], list[int]]) -> Callable[[Any], None]:
+            """``w`` (16x8) split into chunks that overlap while their volumes add up to 128 elements; every
+            chunk's storage entry is the record of the whole tensor (sound on its own)."""
+
+            def fn(md: Any) -> None:
+                from torch.distributed.checkpoint.metadata import MetadataIndex
+
+                info = md.storage_data.pop(entry(md, "w"))
+                md.state_dict_metadata["w"].chunks = [
+                    ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n in spans
+                ]
+                for o, _n in spans:
+                    md.storage_data[MetadataIndex("w", torch.Size(o))] = info
+
+            return fn
+
+        self.case(family, "metadata-chunks-overlap", METADATA, edit(chunks(([0, 0], [12, 8]), ([4, 0], [4, 8]))))
+        self.case(family, "metadata-chunks-duplicate", METADATA, edit(chunks(([0, 0], [8, 8]), ([0, 0], [8, 8]))))
+        self.case(
+            family,
+            "metadata-chunks-overlap-columns",
+            METADATA,
+            edit(chunks(([0, 0], [16, 4]), ([0, 2], [8, 4]), ([8, 2], [8, 4]))),
+        )
+        for tag, rel in {"dot": ".", "dot-slash": "./", "dot-segment": f"./{self.file_of(family, 'w')}"}.items():
+            self.case(family, f"metadata-path-{tag}", METADATA, edit(set_info("w", relative_path=rel)))
+
         def no_storage(md: Any) -> None:
             md.storage_data = None
 
@@ -576,6 +604,47 @@ class _Builder:
             lambda d: self.point_item(d, "w", _torch_save_bytes({"a": 1})),
             in_metadata=False,
         )
+        self.record_zip_layouts()
+
+    def record_zip_layouts(self) -> None:
+        """DCP records (zips inside ``.distcp`` files) with layouts to refuse.
+
+        Non-tensor items (``step``) are decoded by ``torch.load``, which reads the central directory: every
+        layout attack and a CRC mismatch are refused there. Tensor records are decoded by our own parser,
+        which walks the local headers only (the central directory and CRCs are checked with
+        ``verify=True``: tests/formats/dcp_native): the attacks on what it reads, and deflated entries
+        (such a record goes to ``torch.load``) are refused by default.
+        """
+        def attacks(record: bytes) -> dict[str, bytes]:
+            with zipfile.ZipFile(io.BytesIO(record)) as zf:
+                plain = [(i.filename, zf.read(i)) for i in zf.infolist()]
+            pkl = next(n for n, _ in plain if n.endswith("data.pkl"))
+            data = next((n for n, _ in plain if "/data/" in n), pkl)
+            short = data.rsplit("/", 2)[-2] + "/" + data.rsplit("/", 1)[-1]  # "data/0" or "x/data.pkl"
+            return {
+                "duplicate-entry": zm.duplicate_entry(record, short, bytes(range(256)) * 2),
+                "local-name-differs": zm.patch_local(record, short, name_bytes=data[:-1].encode() + b"X"),
+                "local-sizes-differ": zm.patch_local(record, short, flags=0x800, csize=4, usize=4),
+                "central-sizes-differ": zm.edit_entry(record, short, csize=1),
+                "entries-overlap": zm.edit_entry(record, "byteorder", offset=zm.local_offset(record, short)),
+                "zip64-extra-short": zm.edit_entry(record, short, usize=0xFFFFFFFF, extra=b"\x01\x00\x08\x00"),
+                # inflating to 1 GiB while declaring the real size; then declaring 256 MiB from 256 KB
+                "deflate-bomb": zm.deflate_bomb_zip(plain, data, inflated=1 << 30),
+                "deflate-ratio": zm.deflate_bomb_zip(plain, data, inflated=256 << 20, declared=256 << 20),
+                "data-pkl-deflate-bomb": zm.deflate_bomb_zip(plain, pkl, inflated=1 << 30),
+            }
+
+        tensor_refused = ("local-name-differs", "local-sizes-differ", "deflate-bomb", "deflate-ratio", "data-pkl-deflate-bomb")
+        for tag, blob in attacks(_torch_save_bytes(tensors()["w"])).items():
+            if tag in tensor_refused:
+                self.case("dcp", f"record-{tag}", "evil.distcp", lambda d, b=blob: self.point_item(d, "w", b), in_metadata=False)
+        step = _torch_save_bytes(torch.arange(128, dtype=torch.int32))  # a value holding a tensor: has data/0
+        flipped = bytearray(step)
+        head = zm.local_offset(step, "data/0")
+        flipped[head + 30 + sum(struct.unpack_from("<HH", step, head + 26)) + 100] ^= 0x01
+        items = {**attacks(step), "crc-mismatch": bytes(flipped)}
+        for tag, blob in items.items():
+            self.case("dcp", f"byte-item-{tag}", "evil.distcp", lambda d, b=blob: self.point_item(d, "step", b), in_metadata=False)
 
     def dcp_st(self) -> None:
         self.file_mutations("dcp_st", METADATA, in_metadata=True, cuts=3)
@@ -632,6 +701,10 @@ class _Builder:
             "home": "~/x.safetensors",
             "empty-name": "",
             "number": 5,
+            "dot": ".",
+            "dot-slash": "./",
+            "dot-segment": f"./{SHARDS[1]}",
+            "trailing-slash": "sub/",
         }.items():
             self.case("hf", f"index-path-{tag}", INDEX_FILE, index_doc({"weight_map": {**good_map, "big": target}}))
         self.case(
@@ -779,6 +852,44 @@ class _Builder:
             lambda d: (d / PT_FILE).write_bytes(_handmade_torch_zip(unknown, b"\0" * 512)),
             keys=("w",),
         )
+        self.zip_layouts()
+
+    def zip_layouts(self) -> None:
+        """Zip layouts to refuse: duplicate names, local headers that disagree with the central directory,
+        overlapping entries, zip64 fields that are missing, deflate bombs. (A flipped tensor byte is found by
+        ``verify=True`` and ``verify --deep``: tests/formats/torch_save.)"""
+        def mutated(fn: Callable[[bytes], bytes]) -> Callable[[Path], None]:
+            return lambda d: (d / PT_FILE).write_bytes(fn((d / PT_FILE).read_bytes()))
+
+        zip64_short = struct.pack("<HHQ", 1, 16, 512)  # says 16 bytes, holds 8
+        for tag, fn in {
+            "duplicate-entry-name": lambda b: zm.duplicate_entry(b, "data/0", bytes(range(256)) * 2),
+            "local-name-differs": lambda b: zm.patch_local(b, "data/0", name_bytes=b"model/data/X"),
+            "central-offset-other-entry": lambda b: zm.edit_entry(b, "data/2", offset=zm.local_offset(b, "data/0")),
+            "local-method-deflated": lambda b: zm.patch_local(b, "data/0", method=8),
+            "local-sizes-differ": lambda b: zm.patch_local(b, "data/0", flags=0x800, csize=4, usize=4),
+            "local-flags-differ": lambda b: zm.patch_local(b, "data/2", flags=0x800),
+            "local-sizes-differ-with-descriptor": lambda b: zm.patch_local(b, "data/1", csize=7, usize=7),
+            "central-sizes-differ": lambda b: zm.edit_entry(b, "data/2", csize=16),
+            "central-encrypted": lambda b: zm.patch_local(zm.edit_entry(b, "data/0", flags=0x809), "data/0", flags=0x809),
+            "entries-overlap": lambda b: zm.overlapping_entry(b, "data/2", "data/1"),
+            "zip64-extra-empty": lambda b: zm.edit_entry(b, "data/0", usize=0xFFFFFFFF, extra=b"\x01\x00\x00\x00"),
+            "zip64-extra-short": lambda b: zm.edit_entry(b, "data/0", usize=0xFFFFFFFF, csize=0xFFFFFFFF, extra=zip64_short),
+            "zip64-extra-overruns": lambda b: zm.edit_entry(b, "data/0", offset=0xFFFFFFFF, extra=b"\x01\x00\xff\xff"),
+        }.items():
+            self.case("zip", tag, PT_FILE, mutated(fn))
+
+        def entries_of(b: bytes) -> list[tuple[str, bytes]]:
+            with zipfile.ZipFile(io.BytesIO(b)) as zf:
+                return [(i.filename, zf.read(i)) for i in zf.infolist()]
+
+        # data.pkl inflating to 1 GiB while it declares its real size; then a declared 400 MiB from 400 KB
+        self.case("zip", "data-pkl-deflate-bomb", PT_FILE, mutated(
+            lambda b: zm.deflate_bomb_zip(entries_of(b), "model/data.pkl", inflated=1 << 30)
+        ))  # fmt: skip
+        self.case("zip", "data-pkl-deflate-ratio", PT_FILE, mutated(
+            lambda b: zm.deflate_bomb_zip(entries_of(b), "model/data.pkl", inflated=400 << 20, declared=400 << 20)
+        ))  # fmt: skip
 
     def legacy(self) -> None:
         self.file_mutations("legacy", PT_FILE, in_metadata=True, cuts=4)

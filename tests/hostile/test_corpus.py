@@ -78,6 +78,17 @@ def test_corpus_covers_each_attack(corpus: list[Case]) -> None:
         "dcp/record-state-rebuild-function-defaults",
         "zip/data-pkl-bomb-BINBYTES8",
         "zip/data-pkl-deep-nesting",
+        "zip/duplicate-entry-name",
+        "zip/local-name-differs",
+        "zip/central-offset-other-entry",
+        "zip/zip64-extra-empty",
+        "zip/data-pkl-deflate-bomb",
+        "dcp/metadata-chunks-overlap",
+        "dcp/metadata-path-dot",
+        "dcp/record-deflate-bomb",
+        "dcp/byte-item-duplicate-entry",
+        "dcp/byte-item-crc-mismatch",
+        "hf/index-path-dot",
     ):
         assert required in names, required
     assert sum(c.marker is not None for c in corpus) >= 15

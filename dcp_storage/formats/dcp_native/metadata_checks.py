@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import CorruptCheckpointError
 from ..limits import MAX_BYTES
 from ..paths import check_relative
+from ..tiling import tiling_problem
 
 __all__ = ["check_metadata", "metadata_problems"]
 
@@ -64,7 +65,7 @@ def _tensor_problems(fqn: str, item: TensorStorageMetadata, storage: dict[Any, A
     chunks = getattr(item, "chunks", None)
     if not isinstance(chunks, list):
         return [f"tensor {fqn!r} has no chunk list"]
-    volume = 0
+    boxes: list[tuple[list[int], list[int]]] = []
     for chunk in chunks:
         if not isinstance(chunk, ChunkStorageMetadata):
             problems.append(f"tensor {fqn!r} has a chunk of type {type(chunk).__name__}")
@@ -79,14 +80,12 @@ def _tensor_problems(fqn: str, item: TensorStorageMetadata, storage: dict[Any, A
         ):
             problems.append(f"tensor {fqn!r} chunk at {chunk.offsets!r} of size {chunk.sizes!r} lies outside {size}")
             continue
-        volume += math.prod(sizes)
+        boxes.append((offsets, sizes))
         if MetadataIndex(fqn, torch.Size(offsets)) not in storage:
             problems.append(f"tensor {fqn!r} chunk at {offsets} has no storage entry")
-    if not problems and volume != math.prod(size):
-        problems.append(
-            f"the chunks of tensor {fqn!r} hold {volume} of its {math.prod(size)} elements (missing or overlapping "
-            "shards)"
-        )
+    tiling = None if problems else tiling_problem(size, boxes)
+    if tiling is not None:
+        problems.append(f"tensor {fqn!r}: {tiling}")
     return problems
 
 

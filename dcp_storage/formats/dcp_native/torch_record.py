@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import io
 import re
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,18 +26,17 @@ from ...safe_unpickle import AllowListUnpickler
 from ..limits import check_view
 from ..slices import is_row_major
 from .record_pickle import decode_tensor_pickle
+from .record_zip import UnsupportedRecord, check_record_zip, walk_records
 
-__all__ = ["NeedMoreBytes", "TensorRecord", "UnsupportedRecord", "load_tensor_record", "parse_tensor_record"]
+__all__ = [
+    "NeedMoreBytes",
+    "TensorRecord",
+    "UnsupportedRecord",
+    "check_record_zip",
+    "load_tensor_record",
+    "parse_tensor_record",
+]
 
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
-_LOCAL_SIG = b"PK\x03\x04"
-_ZIP64_EXTRA_ID = 0x0001
-_DESCRIPTOR_SEARCH = 1 << 20  # metadata entries before the tensor data are tiny
-_STORAGE_ENTRY = re.compile(r"(?:^|/)data/[^/]+$")
-
-
-class UnsupportedRecord(Exception):
-    """The record is valid but not a plain dense tensor we can slice; load it whole instead."""
 
 
 class NeedMoreBytes(Exception):
@@ -176,90 +174,6 @@ def _persistent_load(pid: Any) -> _StorageRef:
     return _StorageRef(str(key), storage_type.dtype, int(numel))
 
 
-def _descriptor_end(buf: memoryview, data_start: int) -> tuple[int, int] | None:
-    """Find the data descriptor that closes an entry starting at ``data_start``.
-
-    torch's zip writer streams entries with general-purpose flag 3 set: the local header says size 0 and
-    the real sizes follow the data in a descriptor ``PK\\x07\\x08 crc csize usize`` (sizes 4 or 8 bytes).
-    A candidate signature is accepted only if its size field equals the distance from ``data_start``,
-    which a stray ``PK\\x07\\x08`` inside the data cannot fake by accident. Returns ``(size, next)``.
-    """
-    raw = bytes(buf[data_start : data_start + _DESCRIPTOR_SEARCH])
-    pos = 0
-    while True:
-        p = raw.find(b"PK\x07\x08", pos)
-        if p < 0:
-            if len(raw) == _DESCRIPTOR_SEARCH:
-                raise UnsupportedRecord("zip entry too large to walk")
-            return None
-        size = p
-        for width, fmt in ((8, "<QQ"), (4, "<II")):
-            end = p + 8 + 2 * width
-            if end <= len(raw):
-                csize, usize = struct.unpack_from(fmt, raw, p + 8)
-                if csize == usize == size and (end + 2 > len(raw) or raw[end : end + 2] == b"PK"):
-                    return size, data_start + end
-        pos = p + 1
-
-
-def _walk_records(buf: memoryview, record_len: int, path: str) -> dict[str, tuple[int, int | None]]:
-    """Map zip entry names to ``(data_start, size)`` for the local headers found in ``buf``.
-
-    ``size`` is ``None`` for the last streamed entry whose closing descriptor is not in ``buf`` yet
-    (its size is then known from ``data.pkl``). Stops at the central directory or where ``buf`` ends.
-    Raises :class:`UnsupportedRecord` for compressed entries, :class:`CorruptCheckpointError` for garbage.
-    """
-    entries: dict[str, tuple[int, int | None]] = {}
-    pos = 0
-    while pos + _LOCAL_HEADER.size <= len(buf):
-        sig = bytes(buf[pos : pos + 4])
-        if sig != _LOCAL_SIG:
-            if entries and sig[:2] == b"PK":
-                return entries  # central directory or end record
-            raise CorruptCheckpointError(
-                f"{path}: expected a torch.save zip record at byte {pos} of the item, found {sig!r}"
-            )
-        (_, _ver, flags, method, _t, _d, _crc, csize, usize, nlen, xlen) = _LOCAL_HEADER.unpack_from(buf, pos)
-        head_end = pos + _LOCAL_HEADER.size + nlen + xlen
-        if head_end > len(buf):
-            return entries
-        name = bytes(buf[pos + _LOCAL_HEADER.size : pos + _LOCAL_HEADER.size + nlen]).decode("utf-8", "replace")
-        if method != 0:
-            raise UnsupportedRecord(f"compressed zip entry {name}")
-        if flags & 0x08 and _STORAGE_ENTRY.search(name):
-            entries[name] = (head_end, None)  # the tensor bytes: size comes from data.pkl; stop here
-            return entries
-        if flags & 0x08:
-            found = _descriptor_end(buf, head_end)
-            if found is None:
-                entries[name] = (head_end, None)
-                return entries
-            size, pos = found
-            entries[name] = (head_end, size)
-        else:
-            if csize == 0xFFFFFFFF or usize == 0xFFFFFFFF:
-                csize = _zip64_size(buf[pos + _LOCAL_HEADER.size + nlen : head_end], path)
-            entries[name] = (head_end, csize)
-            pos = head_end + csize
-        if pos > record_len:
-            raise CorruptCheckpointError(
-                f"{path}: zip entry {name!r} runs to byte {pos} but the item is only {record_len} bytes "
-                "(truncated or corrupt record)"
-            )
-    return entries
-
-
-def _zip64_size(extra: memoryview, path: str) -> int:
-    i = 0
-    while i + 4 <= len(extra):
-        header_id, size = struct.unpack_from("<HH", extra, i)
-        if header_id == _ZIP64_EXTRA_ID and size >= 16:
-            _usize, csize = struct.unpack_from("<QQ", extra, i + 4)
-            return int(csize)
-        i += 4 + size
-    raise CorruptCheckpointError(f"{path}: zip64 entry without a zip64 extra field")
-
-
 # Records of tensors that share shape, dtype and storage key start with identical bytes up to their data:
 # parsed once, found again by those bytes (a few hundred records per checkpoint, a handful of shapes).
 _RECORD_CACHE_LIMIT = 4096
@@ -300,7 +214,7 @@ def _check_fits(data_start: int, data_size: int, record_len: int, path: str) -> 
 def _parse_record(buf: memoryview, record_len: int, path: str) -> TensorRecord:
     """:func:`parse_tensor_record` without the cache: everything it returns depends only on
     ``buf[:data_start]``, plus the check that the data fits in ``record_len``."""
-    entries = _walk_records(buf, record_len, path)
+    entries = walk_records(buf, record_len, path)
     pkl = next((n for n in entries if n.endswith("/data.pkl") or n == "data.pkl"), None)
     if pkl is None:
         if len(buf) < record_len:
@@ -346,8 +260,10 @@ _FORBIDDEN = re.compile(r"(?:GLOBAL|global)\s+([\w.]+(?:\s*\.\s*\w+)?)")
 
 
 def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
-    """Load a whole record with ``torch.load(weights_only=True)``; map refusals to our errors. A tensor must
-    be a view that expands its storage by at most the broadcast limit (:func:`~..limits.check_view`)."""
+    """Load a whole record with ``torch.load(weights_only=True)``, after :func:`check_record_zip` (torch's
+    reader would pick its own entries and inflate whatever sizes they declare); map refusals to our errors. A
+    tensor must be a view that expands its storage by at most the broadcast limit (:func:`~..limits.check_view`)."""
+    check_record_zip(data, path)
     try:
         loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +28,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CorruptCheckpointError, DcpStorageError
+from ...tensor_buffers import writable_bytes
 from ...transports import FsspecTransport
+from ..slices import is_row_major
 from ..tensor_reads import StoredTensor, plan_slice_read, read_slices
 from .pickle_tree import LegacyNeedsMoreBytes, TensorDescriptor, decode_data_pkl, is_legacy_head, scan_legacy
 from .zip_index import STORED, NotAZipError, ZipIndex, data_starts, read_entry, read_zip_index
+from .zip_layout import check_crc
 
 __all__ = ["ArchiveConfig", "TorchSaveArchive", "UnsupportedFormatError", "flatten_tree"]
 
@@ -178,6 +181,33 @@ class TorchSaveArchive:
             where=f"{self.url} (tensor {fqn!r})",
         )
 
+    def crc_check(
+        self, fqn: str, offsets: Sequence[int], lengths: Sequence[int]
+    ) -> Callable[[torch.Tensor], None] | None:
+        """A check of the zip CRC32 of tensor ``fqn``'s storage record, for a read of the slice
+        ``offsets``/``lengths`` that brings in exactly that record's bytes (a whole tensor that is its whole
+        storage, row-major); ``None`` for any other read, whose bytes the CRC does not cover."""
+        return self._crc_check(self.tensors[fqn], offsets, lengths, f"{self.url} (tensor {fqn!r})")
+
+    def _crc_check(
+        self, desc: TensorDescriptor, offsets: Sequence[int], lengths: Sequence[int], where: str
+    ) -> Callable[[torch.Tensor], None] | None:
+        entry = self.index.entries[f"{self.prefix}data/{desc.storage_key}"]
+        whole = (
+            desc.storage_offset == 0
+            and desc.nbytes == entry.size > 0
+            and is_row_major(desc.shape, desc.stride)
+            and all(int(o) == 0 for o in offsets)
+            and tuple(int(n) for n in lengths) == tuple(desc.shape)
+        )
+        if not whole:
+            return None
+
+        def check(landed: torch.Tensor) -> None:
+            check_crc(writable_bytes(landed), entry, where)
+
+        return check
+
     def file_order(self) -> list[str]:
         """Tensor keys in the order their bytes lie in the file (sequential reads)."""
         starts = self._data_starts()
@@ -197,6 +227,7 @@ class TorchSaveArchive:
         )
         dest = torch.empty(desc.shape, dtype=desc.dtype)
         work = plan_slice_read(None, stored, [0] * len(desc.shape), desc.shape, dest)
+        work.check = self._crc_check(desc, [0] * len(desc.shape), desc.shape, where or self.url)
         read_slices(self.transport, [work], lambda _w: None)
         return dest
 
