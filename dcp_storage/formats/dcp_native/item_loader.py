@@ -38,6 +38,7 @@ from ..byte_items import deliver_byte_item
 from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
+from .record_zip import check_record_zip
 from .seekable import SeekableTransform
 from .torch_record import (
     NeedMoreBytes,
