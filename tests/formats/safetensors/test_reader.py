@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from dcp_storage import SafetensorsReader
-from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, WrongFormatError
 from dcp_storage.formats.safetensors.scan import ScanConfig
 from dcp_storage.storage import FsspecWriter
 from dcp_storage.testing.compare import same_bits
@@ -269,7 +269,7 @@ def test_the_same_piece_in_two_files(tmp_path: Path) -> None:
 
 def test_native_dcp_checkpoint_points_at_fsspec_reader(tmp_path: Path) -> None:
     dcp.save({"w": torch.ones(3, 3)}, storage_writer=FsspecWriter(str(tmp_path / "native")), no_dist=True)
-    with pytest.raises(CorruptCheckpointError, match="FsspecReader"):
+    with pytest.raises(WrongFormatError, match="looks like a dcp checkpoint.*FsspecReader"):
         SafetensorsReader(str(tmp_path / "native")).read_metadata()
 
 
