@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...errors import CorruptCheckpointError
-from ...transports import FsspecTransport, RangeRequest
+from ...transports import RangeRequest, Transport
 
 __all__ = ["NotAZipError", "ZipEntry", "ZipIndex", "data_starts", "read_entry", "read_zip_index"]
 
@@ -70,7 +70,7 @@ class ZipIndex:
     entries: dict[str, ZipEntry]
 
 
-def read_zip_index(transport: FsspecTransport, path: str) -> ZipIndex:
+def read_zip_index(transport: Transport, path: str) -> ZipIndex:
     """Read the end records and the central directory of the zip at ``path``.
 
     Raises :class:`NotAZipError` when there is no end record (empty, garbage, legacy ``torch.save``
@@ -180,7 +180,7 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, offset: int, url: str, n
     raise CorruptCheckpointError(f"{url}: zip entry {name!r} needs a zip64 extra field and has none")
 
 
-def data_starts(transport: FsspecTransport, index: ZipIndex, names: Iterable[str]) -> dict[str, int]:
+def data_starts(transport: Transport, index: ZipIndex, names: Iterable[str]) -> dict[str, int]:
     """Byte offset where each named entry's bytes begin (after its local header), read in one batch."""
     todo = {n: _LOCAL_SLACK for n in names}
     out: dict[str, int] = {}
@@ -216,7 +216,7 @@ def data_starts(transport: FsspecTransport, index: ZipIndex, names: Iterable[str
     return out
 
 
-def read_entry(transport: FsspecTransport, index: ZipIndex, name: str, max_bytes: int) -> bytes:
+def read_entry(transport: Transport, index: ZipIndex, name: str, max_bytes: int) -> bytes:
     """The (decompressed, CRC-checked) bytes of one small entry: local header and data in one read."""
     e = index.entries[name]
     if e.size > max_bytes:
