@@ -137,8 +137,15 @@ class ObstoreTransport:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def executor(self) -> ThreadPoolExecutor:
+        """The worker threads ranged reads run on (made on first use)."""
         return self._workers.get()
+
+    def reconfigured(self, config: TransportConfig) -> ObstoreTransport:
+        """A transport on the same store settings and counters with ``config``; close it after use."""
+        other = ObstoreTransport(self.settings, config)
+        other.counters = self.counters
+        return other
 
     def _locate(self, path: str, uploads: bool = False) -> tuple[S3Store, str]:
         """The store for ``path``'s bucket and the key inside it."""
@@ -198,6 +205,15 @@ class ObstoreTransport:
         with contextlib.suppress(CheckpointNotFoundError):
             self._call(lambda: obstore.delete(store, key), path, "delete")
 
+    def remove_tree(self, path: str) -> None:
+        """Delete every object under the prefix ``path/``; nothing if there is none."""
+        store, key = self._locate(path)
+        prefix = key.rstrip("/") + "/" if key else None
+        objects = self._call(lambda: obstore.list(store, prefix).collect(), path, "list")
+        paths = [entry["path"] for entry in objects]
+        if paths:
+            self._call(lambda: obstore.delete(store, paths), path, "delete")
+
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the objects and prefixes directly under ``path``; empty if none."""
         store, key = self._locate(path)
@@ -237,7 +253,7 @@ class ObstoreTransport:
         """
         cfg = self.config
         groups = plan_fetches(requests, cfg.coalesce_gap, cfg.max_request_bytes)  # type: ignore[arg-type]
-        return RangeRun(requests, groups, self._fetch_group, self._executor(), cfg.max_inflight_bytes).execute()
+        return RangeRun(requests, groups, self._fetch_group, self.executor(), cfg.max_inflight_bytes).execute()
 
     def _fetch_group(self, group: FetchGroup, views: list[memoryview]) -> None:
         """One ranged GET for ``group``, streamed into ``views``; resumes after a body cut short."""
