@@ -62,6 +62,13 @@ RANKS_TIMEOUT_S = 120.0
 class StorageConformance:
     """Behaviour every backend shares. Not collected itself (no ``Test`` prefix); subclass it."""
 
+    def extensions(self) -> list[Any]:
+        """Stream extensions the suite's DCP saves use (an extension plugin's suite returns its own)."""
+        return []
+
+    def dcp_writer(self, url: str, options: dict[str, Any], **kwargs: Any) -> FsspecWriter:
+        return FsspecWriter(url, options, extensions=self.extensions() or None, **kwargs)
+
     @pytest.fixture
     def transport(self, location: Any) -> Any:
         url, options, _backend = location
@@ -73,7 +80,7 @@ class StorageConformance:
     def test_dcp_roundtrip_bit_exact(self, location: Any) -> None:
         url, options, _ = location
         sd = dcp_state_dict()
-        writer = FsspecWriter(url, options)
+        writer = self.dcp_writer(url, options)
         dcp.save(sd, storage_writer=writer)
 
         files = stored(location)
@@ -94,9 +101,9 @@ class StorageConformance:
     def test_overwrite_false_refuses(self, location: Any) -> None:
         url, options, _ = location
         first = {"w": torch.arange(10, dtype=torch.float32)}
-        dcp.save(first, storage_writer=FsspecWriter(url, options))
+        dcp.save(first, storage_writer=self.dcp_writer(url, options))
         with pytest.raises(CheckpointException) as info:
-            dcp.save({"w": torch.zeros(10)}, storage_writer=FsspecWriter(url, options))
+            dcp.save({"w": torch.zeros(10)}, storage_writer=self.dcp_writer(url, options))
         err = unwrap(info.value)
         assert isinstance(err, CheckpointExistsError) and isinstance(err, DcpStorageError), repr(err)
         assert shown_url(location, ".metadata") in str(err), str(err)
@@ -105,7 +112,7 @@ class StorageConformance:
         assert_state_equal(dest, first)
 
         second = {"w": torch.arange(10, 20, dtype=torch.float32)}
-        dcp.save(second, storage_writer=FsspecWriter(url, options, overwrite=True))
+        dcp.save(second, storage_writer=self.dcp_writer(url, options, overwrite=True))
         dcp.load(dest, storage_reader=FsspecReader(url, options))
         assert_state_equal(dest, second)
 
@@ -126,7 +133,7 @@ class StorageConformance:
         dcp.load(dest, storage_reader=FsspecReader(theirs, options))
         assert_state_equal(dest, sd)
 
-        dcp.save(sd, storage_writer=FsspecWriter(ours, options))
+        dcp.save(sd, storage_writer=self.dcp_writer(ours, options))
         torch_reader = dcp.FileSystemReader(ours) if backend == "local" else TorchFsspecReader(ours, **fsspec_options(options))
         dest = destination_like(sd)
         dcp.load(dest, storage_reader=torch_reader)
