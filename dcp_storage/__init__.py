@@ -9,7 +9,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # Imported on first use (PEP 562), not here: ``import dcp_storage`` would otherwise import torch (seconds),
 # and ``dcp-storage --help`` / ``--version`` must answer at once. Module -> the public names it defines; the

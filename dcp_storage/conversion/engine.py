@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..errors import TargetError
 from ..formats.safetensors.write_plan import parse_size
 from ..transports.factory import open_transport
 from .dcp_out import write_dcp
@@ -84,10 +85,6 @@ def infer_target(dst: str) -> str | None:
     if name.endswith(_TORCH_SUFFIXES):
         return "torch"
     return None
-
-
-class TargetError(ValueError):
-    """The output format cannot be told from the arguments, or contradicts the destination's name."""
 
 
 def _normalize_target(to: str | None, dst: str, check_suffix: bool = True) -> str:
