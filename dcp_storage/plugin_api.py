@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import registry
 from .errors import (
+    BucketNotFoundError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -31,11 +32,15 @@ from .errors import (
     IncompleteCheckpointError,
     NonTensorStateError,
     ShapeMismatchError,
+    StorageAccessError,
+    TargetError,
     TransportError,
     UnknownExtensionError,
+    UnknownFormatError,
     UnsafeCheckpointError,
     UnsupportedDtypeError,
     UnsupportedKeyError,
+    WrongFormatError,
 )
 from .registry import PluginError, PluginImportError, PluginNotFoundError, get, register, registered
 from .transports import (
@@ -84,6 +89,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AtomicWriter",
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -109,16 +115,20 @@ __all__ = [
     "ScatterSink",
     "SeekableTransform",
     "ShapeMismatchError",
+    "StorageAccessError",
+    "TargetError",
     "Transport",
     "TransportConfig",
     "TransportCounters",
     "TransportError",
     "TruncatedReadError",
     "UnknownExtensionError",
+    "UnknownFormatError",
     "UnsafeCheckpointError",
     "UnsupportedDtypeError",
     "UnsupportedKeyError",
     "WorkerPool",
+    "WrongFormatError",
     "call_with_retry",
     "get",
     "is_transient",
