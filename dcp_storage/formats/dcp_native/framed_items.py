@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
-from ...transports import Transport, RangeRequest
+from ...transports import RangeRequest, Transport
 from .seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
 from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, load_tensor_record, parse_tensor_record
 
