@@ -9,7 +9,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # Imported on first use (PEP 562), not here: ``import dcp_storage`` would otherwise import torch (seconds),
 # and ``dcp-storage --help`` / ``--version`` must answer at once. Module -> the public names it defines; the
@@ -27,7 +27,9 @@ _EXPORTS = {
     ".planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
     ".storage": ("BroadcastingTorchSaveReader", "FsspecReader", "FsspecWriter", "SafetensorsReader", "SafetensorsWriter"),
     ".strategies": ("Broadcasting", "share_object"),
-    ".transports": ("FsspecTransport", "RetryPolicy", "TransportConfig"),
+    # ``Transport`` is the protocol to depend on; ``FsspecTransport`` (the built-in implementation) stays exported
+    # for existing callers, but code should open transports with ``transports.factory.open_transport``.
+    ".transports": ("FsspecTransport", "RetryPolicy", "Transport", "TransportConfig"),
 }
 _LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -73,7 +75,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
     from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
     from .strategies import Broadcasting, share_object
-    from .transports import FsspecTransport, RetryPolicy, TransportConfig
+    from .transports import FsspecTransport, RetryPolicy, Transport, TransportConfig
 
 
 __all__ = [
@@ -101,6 +103,7 @@ __all__ = [
     "SafetensorsWriter",
     "ShapeMismatchError",
     "StorageAccessError",
+    "Transport",
     "TransportConfig",
     "TransportError",
     "UnknownExtensionError",

@@ -16,7 +16,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from . import __version__
+from ._version import __version__
 from .commands import convert, demo, inspect, merge, plugins, verify
 from .commands._common import HelpFormatter, UsageError, as_typed
 from .text import escaped_stdio, printable

@@ -26,8 +26,10 @@ __all__ = [
     "NonTensorStateError",
     "ShapeMismatchError",
     "StorageAccessError",
+    "TargetError",
     "TransportError",
     "UnknownExtensionError",
+    "UnknownFormatError",
     "UnsafeCheckpointError",
     "UnsupportedDtypeError",
     "UnsupportedKeyError",
@@ -149,6 +151,14 @@ class StorageAccessError(DcpStorageError, PermissionError):
 class WrongFormatError(DcpStorageError, ValueError):
     """A reader was pointed at a checkpoint of another format; the message names that format and the reader
     to use (``open_reader`` detects it)."""
+
+
+class UnknownFormatError(DcpStorageError, ValueError):
+    """No format (or more than one, equally) recognised the input; the message lists what was tried."""
+
+
+class TargetError(DcpStorageError, ValueError):
+    """A conversion's output format cannot be told from the arguments, or contradicts the destination's name."""
 
 
 class UnknownExtensionError(DcpStorageError, LookupError):

@@ -10,17 +10,13 @@ import os
 from typing import Any
 
 from . import registry
-from .errors import DcpStorageError
+from .errors import UnknownFormatError
 from .formats.completeness import probe_or_refuse
 from .formats.detection import best_formats, registered_formats, score_formats
 from .formats.spec import FormatSpec, Probe
 from .integrity.format_check import missing_format_plugin
 
 __all__ = ["UnknownFormatError", "detect_format", "open_reader", "open_writer"]
-
-
-class UnknownFormatError(DcpStorageError, ValueError):
-    """No format (or more than one, equally) recognised the input; the message lists what was tried."""
 
 
 def _describe(probe: Probe) -> str:

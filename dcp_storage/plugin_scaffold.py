@@ -5,7 +5,7 @@ A plugin is an ordinary distribution with an entry point in one of dcp-storage's
 running code instead of filling in blanks:
 
 * ``--template transport``: serves ``NAME://`` URLs by mounting them on another fsspec URL (``base_url``), a
-  subclass of :class:`~dcp_storage.transports.FsspecTransport`;
+  factory that opens the base URL's transport through :func:`dcp_storage.plugin_api.open_transport`;
 * ``--template extension``: a torch ``StreamTransformExtension`` that deflate-compresses every item, usable by
   ``FsspecWriter(extensions=[...])`` and torch's ``FileSystemWriter(_extensions=[...])``.
 

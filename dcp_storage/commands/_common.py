@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from ..errors import DcpStorageError
 from ..text import unescaped
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 PROGRESS_DELAY_ENV = "DCP_STORAGE_PROGRESS_DELAY"  # seconds before a bar appears (tests set 0)
 
 
-class UsageError(Exception):
+class UsageError(DcpStorageError):
     """Bad command-line input found after parsing; ``dcp-storage`` exits with status 2."""
 
 

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from ..errors import TargetError
 from ..formats.safetensors.write_plan import parse_size
+from ..transports.factory import open_transport
 from .dcp_out import write_dcp
 from .plan import Destination, OutTensor, OutValue, WrittenFile, parse_dtype
 from .safetensors_out import check_safetensors, write_safetensors
@@ -57,17 +59,18 @@ def same_location(
     a: str, a_opts: dict[str, Any] | None, b: str, b_opts: dict[str, Any] | None, *, inside: bool = False
 ) -> bool:
     """Whether URLs ``a`` and ``b`` name the same place (or, with ``inside``, ``b`` lies within ``a``)."""
-    import fsspec
-    from fsspec.implementations.local import LocalFileSystem
-
-    fs_a, path_a = fsspec.core.url_to_fs(a, **(a_opts or {}))
-    fs_b, path_b = fsspec.core.url_to_fs(b, **(b_opts or {}))
-    if type(fs_a) is not type(fs_b):
-        return False
-    norm_a, norm_b = path_a.rstrip("/"), path_b.rstrip("/")
-    if isinstance(fs_a, LocalFileSystem):
-        norm_a, norm_b = os.path.realpath(norm_a), os.path.realpath(norm_b)
-    return norm_a == norm_b or (inside and norm_b.startswith(norm_a.rstrip("/") + "/"))
+    transport_a, path_a = open_transport(a, a_opts)
+    transport_b, path_b = open_transport(b, b_opts)
+    try:
+        if type(transport_a) is not type(transport_b):
+            return False
+        norm_a, norm_b = transport_a.url(path_a).rstrip("/"), transport_b.url(path_b).rstrip("/")
+        if transport_a.is_local:
+            norm_a, norm_b = os.path.realpath(norm_a), os.path.realpath(norm_b)
+        return norm_a == norm_b or (inside and norm_b.startswith(norm_a.rstrip("/") + "/"))
+    finally:
+        transport_a.close()
+        transport_b.close()
 
 
 def _basename(url: str) -> str:
@@ -82,10 +85,6 @@ def infer_target(dst: str) -> str | None:
     if name.endswith(_TORCH_SUFFIXES):
         return "torch"
     return None
-
-
-class TargetError(ValueError):
-    """The output format cannot be told from the arguments, or contradicts the destination's name."""
 
 
 def _normalize_target(to: str | None, dst: str, check_suffix: bool = True) -> str:

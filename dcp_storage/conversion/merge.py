@@ -16,7 +16,6 @@ was written.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,8 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..formats.dcp_native.metadata_io import METADATA_FILE
 from ..formats.safetensors.write_plan import parse_size
-from ..transports import FsspecTransport
+from ..transports import Transport
+from ..transports.factory import open_transport
 from .engine import ConvertResult, _run, plan_outputs, same_location
 from .plan import OutTensor
 from .source import TensorSource
@@ -43,7 +43,7 @@ def _unwrap_single_top_level(paths: list[tuple[Any, ...]]) -> Callable[[tuple[An
     return None
 
 
-def _check_input(transport: FsspecTransport, root: str) -> None:
+def _check_input(transport: Transport, root: str) -> None:
     if transport.exists(transport.join(root, METADATA_FILE)):
         return
     url = transport.url(root)
@@ -61,7 +61,7 @@ def _check_input(transport: FsspecTransport, root: str) -> None:
 
 def verify_output(result: ConvertResult, tensors: list[OutTensor], storage_options: dict[str, Any] | None) -> None:
     """Re-read what was written: file sizes, then headers/index/metadata against the planned tensors."""
-    transport, root = FsspecTransport.from_url(result.dst, storage_options)
+    transport, root = open_transport(result.dst, storage_options)
     try:
         problems = []
         paths = {f.name: transport.join(root, f.name) for f in result.files}
@@ -97,12 +97,9 @@ def verify_output(result: ConvertResult, tensors: list[OutTensor], storage_optio
 
 
 def _remove(url: str, storage_options: dict[str, Any] | None) -> None:
-    transport, root = FsspecTransport.from_url(url, storage_options)
+    transport, root = open_transport(url, storage_options)
     try:
-        if transport.is_local:
-            shutil.rmtree(root)
-        else:
-            transport.fs.rm(root, recursive=True)
+        transport.remove_tree(root)
     finally:
         transport.close()
 
@@ -138,7 +135,7 @@ def merge_fsdp_weights(
     checkpoint_dir, output_path = os.fspath(checkpoint_dir), os.fspath(output_path)
     out_opts = output_storage_options if output_storage_options is not None else storage_options
     shard = parse_size(max_shard_size)
-    transport, root = FsspecTransport.from_url(checkpoint_dir, storage_options)
+    transport, root = open_transport(checkpoint_dir, storage_options)
     try:
         _check_input(transport, root)
     finally:

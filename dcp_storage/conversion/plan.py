@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..transports import FsspecTransport
+from ..transports import Transport
 from ..transports.buckets import require_bucket
+from ..transports.factory import open_transport
 from .memory import MemoryReleaser
 
 __all__ = [
@@ -79,7 +80,7 @@ class Destination:
     """Where output goes: a transport and a path on it (a directory, or a file for single-file outputs)."""
 
     url: str
-    transport: FsspecTransport
+    transport: Transport
     path: str
     overwrite: bool = False
     progress: Callable[[int], None] | None = None
@@ -92,7 +93,7 @@ class Destination:
     ) -> Destination:
         """Open the output location; its bucket must exist (or is created with ``create_bucket``)."""
         url = os.fspath(url)
-        transport, path = FsspecTransport.from_url(url, storage_options)
+        transport, path = open_transport(url, storage_options)
         try:
             require_bucket(transport, path, create=create_bucket)
         except BaseException:

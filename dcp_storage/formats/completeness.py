@@ -43,7 +43,7 @@ DATA_SUFFIX = ".distcp"
 INDEX_SUFFIX = ".safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
 
-# FsspecTransport.open_atomic and SafetensorsWriter name temp files ".{final name}.{uuid4 hex}.tmp".
+# The fsspec transport's open_atomic and SafetensorsWriter name temp files ".{final name}.{uuid4 hex}.tmp".
 TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.tmp$")
 HF_SHARD_RE = re.compile(r"^(?P<prefix>.+)-\d{5}-of-\d{5}\.safetensors$")
 RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from ..transports import FsspecTransport
+from ..transports import Transport
 from ..transports.buckets import missing_bucket
 from ..transports.factory import open_transport
 
@@ -28,7 +28,7 @@ class Probe:
     """What format detection may look at, fetched once: cheap for a bucket prefix or a big file."""
 
     url: str
-    transport: FsspecTransport
+    transport: Transport
     path: str
     is_dir: bool
     names: tuple[str, ...] = ()  # entries of the directory (names, not paths)
@@ -41,7 +41,7 @@ class Probe:
         return cls.at(transport, path, url)
 
     @classmethod
-    def at(cls, transport: FsspecTransport, path: str, url: str | None = None) -> Probe:
+    def at(cls, transport: Transport, path: str, url: str | None = None) -> Probe:
         """Probe ``path`` on an open transport (a reader's own, on its error path)."""
         url = transport.url(path) if url is None else url
         names = transport.listdir(path)

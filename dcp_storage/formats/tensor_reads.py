@@ -31,7 +31,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, ShapeMismatchError
 from ..tensor_buffers import host_buffer, writable_bytes
-from ..transports import FsspecTransport, RangeRequest
+from ..transports import LocalFileAccess, RangeRequest, Transport
 from ..transports.local_io import LocalFiles
 from .slices import count_runs, is_row_major, slice_runs
 
@@ -186,7 +186,7 @@ def _dense(stored: StoredTensor, lengths: tuple[int, ...], runs: int, itemsize: 
 
 
 def read_slices(
-    transport: FsspecTransport,
+    transport: Transport,
     works: Sequence[SliceRead],
     on_done: Callable[[SliceRead], None],
     staging_bytes: int = 256 * 1024 * 1024,
@@ -207,7 +207,7 @@ def read_slices(
         _finish(transport, batch, on_done)
 
 
-def _finish(transport: FsspecTransport, batch: list[SliceRead], on_done: Callable[[SliceRead], None]) -> None:
+def _finish(transport: Transport, batch: list[SliceRead], on_done: Callable[[SliceRead], None]) -> None:
     transport.read_ranges([r for w in batch for r in w.requests])
     mapped = [w for w in batch if w.mapped is not None]
     tiny = [w for w in mapped if _run_bytes(w) < _MAP_BELOW_RUN_BYTES]
@@ -233,7 +233,7 @@ def _first_run_bytes(stored: StoredTensor, offsets: Sequence[int], lengths: Sequ
     return lengths[k] * math.prod(stored.shape[k + 1 :]) * stored.itemsize if k >= 0 else 0
 
 
-def _copy_mapped(transport: FsspecTransport, works: list[SliceRead]) -> None:
+def _copy_mapped(transport: Transport, works: list[SliceRead]) -> None:
     """Read each many-run slice of a local file with a tight loop of positioned reads.
 
     One ``preadv`` per run straight into the destination (or staging) memory: no per-run request
@@ -243,7 +243,7 @@ def _copy_mapped(transport: FsspecTransport, works: list[SliceRead]) -> None:
     """
     jobs = []
     futures: list[Future[None]] = []
-    files = LocalFiles(transport.confinement)
+    files = _local_files(transport)
     try:
         for work in works:
             stored, offsets = work.mapped  # type: ignore[misc]
@@ -258,7 +258,7 @@ def _copy_mapped(transport: FsspecTransport, works: list[SliceRead]) -> None:
                 jobs.append((fd, stored.where, starts[lo : lo + _RUNS_PER_JOB], run_bytes, view, lo))
             transport.counters.add(requests=len(starts), bytes_read=len(starts) * run_bytes)
             work.mapped = None
-        pool = transport._executor()
+        pool = transport.executor()
         futures = [pool.submit(_pread_runs, *job) for job in jobs]
         for future in futures:
             future.result()
@@ -267,7 +267,7 @@ def _copy_mapped(transport: FsspecTransport, works: list[SliceRead]) -> None:
         files.close()
 
 
-def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
+def _copy_from_map(transport: Transport, works: list[SliceRead]) -> None:
     """Copy many-tiny-run slices of local files out of a memory map, one strided ``copy_`` each.
 
     A syscall per run costs more than the copy for runs up to about a MiB. Measured here, 2 ranks
@@ -277,7 +277,7 @@ def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
     closed right after its copy, so mapped page-cache pages never add up in a rank's RSS beyond the
     largest tensor. Maps are private and never written.
     """
-    files = LocalFiles(transport.confinement)
+    files = _local_files(transport)
     try:
         for work in works:
             stored, offsets = work.mapped  # type: ignore[misc]
@@ -316,6 +316,13 @@ def _copy_from_map(transport: FsspecTransport, works: list[SliceRead]) -> None:
             work.mapped = None
     finally:
         files.close()
+
+
+def _local_files(transport: Transport) -> LocalFiles:
+    """The local descriptors behind the fast paths above (planned only for ``is_local`` transports)."""
+    if not isinstance(transport, LocalFileAccess):
+        raise TypeError(f"{type(transport).__name__} is local but has no local_files(): see LocalFileAccess")
+    return transport.local_files()
 
 
 _MAP_BELOW_RUN_BYTES = 1 << 20  # runs shorter than this are copied from a map, longer ones pread

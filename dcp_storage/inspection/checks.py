@@ -34,7 +34,7 @@ from ..integrity.checksums import mismatch
 from ..integrity.deep_check import deep_check_dcp, report_dcp_checksums
 from ..integrity.safetensors_check import deep_check_safetensors, report_safetensors_checksums
 from ..text import printable
-from ..transports import FsspecTransport
+from ..transports.factory import open_transport
 from .leftovers import check_leftovers
 from .load_needs import check_extensions, check_shard_set
 from .summary import resolve_spec
@@ -77,7 +77,7 @@ def _check_dcp(report: VerifyReport, url: str, storage_options: dict[str, Any] |
     from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
     from ..formats.safetensors.layout import check_relative
 
-    transport, root = FsspecTransport.from_url(url, storage_options)
+    transport, root = open_transport(url, storage_options)
     with transport:
         path = transport.join(root, METADATA_FILE)
         if not transport.exists(path):
@@ -163,7 +163,7 @@ def _check_safetensors(report: VerifyReport, url: str, storage_options: dict[str
     from ..formats.safetensors.metadata import build_metadata
     from ..formats.safetensors.scan import blobs_of, read_headers
 
-    transport, target = FsspecTransport.from_url(url, storage_options)
+    transport, target = open_transport(url, storage_options)
     with transport:
         try:
             layout = discover(transport, target)
@@ -213,7 +213,7 @@ def _check_safetensors(report: VerifyReport, url: str, storage_options: dict[str
 def _check_torch_save(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
     from ..formats.torch_save import TorchSaveArchive
 
-    transport, path = FsspecTransport.from_url(url, storage_options)
+    transport, path = open_transport(url, storage_options)
     with transport:
         try:
             archive = TorchSaveArchive.open(transport, path)
@@ -229,7 +229,7 @@ def _check_torch_save(report: VerifyReport, url: str, storage_options: dict[str,
 def _check_crc32(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
     from ..formats.torch_save.zip_index import STORED, data_starts, read_zip_index
 
-    transport, path = FsspecTransport.from_url(url, storage_options)
+    transport, path = open_transport(url, storage_options)
     with transport:
         index = read_zip_index(transport, path)
         names = [n for n, e in index.entries.items() if e.method == STORED]

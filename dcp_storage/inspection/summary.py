@@ -21,7 +21,8 @@ from .. import registry
 from ..formats.spec import FormatSpec
 from ..integrity.safetensors_check import safetensors_provenance
 from ..integrity.summary import dcp_provenance
-from ..transports import FsspecTransport
+from ..transports import Transport
+from ..transports.factory import open_transport
 
 __all__ = ["CheckpointInfo", "ChunkInfo", "FileInfo", "TensorInfo", "ValueInfo", "describe", "dtype_name"]
 
@@ -95,7 +96,7 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _size_or_none(transport: FsspecTransport, path: str) -> int | None:
+def _size_or_none(transport: Transport, path: str) -> int | None:
     return transport.size(path) if transport.exists(path) else None
 
 
@@ -117,7 +118,7 @@ def _tensor_table(md: Metadata, locate: Any) -> tuple[list[TensorInfo], list[Val
 def _describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:
     from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 
-    transport, root = FsspecTransport.from_url(url, storage_options)
+    transport, root = open_transport(url, storage_options)
     with transport:
         path = transport.join(root, METADATA_FILE)
         md = read_metadata_file(transport, path)
@@ -142,7 +143,7 @@ def _describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str,
     from ..formats.safetensors.metadata import StoredBytes, StoredChunk
     from ..formats.safetensors.scan import scan_metadata
 
-    transport, target = FsspecTransport.from_url(url, storage_options)
+    transport, target = open_transport(url, storage_options)
     with transport:
         layout = discover(transport, target)
         md = scan_metadata(transport, layout)
@@ -174,7 +175,7 @@ def _describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str,
 def _describe_torch_save(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:
     from ..formats.torch_save import TensorDescriptor, TorchSaveArchive
 
-    transport, path = FsspecTransport.from_url(url, storage_options)
+    transport, path = open_transport(url, storage_options)
     with transport:
         archive = TorchSaveArchive.open(transport, path)
         name = posixpath.basename(path.replace(os.sep, "/"))

@@ -146,9 +146,9 @@ def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[A
 def deep_check_dcp(report: Any, url: str, storage_options: dict[str, Any] | None) -> None:
     """The deep half of :func:`report_dcp_checksums`, opening the checkpoint at ``url`` itself."""
     from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
-    from ..transports import FsspecTransport
+    from ..transports.factory import open_transport
 
-    transport, root = FsspecTransport.from_url(url, storage_options)
+    transport, root = open_transport(url, storage_options)
     with transport:
         path = transport.join(root, METADATA_FILE)
         md = read_metadata_file(transport, path)

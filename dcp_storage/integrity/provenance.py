@@ -12,6 +12,7 @@ import functools
 from importlib import metadata as importlib_metadata
 from typing import Any
 
+from .._version import __version__
 from .manifest import ExtensionInfo
 
 __all__ = ["describe_extension", "distribution_of_module", "format_distribution", "writer_descriptor"]
@@ -19,8 +20,6 @@ __all__ = ["describe_extension", "distribution_of_module", "format_distribution"
 
 def writer_descriptor() -> str:
     """``dcp-storage/<version>``: the writer recorded in every checkpoint we write."""
-    from .. import __version__
-
     return f"dcp-storage/{__version__}"
 
 

@@ -115,9 +115,9 @@ def deep_check_safetensors(report: Any, url: str, storage_options: dict[str, Any
     """The deep half of :func:`report_safetensors_checksums`, opening the checkpoint at ``url`` itself."""
     from ..formats.safetensors.layout import discover, resolve
     from ..formats.safetensors.scan import blobs_of
-    from ..transports import FsspecTransport
+    from ..transports.factory import open_transport
 
-    transport, target = FsspecTransport.from_url(url, storage_options)
+    transport, target = open_transport(url, storage_options)
     with transport:
         layout = discover(transport, target)
         files = sorted({b.file for b in blobs_of(layout) if b.base == 0})

@@ -36,7 +36,7 @@ from ..formats.misdirected import raise_explained
 from ..integrity.dcp_manifest import record_verifier
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
-from ..transports import FsspecTransport, TransportConfig
+from ..transports import Transport, TransportConfig
 from .location import BoundLocation
 
 __all__ = ["FsspecReader"]
@@ -71,7 +71,7 @@ class FsspecReader(BoundLocation, StorageReader):
         transport_config: TransportConfig | None = None,
         loader_config: ItemLoaderConfig | None = None,
         extension_registry: ExtensionRegistry | None = None,
-        transport: FsspecTransport | None = None,
+        transport: Transport | None = None,
         verify: bool = False,
     ) -> None:
         super().__init__()

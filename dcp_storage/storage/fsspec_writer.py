@@ -42,7 +42,7 @@ from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter, digest_width
 from ..integrity.dcp_manifest import build_manifest
 from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
-from ..transports import FsspecTransport, TransportConfig
+from ..transports import Transport, TransportConfig
 from ..transports.buckets import prepare_output
 from .fsspec_reader import _is_fsspec_url
 from .location import BoundLocation
@@ -84,7 +84,7 @@ class FsspecWriter(BoundLocation, StorageWriter):
         single_file_per_rank: bool = True,
         overwrite: bool = False,
         transport_config: TransportConfig | None = None,
-        transport: FsspecTransport | None = None,
+        transport: Transport | None = None,
         checksum_algorithm: str = DEFAULT_ALGORITHM,
         extensions: Sequence[StreamTransformExtension] | None = None,
         create_bucket: bool = False,

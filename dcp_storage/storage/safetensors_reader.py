@@ -41,7 +41,7 @@ from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import load_view, running_planner
-from ..transports import FsspecTransport, TransportConfig
+from ..transports import Transport, TransportConfig
 from .location import BoundLocation
 
 __all__ = ["SafetensorsReader"]
@@ -78,7 +78,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         transport_config: TransportConfig | None = None,
         scan_config: ScanConfig | None = None,
         loader_config: LoaderConfig | None = None,
-        transport: FsspecTransport | None = None,
+        transport: Transport | None = None,
         process_group: dist.ProcessGroup | None = None,
         coordinator_rank: int = 0,
         broadcast_metadata: bool = True,

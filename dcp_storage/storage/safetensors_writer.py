@@ -60,7 +60,7 @@ from ..formats.safetensors.write_plan import (
 )
 from ..integrity.checksums import DEFAULT_ALGORITHM, checksum, digest_width
 from ..integrity.safetensors_sums import RESERVED_PREFIX
-from ..transports import FsspecTransport, TransportConfig
+from ..transports import Transport, TransportConfig
 from ..transports.buckets import prepare_output
 from ..transports.fsspec_transport import _fsync_dir
 from .fsspec_reader import _is_fsspec_url
@@ -164,7 +164,7 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
         checksum_algorithm: str | None = DEFAULT_ALGORITHM,
         process_group: dist.ProcessGroup | None = None,
         transport_config: TransportConfig | None = None,
-        transport: FsspecTransport | None = None,
+        transport: Transport | None = None,
         create_bucket: bool = False,
     ) -> None:
         super().__init__()

@@ -7,7 +7,7 @@ A drop-in for ``torch.distributed.checkpoint.format_utils.BroadcastingTorchSaveR
 
 Differences from torch's class:
 
-* any fsspec URL, through :class:`~dcp_storage.transports.FsspecTransport` (retries, ranged reads);
+* any fsspec URL, through :class:`~dcp_storage.transports.Transport` (retries, ranged reads);
 * never runs code from the file: ``data.pkl`` is decoded with an allow-list (like ``weights_only=True``,
   honouring ``torch.serialization.add_safe_globals``), unless you pass ``trust=True`` for a trusted file;
 * the coordinator never holds the whole checkpoint: it indexes the zip, then reads tensor data slice by
@@ -53,7 +53,7 @@ from ..strategies.group import GroupView
 from ..strategies.metadata_sharing import share_object
 from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order
 from ..tensor_buffers import host_buffer
-from ..transports import FsspecTransport, TransportConfig
+from ..transports import Transport, TransportConfig
 from ..transports.factory import bind_transport
 
 __all__ = ["BroadcastingTorchSaveReader"]
@@ -98,7 +98,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         transport_config: TransportConfig | None = None,
         archive_config: ArchiveConfig | None = None,
         delivery_config: DeliveryConfig | None = None,
-        transport: FsspecTransport | None = None,
+        transport: Transport | None = None,
         trust: bool = False,
         verify: bool = False,
     ) -> None:
@@ -117,7 +117,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         self.delivery_config = delivery_config or DeliveryConfig()
         self.verify = verify
         self._given_transport = transport
-        self._transport: FsspecTransport | None = None
+        self._transport: Transport | None = None
         self._archive: TorchSaveArchive | None = None
         self._metadata: Metadata | None = None
         self._plans: list[LoadPlan] | None = None
@@ -145,7 +145,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
             out["storage"] = {"requests": 0, "bytes_read": 0, "bytes_written": 0, "retries": 0}
         return out
 
-    def _open_transport(self) -> tuple[FsspecTransport, str]:
+    def _open_transport(self) -> tuple[Transport, str]:
         if self.checkpoint_id is None:
             raise ValueError("BroadcastingTorchSaveReader: no checkpoint_id; pass it here or to dcp.load")
         given = self._given_transport or self._transport  # one transport for every checkpoint_id

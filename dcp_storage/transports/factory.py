@@ -3,9 +3,12 @@
 A transport plugin registers under the ``dcp_storage.transports`` entry-point group, either under a URL
 scheme it serves (``myblob = "my_pkg:MyBlobTransport"`` makes ``myblob://...`` URLs use it) or under a name
 users select with the ``transport`` storage option (``{"transport": "obstore", ...}``). A registered
-transport is a class with ``from_url(url, storage_options, config) -> (transport, path)`` offering
-:class:`~dcp_storage.transports.FsspecTransport`'s methods. Everything else goes through fsspec, which has
-its own registry of schemes (``s3``, ``gs``, ``az``, ``memory``, ...).
+transport is a class with ``from_url(url, storage_options, config) -> (transport, path)`` whose instances
+keep the :class:`~dcp_storage.transports.protocol.Transport` protocol. Everything else goes through fsspec,
+which has its own registry of schemes (``s3``, ``gs``, ``az``, ``memory``, ...).
+
+This is the only place a transport is built from a URL: everything else calls :func:`open_transport`
+(or :func:`bind_transport`), so a transport plugin selected by ``storage_options`` serves every entry point.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import os
 from typing import Any
 
 from .. import registry
-from .fsspec_transport import FsspecTransport, TransportConfig
+from .config import TransportConfig
+from .fsspec_transport import FsspecTransport
+from .protocol import Transport
 
 __all__ = ["TRANSPORT_OPTION", "bind_transport", "open_transport"]
 
@@ -26,7 +31,7 @@ def open_transport(
     url: str | os.PathLike[str],
     storage_options: dict[str, Any] | None = None,
     config: TransportConfig | None = None,
-) -> tuple[Any, str]:
+) -> tuple[Transport, str]:
     """The transport for ``url`` and the path of ``url`` on it."""
     url = os.fspath(url)
     options = dict(storage_options or {})
@@ -45,16 +50,14 @@ def bind_transport(
     url: str | os.PathLike[str],
     storage_options: dict[str, Any] | None,
     config: TransportConfig | None,
-    given: Any = None,
-) -> tuple[Any, str]:
+    given: Transport | None = None,
+) -> tuple[Transport, str]:
     """What every reader and writer does on ``reset(checkpoint_id)``: reuse ``given`` or open one.
 
-    A transport that is not built on an fsspec filesystem turns the URL into its own path with a
-    ``strip_url(url)`` method; fsspec transports use their filesystem's ``_strip_protocol``.
+    A given transport turns the URL into its own path (:meth:`~.protocol.Transport.strip_url`).
     """
     if given is not None:
-        strip = getattr(given, "strip_url", None)
-        path = strip(os.fspath(url)) if callable(strip) else given.fs._strip_protocol(os.fspath(url))
+        path = given.strip_url(os.fspath(url))
         confinement = getattr(given, "confinement", None)
         if confinement is not None:  # a shared local transport: it may now read this checkpoint too
             confinement.add(path)

@@ -13,14 +13,13 @@ plus ``storage_options`` into an fsspec filesystem and adds what fsspec lacks fo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import os
 import posixpath
+import shutil
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import IO, Any
 
 import fsspec
@@ -29,6 +28,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, FileTooLargeError
 from .access import access_errors
+from .config import TransportConfig, resolve_config
 from .counters import TransportCounters
 from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_size, is_gcs
 from .local_io import LocalFiles, preadv_exact, read_whole
@@ -37,46 +37,13 @@ from .range_check import RangeMismatchError
 from .range_readers import buffered_range_reader, whole_file_reader
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
-from .retry import RetryPolicy, TruncatedReadError, call_with_retry, single_layer_client_options
+from .retry import TruncatedReadError, call_with_retry, single_layer_client_options
 from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size
 from .s3_stream import ScatterSink, can_stream, read_object, stream_range
 from .s3_upload import S3AtomicUpload, put_object
 from .worker_pool import WorkerPool
 
 __all__ = ["FsspecTransport", "TransportConfig"]
-
-MiB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    """Tuning knobs; the defaults suit a local disk and an object store alike.
-
-    ``max_workers``: concurrent storage requests. ``max_inflight_bytes``: bytes of requests running at
-    once. ``coalesce_gap``: ranges of one file closer than this are fetched by one request (the gap bytes
-    are read and dropped). ``max_request_bytes``: larger ranges are split into parts fetched concurrently.
-    ``part_size``: multipart upload part size for object-store writes. ``None`` picks per filesystem:
-    a local disk gets one worker per core and a 4 KiB gap (a syscall is cheap, extra bytes are not), an
-    object store 16 workers and a 256 KiB gap (a request costs a round trip).
-    """
-
-    max_workers: int | None = None
-    max_inflight_bytes: int = 512 * MiB
-    coalesce_gap: int | None = None
-    max_request_bytes: int = 32 * MiB
-    part_size: int = 64 * MiB
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-
-    def __post_init__(self) -> None:
-        if self.max_workers is not None and self.max_workers < 1:
-            raise ValueError(f"TransportConfig.max_workers must be >= 1, got {self.max_workers}")
-        if self.max_inflight_bytes < 1 or self.max_request_bytes < 1:
-            raise ValueError("TransportConfig byte limits must be >= 1")
-        if self.coalesce_gap is not None and self.coalesce_gap < 0:
-            raise ValueError(f"TransportConfig.coalesce_gap must be >= 0, got {self.coalesce_gap}")
-        if self.part_size < 5 * MiB:
-            raise ValueError("TransportConfig.part_size must be >= 5 MiB (the S3 minimum part size)")
-
 
 class _CountingWriter:
     """File wrapper that counts bytes written (and forwards everything else)."""
@@ -123,7 +90,7 @@ class FsspecTransport:
         # name the URL the user gave (``az://...``), not the filesystem's first alias.
         aliases = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self._scheme = scheme if scheme in aliases else None
-        self.config = _resolve(config or TransportConfig(), self.is_local)
+        self.config = resolve_config(config or TransportConfig(), self.is_local)
         self.counters = TransportCounters()
         self._workers = WorkerPool(self.config.max_workers, "dcp-storage-io")
 
@@ -174,8 +141,25 @@ class FsspecTransport:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def executor(self) -> ThreadPoolExecutor:
+        """The worker threads requests run on (made on first use; see :class:`.protocol.Transport`)."""
         return self._workers.get()
+
+    def strip_url(self, url: str) -> str:
+        """The path of ``url`` on this transport's filesystem."""
+        return self.fs._strip_protocol(os.fspath(url))
+
+    def reconfigured(self, config: TransportConfig) -> FsspecTransport:
+        """A transport on the same filesystem, confinement and counters, with ``config``."""
+        other = FsspecTransport(self.fs, config, scheme=self._scheme, confinement=self.confinement)
+        other.counters = self.counters
+        return other
+
+    def local_files(self) -> LocalFiles:
+        """Descriptors of this checkpoint's local files (regular files inside it only); ``close`` them."""
+        if not self.is_local:
+            raise TypeError(f"{self.url('')}: local_files() on a transport that is not local")
+        return LocalFiles(self.confinement)
 
     def _retry(self, fn: Any, describe: Any) -> Any:
         with access_errors(describe):  # credential and permission failures: StorageAccessError naming the call
@@ -224,6 +208,15 @@ class FsspecTransport:
             if self._gcs:
                 delete = lambda: gcs_delete(self.fs, path)
             self._retry(delete, lambda: f"delete {self.url(path)}")
+
+    def remove_tree(self, path: str) -> None:
+        """Delete every file under ``path``; nothing if there is none."""
+        if self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(path)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self._retry(lambda: self.fs.rm(path, recursive=True), lambda: f"delete {self.url(path)}")
 
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the files directly under ``path``; empty if it does not exist."""
@@ -288,7 +281,7 @@ class FsspecTransport:
         groups = plan_fetches(requests, cfg.coalesce_gap, cfg.max_request_bytes)
         if not self.is_local:
             return RangeRun(
-                requests, groups, self._fetch_group_remote, self._executor(), cfg.max_inflight_bytes
+                requests, groups, self._fetch_group_remote, self.executor(), cfg.max_inflight_bytes
             ).execute()
         files = LocalFiles(self.confinement)
         try:
@@ -296,7 +289,7 @@ class FsspecTransport:
             def fetch(group: FetchGroup, views: list[memoryview]) -> None:
                 self._fetch_group_local(files.fd(group.path), group, views)
 
-            return RangeRun(requests, groups, fetch, self._executor(), cfg.max_inflight_bytes).execute()
+            return RangeRun(requests, groups, fetch, self.executor(), cfg.max_inflight_bytes).execute()
         finally:
             files.close()  # execute() returns only once no fetch runs any more
 
@@ -519,13 +512,6 @@ def _abandon(raw: Any) -> None:
             discard()
     with contextlib.suppress(Exception):
         raw.closed = True
-
-
-def _resolve(config: TransportConfig, is_local: bool) -> TransportConfig:
-    """Fill the ``None`` (auto) fields of ``config`` for a local or a remote filesystem."""
-    workers = config.max_workers or (max(2, os.cpu_count() or 2) if is_local else 16)
-    gap = config.coalesce_gap if config.coalesce_gap is not None else (4096 if is_local else 256 * 1024)
-    return dataclasses.replace(config, max_workers=workers, coalesce_gap=gap)
 
 
 def _fsync_dir(directory: str) -> None:

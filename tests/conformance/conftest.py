@@ -26,13 +26,14 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 import pytest
 
 from dcp_storage.testing._server_process import StartStop
 from dcp_storage.testing.azurite import AzuriteError, AzuriteServer
+from dcp_storage.testing.conformance import Location
 from dcp_storage.testing.gcs_server import FakeGcsServer, FakeGcsServerError
 from dcp_storage.testing.serving import serving
 
@@ -43,14 +44,6 @@ SHARED_BACKENDS = tuple(b for b in BACKENDS if b != "memory")
 STARTUP_SECONDS: dict[str, float] = {}
 
 S = TypeVar("S", bound=StartStop)
-
-
-class Location(NamedTuple):
-    """A fresh location on one backend: ``url, storage_options = location``; ``backend`` names it."""
-
-    url: str
-    storage_options: dict[str, Any]
-    backend: str
 
 
 @contextlib.contextmanager

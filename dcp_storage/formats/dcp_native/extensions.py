@@ -142,7 +142,7 @@ class ExtensionResolver:
         stream: Any = io.BytesIO(raw)
         try:
             if len(extensions) == 1 and isinstance(extensions[0], SeekableTransform):
-                pool = self._executor or self.transport._executor()
+                pool = self._executor or self.transport.executor()
                 return decode_whole(extensions[0], raw, pool)  # frames decoded concurrently
             for ext in extensions:
                 if isinstance(ext, StreamTransformExtension):

@@ -3,7 +3,7 @@
 An item written through a :class:`~dcp_storage.formats.dcp_native.seekable.SeekableTransform` is a
 ``torch.save`` record cut into independently decodable frames plus an index. When a rank needs only part of
 such a tensor (resharding), reading it whole would fetch and decode every frame; instead, three rounds of
-I/O, each one :meth:`~dcp_storage.transports.FsspecTransport.read_ranges` call (sorted, coalesced,
+I/O, each one :meth:`~dcp_storage.transports.Transport.read_ranges` call (sorted, coalesced,
 concurrent) over all items of the plan:
 
 1. **Index**: the item's tail (``tail_probe_bytes``), parsed into a :class:`FrameIndex`; a longer index
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
-from ...transports import FsspecTransport, RangeRequest
+from ...transports import RangeRequest, Transport
 from .seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
 from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, load_tensor_record, parse_tensor_record
 
@@ -150,7 +150,7 @@ class FramedItemLoader:
     ``keep_bytes``: decoded header frames kept for the data round, at most this many bytes in all.
     """
 
-    def __init__(self, transport: FsspecTransport, probe_bytes: int = 4096, staging_bytes: int = 256 << 20) -> None:
+    def __init__(self, transport: Transport, probe_bytes: int = 4096, staging_bytes: int = 256 << 20) -> None:
         self.transport = transport
         self.probe_bytes = probe_bytes
         self.staging_bytes = staging_bytes
@@ -292,7 +292,7 @@ class FramedItemLoader:
         arrive: decoding overlaps the remaining I/O and uses every worker, even when coalescing turned many
         frames into one request (whose segments complete together, in one thread).
         """
-        pool = self.transport._executor()
+        pool = self.transport.executor()
         jobs: list[Future[None]] = []
         requests = []
         for read in reads:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import RecordVerifier, batches_by_bytes
-from ...transports import FsspecTransport, RangeRequest
+from ...transports import RangeRequest, Transport
 from ..byte_items import deliver_byte_item
 from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
 from .extensions import ExtensionResolver
@@ -97,7 +97,7 @@ class DcpItemLoader:
 
     def __init__(
         self,
-        transport: FsspecTransport,
+        transport: Transport,
         root: str,
         storage_data: dict[Any, Any],
         config: ItemLoaderConfig | None = None,

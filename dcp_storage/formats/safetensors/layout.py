@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...transports import FsspecTransport
+from ...transports import Transport
 from ..completeness import raise_if_incomplete
 from ..dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 from ..limits import INDEX, read_limited
@@ -85,7 +85,7 @@ class Layout:
     dcp_metadata: Metadata | None = None
 
 
-def resolve(transport: FsspecTransport, root: str, relative: str) -> str:
+def resolve(transport: Transport, root: str, relative: str) -> str:
     """The transport path of ``relative`` under ``root``."""
     if transport.is_local:
         return transport.join(root, relative) if root else relative
@@ -94,7 +94,7 @@ def resolve(transport: FsspecTransport, root: str, relative: str) -> str:
     return transport.join(root, relative)
 
 
-def _parent(transport: FsspecTransport, path: str) -> tuple[str, str]:
+def _parent(transport: Transport, path: str) -> tuple[str, str]:
     if transport.is_local:
         return os.path.dirname(path), os.path.basename(path)
     stripped = path.rstrip("/")
@@ -118,7 +118,7 @@ def parse_index(data: bytes, index_url: str) -> dict[str, str]:
     return dict(weight_map)
 
 
-def discover(transport: FsspecTransport, path: str) -> Layout:
+def discover(transport: Transport, path: str) -> Layout:
     """Work out what ``path`` (a transport path) holds; raises :class:`CheckpointNotFoundError` if nothing."""
     url = transport.url(path)
     if path.endswith(".json"):
@@ -144,12 +144,12 @@ def discover(transport: FsspecTransport, path: str) -> Layout:
     return Layout("directory", path, files, url)
 
 
-def _single_file(transport: FsspecTransport, path: str) -> Layout:
+def _single_file(transport: Transport, path: str) -> Layout:
     root, name = _parent(transport, path)
     return Layout("file", root, [name], transport.url(path))
 
 
-def _index_layout(transport: FsspecTransport, index_path: str) -> Layout:
+def _index_layout(transport: Transport, index_path: str) -> Layout:
     url = transport.url(index_path)
     try:
         data = read_limited(transport, index_path, INDEX)
@@ -163,7 +163,7 @@ def _index_layout(transport: FsspecTransport, index_path: str) -> Layout:
     return Layout("index", root, files, url, index_path=index_path, weight_map=weight_map)
 
 
-def _dcp_layout(transport: FsspecTransport, root: str) -> Layout:
+def _dcp_layout(transport: Transport, root: str) -> Layout:
     path = transport.join(root, METADATA_FILE)
     metadata = read_metadata_file(transport, path)
     if metadata.storage_data is None or not isinstance(metadata.storage_data, dict):

@@ -28,7 +28,7 @@ from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import batches_by_bytes
 from ...integrity.safetensors_sums import FileSums, require_checksummed
 from ...tensor_buffers import writable_bytes
-from ...transports import FsspecTransport, RangeRequest
+from ...transports import RangeRequest, Transport
 from ..byte_items import deliver_byte_item
 from ..paths import check_relative
 from ..tensor_reads import SliceRead, dense_gap_of, plan_slice_read, read_slices
@@ -66,7 +66,7 @@ class SafetensorsItemLoader:
 
     def __init__(
         self,
-        transport: FsspecTransport,
+        transport: Transport,
         root: str,
         storage_data: Mapping[Any, Any],
         config: LoaderConfig | None = None,

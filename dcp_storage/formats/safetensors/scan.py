@@ -1,7 +1,7 @@
 """Fetching every safetensors header of a checkpoint with a few small ranged reads.
 
 Per blob: the first ``probe_bytes`` (64 KiB by default) in one request, all blobs in one concurrent
-:meth:`~dcp_storage.transports.FsspecTransport.read_ranges` call; then, only for headers longer than the
+:meth:`~dcp_storage.transports.Transport.read_ranges` call; then, only for headers longer than the
 probe, one more request each for the rest. File sizes come first (free on a local disk, one ``HEAD``
 each on an object store, concurrently) because validating a header needs them.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...transports import FsspecTransport, RangeRequest
+from ...transports import RangeRequest, Transport
 from .header import LENGTH_BYTES, SafetensorsHeader, header_length, parse_header
 from .layout import Layout, resolve
 from .metadata import Blob, build_metadata
@@ -61,7 +61,7 @@ def _missing_context(layout: Layout, file: str) -> str:
     return "listed a moment ago"
 
 
-def _sizes(transport: FsspecTransport, layout: Layout, files: Sequence[str]) -> dict[str, int]:
+def _sizes(transport: Transport, layout: Layout, files: Sequence[str]) -> dict[str, int]:
     def one(file: str) -> int:
         path = resolve(transport, layout.root, file)
         try:
@@ -79,7 +79,7 @@ def _sizes(transport: FsspecTransport, layout: Layout, files: Sequence[str]) -> 
 
 
 def read_headers(
-    transport: FsspecTransport, layout: Layout, blobs: Sequence[Blob], config: ScanConfig | None = None
+    transport: Transport, layout: Layout, blobs: Sequence[Blob], config: ScanConfig | None = None
 ) -> tuple[dict[Blob, SafetensorsHeader], dict[str, str]]:
     """Every blob's parsed header, and the URL of each file (for messages)."""
     config = config or ScanConfig()
@@ -123,7 +123,7 @@ def read_headers(
     return headers, urls
 
 
-def scan_metadata(transport: FsspecTransport, layout: Layout, config: ScanConfig | None = None) -> Metadata:
+def scan_metadata(transport: Transport, layout: Layout, config: ScanConfig | None = None) -> Metadata:
     """Read every header ``layout`` needs and build its DCP ``Metadata`` (with the storage map)."""
     headers, urls = read_headers(transport, layout, blobs_of(layout), config)
     return build_metadata(layout, headers, urls)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import CorruptCheckpointError, DcpStorageError
 from ...tensor_buffers import writable_bytes
-from ...transports import FsspecTransport
+from ...transports import Transport
 from ..slices import is_row_major
 from ..tensor_reads import StoredTensor, plan_slice_read, read_slices
 from .pickle_tree import LegacyNeedsMoreBytes, TensorDescriptor, decode_data_pkl, is_legacy_head, scan_legacy
@@ -62,7 +62,7 @@ class TorchSaveArchive:
 
     def __init__(
         self,
-        transport: FsspecTransport,
+        transport: Transport,
         index: ZipIndex,
         prefix: str,
         tree: Mapping[str, Any],
@@ -83,7 +83,7 @@ class TorchSaveArchive:
     # ------------------------------------------------------------------------------------- opening
     @classmethod
     def open(
-        cls, transport: FsspecTransport, path: str, config: ArchiveConfig | None = None, *, trust: bool = False
+        cls, transport: Transport, path: str, config: ArchiveConfig | None = None, *, trust: bool = False
     ) -> TorchSaveArchive:
         """Index the archive at ``path``; raises our errors, each naming the file, for anything else.
 
@@ -154,13 +154,8 @@ class TorchSaveArchive:
         if self._starts is None:
             names = {f"{self.prefix}data/{k}": k for k in self.storages}
             # Headers lie between tensors: with an object store's coalescing gap, fetching them together
-            # would read the small tensors between them too. Read them exactly (same counters, same fs).
-            exact = FsspecTransport(
-                self.transport.fs,
-                dataclasses.replace(self.transport.config, coalesce_gap=0),
-                confinement=self.transport.confinement,
-            )
-            exact.counters = self.transport.counters
+            # would read the small tensors between them too. Read them exactly (same counters, same store).
+            exact = self.transport.reconfigured(dataclasses.replace(self.transport.config, coalesce_gap=0))
             try:
                 starts = data_starts(exact, self.index, names)
             finally:
@@ -300,7 +295,7 @@ def _archive_prefix(index: ZipIndex) -> str:
     return candidates[0]
 
 
-def _scan_legacy_file(transport: FsspecTransport, path: str, url: str, config: ArchiveConfig) -> None:
+def _scan_legacy_file(transport: Transport, path: str, url: str, config: ArchiveConfig) -> None:
     """Refuse a legacy file whose pickles name a forbidden global (else it is refused as unsupported)."""
     size = transport.size(path)
     n = min(size, 1 * MiB)
@@ -317,7 +312,7 @@ def _scan_legacy_file(transport: FsspecTransport, path: str, url: str, config: A
 
 
 def _refuse_not_zip(
-    transport: FsspecTransport, path: str, exc: NotAZipError, config: ArchiveConfig, trust: bool
+    transport: Transport, path: str, exc: NotAZipError, config: ArchiveConfig, trust: bool
 ) -> None:
     """Raise the most useful error for a file without a zip end record (for a trusted one, never "unsafe")."""
     url = transport.url(path)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ...errors import CorruptCheckpointError
-from ...transports import FsspecTransport, RangeRequest
+from ...transports import RangeRequest, Transport
 from .zip_layout import (
     DEFLATED,
     LOCAL,
@@ -54,7 +54,7 @@ class ZipIndex:
     entries: dict[str, ZipEntry]
 
 
-def read_zip_index(transport: FsspecTransport, path: str) -> ZipIndex:
+def read_zip_index(transport: Transport, path: str) -> ZipIndex:
     """Read the end records and the central directory of the zip at ``path``.
 
     Raises :class:`NotAZipError` when there is no end record (empty, garbage, legacy ``torch.save``
@@ -75,7 +75,7 @@ def read_zip_index(transport: FsspecTransport, path: str) -> ZipIndex:
     return ZipIndex(path, url, size, cd_offset, entries)
 
 
-def data_starts(transport: FsspecTransport, index: ZipIndex, names: Iterable[str]) -> dict[str, int]:
+def data_starts(transport: Transport, index: ZipIndex, names: Iterable[str]) -> dict[str, int]:
     """Byte offset where each named entry's bytes begin (after its local header), read in one batch."""
     todo = {n: _LOCAL_SLACK for n in names}
     out: dict[str, int] = {}
@@ -107,7 +107,7 @@ def _needed(head: bytes) -> int:
     return LOCAL.size + nlen + xlen
 
 
-def read_entry(transport: FsspecTransport, index: ZipIndex, name: str, max_bytes: int) -> bytes:
+def read_entry(transport: Transport, index: ZipIndex, name: str, max_bytes: int) -> bytes:
     """The (inflated, CRC-checked) bytes of one small entry: local header and data in one read."""
     e = index.entries[name]
     if e.size > max_bytes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from dcp_storage.transports import is_transient
+from dcp_storage.plugin_api import is_transient
 
 __all__ = [
     "is_not_found",

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_storage.errors import DcpStorageError
+from dcp_storage.plugin_api import DcpStorageError
 
 __all__ = ["ObstoreOptionsError", "S3Settings", "s3_settings"]
 

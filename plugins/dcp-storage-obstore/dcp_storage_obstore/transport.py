@@ -1,11 +1,11 @@
 """``ObstoreTransport``: the dcp-storage transport on obstore (the Rust ``object_store`` client).
 
-Same contract as :class:`dcp_storage.transports.FsspecTransport` for ``s3://`` URLs: concurrent, coalesced
+The :class:`dcp_storage.plugin_api.Transport` protocol for ``s3://`` URLs: concurrent, coalesced
 ranged reads straight into the caller's buffers within an in-flight byte budget, retries with backoff
-under the core's :class:`~dcp_storage.transports.RetryPolicy`, atomic writes (one PUT, or a multipart
+under the core's :class:`~dcp_storage.plugin_api.RetryPolicy`, atomic writes (one PUT, or a multipart
 upload completed on success and aborted on failure), counters, and errors that name the URL and range.
 
-How reads run: :func:`~dcp_storage.transports.ranges.plan_fetches` groups the requests; each group is one
+How reads run: :func:`~dcp_storage.plugin_api.plan_fetches` groups the requests; each group is one
 ranged GET run by a worker thread, which blocks inside obstore's Tokio runtime with the GIL released and
 copies each body chunk into the destination views as it arrives (so a body cut short resumes from the
 last byte in place, and no whole-range buffer is ever held). Worker threads rather than an asyncio loop
@@ -32,20 +32,28 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import obstore
-from dcp_storage.errors import (
+from dcp_storage.plugin_api import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DcpStorageError,
+    FetchGroup,
     FileTooLargeError,
+    RangeMismatchError,
+    RangeRequest,
+    RangeRun,
+    RetryPolicy,
+    ScatterSink,
+    TransportConfig,
+    TransportCounters,
     TransportError,
+    TruncatedReadError,
+    WorkerPool,
+    call_with_retry,
+    is_transient,
+    plan_fetches,
+    range_mismatch,
+    resolve_config,
 )
-from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig, TransportCounters, is_transient
-from dcp_storage.transports.range_check import RangeMismatchError, range_mismatch
-from dcp_storage.transports.range_run import RangeRun
-from dcp_storage.transports.ranges import FetchGroup, plan_fetches
-from dcp_storage.transports.retry import TruncatedReadError, call_with_retry
-from dcp_storage.transports.s3_stream import ScatterSink
-from dcp_storage.transports.worker_pool import WorkerPool
 from obstore.store import S3Store
 
 from .errors import (
@@ -84,7 +92,7 @@ class ObstoreTransport:
 
     def __init__(self, settings: S3Settings, config: TransportConfig | None = None) -> None:
         self.settings = settings
-        self.config = _resolve(config or TransportConfig())
+        self.config = resolve_config(config or TransportConfig(), is_local=False)
         self.counters = TransportCounters()
         self._classify = _classifier(self.config.retry)
         self._stores: dict[tuple[str, bool], S3Store] = {}
@@ -131,14 +139,21 @@ class ObstoreTransport:
     def close(self) -> None:
         self._workers.shutdown()
 
-    def __enter__(self) -> ObstoreTransport:  # noqa: PYI034 - mirrors FsspecTransport
+    def __enter__(self) -> ObstoreTransport:  # noqa: PYI034 - Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def executor(self) -> ThreadPoolExecutor:
+        """The worker threads ranged reads run on (made on first use)."""
         return self._workers.get()
+
+    def reconfigured(self, config: TransportConfig) -> ObstoreTransport:
+        """A transport on the same store settings and counters with ``config``; close it after use."""
+        other = ObstoreTransport(self.settings, config)
+        other.counters = self.counters
+        return other
 
     def _locate(self, path: str, uploads: bool = False) -> tuple[S3Store, str]:
         """The store for ``path``'s bucket and the key inside it."""
@@ -198,6 +213,15 @@ class ObstoreTransport:
         with contextlib.suppress(CheckpointNotFoundError):
             self._call(lambda: obstore.delete(store, key), path, "delete")
 
+    def remove_tree(self, path: str) -> None:
+        """Delete every object under the prefix ``path/``; nothing if there is none."""
+        store, key = self._locate(path)
+        prefix = key.rstrip("/") + "/" if key else None
+        objects = self._call(lambda: obstore.list(store, prefix).collect(), path, "list")
+        paths = [entry["path"] for entry in objects]
+        if paths:
+            self._call(lambda: obstore.delete(store, paths), path, "delete")
+
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the objects and prefixes directly under ``path``; empty if none."""
         store, key = self._locate(path)
@@ -237,7 +261,7 @@ class ObstoreTransport:
         """
         cfg = self.config
         groups = plan_fetches(requests, cfg.coalesce_gap, cfg.max_request_bytes)  # type: ignore[arg-type]
-        return RangeRun(requests, groups, self._fetch_group, self._executor(), cfg.max_inflight_bytes).execute()
+        return RangeRun(requests, groups, self._fetch_group, self.executor(), cfg.max_inflight_bytes).execute()
 
     def _fetch_group(self, group: FetchGroup, views: list[memoryview]) -> None:
         """One ranged GET for ``group``, streamed into ``views``; resumes after a body cut short."""
@@ -371,15 +395,6 @@ def _get_range(store: S3Store, key: str, start: int, end: int) -> Any:
 def _put_requests(nbytes: int, part_size: int) -> int:
     parts = max(1, -(-nbytes // part_size))
     return 1 if parts == 1 else parts + 2  # create + parts + complete
-
-
-def _resolve(config: TransportConfig) -> TransportConfig:
-    """Fill the ``None`` (auto) fields of ``config`` with the object-store defaults of the core."""
-    return dataclasses.replace(
-        config,
-        max_workers=config.max_workers or 16,
-        coalesce_gap=config.coalesce_gap if config.coalesce_gap is not None else 256 * 1024,
-    )
 
 
 def _classifier(policy: RetryPolicy) -> Callable[[BaseException], bool]:

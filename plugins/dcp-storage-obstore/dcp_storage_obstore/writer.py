@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcp_storage.transports import TransportCounters
+from dcp_storage.plugin_api import TransportCounters
 
 __all__ = ["CopyingWriter"]
 

@@ -18,13 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from dcp_storage.errors import TransportError
+from dcp_storage.plugin_api import RetryPolicy, TransportError, open_transport
 from dcp_storage.testing.fault_proxy import RANGE_FAULT_MODES, FaultProxy, FaultRule
-from dcp_storage.transports import RetryPolicy
-from dcp_storage.transports.factory import open_transport
-from torch.distributed.checkpoint.api import CheckpointException
-
 from test_obstore_faults import _config, _inner, _load, _options, _save
+from torch.distributed.checkpoint.api import CheckpointException
 
 BLOB = bytes((i * 7 + 3) % 251 for i in range(100_000))
 FEW_ATTEMPTS = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02, deadline=30.0)

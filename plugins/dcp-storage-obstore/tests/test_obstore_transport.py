@@ -10,10 +10,16 @@ from typing import Any
 
 import obstore
 import pytest
-from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, TransportError
+from dcp_storage.plugin_api import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RangeRequest,
+    RetryPolicy,
+    TransportConfig,
+    TransportError,
+    open_transport,
+)
 from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
-from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
-from dcp_storage.transports.factory import open_transport
 from obstore.store import S3Store
 
 from dcp_storage_obstore import ObstoreOptionsError, ObstoreTransport

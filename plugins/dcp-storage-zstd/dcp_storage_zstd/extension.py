@@ -16,7 +16,7 @@ import threading
 from typing import IO, Any
 
 import zstandard
-from dcp_storage.formats.dcp_native.seekable import Frame, FrameIndex
+from dcp_storage.plugin_api import Frame, FrameIndex
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 
 from .seek_table import MAX_FRAME_BYTES, SeekTableError, ZstdFrame, encode_seek_table, parse_seek_table, table_bytes

@@ -22,7 +22,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dcp_storage.formats.dcp_native.seekable import Frame, FrameIndex, NeedMoreTail
+from dcp_storage.plugin_api import Frame, FrameIndex, NeedMoreTail
 
 __all__ = [
     "FOOTER_BYTES",

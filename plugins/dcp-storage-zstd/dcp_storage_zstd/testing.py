@@ -46,7 +46,7 @@ def save_fsdp2(
     """FSDP2-shard the seeded model over ``world`` ranks and save it through :func:`make_extension`."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from dcp_storage.storage import FsspecWriter
+    from dcp_storage import FsspecWriter
     from dcp_storage.testing.models import build_model, fsdp2_shard
 
     model = fsdp2_shard(build_model(seed, getattr(torch, dtype), **shape))
@@ -74,8 +74,8 @@ def load_resharded(
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from dcp_storage.formats.dcp_native.item_loader import ItemLoaderConfig
-    from dcp_storage.storage import FsspecReader
+    from dcp_storage import FsspecReader
+    from dcp_storage.plugin_api import ItemLoaderConfig
     from dcp_storage.testing.models import reference_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -13,14 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import dcp_storage.registry as plugin_registry
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_storage import FsspecReader, FsspecWriter
-from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
 from dcp_storage.formats.dcp_native.item_loader import DcpItemLoader
-from dcp_storage.transports import FsspecTransport
+from dcp_storage.plugin_api import CorruptCheckpointError, DcpStorageError, open_transport
+from dcp_storage.plugin_api import registry as plugin_registry
 from torch.distributed.checkpoint._extension import ExtensionRegistry, ZStandard
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -146,7 +145,7 @@ def read_slice(
     """Load ``stored[fqn][offsets : offsets + lengths]`` the way a resharding rank does; returns bytes read."""
     md = metadata(path)
     index, _ = entry(path, fqn)
-    transport, root = FsspecTransport.from_url(str(path), {}, None)
+    transport, root = open_transport(str(path))
     planner = _Planner({fqn: torch.full(lengths, 77, dtype=dtype)})
     item = ReadItem(
         LoadItemType.TENSOR, MetadataIndex(fqn, [0] * len(lengths)), [0] * len(lengths), index, offsets, lengths

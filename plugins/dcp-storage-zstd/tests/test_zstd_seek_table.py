@@ -8,7 +8,7 @@ import struct
 
 import pytest
 import zstandard
-from dcp_storage.formats.dcp_native.seekable import NeedMoreTail, SeekableTransform
+from dcp_storage.plugin_api import NeedMoreTail, SeekableTransform
 
 from dcp_storage_zstd import SeekTableError, ZstdSeekable
 from dcp_storage_zstd.seek_table import encode_seek_table, parse_seek_table

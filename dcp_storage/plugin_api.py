@@ -1,0 +1,142 @@
+"""What a plugin may import from dcp-storage: this module, and nothing else.
+
+Plugins (``plugins/*``, the ``dcp-storage plugin new`` template, third-party packages) import from here
+only, so that the core can move its modules without breaking them; ``tests/registry/test_plugin_imports.py``
+checks the in-tree ones. Everything here is kept stable:
+
+* transports: the :class:`Transport` protocol and its building blocks (range planning, the range runner,
+  retries, the worker pool, the scatter sink, counters, config), and :func:`open_transport` to build on
+  another transport;
+* formats and extensions: :class:`FormatSpec`, :class:`Probe`, and the seekable-transform pieces a
+  compressing extension needs, and :class:`ItemLoaderConfig` (the reader's ranged-read threshold its tests tune);
+* errors: the whole hierarchy (:class:`DcpStorageError` and its subclasses);
+* the registry: :mod:`registry` and its ``register``/``registered``/``get`` helpers.
+
+Names that import torch (the format and extension ones) are loaded on first use (PEP 562), so a transport
+plugin importing this module stays cheap to load.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import registry
+from .errors import (
+    BucketNotFoundError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DcpStorageError,
+    FileTooLargeError,
+    IncompleteCheckpointError,
+    NonTensorStateError,
+    ShapeMismatchError,
+    StorageAccessError,
+    TargetError,
+    TransportError,
+    UnknownExtensionError,
+    UnknownFormatError,
+    UnsafeCheckpointError,
+    UnsupportedDtypeError,
+    UnsupportedKeyError,
+    WrongFormatError,
+)
+from .registry import PluginError, PluginImportError, PluginNotFoundError, get, register, registered
+from .transports import (
+    AtomicWriter,
+    LocalFileAccess,
+    RangeRequest,
+    RetryPolicy,
+    Transport,
+    TransportConfig,
+    TransportCounters,
+    is_transient,
+)
+from .transports.config import resolve_config
+from .transports.factory import open_transport
+from .transports.range_check import RangeMismatchError, range_mismatch
+from .transports.range_run import RangeRun
+from .transports.ranges import FetchGroup, plan_fetches
+from .transports.retry import TruncatedReadError, call_with_retry
+from .transports.s3_stream import ScatterSink
+from .transports.worker_pool import WorkerPool
+
+_LAZY = {
+    "FormatSpec": ".formats.spec",
+    "Probe": ".formats.spec",
+    "Frame": ".formats.dcp_native.seekable",
+    "FrameIndex": ".formats.dcp_native.seekable",
+    "NeedMoreTail": ".formats.dcp_native.seekable",
+    "SeekableTransform": ".formats.dcp_native.seekable",
+    "ItemLoaderConfig": ".formats.dcp_native.item_loader",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, "dcp_storage"), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .formats.dcp_native.item_loader import ItemLoaderConfig
+    from .formats.dcp_native.seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
+    from .formats.spec import FormatSpec, Probe
+
+__all__ = [
+    "AtomicWriter",
+    "BucketNotFoundError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DcpStorageError",
+    "FetchGroup",
+    "FileTooLargeError",
+    "FormatSpec",
+    "Frame",
+    "FrameIndex",
+    "IncompleteCheckpointError",
+    "ItemLoaderConfig",
+    "LocalFileAccess",
+    "NeedMoreTail",
+    "NonTensorStateError",
+    "PluginError",
+    "PluginImportError",
+    "PluginNotFoundError",
+    "Probe",
+    "RangeMismatchError",
+    "RangeRequest",
+    "RangeRun",
+    "RetryPolicy",
+    "ScatterSink",
+    "SeekableTransform",
+    "ShapeMismatchError",
+    "StorageAccessError",
+    "TargetError",
+    "Transport",
+    "TransportConfig",
+    "TransportCounters",
+    "TransportError",
+    "TruncatedReadError",
+    "UnknownExtensionError",
+    "UnknownFormatError",
+    "UnsafeCheckpointError",
+    "UnsupportedDtypeError",
+    "UnsupportedKeyError",
+    "WorkerPool",
+    "WrongFormatError",
+    "call_with_retry",
+    "get",
+    "is_transient",
+    "open_transport",
+    "plan_fetches",
+    "range_mismatch",
+    "register",
+    "registered",
+    "registry",
+    "resolve_config",
+]

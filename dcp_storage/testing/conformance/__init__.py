@@ -1,0 +1,43 @@
+"""The storage conformance suite a backend or a transport plugin runs: see :mod:`.mixin`.
+
+Modelled on fsspec's ``fsspec/tests/abstract``: subclass :class:`StorageConformance` in a test module and
+provide ``location`` (and ``shared_location``) fixtures; every test then runs on that backend.
+"""
+
+from .helpers import (
+    Location,
+    assert_state_equal,
+    child,
+    counted_since,
+    dcp_state_dict,
+    destination_like,
+    fsspec_options,
+    random_bits,
+    random_bytes,
+    safetensors_state_dict,
+    shown_url,
+    stored,
+    tensor_bytes,
+    unwrap,
+)
+from .mixin import RANKS_TIMEOUT_S, TEST_CONFIG, StorageConformance
+
+__all__ = [
+    "RANKS_TIMEOUT_S",
+    "TEST_CONFIG",
+    "Location",
+    "StorageConformance",
+    "assert_state_equal",
+    "child",
+    "counted_since",
+    "dcp_state_dict",
+    "destination_like",
+    "fsspec_options",
+    "random_bits",
+    "random_bytes",
+    "safetensors_state_dict",
+    "shown_url",
+    "stored",
+    "tensor_bytes",
+    "unwrap",
+]
