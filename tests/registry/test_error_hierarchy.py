@@ -33,6 +33,7 @@ SIGNALS = {
     "_NotCanonical": "a record pickle that is not torch's canonical layout: the generic unpickler takes it",
     "_DuplicateKey": "a duplicate JSON key, turned into CorruptCheckpointError naming the file by the header parser",
     "_PayloadPending": "a slice whose payload has not arrived yet: the delivery loop keeps draining",
+    "_Refused": "the pickle guard's walk refuses a state change; guard_pickle raises UnsafeCheckpointError naming it",
 }
 HARNESS = "dcp_storage.testing"
 
