@@ -81,3 +81,42 @@ def test_save_two_ranks_load_three_ranks_resharded(s3_url: Any) -> None:
         assert report["transport"] == "ObstoreTransport"
         assert report["wrong"] == [], (rank, report["wrong"])
         assert report["counters"]["bytes_read"] >= report["needed"] > 0
+
+
+def test_two_saves_through_obstore_one_wins(s3_url: Any) -> None:
+    """The claim (``.dcp_storage.lock``) goes through obstore's ``PutMode.Create``: of two saves racing to
+    one prefix, 5 rounds, exactly one succeeds and the checkpoint is the winner's, bit-exact."""
+    import threading
+
+    from dcp_storage.errors import CheckpointExistsError
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    url, options = s3_url
+    for k in range(5):
+        here, states = f"{url}/round{k}", [_state(10 * k + who) for who in range(2)]
+        outcomes: list[Any] = [None, None]
+        barrier = threading.Barrier(2)
+
+        def save(who: int, here: str = here, states: list[dict[str, Any]] = states) -> None:
+            barrier.wait()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.save(states[who], storage_writer=FsspecWriter(here, {**options, **OBSTORE}), no_dist=True)
+                outcomes[who] = "ok"
+            except CheckpointException as exc:
+                outcomes[who] = [type(e).__name__ for e, _ in exc.failures.values()]
+
+        threads = [threading.Thread(target=save, args=(who,)) for who in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert sorted(map(str, outcomes)) == sorted(["ok", str([CheckpointExistsError.__name__])]), outcomes
+        winner = states[outcomes.index("ok")]
+        out = {key: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for key, v in winner.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(out, storage_reader=FsspecReader(here, {**options, **OBSTORE}, verify=True), no_dist=True)
+        for key, value in winner.items():
+            assert torch.equal(_bits(out[key]), _bits(value)) if isinstance(value, torch.Tensor) else out[key] == value
