@@ -155,10 +155,11 @@ def _create(transport: Any, path: str, token: bytes, previous: Claim | None) -> 
 
 
 def _read_lock(transport: Any, path: str) -> bytes | None:
-    """The lock's bytes if it is a small regular file (never a FIFO or a device, never a large read)."""
+    """The lock's bytes if it is a small regular file: never a FIFO, a device or a symlink (whose target may
+    lie outside the checkpoint), never a large read."""
     try:
         if transport.is_local:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     return None
@@ -180,7 +181,8 @@ def _held_message(transport: Any, path: str) -> str:
     except ValueError:
         fields = None
     if isinstance(fields, dict):
-        shown = {k: _SHOWN.sub("?", str(fields.get(k, "?")))[:64] for k in ("save_id", "writer", "host", "pid", "since")}
+        keys = ("save_id", "writer", "host", "pid", "since")
+        shown = {k: _SHOWN.sub("?", str(fields.get(k, "?")))[:64] for k in keys}
         holder = (
             f"save {shown['save_id']} by {shown['writer']} on host {shown['host']}, pid {shown['pid']}, "
             f"since {shown['since']}"

@@ -13,8 +13,9 @@ A save claims its location by creating a small object that must not exist yet
 * anything else: fsspec's ``pipe_file(path, data, mode="create")``. adlfs sends ``If-None-Match: *``
   (azurite and Azure answer ``409 BlobAlreadyExists``, adlfs raises ``FileExistsError``); ``memory://``
   checks its store and then writes, so those calls hold a process-wide lock (the store lives in the
-  process, so the lock makes the pair atomic). A filesystem that does not implement ``mode="create"`` inherits fsspec's default, which
-  checks and then writes: not atomic (a third-party filesystem's own limit, stated in the README).
+  process, so the lock makes the pair atomic). A filesystem that does not implement ``mode="create"``
+  inherits fsspec's default, which checks and then writes: not atomic (a third-party filesystem's own
+  limit, stated in the README).
 
 A request retried after a lost response (the store created the object, the answer never arrived) sees its
 own object and would report "exists": :func:`create_new` then compares the stored bytes with its own (the

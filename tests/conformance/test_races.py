@@ -17,6 +17,7 @@ two 2-rank gloo groups racing, the create-if-absent primitive itself (with a los
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -78,6 +79,11 @@ def race(saves: list[Callable[[], Any]]) -> list[tuple[str, Any]]:
     return outcomes
 
 
+def saves_of(states: list[dict[str, Any]], writers: list[Any]) -> list[Callable[[], Any]]:
+    """One single-process ``dcp.save`` per writer, of its own state."""
+    return [functools.partial(dcp.save, s, storage_writer=w, no_dist=True) for s, w in zip(states, writers)]
+
+
 def one_winner(outcomes: list[tuple[str, Any]], where: str, location: Any) -> int:
     """The index of the only successful save; the other raised CheckpointExistsError naming the location."""
     winners = [i for i, (kind, _) in enumerate(outcomes) if kind == "ok"]
@@ -112,11 +118,7 @@ def test_two_saves_exactly_one_wins(location: Any) -> None:
         url, options, _ = here
         writers = [FsspecWriter(url, options, thread_count=2, single_file_per_rank=False) for _ in range(2)]
         states = [race_state(k, who) for who in range(2)]
-
-        def save(who: int) -> Callable[[], Any]:
-            return lambda: dcp.save(states[who], storage_writer=writers[who], no_dist=True)
-
-        win = one_winner(race([save(0), save(1)]), f"round {k}", here)
+        win = one_winner(race(saves_of(states, writers)), f"round {k}", here)
         reader = FsspecReader(url, options)
         metadata = reader.read_metadata()
         assert metadata.storage_meta.save_id == writers[win].save_id, f"round {k}: .metadata is not the winner's"
@@ -159,11 +161,7 @@ def test_two_safetensors_saves_exactly_one_wins(location: Any) -> None:
         url, options, _ = here
         states = [{key: v for key, v in race_state(k, who).items() if key != "step"} for who in range(2)]
         writers = [SafetensorsWriter(url, options) for _ in range(2)]
-
-        def save(who: int) -> Callable[[], Any]:
-            return lambda: dcp.save(states[who], storage_writer=writers[who], no_dist=True)
-
-        win = one_winner(race([save(0), save(1)]), f"round {k}", here)
+        win = one_winner(race(saves_of(states, writers)), f"round {k}", here)
         assert set(stored(here)) == {"model.safetensors"}, f"round {k}: {sorted(stored(here))}"
         dest = destination_like(states[win])
         dcp.load(dest, storage_reader=open_reader(url, storage_options=options, verify=True), no_dist=True)
@@ -281,7 +279,7 @@ def test_a_load_overtaken_by_an_overwrite_fails_rather_than_mixing(
         dcp.save(states[who], storage_writer=w, no_dist=True)
 
     save(0, overwrite=False)
-    reader, plan, planner, dest = start_load(url, options, states[0])
+    reader, plan, planner, _dest = start_load(url, options, states[0])
     half = len(plan.items) // 2
     reader.read_data(dataclasses.replace(plan, items=plan.items[:half]), planner).wait()
     save(1, overwrite=True)

@@ -147,6 +147,19 @@ def test_a_hostile_lock_is_never_quoted(tmp_path: Path, content: str) -> None:
     assert "AAAA" not in message and "xxxx" not in message and len(message) < 1000, message
 
 
+def test_a_symlinked_lock_is_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"save_id": "SECRET-FROM-OUTSIDE", "host": "x", "pid": 1}))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / LOCK_FILE).symlink_to(outside)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(state(1), storage_writer=FsspecWriter(ckpt), no_dist=True)
+    message = str(refused(info.value))
+    assert "SECRET" not in message and "its holder is unknown" in message, message
+    assert outside.read_text().startswith("{")  # untouched
+
+
 def test_a_fifo_lock_does_not_hang(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
