@@ -54,6 +54,7 @@ from .transports import (
     is_transient,
 )
 from .transports.config import resolve_config
+from .transports.exclusive import holds
 from .transports.factory import open_transport
 from .transports.range_check import RangeMismatchError, range_mismatch
 from .transports.range_run import RangeRun
@@ -131,6 +132,7 @@ __all__ = [
     "WrongFormatError",
     "call_with_retry",
     "get",
+    "holds",
     "is_transient",
     "open_transport",
     "plan_fetches",

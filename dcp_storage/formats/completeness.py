@@ -10,7 +10,8 @@ Every writer here commits by making one *commit marker* visible last, after all 
 * Single-file safetensors: the file itself (renamed from a temp file, or one atomic upload).
 
 A killed save leaves *leftovers*: ``*.distcp`` data files, hidden temp files of atomic writes
-(``.{name}.{32 hex}.tmp``, local disks only), dcp-storage's manifest ``.dcp_storage.json``, or HF shards that
+(``.{name}.{32 hex}.tmp``, local disks only), dcp-storage's manifest ``.dcp_storage.json``, the lock file
+``.dcp_storage.lock`` a save holds until its commit (:mod:`dcp_storage.storage.claim`), or HF shards that
 no index names. Leftovers without any commit marker are an interrupted save, never a checkpoint: readers
 and ``verify`` raise :class:`~dcp_storage.errors.IncompleteCheckpointError` instead of guessing (a
 directory of shards without its index would otherwise load as a checkpoint missing some tensors).
@@ -39,6 +40,7 @@ __all__ = [
 
 METADATA_FILE = ".metadata"
 MANIFEST_FILE = ".dcp_storage.json"  # dcp_storage.integrity.manifest.MANIFEST_FILE, written just before .metadata
+LOCK_FILE = ".dcp_storage.lock"  # held by a save from before its first byte until its commit (storage.claim)
 DATA_SUFFIX = ".distcp"
 INDEX_SUFFIX = ".safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -48,6 +50,7 @@ TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.tmp$")
 HF_SHARD_RE = re.compile(r"^(?P<prefix>.+)-\d{5}-of-\d{5}\.safetensors$")
 RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")
 MANIFEST_RE = re.compile(r"^(__\d+)?\.dcp_storage\.json$")  # rank-local saves write __{rank}.dcp_storage.json
+LOCK_RE = re.compile(r"^(__\d+)?\.dcp_storage\.lock$")
 TORCH_DISTRIBUTED_SHARD = "shard-"  # torch's HuggingFaceStorageWriter(save_distributed=True): no index
 _NAMES_SHOWN = 4
 
@@ -61,6 +64,7 @@ class Leftovers:
     temp_files: tuple[str, ...]
     manifests: tuple[str, ...]
     marker: str
+    locks: tuple[str, ...] = ()
 
     def error(self) -> IncompleteCheckpointError:
         detail = _shown(self.data_files)
@@ -69,6 +73,8 @@ class Leftovers:
             detail += f" and {n} temp file{'s' if n != 1 else ''} of unfinished writes{_shown(self.temp_files)}"
         if self.manifests:
             detail += f" and a manifest ({', '.join(self.manifests)})"
+        if self.locks:
+            detail += f" and the lock of a save that is still running or was interrupted ({', '.join(self.locks)})"
         return IncompleteCheckpointError(self.url, len(self.data_files), self.marker, detail)
 
 
@@ -133,11 +139,11 @@ def find_leftovers(transport: Any, path: str, names: list[str] | None = None) ->
     data = sorted(n for n in names if n.endswith(DATA_SUFFIX) or (HF_SHARD_RE.match(n) and not n.startswith(".")))
     temps = sorted(n for n in names if TEMP_RE.match(n))
     manifests = sorted(n for n in names if MANIFEST_RE.match(n))
-    if not (data or temps or manifests):
+    locks = sorted(n for n in names if LOCK_RE.match(n))
+    if not (data or temps or manifests or locks):
         return None
-    return Leftovers(
-        transport.url(path), tuple(data), tuple(temps), tuple(manifests), _missing_marker(data, temps, manifests)
-    )
+    marker = _missing_marker(data, temps, manifests)
+    return Leftovers(transport.url(path), tuple(data), tuple(temps), tuple(manifests), marker, tuple(locks))
 
 
 def raise_if_incomplete(transport: Any, path: str, names: list[str] | None = None) -> None:

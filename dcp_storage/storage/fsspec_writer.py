@@ -6,13 +6,23 @@ Output is byte-compatible with torch's ``FileSystemWriter``: ``__{rank}_{n}.dist
 Call order (torch's ``dcp.save`` drives it):
 
 1. ``reset(checkpoint_id)``, ``set_up_storage_writer(is_coordinator)`` - every rank.
-2. ``prepare_local_plan`` - every rank; refuses an existing checkpoint unless ``overwrite=True``.
-3. ``prepare_global_plan`` - coordinator only; with ``overwrite=True`` it deletes the old ``.metadata``
-   *before* any rank writes data, so a crash can never leave old metadata pointing at new files.
+2. ``prepare_local_plan`` - every rank; refuses an existing checkpoint unless ``overwrite=True`` (early:
+   the claim in step 3 decides).
+3. ``prepare_global_plan`` - coordinator only, *before* any rank writes data. It claims the location
+   (:mod:`~dcp_storage.storage.claim`: the lock ``.dcp_storage.lock``, created only if absent, so of two
+   concurrent ``overwrite=False`` saves exactly one goes on and the other raises ``CheckpointExistsError``
+   having written nothing). With ``overwrite=True`` it then retires the old checkpoint: its ``.metadata``
+   first (a crash can never leave old metadata pointing at new files), then its data files.
 4. ``write_data`` - every rank; ``thread_count`` files written concurrently, each committed atomically.
 5. ``finish`` - coordinator only; writes the manifest ``.dcp_storage.json`` (format, writer and extension
    descriptors, a checksum of every record, computed while writing), then ``.metadata`` last, atomically
-   (one PUT, or temp+fsync+rename), so an interrupted save never looks complete.
+   (one PUT, or temp+fsync+rename), so an interrupted save never looks complete; then removes the lock.
+
+Data files are ``__{rank}_{n}.distcp`` as torch names them, except that an ``overwrite=True`` save to a
+location that holds files adds its save id (``__{rank}_{save id}_{n}.distcp``; readers find files through
+``.metadata``, torch's too): a file name is never reused for other bytes, so a load that read the old
+``.metadata`` and is still running reads the old bytes or finds the file gone (``CheckpointNotFoundError``),
+never the new bytes under the old metadata.
 """
 
 from __future__ import annotations
@@ -33,8 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointExistsError
-from ..formats.completeness import remove_stale_temp_files
+from ..formats.completeness import DATA_SUFFIX
 from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.dcp_native.transform_write import ItemEncoder
@@ -44,16 +53,18 @@ from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import Transport, TransportConfig
 from ..transports.buckets import prepare_output
+from .claim import ClaimingWriter, lock_name, refuse_existing
 from .fsspec_reader import _is_fsspec_url
 from .location import BoundLocation
+from .retire import retire_dcp
 
 __all__ = ["FsspecWriter"]
 
 DCP_VERSION = "1.0.0"
-DATA_SUFFIX = ".distcp"
+_SAVE_TAG = 12  # hex digits of the save id in the data file names of an overwrite=True save over files
 
 
-class FsspecWriter(BoundLocation, StorageWriter):
+class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
     """Write a DCP checkpoint to a local path or any fsspec URL.
 
     Args:
@@ -61,8 +72,10 @@ class FsspecWriter(BoundLocation, StorageWriter):
         storage_options: passed to the fsspec filesystem.
         thread_count: files written concurrently by each rank (one thread each).
         single_file_per_rank: ``True`` writes ``thread_count`` files per rank; ``False`` one per item.
-        overwrite: ``False`` (the default) refuses a path that already holds a complete checkpoint with
-            :class:`~dcp_storage.errors.CheckpointExistsError`; ``True`` replaces it.
+        overwrite: ``False`` (the default) refuses a path that already holds a complete checkpoint, or
+            that another save holds (running, or interrupted before its commit), with
+            :class:`~dcp_storage.errors.CheckpointExistsError`; of two concurrent saves to one path exactly
+            one succeeds. ``True`` replaces whatever is there.
         transport_config: concurrency, part size and retry settings.
         transport: an existing transport to share.
         extensions: torch ``StreamTransformExtension`` objects (compression: ``dcp_storage_zstd.ZstdSeekable()``,
@@ -117,6 +130,9 @@ class FsspecWriter(BoundLocation, StorageWriter):
         name = MANIFEST_FILE if self.use_collectives or self.rank is None else f"__{self.rank}{MANIFEST_FILE}"
         return self.transport.join(self.root, name)
 
+    def _rank_local(self) -> bool:
+        return self.rank is not None and not self.use_collectives
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
@@ -140,26 +156,23 @@ class FsspecWriter(BoundLocation, StorageWriter):
         checks_bucket = self.is_coordinator or not self.use_collectives  # rank-local saves: each rank on its own
         prepare_output(self.transport, self.root, coordinator=checks_bucket, create_bucket=self.create_bucket)
         if not self.overwrite:
-            for metadata_path in self._shadowing_metadata_paths():
-                if self.transport.exists(metadata_path):
-                    raise CheckpointExistsError(
-                        f"{self.transport.url(metadata_path)}: a checkpoint already exists here; pass "
-                        "overwrite=True to replace it or save to another path"
-                    )
-        if self.rank is not None and not self.use_collectives:
-            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+            refuse_existing(self.transport, self._shadowing_metadata_paths())
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Runs on the coordinator (every rank without collectives) before any rank writes data: retire the
-        # old checkpoint first, including a global .metadata that would shadow a rank-local one.
-        for metadata_path in self._shadowing_metadata_paths():
-            self.transport.remove(metadata_path)
-        if self.overwrite and self.use_collectives:  # one coordinator, no rank writing yet
-            remove_stale_temp_files(self.transport, self.root)  # partial files of a killed save (local disk)
+        # Runs on the coordinator (every rank without collectives) before any rank writes data.
+        local_rank = self.rank if self._rank_local() else None
+        lock = lock_name(local_rank)
+        markers = self._shadowing_metadata_paths()
+        self._take_claim(self.transport.join(self.root, lock), markers)
+        tag = ""
+        if self.overwrite and retire_dcp(self.transport, self.root, markers, local_rank, lock):
+            tag = f"{self.save_id[:_SAVE_TAG]}_"  # a location that held files: new names (module docstring)
+        ranks = [self.rank] if self._rank_local() else range(len(plans))
+        prefixes = [_StoragePrefix(f"__{rank}_{tag}") for rank in ranks]
         return [
-            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) if plan.storage_data is None else plan
-            for i, plan in enumerate(plans)
+            plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=prefix)
+            for prefix, plan in zip(prefixes, plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -218,6 +231,7 @@ class FsspecWriter(BoundLocation, StorageWriter):
         manifest = build_manifest(DCP_FORMAT.descriptor, storage_md, checksums, algorithms, extensions)
         self.transport.write_file(self._manifest_path(), manifest.to_json())  # before the commit marker
         self.transport.write_file(self._metadata_path(), dump_metadata(metadata))
+        self._release_claim()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -24,11 +24,9 @@ data exists, so it is planned with zero-filled digests of fixed width and filled
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import os
-import re
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -42,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointExistsError, DcpStorageError, NonTensorStateError, UnsupportedDtypeError
+from ..errors import DcpStorageError, NonTensorStateError, UnsupportedDtypeError
 from ..formats.safetensors.dtypes import safetensors_dtype
 from ..formats.safetensors.encode import as_memoryview, pwrite_all, tensor_bytes
 from ..formats.safetensors.write_plan import (
@@ -63,8 +61,10 @@ from ..integrity.safetensors_sums import RESERVED_PREFIX
 from ..transports import Transport, TransportConfig
 from ..transports.buckets import prepare_output
 from ..transports.fsspec_transport import _fsync_dir
+from .claim import LOCK_FILE, ClaimingWriter, refuse_existing
 from .fsspec_reader import _is_fsspec_url
 from .location import BoundLocation
+from .retire import retire_safetensors
 
 __all__ = ["EXTRA_STATE_FILE", "SafetensorsWriter"]
 
@@ -89,7 +89,7 @@ class _ChunkDigest:
     digest: str
 
 
-class SafetensorsWriter(BoundLocation, StorageWriter):
+class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
     """Save a DCP state dict as Hugging Face safetensors on a local path or any fsspec URL.
 
     Args:
@@ -100,8 +100,10 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
             ``{prefix}-0000k-of-0000N.safetensors`` plus ``{prefix}.safetensors.index.json``. A tensor larger
             than the limit gets a file of its own (as in ``huggingface_hub``).
         overwrite: ``False`` (the default) refuses a directory that already holds ``{prefix}.safetensors``
-            or the index with :class:`~dcp_storage.errors.CheckpointExistsError`; ``True`` deletes the old
-            files (and stale temp files of an interrupted save) before any rank writes.
+            or the index, or that another save holds (running, or interrupted before its commit: see
+            :mod:`~dcp_storage.storage.claim`), with :class:`~dcp_storage.errors.CheckpointExistsError`: of
+            two concurrent saves exactly one succeeds. ``True`` deletes the old files (and stale temp files
+            of an interrupted save) before any rank writes.
         filename_prefix: the ``model`` in the file names.
         allow_extra_state: ``False`` (the default) refuses non-tensor entries (ints, lists, optimizer step
             counters) with :class:`~dcp_storage.errors.NonTensorStateError` naming them. ``True`` writes
@@ -146,8 +148,9 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
 
     Call order (torch's ``dcp.save`` drives it): ``reset`` and ``set_up_storage_writer`` (every rank),
     ``prepare_local_plan`` (every rank: dtype and non-tensor checks; the coordinator refuses existing
-    output), ``prepare_global_plan`` (coordinator: plan files and offsets, retire old output, create the
-    temp files), ``write_data`` (every rank), ``finish`` (coordinator: extra state, renames, index).
+    output), ``prepare_global_plan`` (coordinator: plan files and offsets, claim the location, retire old
+    output, create the temp files), ``write_data`` (every rank), ``finish`` (coordinator: extra state,
+    renames, index, release the claim).
     DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) is not supported.
     """
 
@@ -206,6 +209,9 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
     def _path(self, name: str) -> str:
         return self.transport.join(self.root, name)
 
+    def _markers(self) -> list[str]:
+        return [self._path(name) for name in (single_name(self.filename_prefix), index_name(self.filename_prefix))]
+
     def _tmp_path(self, name: str, save_id: str) -> str:
         return self._path(f".{name}.{save_id}.tmp")
 
@@ -247,12 +253,7 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
         if self.is_coordinator:
             prepare_output(self.transport, self.root, coordinator=True, create_bucket=self.create_bucket)
             if not self.overwrite:
-                for name in (single_name(self.filename_prefix), index_name(self.filename_prefix)):
-                    if self.transport.exists(self._path(name)):
-                        raise CheckpointExistsError(
-                            f"{self.transport.url(self._path(name))}: a checkpoint already exists here; pass "
-                            "overwrite=True to replace it or save to another path"
-                        )
+                refuse_existing(self.transport, self._markers())  # early: the claim decides
         fqns = tuple(dict.fromkeys(i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO))
         return dataclasses.replace(plan, storage_data=LocalOrder(fqns))
 
@@ -280,27 +281,15 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
             save_id=self.save_id,
             checksum_algorithm=self.checksum_algorithm,
         )
-        # Retire the old checkpoint before any rank writes: a crash then leaves no index naming new files.
+        # Claim the location, then retire the old checkpoint, before any rank writes (see .claim).
+        self._take_claim(self._path(LOCK_FILE), self._markers())
         if self.overwrite:
-            self._remove_old_output()
+            prefix = self.filename_prefix
+            retire_safetensors(self.transport, self.root, prefix, index_name(prefix), EXTRA_STATE_FILE)
         if mode == "pwrite":
             self._create_temp_files(planned)
         self._planned = planned
         return [dataclasses.replace(p, storage_data=rw) for p, rw in zip(plans, planned.rank_writes)]
-
-    def _remove_old_output(self) -> None:
-        prefix = re.escape(self.filename_prefix)
-        ours = re.compile(rf"^{prefix}(-\d{{5}}-of-\d{{5}})?\.safetensors$")
-        stale_tmp = re.compile(rf"^\.{prefix}(-\d{{5}}-of-\d{{5}})?\.safetensors\.[0-9a-f]+\.tmp$")
-        index = index_name(self.filename_prefix)
-        self.transport.remove(self._path(index))  # first: the old checkpoint stops looking complete
-        names = self.transport.listdir(self.root)
-        if self.transport.is_local:
-            with contextlib.suppress(FileNotFoundError):
-                names = sorted(set(names) | set(os.listdir(self.root)))  # listdir hides temp files
-        for name in names:
-            if ours.match(name) or stale_tmp.match(name) or name == EXTRA_STATE_FILE:
-                self.transport.remove(self._path(name))
 
     def _create_temp_files(self, planned: SavePlanResult) -> None:
         created: list[str] = []
@@ -524,6 +513,7 @@ class SafetensorsWriter(BoundLocation, StorageWriter):
         if planned.sharded:
             self.transport.write_file(self._path(index_name(self.filename_prefix)), planned.index_json())
         self._planned = None
+        self._release_claim()
 
     def _fill_headers(self, planned: SavePlanResult, results: list[list[WriteResult]]) -> None:
         """Local mode: put every chunk's digest into its temp file's header (same length), then ``fsync``."""

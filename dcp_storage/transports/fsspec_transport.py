@@ -30,6 +30,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorage
 from .access import access_errors
 from .config import TransportConfig, resolve_config
 from .counters import TransportCounters
+from .exclusive import create_new
 from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_size, is_gcs
 from .local_io import LocalFiles, preadv_exact, read_whole
 from .local_open import Confinement, stat_regular
@@ -400,6 +401,14 @@ class FsspecTransport:
             self.counters.add(requests=1, bytes_written=nbytes)
 
         self._retry(put, lambda: f"write {self.url(path)} ({nbytes} bytes)")
+
+    def create_new(self, path: str, data: bytes) -> bool:
+        """Write the small file ``path`` only if nothing is there, atomically: ``True`` if this call created it.
+
+        Each store's create-if-absent primitive (see :mod:`~dcp_storage.transports.exclusive`): of two
+        concurrent callers exactly one gets ``True``.
+        """
+        return create_new(self, path, data)
 
     @contextlib.contextmanager
     def open_atomic(self, path: str) -> Iterator[_CountingWriter]:

@@ -26,6 +26,7 @@ import json
 import os
 import posixpath
 import tempfile
+import uuid
 from typing import IO, Any
 
 from fsspec import asyn
@@ -34,6 +35,7 @@ from .range_check import read_range_body
 
 __all__ = [
     "GcsAtomicUpload",
+    "gcs_create",
     "gcs_delete",
     "gcs_exists",
     "gcs_list_names",
@@ -183,6 +185,35 @@ def gcs_put(fs: Any, path: str, data: bytes | str, size: int) -> None:
             headers={"Content-Type": _CONTENT_TYPE, "Content-Length": str(size)},
         )
     fs.invalidate_cache(path)
+
+
+def gcs_create(fs: Any, path: str, data: bytes) -> None:
+    """Create the object ``path`` holding ``data`` only if there is none: ``FileExistsError`` otherwise.
+
+    One ``uploadType=multipart`` request with ``ifGenerationMatch=0`` (GCS answers ``412``, which gcsfs
+    raises as ``FileExistsError``). Multipart rather than media: fake-gcs-server ignores the condition on
+    a media upload, and the object's name travels in the JSON part either way.
+    """
+    bucket, key = _split(fs, path)
+    boundary = f"dcp-storage-{uuid.uuid4().hex}"
+    head = (
+        f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps({'name': key})}\r\n"
+        f"--{boundary}\r\nContent-Type: {_CONTENT_TYPE}\r\n\r\n"
+    )
+    body = head.encode() + bytes(data) + f"\r\n--{boundary}--\r\n".encode()
+    try:
+        gcs_call(
+            fs,
+            "POST",
+            f"{fs._location}/upload/storage/v1/b/{{}}/o",
+            bucket,
+            uploadType="multipart",
+            ifGenerationMatch="0",
+            data=body,
+            headers={"Content-Type": f"multipart/related; boundary={boundary}", "Content-Length": str(len(body))},
+        )
+    finally:
+        fs.invalidate_cache(path)
 
 
 class GcsAtomicUpload:

@@ -159,10 +159,13 @@ def test_overwrite_over_leftovers_references_only_its_own_files(tmp_path: Path) 
     got = _load(ckpt, state, ds.open_reader(ckpt))
     assert all(torch.equal(got[k], v) for k, v in state.items() if isinstance(v, torch.Tensor)) and got["step"] == 3
     assert not [p.name for p in ckpt.iterdir() if p.name.endswith(".tmp")], "stale temp files of the killed save remain"
-    referenced = {i.relative_path for i in FsspecReader(ckpt).read_metadata().storage_data.values()}
-    assert referenced == {"__0_0.distcp", "__0_1.distcp"}, referenced
+    metadata = FsspecReader(ckpt).read_metadata()
+    referenced = {i.relative_path for i in metadata.storage_data.values()}
+    tag = metadata.storage_meta.save_id[:12]  # an overwrite=True save names its data files apart
+    assert referenced == {f"__0_{tag}_0.distcp", f"__0_{tag}_1.distcp"}, referenced
     assert all((ckpt / n).stat().st_mtime_ns >= (ckpt / ".metadata").stat().st_mtime_ns - 10**10 for n in referenced)
     assert stale - referenced, "the test wants unreferenced leftovers beside the new checkpoint"
+    assert not stale & {p.name for p in ckpt.iterdir()}, "the killed save's data files were not retired"
     assert ds.verify(ckpt).ok
 
 

@@ -302,7 +302,7 @@ def test_completion_that_timed_out_but_happened_is_recognised(proxied_s3: S3Loca
 
 def test_permanent_fault_on_small_put_names_url_and_size(proxied_s3: S3Location, fault_proxy: FaultProxy) -> None:
     state = {"b": sample_state()["b"]}
-    fault_proxy.set_rules([FaultRule("error_500", method="PUT")])
+    fault_proxy.set_rules([FaultRule("error_500", method="PUT", path=r"\.distcp$")])  # the data file, not the lock
     with pytest.raises(CheckpointException) as info:
         save_dcp(proxied_s3, state, _config(FEW_ATTEMPTS))
     message = transport_error_text(info.value)

@@ -49,11 +49,13 @@ from dcp_storage.plugin_api import (
     TruncatedReadError,
     WorkerPool,
     call_with_retry,
+    holds,
     is_transient,
     plan_fetches,
     range_mismatch,
     resolve_config,
 )
+from obstore.exceptions import AlreadyExistsError
 from obstore.store import S3Store
 
 from .errors import (
@@ -338,6 +340,22 @@ class ObstoreTransport:
 
         self._call(put, path, f"write ({nbytes} bytes)")
         self.counters.add(requests=_put_requests(nbytes, part), bytes_written=nbytes)
+
+    def create_new(self, path: str, data: bytes) -> bool:
+        """Write the small object ``path`` only if none is there (``PutMode.Create``: ``If-None-Match: *``).
+
+        ``True`` if this call created it, also when a retry after a lost answer finds its own bytes
+        (:func:`~dcp_storage.transports.exclusive.holds`); ``False`` if another writer's object is there.
+        Counted as one request, not in ``bytes_written`` (a claim does not stay; see the core's transport).
+        """
+        payload = bytes(data)
+        store, key = self._locate(path)
+        self.counters.add(requests=1)
+        try:
+            self._retry(lambda: obstore.put(store, key, payload, mode="create"), lambda: f"create {self.url(path)}")
+        except AlreadyExistsError:
+            return holds(self, path, payload)
+        return True
 
     @contextlib.contextmanager
     def open_atomic(self, path: str) -> Iterator[CopyingWriter]:

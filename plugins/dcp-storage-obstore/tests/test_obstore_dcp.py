@@ -3,6 +3,7 @@ and across world sizes (2-rank save, 3-rank resharded load) in real gloo process
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_storage import FsspecReader, FsspecWriter
 from dcp_storage.testing.distributed import run_ranks
 from dcp_storage.testing.models import reference_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage_obstore import ObstoreTransport
 from dcp_storage_obstore import _rank_checks as R
@@ -81,3 +83,43 @@ def test_save_two_ranks_load_three_ranks_resharded(s3_url: Any) -> None:
         assert report["transport"] == "ObstoreTransport"
         assert report["wrong"] == [], (rank, report["wrong"])
         assert report["counters"]["bytes_read"] >= report["needed"] > 0
+
+
+def _race_two_saves(url: str, options: dict[str, Any], states: list[dict[str, Any]]) -> list[Any]:
+    """Two ``dcp.save`` calls released together; per save ``"ok"`` or the failures' class names."""
+    outcomes: list[Any] = [None, None]
+    barrier = threading.Barrier(2)
+
+    def save(who: int) -> None:
+        barrier.wait()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(states[who], storage_writer=FsspecWriter(url, {**options, **OBSTORE}), no_dist=True)
+            outcomes[who] = "ok"
+        except CheckpointException as exc:
+            outcomes[who] = [type(e).__name__ for e, _ in exc.failures.values()]
+
+    threads = [threading.Thread(target=save, args=(who,)) for who in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return outcomes
+
+
+def test_two_saves_through_obstore_one_wins(s3_url: Any) -> None:
+    """The claim (``.dcp_storage.lock``) goes through obstore's ``PutMode.Create``: of two saves racing to
+    one prefix, 5 rounds, exactly one succeeds and the checkpoint is the winner's, bit-exact."""
+    url, options = s3_url
+    for k in range(5):
+        here, states = f"{url}/round{k}", [_state(10 * k + who) for who in range(2)]
+        outcomes = _race_two_saves(here, options, states)
+        assert sorted(map(str, outcomes)) == sorted(["ok", str(["CheckpointExistsError"])]), outcomes
+        winner = states[outcomes.index("ok")]
+        out = {key: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for key, v in winner.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(out, storage_reader=FsspecReader(here, {**options, **OBSTORE}, verify=True), no_dist=True)
+        for key, value in winner.items():
+            assert torch.equal(_bits(out[key]), _bits(value)) if isinstance(value, torch.Tensor) else out[key] == value

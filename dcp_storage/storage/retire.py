@@ -1,0 +1,56 @@
+"""Retiring the old checkpoint before an ``overwrite=True`` save replaces it.
+
+Runs on the save's coordinator, after it claimed the location (:mod:`.claim`) and before any rank writes.
+The commit marker goes first, so that from then on the location reads as an interrupted save (never as the
+old checkpoint pointing at new files, nor the new one missing files); then the old data files, so an
+overwrite does not leave them to pile up; then the temp files of a killed save (local disks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from ..formats.completeness import remove_stale_temp_files
+
+__all__ = ["retire_dcp", "retire_safetensors"]
+
+_DCP_DATA_FILE = re.compile(r"^__(\d+)_.*\.distcp$")  # ours and torch's FileSystemWriter's; group(1): the rank
+
+
+def retire_dcp(transport: Any, root: str, markers: Iterable[str], rank: int | None, own_lock: str) -> bool:
+    """Remove ``markers`` (``.metadata`` files), then the ``*.distcp`` files, then stale temp files.
+
+    ``rank``: a rank-local save (``use_collectives=False``), whose coordinator is every rank: only that
+    rank's data files are removed, and no temp files (another rank may be writing its own right now).
+    Returns whether the location held anything but the save's own lock (``own_lock``, a name): then the
+    new data files must not reuse the old names (see :class:`~dcp_storage.FsspecWriter`).
+    """
+    names = transport.listdir(root)
+    for path in markers:
+        transport.remove(path)  # first: the old checkpoint stops looking complete
+    for name in names:
+        data_file = _DCP_DATA_FILE.match(name)
+        if data_file and (rank is None or data_file.group(1) == str(rank)):
+            transport.remove(transport.join(root, name))
+    if rank is None:
+        remove_stale_temp_files(transport, root)
+    return any(name != own_lock for name in names)
+
+
+def retire_safetensors(transport: Any, root: str, prefix: str, index: str, extra: str) -> None:
+    """Remove the ``index`` file, then ``{prefix}.safetensors`` and its shards, ``extra`` and stale temp files."""
+    escaped = re.escape(prefix)
+    ours = re.compile(rf"^{escaped}(-\d{{5}}-of-\d{{5}})?\.safetensors$")
+    stale_tmp = re.compile(rf"^\.{escaped}(-\d{{5}}-of-\d{{5}})?\.safetensors\.[0-9a-f]+\.tmp$")
+    transport.remove(transport.join(root, index))  # first: the old checkpoint stops looking complete
+    names = transport.listdir(root)
+    if transport.is_local:
+        with contextlib.suppress(FileNotFoundError):
+            names = sorted(set(names) | set(os.listdir(root)))  # listdir hides temp files
+    for name in names:
+        if ours.match(name) or stale_tmp.match(name) or name == extra:
+            transport.remove(transport.join(root, name))
