@@ -35,6 +35,7 @@ raise; callers that read a stream in pieces rely on it),
 
 from __future__ import annotations
 
+import codecs
 import copyreg
 import enum
 import pickle
@@ -93,6 +94,20 @@ def _table() -> tuple[list[int], list[int]]:
 
 
 _CODE, _WIDTH = _table()
+_TEXT_STRINGS = frozenset((pickle.STRING[0], pickle.UNICODE[0]))
+_BINSTRINGS = frozenset((pickle.SHORT_BINSTRING[0], pickle.BINSTRING[0]))  # str under the default encoding
+
+
+def _is_dunder_text(op: int, raw: bytes) -> bool:
+    """Whether a STRING (quoted, escaped) or UNICODE (raw-unicode-escape) line decodes to ``"__x__"``."""
+    try:
+        if op == pickle.UNICODE[0]:
+            text = raw.decode("raw_unicode_escape")
+        else:
+            text = codecs.escape_decode(raw.strip()[1:-1])[0].decode("latin-1")  # type: ignore[attr-defined]
+    except (UnicodeDecodeError, ValueError):
+        return True  # the unpickler refuses it anyway; judging it a dunder is the safe side
+    return len(text) >= 4 and text.startswith("__") and text.endswith("__")
 
 
 def _kind(obj: Any) -> int:
@@ -232,8 +247,9 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             args = stack.pop()
             fresh += 2
             func = stack[-1]
-            if func == _RECONSTRUCTOR:  # copyreg._reconstructor(cls, base, state): a new cls
-                stack[-1] = fresh + 1 if args == _TRIPLE_SETSTATE else fresh
+            if func == _RECONSTRUCTOR:  # copyreg._reconstructor(cls, base, state): base.__new__(cls, state)
+                # new only when cls and base are plain classes: Enum.__new__ returns the shared member
+                stack[-1] = fresh + 1 if args == _TRIPLE_SETSTATE else fresh if args == _TRIPLE else _OTHER
             else:
                 stack[-1] = fresh if func == _FACTORY else fresh + 1 if func == _FACTORY_SETSTATE else _OTHER
         elif what == _TUPLE2:
@@ -271,7 +287,7 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
         elif what == _TUPLE or what == _TUPLE3:
             k = marks.pop() if what == _TUPLE else len(stack) - 3
             n = len(stack) - k
-            tag = _PAIR if n == 2 else _triple(stack[k]) if n == 3 else _OTHER
+            tag = _PAIR if n == 2 else _triple(stack[k], stack[k + 1]) if n == 3 else _OTHER
             del stack[k:]
             stack.append(tag)
         elif what == _BYTES or what == _BYTEARRAY:
@@ -281,7 +297,10 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             if n < 0 or pos > end:
                 raise pickle.UnpicklingError(f"a length of {n} bytes runs past the end of the stream")
             fresh += 2
-            stack.append(fresh if what == _BYTEARRAY else _OTHER)
+            if op in _BINSTRINGS and n >= 4 and data[pos - n : pos - n + 2] == b"__" == data[pos - 2 : pos]:
+                stack.append(-_DUNDER - pos)  # str on Python 3: a possible "__x__" key (never a global name)
+            else:
+                stack.append(fresh if what == _BYTEARRAY else _OTHER)
         elif what == _SETITEM:
             key = stack[-2]
             del stack[-2:]
@@ -323,8 +342,10 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             del stack[-2:]
             stack[-1] = called(stack[-1])
         elif what == _LINE or what == _PERSID:
-            pos = line(pos) + 1
-            stack.append(_OTHER)
+            nl = line(pos)
+            dunder_text = op in _TEXT_STRINGS and _is_dunder_text(op, data[pos:nl])
+            pos = nl + 1
+            stack.append(-_DUNDER - pos if dunder_text else _OTHER)  # text strings can be "__x__" keys too
         elif what == _BINPERSID:
             stack[-1] = _OTHER
         elif what == _POP:
@@ -354,8 +375,11 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
     raise pickle.UnpicklingError("pickle data was truncated")
 
 
-def _triple(first: int) -> int:
-    """A 3-tuple: ``(cls, base, state)`` for ``copyreg._reconstructor`` when ``cls`` is a class."""
+def _triple(first: int, second: int) -> int:
+    """A 3-tuple: ``(cls, base, state)`` for ``copyreg._reconstructor`` when ``cls`` and ``base`` are plain
+    classes (whose ``__new__`` makes a new object; an enum class's returns an existing member)."""
+    if second not in (_FACTORY, _FACTORY_SETSTATE):
+        return _OTHER
     if first == _FACTORY_SETSTATE:
         return _TRIPLE_SETSTATE
     return _TRIPLE if first == _FACTORY else _OTHER

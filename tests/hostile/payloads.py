@@ -103,6 +103,14 @@ STATE_ATTACKS: dict[str, bytes] = {
         "_value_",
         b"K\x03",
     ),
+    "enum-member-by-reconstructor": _dict_build(  # copyreg._reconstructor(E, E, 0): the shared member
+        _global("copyreg", "_reconstructor")
+        + b"("
+        + _global(MD.decode().strip(), "_MEM_FORMAT_ENCODING") * 2
+        + b"K\x00tR",
+        "_value_",
+        b"K\x04",
+    ),
     "function-qualname": _slot_build(_global("copyreg", "_reconstructor"), "__qualname__", _str("pwned")),
     "function-defaults": _slot_build(_global("copyreg", "_reconstructor"), "__defaults__", b"N\x85"),
 }
@@ -121,6 +129,16 @@ FRESH_ATTACKS: dict[str, bytes] = {
     + _FRESH_META
     + b"}"
     + _str("__reduce_ex__")
+    + _global("builtins", "getattr")
+    + b"sb.",
+    "fresh-instance-dunder-text-key": b"\x80\x02"  # the key as a protocol-0 UNICODE line
+    + _FRESH_META
+    + b"}V__reduce_ex__\n"
+    + _global("builtins", "getattr")
+    + b"sb.",
+    "fresh-instance-dunder-binstring-key": b"\x80\x02"  # SHORT_BINSTRING: a str under the default encoding
+    + _FRESH_META
+    + b"}U\x0d__reduce_ex__"
     + _global("builtins", "getattr")
     + b"sb.",
     "fresh-instance-dict-from-call": b"\x80\x02"
