@@ -45,12 +45,14 @@ __all__ = [
     "METADATA",
     "ByteLimit",
     "check_byte_range",
+    "MAX_DIM",
     "check_view",
     "checked_nbytes",
     "read_limited",
 ]
 
 MAX_BYTES = 2**63 - 1
+MAX_DIM = 2**63 - 1  # one dimension of a shape: torch sizes are int64, even when another dimension is 0
 MiB = 1024 * 1024
 
 
@@ -98,9 +100,12 @@ def read_limited(transport: Any, path: str, limit: ByteLimit) -> bytes:
 
 def checked_nbytes(shape: Sequence[int], itemsize: int, where: str) -> int:
     """``prod(shape) * itemsize``, or :class:`CorruptCheckpointError` if a dimension is negative or the
-    byte count cannot exist (more than ``2**63 - 1``)."""
+    byte count cannot exist (more than ``2**63 - 1``). A dimension beyond int64 is refused even when another
+    is 0 (the product is then 0, but torch cannot hold the shape)."""
     if any(n < 0 for n in shape):
         raise CorruptCheckpointError(f"{where}: shape {list(shape)} has a negative dimension")
+    if any(n > MAX_DIM for n in shape):
+        raise CorruptCheckpointError(f"{where}: shape {list(shape)} has a dimension beyond int64")
     nbytes = math.prod(shape) * itemsize
     if nbytes > MAX_BYTES:
         raise CorruptCheckpointError(
@@ -133,10 +138,10 @@ def check_view(
         raise CorruptCheckpointError(
             f"{where}: tensor shape {list(shape)}, stride {list(stride)}, offset {storage_offset!r}: not all integers"
         )
-    if len(shape) != len(stride) or any(s < 0 for s in stride):
+    if len(shape) != len(stride) or any(s < 0 or s > MAX_DIM for s in stride):
         raise CorruptCheckpointError(f"{where}: invalid tensor shape {list(shape)} / stride {list(stride)}")
-    if storage_offset < 0:
-        raise CorruptCheckpointError(f"{where}: negative storage offset {storage_offset}")
+    if not 0 <= storage_offset <= MAX_DIM:
+        raise CorruptCheckpointError(f"{where}: storage offset {storage_offset} outside int64's range")
     nbytes = checked_nbytes(shape, itemsize, f"{where}: tensor")
     if nbytes == 0:
         return

@@ -366,6 +366,7 @@ class _Builder:
         self.case(family, "metadata-shape-overflow", METADATA, edit(tensor_md("w", [2**62, 2**62])))
         self.case(family, "metadata-shape-2^63-bytes", METADATA, edit(tensor_md("w", [2**61, 4])))
         self.case(family, "metadata-shape-negative", METADATA, edit(tensor_md("w", [-16, -8])))
+        self.case(family, "metadata-shape-zero-by-2^70", METADATA, edit(tensor_md("w", [0, 2**70])))
         self.case(family, "metadata-dtype-string", METADATA, edit(tensor_md("w", [16, 8], "F128")))
 
         def unknown_dtype(d: Path) -> None:
@@ -584,6 +585,7 @@ class _Builder:
             ("record-storage-2^62", _FakeTensor(_FakeStorage(f32, 2**62), 0, (16, 8), (8, 1)), b"\0" * 512),
             ("record-stride-past-storage", _FakeTensor(_FakeStorage(f32, 128), 0, (16, 8), (1000, 1)), b"\0" * 512),
             ("record-negative-offset", _FakeTensor(_FakeStorage(f32, 128), -4, (16, 8), (8, 1)), b"\0" * 512),
+            ("record-shape-zero-by-2^70", _FakeTensor(_FakeStorage(f32, 0), 0, (0, 2**70), (1, 1)), b""),
         ):
             blob = _handmade_torch_zip(_data_pkl(tensor), storage)
             self.case("dcp", tag, "evil.distcp", lambda d, b=blob: self.point_item(d, "w", b), in_metadata=False)
@@ -830,6 +832,7 @@ class _Builder:
             ("shape-overflow", {"w": _FakeTensor(_FakeStorage(f32, 1), 0, (2**40, 2**40), (0, 0))}, b"\0" * 4, {}),
             ("storage-2^62", {"w": _FakeTensor(_FakeStorage(f32, 2**62), 0, (16, 8), (8, 1))}, b"\0" * 512, {}),
             ("stride-past-storage", {"w": _FakeTensor(_FakeStorage(f32, 128), 0, (16, 8), (1000, 1))}, b"\0" * 512, {}),
+            ("shape-zero-by-2^70", {"w": _FakeTensor(_FakeStorage(f32, 0), 0, (0, 2**70), (1, 1))}, b"", {}),
             ("storage-record-missing", {"w": good}, b"", {"with_storage": False}),
             ("storage-record-compressed", {"w": good}, b"\0" * 512, {"compress": True}),
             ("storage-record-short", {"w": good}, b"\0" * 100, {}),
@@ -941,6 +944,7 @@ def _hostile_safetensors_blobs(rng: random.Random) -> dict[str, bytes]:
             {"a": {"dtype": "F32", "shape": [2**40, 2**40, 2**40], "data_offsets": [0, 16]}}, data16
         ),
         "shape-negative": _safetensors_blob({"a": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, data16),
+        "shape-zero-by-2^70": _safetensors_blob({"a": {"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}}),
         "shape-float": _safetensors_blob({"a": {"dtype": "F32", "shape": [4.0], "data_offsets": [0, 16]}}, data16),
         "shape-bool": _safetensors_blob({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, data16),
         "shape-huge-int": _safetensors_blob(

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CorruptCheckpointError
-from ..limits import MAX_BYTES
+from ..limits import MAX_BYTES, MAX_DIM
 from ..paths import check_relative
 from ..tiling import tiling_problem
 
@@ -41,8 +41,8 @@ def _int(value: Any) -> bool:
 
 
 def _dims(value: Any) -> list[int] | None:
-    """``value`` as a list of non-negative ints (a ``torch.Size``, list or tuple), else ``None``."""
-    if not isinstance(value, (torch.Size, list, tuple)) or not all(_int(v) and v >= 0 for v in value):
+    """``value`` as a list of int64 dimensions (a ``torch.Size``, list or tuple), else ``None``."""
+    if not isinstance(value, (torch.Size, list, tuple)) or not all(_int(v) and 0 <= v <= MAX_DIM for v in value):
         return None
     return [int(v) for v in value]
 

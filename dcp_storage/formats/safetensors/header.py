@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ...errors import CorruptCheckpointError
+from ..limits import MAX_DIM
 from .dtypes import SAFETENSORS_TO_TORCH
 
 __all__ = [
@@ -161,8 +162,8 @@ def _entry(name: str, info: Any, data_size: int, where: str) -> TensorEntry:
         raise CorruptCheckpointError(
             f"{what}: unknown dtype {dtype_name!r} (known: {', '.join(sorted(SAFETENSORS_TO_TORCH))})"
         )
-    if not _int_list(shape):
-        raise CorruptCheckpointError(f"{what}: 'shape' must be a list of non-negative integers, got {_short(shape)}")
+    if not _int_list(shape) or any(d > MAX_DIM for d in shape):
+        raise CorruptCheckpointError(f"{what}: 'shape' must be a list of int64 dimensions >= 0, got {_short(shape)}")
     if not _int_list(offsets) or len(offsets) != 2:
         raise CorruptCheckpointError(
             f"{what}: 'data_offsets' must be two non-negative integers [begin, end], got {_short(offsets)}"
