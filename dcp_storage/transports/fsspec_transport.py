@@ -13,6 +13,7 @@ plus ``storage_options`` into an fsspec filesystem and adds what fsspec lacks fo
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import posixpath
@@ -176,7 +177,7 @@ class FsspecTransport:
             return os.path.exists(path)
         check = (lambda: s3_exists(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.exists(path))
         if self._gcs:
-            check = lambda: gcs_exists(self.fs, path)
+            check = functools.partial(gcs_exists, self.fs, path)
         return bool(self._retry(check, lambda: f"exists {self.url(path)}"))
 
     def size(self, path: str) -> int:
@@ -187,7 +188,7 @@ class FsspecTransport:
                 return stat_regular(path, self.confinement).st_size
             stat = (lambda: s3_size(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.size(path))
             if self._gcs:
-                stat = lambda: gcs_size(self.fs, path)
+                stat = functools.partial(gcs_size, self.fs, path)
             return int(self._retry(stat, lambda: f"size of {self.url(path)}"))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
@@ -207,7 +208,7 @@ class FsspecTransport:
         with contextlib.suppress(FileNotFoundError):
             delete = (lambda: s3_delete(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.rm_file(path))
             if self._gcs:
-                delete = lambda: gcs_delete(self.fs, path)
+                delete = functools.partial(gcs_delete, self.fs, path)
             self._retry(delete, lambda: f"delete {self.url(path)}")
 
     def remove_tree(self, path: str) -> None:

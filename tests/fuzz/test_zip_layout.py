@@ -21,7 +21,12 @@ from hypothesis import strategies as st
 
 import tests.hostile.zip_mutations as zm
 from dcp_storage.errors import DcpStorageError
-from dcp_storage.formats.dcp_native.torch_record import NeedMoreBytes, UnsupportedRecord, check_record_zip, parse_tensor_record
+from dcp_storage.formats.dcp_native.torch_record import (
+    NeedMoreBytes,
+    UnsupportedRecord,
+    check_record_zip,
+    parse_tensor_record,
+)
 
 from .profiles import FUZZ
 

@@ -30,8 +30,8 @@ from dcp_storage import BroadcastingTorchSaveReader
 from dcp_storage.errors import CorruptCheckpointError, ShapeMismatchError, UnsafeCheckpointError
 from dcp_storage.formats.tensor_reads import plan_slice_read, read_slices
 from dcp_storage.formats.torch_save import TorchSaveArchive, UnsupportedFormatError
-from dcp_storage.planners import IncompatibleKeysError
 from dcp_storage.formats.torch_save.pickle_tree import LegacyNeedsMoreBytes, scan_legacy
+from dcp_storage.planners import IncompatibleKeysError
 from dcp_storage.testing.s3_server import S3Location
 from dcp_storage.transports import FsspecTransport
 
