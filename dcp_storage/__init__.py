@@ -26,6 +26,9 @@ _EXPORTS = {
     ".opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
     ".planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
     ".storage": ("BroadcastingTorchSaveReader", "FsspecReader", "FsspecWriter", "SafetensorsReader", "SafetensorsWriter"),
+    ".storage.prefixes": (
+        "BinaryPrefixStrategy", "DecimalPrefixStrategy", "HexPrefixStrategy", "PrefixStrategy", "RoundRobinPrefixStrategy",
+    ),
     ".strategies": ("Broadcasting", "share_object"),
     # ``Transport`` is the protocol to depend on; ``FsspecTransport`` (the built-in implementation) stays exported
     # for existing callers, but code should open transports with ``transports.factory.open_transport``.
@@ -74,11 +77,19 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .opening import UnknownFormatError, detect_format, open_reader, open_writer
     from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
     from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
+    from .storage.prefixes import (
+        BinaryPrefixStrategy,
+        DecimalPrefixStrategy,
+        HexPrefixStrategy,
+        PrefixStrategy,
+        RoundRobinPrefixStrategy,
+    )
     from .strategies import Broadcasting, share_object
     from .transports import FsspecTransport, RetryPolicy, Transport, TransportConfig
 
 
 __all__ = [
+    "BinaryPrefixStrategy",
     "Broadcasting",
     "BroadcastingTorchSaveReader",
     "BucketNotFoundError",
@@ -87,18 +98,22 @@ __all__ = [
     "ConvertResult",
     "CorruptCheckpointError",
     "DcpStorageError",
+    "DecimalPrefixStrategy",
     "DtypePolicy",
     "DynamicMetaLoadPlanner",
     "FileTooLargeError",
     "FsspecReader",
     "FsspecTransport",
     "FsspecWriter",
+    "HexPrefixStrategy",
     "IncompleteCheckpointError",
     "KeyMap",
     "KeyRules",
     "NonTensorStateError",
+    "PrefixStrategy",
     "RemappingLoadPlanner",
     "RetryPolicy",
+    "RoundRobinPrefixStrategy",
     "SafetensorsReader",
     "SafetensorsWriter",
     "ShapeMismatchError",

@@ -29,6 +29,7 @@ __all__ = [
     "ChecksumAlgorithmError",
     "Hasher",
     "HashingWriter",
+    "check_algorithm",
     "checksum",
     "digest_width",
     "mismatch",
@@ -122,6 +123,17 @@ def digest_width(algorithm: str) -> int:
     return _lookup(algorithm)[1]
 
 
+def check_algorithm(algorithm: str | None) -> str | None:
+    """``algorithm`` if a writer can use it: ``None`` (checksums off) or a known, installed algorithm.
+
+    Every writer calls this in its constructor, so a typo or a missing package is refused before any
+    planning, and ``None`` means the same everywhere: no checksum is computed or recorded.
+    """
+    if algorithm is not None:
+        new_hasher(algorithm)  # unknown, or its package is missing: ChecksumAlgorithmError naming the fix
+    return algorithm
+
+
 def checksum(data: Any, algorithm: str = DEFAULT_ALGORITHM) -> str:
     """Hex digest of a bytes-like object."""
     h = new_hasher(algorithm)
@@ -133,35 +145,48 @@ class HashingWriter:
     """Wraps a binary stream; hashes every byte written into the current item's hasher.
 
     The writer calls :meth:`begin` before each item and :meth:`end` after it; ``end`` returns the item's
-    ``(offset, length, hex)``. Bytes written outside an item are a bug (they would not be covered), so
+    ``(offset, length, hex)`` (``hex`` is ``None`` when ``algorithm`` is ``None``: checksums off, the
+    bytes are only counted). Bytes written outside an item are a bug (they would not be covered), so
     :meth:`write` refuses them. ``tell`` passes through, so ``torch.save`` sees a seekable-looking stream
     exactly as before.
     """
 
-    def __init__(self, raw: Any, algorithm: str = DEFAULT_ALGORITHM) -> None:
+    def __init__(self, raw: Any, algorithm: str | None = DEFAULT_ALGORITHM) -> None:
         self._raw = raw
         self.algorithm = algorithm
         self._hasher: Hasher | None = None
+        self._open = False
         self._start = 0
 
     def begin(self) -> None:
-        if self._hasher is not None:
+        if self._open:
             raise RuntimeError("HashingWriter.begin called inside an item")
-        self._hasher = new_hasher(self.algorithm)
+        self._open = True
+        self._hasher = new_hasher(self.algorithm) if self.algorithm is not None else None
         self._start = self._raw.tell()
 
-    def end(self) -> tuple[int, int, str]:
-        if self._hasher is None:
+    def end(self) -> tuple[int, int, str | None]:
+        if not self._open:
             raise RuntimeError("HashingWriter.end called outside an item")
-        hasher, self._hasher = self._hasher, None
-        return (self._start, self._raw.tell() - self._start, hasher.hexdigest())
+        hasher, self._hasher, self._open = self._hasher, None, False
+        return (self._start, self._raw.tell() - self._start, hasher.hexdigest() if hasher is not None else None)
+
+    PIECE = 4 * 1024 * 1024  # hashed, then written, while still in the CPU cache (one pass from memory saved)
 
     def write(self, data: Any) -> int:
-        if self._hasher is None:
+        if not self._open:
             raise RuntimeError("HashingWriter.write called outside an item: those bytes would not be covered")
-        view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
-        self._hasher.update(view)
-        return self._raw.write(data)  # type: ignore[no-any-return]
+        if self._hasher is None:
+            return self._raw.write(data)  # type: ignore[no-any-return]
+        view = memoryview(data).cast("B")
+        if view.nbytes <= self.PIECE:
+            self._hasher.update(view)
+            return self._raw.write(data)  # type: ignore[no-any-return]
+        for pos in range(0, view.nbytes, self.PIECE):
+            piece = view[pos : pos + self.PIECE]
+            self._hasher.update(piece)
+            self._raw.write(piece)
+        return view.nbytes
 
     def tell(self) -> int:
         return self._raw.tell()  # type: ignore[no-any-return]

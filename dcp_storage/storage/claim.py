@@ -206,6 +206,7 @@ class ClaimingWriter:
     save_id: str
     overwrite: bool
     _claim: Claim | None = None
+    _process_local: tuple[str, ...] = ("_claim",)  # a pickled copy (a checkpoint process) starts without one
 
     def _take_claim(self, lock_path: str, markers: Iterable[str]) -> None:
         self._claim = claim_location(

@@ -36,8 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -47,16 +48,19 @@ from ..formats.completeness import DATA_SUFFIX
 from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.dcp_native.transform_write import ItemEncoder
-from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter, digest_width
+from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter, check_algorithm
 from ..integrity.dcp_manifest import build_manifest
 from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import Transport, TransportConfig
 from ..transports.buckets import prepare_output
+from ..transports.budget import ByteBudget
 from .claim import ClaimingWriter, lock_name, refuse_existing
 from .fsspec_reader import _is_fsspec_url
 from .location import BoundLocation
+from .prefixes import PrefixStrategy, rank_directory, resolve_prefix_strategy
 from .retire import retire_dcp
+from .write_layout import MemoryFile, estimated_bytes, group_items
 
 __all__ = ["FsspecWriter"]
 
@@ -70,7 +74,9 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
     Args:
         path: checkpoint directory or URL.
         storage_options: passed to the fsspec filesystem.
-        thread_count: files written concurrently by each rank (one thread each).
+        thread_count: files written concurrently by each rank (one thread each) on a local disk; on an object
+            store each rank packs its items into objects of about ``transport_config.part_size``, written up to
+            ``max_workers`` at once within ``max_inflight_bytes`` (see :mod:`~dcp_storage.storage.write_layout`).
         single_file_per_rank: ``True`` writes ``thread_count`` files per rank; ``False`` one per item.
         overwrite: ``False`` (the default) refuses a path that already holds a complete checkpoint, or
             that another save holds (running, or interrupted before its commit), with
@@ -82,10 +88,16 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
             torch's ``ZStandard()``) every tensor and byte item is written through, recorded in the metadata as
             torch's ``FileSystemWriter(_extensions=...)`` records them (each side reads the other's output).
         checksum_algorithm: checksum of every record, recorded in ``.dcp_storage.json`` (``"xxh3_64"``,
-            ``"xxh64"``, ``"crc32c"``, ``"crc32"``; see :mod:`dcp_storage.integrity.checksums`).
+            ``"xxh64"``, ``"crc32c"``, ``"crc32"``; see :mod:`dcp_storage.integrity.checksums`). ``None``
+            computes and records none (the manifest still names the format, writer and extensions); ``verify``
+            then says so, and ``FsspecReader(verify=True)`` warns and loads unchecked.
         create_bucket: create the URL's bucket (Azure: container) if it does not exist. ``False`` (the
             default) raises :class:`~dcp_storage.errors.BucketNotFoundError` instead, so a typo in a bucket
             name never becomes a new bucket (see :mod:`dcp_storage.transports.buckets`).
+        prefix_strategy: spreads data files over key prefixes (object stores throttle per prefix): a
+            :class:`~dcp_storage.storage.prefixes.PrefixStrategy` such as ``HexPrefixStrategy()``, or the
+            name of one registered under ``dcp_storage.strategies``. Each rank's files go to the directory
+            it names inside the checkpoint; readers (torch's too) find them through ``.metadata``.
     """
 
     def __init__(
@@ -98,13 +110,14 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         overwrite: bool = False,
         transport_config: TransportConfig | None = None,
         transport: Transport | None = None,
-        checksum_algorithm: str = DEFAULT_ALGORITHM,
+        checksum_algorithm: str | None = DEFAULT_ALGORITHM,
         extensions: Sequence[StreamTransformExtension] | None = None,
         create_bucket: bool = False,
+        prefix_strategy: PrefixStrategy | str | None = None,
     ) -> None:
         super().__init__()
-        digest_width(checksum_algorithm)  # refuses an unknown algorithm before any planning
-        self.checksum_algorithm = checksum_algorithm
+        self.checksum_algorithm = check_algorithm(checksum_algorithm)  # refused before any planning
+        self.prefix_strategy = resolve_prefix_strategy(prefix_strategy)
         self._encoder = ItemEncoder(extensions)  # refuses a non-extension before any planning
         self.extensions = self._encoder.extensions
         if thread_count < 1:
@@ -165,11 +178,13 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         lock = lock_name(local_rank)
         markers = self._shadowing_metadata_paths()
         self._take_claim(self.transport.join(self.root, lock), markers)
+        ranks = [self.rank] if self._rank_local() else list(range(len(plans)))
+        world = _world_size(len(plans), self._rank_local())
+        directories = [rank_directory(self.prefix_strategy, rank, world) for rank in ranks]
         tag = ""
-        if self.overwrite and retire_dcp(self.transport, self.root, markers, local_rank, lock):
+        if self.overwrite and retire_dcp(self.transport, self.root, markers, local_rank, lock, directories):
             tag = f"{self.save_id[:_SAVE_TAG]}_"  # a location that held files: new names (module docstring)
-        ranks = [self.rank] if self._rank_local() else range(len(plans))
-        prefixes = [_StoragePrefix(f"__{rank}_{tag}") for rank in ranks]
+        prefixes = [_StoragePrefix(f"{d}/__{r}_{tag}" if d else f"__{r}_{tag}") for d, r in zip(directories, ranks)]
         return [
             plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=prefix)
             for prefix, plan in zip(prefixes, plans)
@@ -177,49 +192,83 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix: str = plan.storage_data.prefix
-        if self.single_file_per_rank:
-            buckets = [b for b in _split_by_size_and_type(self.thread_count, list(plan.items)) if b]
-        else:
-            buckets = [[item] for item in plan.items]
-        files = [(f"{prefix}{n}{DATA_SUFFIX}", bucket) for n, bucket in enumerate(buckets)]
+        local = bool(self.transport.is_local)
+        config = getattr(self.transport, "config", None)
+        part_size = getattr(config, "part_size", TransportConfig.part_size)
+        groups = group_items(
+            plan.items,
+            local=local,
+            thread_count=self.thread_count,
+            single_file_per_rank=self.single_file_per_rank,
+            object_bytes=part_size,
+        )
+        files = [(f"{prefix}{n}{DATA_SUFFIX}", group) for n, group in enumerate(groups)]
+        # Object stores: more objects in flight than threads of CPU work, bounded by the in-flight budget.
+        workers = self.thread_count if local else max(self.thread_count, getattr(config, "max_workers", 1) or 1)
+        budget = ByteBudget(getattr(config, "max_inflight_bytes", 512 * 1024 * 1024))
+        parts = getattr(self.transport, "parts_in_flight", 2)
+
+        def write(name: str, items: list[WriteItem]) -> list[WriteResult]:
+            size = estimated_bytes(items)
+            held = min(size, (parts + 1) * part_size) if not local else 0
+            budget.acquire(held)
+            try:
+                return self._write_file(name, items, planner, in_memory=not local and size <= part_size)
+            finally:
+                budget.release(held)
+
         results: list[WriteResult] = []
-        if len(files) <= 1 or self.thread_count == 1:
-            for name, bucket in files:
-                results += self._write_file(name, bucket, planner)
+        if len(files) <= 1 or workers == 1:
+            for name, group in files:
+                results += write(name, group)
         else:
-            with ThreadPoolExecutor(min(self.thread_count, len(files)), thread_name_prefix="dcp-storage-write") as pool:
-                for part in pool.map(lambda f: self._write_file(f[0], f[1], planner), files):
+            with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="dcp-storage-write") as pool:
+                for part in pool.map(lambda f: write(*f), files):
                     results += part
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        """Write one data file; byte items first, then tensors (torch's order), committed atomically."""
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, *, in_memory: bool
+    ) -> list[WriteResult]:
+        """Write one data file; byte items first, then tensors (torch's order), committed atomically.
+
+        ``in_memory``: build it in memory and send it by one request (small objects on object stores);
+        otherwise stream it through the transport's atomic writer (local temp file, multipart upload).
+        """
         path = self.transport.join(self.root, name)
-        results = []
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
             i for i in items if i.type != WriteItemType.BYTE_IO
         ]
+        if in_memory:
+            buffer = MemoryFile(estimated_bytes(items))
+            results = self._write_records(buffer, name, ordered, planner)
+            self.transport.write_file(path, buffer.close_buffer())
+            return results
         with self.transport.open_atomic(path) as raw:
-            stream = HashingWriter(raw, self.checksum_algorithm)  # checksums of the stored bytes, in one pass
-            for item in ordered:
-                stream.begin()
-                offset = stream.tell()
-                data = planner.resolve_data(item)
-                with self._encoder.open(stream) as out:  # through the extensions, if any
-                    if item.type == WriteItemType.BYTE_IO:
-                        if not isinstance(data, io.BytesIO):
-                            raise TypeError(
-                                f"{item.index.fqn}: BYTE_IO item resolved to {type(data).__name__}, expected BytesIO"
-                            )
-                        out.write(data.getbuffer())
-                    else:
-                        torch.save(_compact_cpu(data), out)  # type: ignore[arg-type]
-                _start, length, digest = stream.end()
-                stored = _StorageInfo(name, offset, length, transform_descriptors=self._encoder.descriptors)
-                info = ChecksummedStorage(stored, self.checksum_algorithm, digest)
-                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+            return self._write_records(raw, name, ordered, planner)
+
+    def _write_records(self, raw: Any, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        results = []
+        stream = HashingWriter(raw, self.checksum_algorithm)  # checksums of the stored bytes, in one pass
+        for item in items:
+            stream.begin()
+            offset = stream.tell()
+            data = planner.resolve_data(item)
+            with self._encoder.open(stream) as out:  # through the extensions, if any
+                if item.type == WriteItemType.BYTE_IO:
+                    if not isinstance(data, io.BytesIO):
+                        raise TypeError(
+                            f"{item.index.fqn}: BYTE_IO item resolved to {type(data).__name__}, expected BytesIO"
+                        )
+                    out.write(data.getbuffer())
+                else:
+                    torch.save(_compact_cpu(data), out)  # type: ignore[arg-type]
+            _start, length, digest = stream.end()
+            stored = _StorageInfo(name, offset, length, transform_descriptors=self._encoder.descriptors)
+            info = stored if digest is None else ChecksummedStorage(stored, self.checksum_algorithm, digest)
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -239,6 +288,13 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _is_fsspec_url(checkpoint_id)
+
+
+def _world_size(n_plans: int, rank_local: bool) -> int:
+    """Ranks saving: the plans gathered, or for a rank-local save the process group's size (1 without one)."""
+    if not rank_local:
+        return n_plans
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _compact_cpu(data: Any) -> torch.Tensor:

@@ -21,24 +21,35 @@ __all__ = ["retire_dcp", "retire_safetensors"]
 _DCP_DATA_FILE = re.compile(r"^__(\d+)_.*\.distcp$")  # ours and torch's FileSystemWriter's; group(1): the rank
 
 
-def retire_dcp(transport: Any, root: str, markers: Iterable[str], rank: int | None, own_lock: str) -> bool:
+def retire_dcp(
+    transport: Any,
+    root: str,
+    markers: Iterable[str],
+    rank: int | None,
+    own_lock: str,
+    directories: Iterable[str] = (),
+) -> bool:
     """Remove ``markers`` (``.metadata`` files), then the ``*.distcp`` files, then stale temp files.
 
     ``rank``: a rank-local save (``use_collectives=False``), whose coordinator is every rank: only that
     rank's data files are removed, and no temp files (another rank may be writing its own right now).
+    ``directories``: the subdirectories a prefix strategy puts data files in, searched as well.
     Returns whether the location held anything but the save's own lock (``own_lock``, a name): then the
     new data files must not reuse the old names (see :class:`~dcp_storage.FsspecWriter`).
     """
     names = transport.listdir(root)
+    folders = {where: transport.listdir(transport.join(root, where)) for where in sorted(set(directories) - {""})}
     for path in markers:
         transport.remove(path)  # first: the old checkpoint stops looking complete
-    for name in names:
-        data_file = _DCP_DATA_FILE.match(name)
-        if data_file and (rank is None or data_file.group(1) == str(rank)):
-            transport.remove(transport.join(root, name))
+    for where, listed in [("", names), *folders.items()]:
+        folder = transport.join(root, where) if where else root
+        for name in listed:
+            data_file = _DCP_DATA_FILE.match(name)
+            if data_file and (rank is None or data_file.group(1) == str(rank)):
+                transport.remove(transport.join(folder, name))
     if rank is None:
         remove_stale_temp_files(transport, root)
-    return any(name != own_lock for name in names)
+    return any(name != own_lock for name in names) or any(folders.values())
 
 
 def retire_safetensors(transport: Any, root: str, prefix: str, index: str, extra: str) -> None:

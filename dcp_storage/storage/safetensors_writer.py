@@ -56,7 +56,7 @@ from ..formats.safetensors.write_plan import (
     plan_save,
     single_name,
 )
-from ..integrity.checksums import DEFAULT_ALGORITHM, checksum, digest_width
+from ..integrity.checksums import DEFAULT_ALGORITHM, check_algorithm, checksum
 from ..integrity.safetensors_sums import RESERVED_PREFIX
 from ..transports import Transport, TransportConfig
 from ..transports.buckets import prepare_output
@@ -154,6 +154,10 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
     DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) is not supported.
     """
 
+    # Not pickled: in a checkpoint process (async_save PROCESS mode) the default group stands for it.
+    _process_local = ("process_group",)
+    process_group: dist.ProcessGroup | None = None
+
     def __init__(
         self,
         url: str | os.PathLike[str],
@@ -186,9 +190,7 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
             if k.startswith(RESERVED_PREFIX):
                 raise ValueError(f"metadata key {k!r}: keys starting with {RESERVED_PREFIX!r} are the writer's own")
             header_md[k] = v
-        if checksum_algorithm is not None:
-            digest_width(checksum_algorithm)  # refuses an unknown algorithm before any planning
-        self.checksum_algorithm = checksum_algorithm
+        self.checksum_algorithm = check_algorithm(checksum_algorithm)  # refused before any planning
         self.header_metadata = header_md
         self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite

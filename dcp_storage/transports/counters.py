@@ -29,6 +29,12 @@ class TransportCounters:
             self.bytes_written += bytes_written
             self.retries += retries
 
+    def __getstate__(self) -> dict[str, int]:
+        return self.snapshot()  # the lock stays behind
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {

@@ -29,11 +29,11 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, FileTooLargeError
 from .access import access_errors
-from .config import TransportConfig, resolve_config
+from .config import MiB, TransportConfig, resolve_config
 from .counters import TransportCounters
 from .exclusive import create_new
 from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_size, is_gcs
-from .local_io import LocalFiles, preadv_exact, read_whole
+from .local_io import LocalFiles, preadv_exact, read_whole, start_writeback
 from .local_open import Confinement, stat_regular
 from .range_check import RangeMismatchError
 from .range_readers import buffered_range_reader, whole_file_reader
@@ -72,6 +72,28 @@ class _CountingWriter:
         return True
 
 
+class _LocalWriter(_CountingWriter):
+    """A local temp file's writer that starts writeback of every ``WRITEBACK_BYTES`` written
+    (:func:`~dcp_storage.transports.local_io.start_writeback`); the commit still ``fsync``s."""
+
+    WRITEBACK_BYTES = 32 * MiB
+
+    def __init__(self, raw: Any, counters: TransportCounters) -> None:
+        super().__init__(raw, counters)
+        self._synced = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        step = self.WRITEBACK_BYTES
+        for pos in range(0, max(view.nbytes, 1), step):  # a big tensor: writeback starts after each piece
+            super().write(view[pos : pos + step])
+            if self.written - self._synced >= step:
+                self._raw.flush()
+                start_writeback(self._raw.fileno(), self._synced, self.written - self._synced)
+                self._synced = self.written
+        return view.nbytes
+
+
 class FsspecTransport:
     """Bytes-only access to one fsspec filesystem.
 
@@ -94,6 +116,17 @@ class FsspecTransport:
         self._scheme = scheme if scheme in aliases else None
         self.config = resolve_config(config or TransportConfig(), self.is_local)
         self.counters = TransportCounters()
+        self._workers = WorkerPool(self.config.max_workers, "dcp-storage-io")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its thread pool (started again on first use); ``fs`` pickles as fsspec's
+        constructor arguments, so the receiving process builds its own client and session."""
+        state = self.__dict__.copy()
+        del state["_workers"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
         self._workers = WorkerPool(self.config.max_workers, "dcp-storage-io")
 
     # ----------------------------------------------------------------------------------------- building
@@ -142,6 +175,12 @@ class FsspecTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def parts_in_flight(self) -> int:
+        """Multipart parts one upload keeps in flight: a quarter of the in-flight budget (at least one), so a
+        few files can upload at once within it; memory per upload is this plus one, times ``part_size``."""
+        return max(1, min(8, self.config.max_inflight_bytes // self.config.part_size // 4))
 
     def executor(self) -> ThreadPoolExecutor:
         """The worker threads requests run on (made on first use; see :class:`.protocol.Transport`)."""
@@ -432,7 +471,7 @@ class FsspecTransport:
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
         raw = open(tmp, "wb")  # noqa: SIM115 - closed in both branches below
-        writer = _CountingWriter(raw, self.counters)
+        writer = _LocalWriter(raw, self.counters)
         try:
             yield writer
             raw.flush()
@@ -478,7 +517,9 @@ class FsspecTransport:
 
     def _open_atomic_s3(self, path: str) -> Iterator[_CountingWriter]:
         """S3: every request of the upload retried on its own; aborted if it finally fails."""
-        upload = S3AtomicUpload(self.fs, path, self.config.part_size, self._runner(path))
+        upload = S3AtomicUpload(
+            self.fs, path, self.config.part_size, self._runner(path), self.executor(), self.parts_in_flight
+        )
         writer = _CountingWriter(upload, self.counters)  # type: ignore[arg-type]
         try:
             yield writer

@@ -6,15 +6,24 @@ connection during a save loses the whole file. :class:`S3AtomicUpload` keeps eac
 has acknowledged them, so each request (create, every part, complete, or the single PUT) is retried on
 its own by the transport's retry layer. An upload that finally fails is aborted; nothing becomes visible.
 
+Parts go up concurrently when the caller gives an executor: up to ``max_pending`` parts are in flight
+while the writer fills the next one, so serialising and uploading overlap and memory stays at
+``(max_pending + 1) * part_size``. Each part's bytes are the buffer they were gathered in (handed over,
+never copied again).
+
 Requests go to s3fs's botocore client directly (:func:`~dcp_storage.transports.s3_stream.s3_call`), with
 the credentials, endpoint and ``s3_additional_kwargs`` of the filesystem.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import threading
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from ..errors import TransportError
@@ -32,7 +41,7 @@ Runner = Callable[[Callable[[], Any], str], Any]
 def put_object(fs: Any, path: str, data: bytes | bytearray | memoryview, runner: Runner) -> None:
     """One retried ``PutObject`` of ``data`` (a whole small file: metadata, an index)."""
     bucket, key, _ = fs.split_path(path)
-    body = bytes(data)
+    body = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # sent as it is: no copy
     runner(lambda: s3_call(fs, "put_object", Bucket=bucket, Key=key, Body=body), f"write ({len(body)} bytes)")
     fs.invalidate_cache(path)  # s3fs caches listings; its own writers invalidate them the same way
 
@@ -41,19 +50,33 @@ class S3AtomicUpload:
     """A write-only file: buffered up to ``part_size``, committed by :meth:`commit`, undone by :meth:`abort`.
 
     Files smaller than one part are one ``PutObject`` at commit. Larger ones start a multipart upload at
-    the first full part and upload each part as it fills (memory: one part beyond the caller's data);
-    :meth:`commit` uploads the tail and completes the upload. ``requests`` counts successful requests.
+    the first full part and upload each part as it fills: inline, or on ``executor`` with up to
+    ``max_pending`` parts in flight; :meth:`commit` uploads the tail, waits for every part and completes
+    the upload. ``requests`` counts successful requests.
     """
 
-    def __init__(self, fs: Any, path: str, part_size: int, runner: Runner) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        path: str,
+        part_size: int,
+        runner: Runner,
+        executor: Executor | None = None,
+        max_pending: int = 1,
+    ) -> None:
         self.fs = fs
         self.path = path
         self.part_size = part_size
         self.bucket, self.key, _ = fs.split_path(path)
         self._run = runner
+        self._executor = executor
+        self._max_pending = max(1, max_pending)
+        self._pending: deque[Future[None]] = deque()
         self._buffer = bytearray()
         self._upload_id: str | None = None
-        self._parts: list[dict[str, Any]] = []
+        self._parts: dict[int, dict[str, Any]] = {}
+        self._numbers = 0
+        self._lock = threading.Lock()  # requests and parts are updated by part uploads on other threads
         self.size = 0
         self.requests = 0
         self._finished = False
@@ -66,27 +89,20 @@ class S3AtomicUpload:
         if self._finished:
             raise ValueError(f"{self.path}: write after commit or abort")
         view = memoryview(data).cast("B")
-        # Consume the write one part at a time: memory holds at most one part beyond the caller's data
-        # (a 256 MiB tensor written at once costs a 64 MiB part, not a second 256 MiB buffer).
+        # Consume the write one part at a time: memory holds the parts in flight plus the one filling
+        # (a 256 MiB tensor written at once costs parts, not a second 256 MiB buffer).
         pos, end = 0, view.nbytes
-        while pos < end:
-            take = min(self.part_size - len(self._buffer), end - pos)
-            if not self._buffer and take == self.part_size:
-                part = bytes(view[pos : pos + take])  # a whole part straight from the caller's bytes
-            else:
+        try:
+            while pos < end:
+                take = min(self.part_size - len(self._buffer), end - pos)
                 self._buffer += view[pos : pos + take]
-                if len(self._buffer) < self.part_size:
-                    pos += take
-                    break
-                part, self._buffer = bytes(self._buffer), bytearray()
-            pos += take
-            try:
-                self._upload_part(part)
-            except BaseException as exc:
-                self.failure = exc
-                raise
-            finally:
-                del part
+                pos += take
+                if len(self._buffer) == self.part_size:
+                    part, self._buffer = self._buffer, bytearray()
+                    self._send(part)
+        except BaseException as exc:
+            self.failure = self.failure or exc
+            raise
         self.size += end
         return end
 
@@ -96,14 +112,24 @@ class S3AtomicUpload:
     # ------------------------------------------------------------------------------ requests
     def _call(self, method: str, what: str, **kwargs: Any) -> Any:
         out = self._run(lambda: s3_call(self.fs, method, Bucket=self.bucket, Key=self.key, **kwargs), what)
-        self.requests += 1
+        with self._lock:
+            self.requests += 1
         return out
 
-    def _upload_part(self, body: bytes) -> None:
+    def _send(self, body: bytearray) -> None:
+        """Upload ``body`` as the next part: now, or on the executor once fewer than ``max_pending`` are out."""
         if self._upload_id is None:
             created = self._call("create_multipart_upload", "start multipart upload of")
             self._upload_id = str(created["UploadId"])
-        number = len(self._parts) + 1
+        self._numbers += 1
+        if self._executor is None:
+            self._upload_part(self._numbers, body)
+            return
+        while len(self._pending) >= self._max_pending:
+            self._pending.popleft().result()  # the oldest part's failure, if any, ends the upload here
+        self._pending.append(self._executor.submit(self._upload_part, self._numbers, body))
+
+    def _upload_part(self, number: int, body: bytearray) -> None:
         out = self._call(
             "upload_part",
             f"upload part {number} ({len(body)} bytes) of",
@@ -114,22 +140,37 @@ class S3AtomicUpload:
         part: dict[str, Any] = {"PartNumber": number, "ETag": out["ETag"]}
         if "ChecksumSHA256" in out:  # as s3fs does: only a checksum the caller asked for
             part["ChecksumSHA256"] = out["ChecksumSHA256"]
-        self._parts.append(part)
+        with self._lock:
+            self._parts[number] = part
+
+    def _drain(self) -> None:
+        """Wait for every part in flight; the first failure is raised after all have ended."""
+        first: BaseException | None = None
+        while self._pending:
+            try:
+                self._pending.popleft().result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, once nothing runs any more
+                first = first or exc
+        if first is not None:
+            raise first
 
     def commit(self) -> None:
         """Make the object visible: the single PUT, or the last part and ``CompleteMultipartUpload``."""
         if self._finished:
             raise ValueError(f"{self.path}: already committed or aborted")
-        if self._upload_id is None:
-            body = bytes(self._buffer)
-            self._call("put_object", f"write ({len(body)} bytes)", Body=body)
-        else:
-            if self._buffer:
-                tail = bytes(self._buffer)
-                self._buffer = bytearray()
-                self._upload_part(tail)
-            self._complete()
-        self._buffer = bytearray()
+        try:
+            if self._upload_id is None:
+                body, self._buffer = self._buffer, bytearray()
+                self._call("put_object", f"write ({len(body)} bytes)", Body=body)
+            else:
+                if self._buffer:
+                    tail, self._buffer = self._buffer, bytearray()
+                    self._send(tail)
+                self._drain()
+                self._complete()
+        except BaseException as exc:
+            self.failure = self.failure or exc
+            raise
         self._finished = True
         self.fs.invalidate_cache(self.path)  # s3fs caches listings; its own writers invalidate them the same way
 
@@ -146,7 +187,7 @@ class S3AtomicUpload:
                     Bucket=self.bucket,
                     Key=self.key,
                     UploadId=self._upload_id,
-                    MultipartUpload={"Parts": self._parts},
+                    MultipartUpload={"Parts": [self._parts[n] for n in sorted(self._parts)]},
                 )
             except FileNotFoundError as exc:  # NoSuchUpload
                 # An earlier attempt may have completed the upload and lost only its response.
@@ -179,13 +220,15 @@ class S3AtomicUpload:
         etag = str(head.get("ETag", "")).strip('"')
         if int(head.get("ContentLength", -1)) != self.size:
             return False
-        expected = _multipart_etag([str(p["ETag"]) for p in self._parts])
+        expected = _multipart_etag([str(self._parts[n]["ETag"]) for n in sorted(self._parts)])
         return etag == expected if expected is not None else etag.endswith(f"-{len(self._parts)}")
 
     def abort(self) -> None:
         """Drop the upload: abort the multipart upload (retried) so no part lingers; idempotent."""
         self._finished = True
         self._buffer = bytearray()
+        with contextlib.suppress(BaseException):  # parts still in flight end first (their errors: see failure)
+            self._drain()
         upload_id, self._upload_id = self._upload_id, None
         if upload_id is None:
             return

@@ -101,6 +101,11 @@ class ObstoreTransport:
         self._lock = threading.Lock()  # guards _stores
         self._workers = WorkerPool(self.config.max_workers, "dcp-obstore-io")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (async_save's checkpoint process) as its settings and config: stores, lock and worker
+        # threads are rebuilt by the receiving process on first use.
+        return (type(self), (self.settings, self.config))
+
     def __repr__(self) -> str:
         where = f", endpoint={self.settings.endpoint!r}" if self.settings.endpoint else ""
         region = f", region={self.settings.region!r}" if self.settings.region else ""

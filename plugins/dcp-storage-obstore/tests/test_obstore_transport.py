@@ -96,6 +96,18 @@ def test_write_read_roundtrip(t_root: tuple[ObstoreTransport, str]) -> None:
     assert t.size(path) == 0
 
 
+def test_pickles_without_stores_and_works_after(t_root: tuple[ObstoreTransport, str]) -> None:
+    """async_save's PROCESS mode pickles writers with their transport: settings travel, stores do not."""
+    import pickle
+
+    transport, root = t_root
+    transport.write_file(transport.join(root, "p"), b"before")  # the original holds a live store now
+    copy = pickle.loads(pickle.dumps(transport))
+    assert copy is not transport and copy._stores == {} and copy.config == transport.config
+    assert bytes(copy.read_file(copy.join(root, "p"))) == b"before"
+    copy.close()
+
+
 def test_exists_size_listdir_remove(t_root: tuple[ObstoreTransport, str]) -> None:
     t, root = t_root
     assert not t.exists(root) and t.listdir(root) == []

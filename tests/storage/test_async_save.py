@@ -1,0 +1,116 @@
+"""``dcp.async_save`` with our writers, in both of torch's modes, on a local disk and on ``s3://`` (moto).
+
+THREAD mode runs the save on a thread of this process; PROCESS mode pickles the writer (and the staged
+state) into a checkpoint process torch spawns once per rank, which is what torchtitan's async
+checkpointing uses. Writers must pickle without their pools, locks and clients and open their transport
+again there. Each test runs a training loop that changes its parameters right after ``async_save``
+returns (after staging, for background stagers) and checks every save bit-exactly, with every stager
+configuration torch offers on this machine (pinned memory only where CUDA exists).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_storage import FsspecWriter, SafetensorsWriter
+from dcp_storage.testing.compare import same_bits
+from dcp_storage.testing.distributed import run_ranks
+from dcp_storage.testing.s3_server import S3Location
+
+from . import _async_fns as A
+
+KINDS = ("dcp", "safetensors")
+SENTINEL = "Sentinel0SecretForAsyncSave9"
+
+
+def _target(backend: str, tmp_path: Path, s3_url: Any) -> tuple[str, dict[str, Any]]:
+    if backend == "local":
+        return str(tmp_path / "ckpt"), {}
+    url, options = s3_url
+    return url, {**options, "secret": SENTINEL}  # moto takes any secret: a sentinel to look for
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def target(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    s3 = request.getfixturevalue("s3_url") if backend == "s3" else None
+    return _target(backend, tmp_path, s3)
+
+
+def _check(kind: str, saved: list[tuple[str, dict[str, torch.Tensor]]], options: dict[str, Any]) -> None:
+    assert len(saved) == len(A.STAGERS)
+    for url, expected in saved:
+        out = {k: torch.zeros_like(v) for k, v in expected.items()}
+        dcp.load(out, storage_reader=A.make_reader(kind, url, options), no_dist=True)
+        bad = [k for k in expected if not same_bits(out[k], expected[k])]
+        assert not bad, f"{url}: {bad} differ from the state at the time of async_save"
+    first, second = saved[0][1], saved[1][1]
+    assert not any(same_bits(first[k], second[k]) for k in first)  # the loop did change the parameters
+
+
+def _no_secret_stored(options: dict[str, Any], url: str) -> None:
+    if not url.startswith("s3://"):
+        return
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **options)
+    names = fs.find(url.split("://", 1)[1])
+    assert names
+    assert not [n for n in names if SENTINEL.encode() in fs.cat_file(n)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_thread_mode(kind: str, target: tuple[str, dict[str, Any]]) -> None:
+    url, options = target
+    saved = A.train_and_save(kind, url, options, "THREAD", A.STAGERS)
+    _check(kind, saved, options)
+    _no_secret_stored(options, url)
+
+
+def test_process_mode(target: tuple[str, dict[str, Any]], capfd: pytest.CaptureFixture[str]) -> None:
+    """Both writers in one rank, so torch spawns one checkpoint process for the two (seconds each)."""
+    url, options = target
+    (saved,) = run_ranks(A.process_mode_rank, 1, list(KINDS), url, options, timeout=120)
+    for kind in KINDS:
+        _check(kind, saved[kind], options)
+    _no_secret_stored(options, url)
+    out, err = capfd.readouterr()
+    assert SENTINEL not in out + err  # the checkpoint process's output (it inherits the rank's stdio)
+
+
+@pytest.mark.parametrize("cls", [FsspecWriter, SafetensorsWriter])
+def test_writers_pickle_without_live_state_and_reopen(cls: type, s3_url: S3Location) -> None:
+    """What PROCESS mode relies on: credentials travel, pools/locks/clients/groups do not; the copy
+    opens its own transport on first use and the original keeps working."""
+    url, options = s3_url
+    options = {**options, "secret": SENTINEL}
+    writer = cls(url, options)
+    writer.transport.exists(writer.root)  # a live client and session in the original
+    copy = pickle.loads(pickle.dumps(writer))
+    assert "transport" not in copy.__dict__ and copy.storage_options["secret"] == SENTINEL
+    assert copy.transport is not writer.transport and copy.transport.fs.storage_options["secret"] == SENTINEL
+    assert copy.root == writer.root and copy.counters["requests"] == 0
+    assert SENTINEL not in repr(copy)
+    assert writer.transport.exists(writer.root) is False
+
+
+def test_a_given_transport_pickles_too(tmp_path: Path) -> None:
+    from dcp_storage.transports import FsspecTransport
+
+    transport, _ = FsspecTransport.from_url(str(tmp_path))
+    transport._executor()  # a live thread pool
+    writer = FsspecWriter(str(tmp_path / "ckpt"), transport=transport)
+    copy = pickle.loads(pickle.dumps(writer))
+    assert copy.transport is not transport and copy._given_transport is copy.transport
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=copy, no_dist=True)
+    assert (tmp_path / "ckpt" / ".metadata").exists()

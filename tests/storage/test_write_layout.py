@@ -1,0 +1,84 @@
+"""How FsspecWriter lays a save out: files per rank on disks and object stores, the in-memory objects sent
+by one PUT, and local writeback started while writing (the fsync at commit stays)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+
+from dcp_storage import FsspecReader, FsspecWriter, TransportConfig, verify
+from dcp_storage.storage.write_layout import MemoryFile, estimated_bytes, group_items
+from dcp_storage.testing.compare import same_bits
+from dcp_storage.transports import local_io
+
+MiB = 1024 * 1024
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    sd = {f"small{i}": torch.randn(3 * MiB // 4, generator=g) for i in range(6)}  # 3 MiB each
+    sd["big"] = torch.randn(3 * MiB, generator=g)  # 12 MiB: more than a 5 MiB part
+    return sd
+
+
+def _items(sd: dict[str, Any]) -> list[Any]:
+    return list(create_default_local_save_plan(sd, True).items)
+
+
+def test_grouping_disk_and_object_store() -> None:
+    items = _items(_state())
+    local = group_items(items, local=True, thread_count=2, single_file_per_rank=True, object_bytes=5 * MiB)
+    assert len(local) == 2 and sorted(len(g) for g in local) == [2, 5]  # torch's split: by size, largest first
+    remote = group_items(items, local=False, thread_count=2, single_file_per_rank=True, object_bytes=5 * MiB)
+    assert len(remote) == -(-estimated_bytes(items) // (5 * MiB)) == 7
+    assert sorted(len(g) for g in remote) == [1] * 7  # the 12 MiB item alone; 3 MiB items one per object
+    tiny = _items({"a": torch.zeros(4), "b": torch.zeros(4)})
+    assert len(group_items(tiny, local=False, thread_count=2, single_file_per_rank=True, object_bytes=5 * MiB)) == 2
+    per_item = group_items(items, local=False, thread_count=2, single_file_per_rank=False, object_bytes=5 * MiB)
+    assert len(per_item) == len(items)
+
+
+def test_memory_file_grows_when_short_and_trims() -> None:
+    f = MemoryFile(4)
+    assert f.write(b"abc") == 3 and f.write(memoryview(b"defgh")) == 5 and f.tell() == 8
+    assert f.write(torch.arange(2, dtype=torch.int16).numpy()) == 4  # typed buffers count bytes
+    assert bytes(f.close_buffer()) == b"abcdefgh" + bytes([0, 0, 1, 0])
+
+
+def test_object_store_objects_are_single_puts_within_a_part(s3_url: Any, moto_server: Any) -> None:
+    url, options = s3_url
+    sd = _state()
+    config = TransportConfig(part_size=5 * MiB, max_inflight_bytes=16 * MiB)
+    writer = FsspecWriter(url, options, transport_config=config)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
+    client = moto_server.client()
+    objects = {o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]}
+    data = {k: v for k, v in objects.items() if k.endswith(".distcp")}
+    assert len(data) == 7 and sum(v > 5 * MiB for v in data.values()) == 1, data  # one multipart object
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=FsspecReader(url, options), no_dist=True)
+    assert all(same_bits(out[k], v) for k, v in sd.items())
+    assert verify(url, storage_options=options, deep=True).ok
+
+
+def test_local_writeback_starts_while_writing_and_fsync_stays(tmp_path: Path, monkeypatch: Any) -> None:
+    calls: list[tuple[int, int]] = []
+    synced: list[int] = []
+    monkeypatch.setattr(local_io, "_SYNC_RANGE", lambda fd, off, n, flags: calls.append((off, n)) or 0)
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    sd = {"w": torch.randn(20 * MiB)}  # 80 MiB in one file
+    dcp.save(sd, storage_writer=FsspecWriter(tmp_path / "c", thread_count=1), no_dist=True)
+    assert len(calls) >= 2 and calls[0][0] == 0 and all(n >= 32 * MiB for _, n in calls), calls
+    assert calls[1][0] == calls[0][1]  # consecutive ranges
+    assert synced  # the commit's fsync is still made
+    out = {"w": torch.zeros(20 * MiB)}
+    dcp.load(out, storage_reader=FsspecReader(tmp_path / "c"), no_dist=True)
+    assert same_bits(out["w"], sd["w"])
