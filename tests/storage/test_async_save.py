@@ -108,7 +108,7 @@ def test_a_given_transport_pickles_too(tmp_path: Path) -> None:
     from dcp_storage.transports import FsspecTransport
 
     transport, _ = FsspecTransport.from_url(str(tmp_path))
-    transport._executor()  # a live thread pool
+    transport.executor()  # a live thread pool
     writer = FsspecWriter(str(tmp_path / "ckpt"), transport=transport)
     copy = pickle.loads(pickle.dumps(writer))
     assert copy.transport is not transport and copy._given_transport is copy.transport
