@@ -29,7 +29,7 @@ _EXPORTS = {
     ".storage.prefixes": (
         "BinaryPrefixStrategy", "DecimalPrefixStrategy", "HexPrefixStrategy", "PrefixStrategy", "RoundRobinPrefixStrategy",
     ),
-    ".strategies": ("Broadcasting", "share_object"),
+    ".strategies": ("Broadcasting", "ReadStrategies", "share_object"),
     # ``Transport`` is the protocol to depend on; ``FsspecTransport`` (the built-in implementation) stays exported
     # for existing callers, but code should open transports with ``transports.factory.open_transport``.
     ".transports": ("FsspecTransport", "RetryPolicy", "Transport", "TransportConfig"),
@@ -84,7 +84,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         PrefixStrategy,
         RoundRobinPrefixStrategy,
     )
-    from .strategies import Broadcasting, share_object
+    from .strategies import Broadcasting, ReadStrategies, share_object
     from .transports import FsspecTransport, RetryPolicy, Transport, TransportConfig
 
 
@@ -111,6 +111,7 @@ __all__ = [
     "KeyRules",
     "NonTensorStateError",
     "PrefixStrategy",
+    "ReadStrategies",
     "RemappingLoadPlanner",
     "RetryPolicy",
     "RoundRobinPrefixStrategy",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..errors import CheckpointNotFoundError, DcpStorageError
 from ..formats.limits import MANIFEST, read_limited
@@ -58,9 +58,20 @@ def read_manifest(transport: Any, root: str) -> Manifest | None:
     return Manifest.from_json(data, transport.url(path))
 
 
-def record_verifier(transport: Any, root: str, storage: dict[Any, Any]) -> RecordVerifier | None:
-    """A verifier for the records of the checkpoint at ``root``; ``None`` (and a warning) if none were recorded."""
-    manifest = read_manifest(transport, root)
+_READ = object()  # record_verifier's default: read the manifest now
+
+
+def record_verifier(
+    transport: Any, root: str, storage: dict[Any, Any], manifest: Manifest | None | object = _READ
+) -> RecordVerifier | None:
+    """A verifier for the records of the checkpoint at ``root``; ``None`` (and a warning) if none were recorded.
+
+    ``manifest``: the checkpoint's manifest (or ``None`` for none) when the caller already read it (a
+    reader that read it once for every rank); by default it is read here.
+    """
+    if manifest is _READ:
+        manifest = read_manifest(transport, root)
+    manifest = cast("Manifest | None", manifest)
     if manifest is None or manifest.algorithm is None:
         warnings.warn(
             f"{transport.url(root)}: verify=True, but the checkpoint records no checksums (written by "

@@ -4,12 +4,19 @@ Call order (torch's ``dcp.load`` drives it; every rank calls every step unless n
 
 1. ``reset(checkpoint_id)`` - point at a checkpoint (also done by the constructor).
 2. ``read_metadata()`` - reads ``.metadata`` through an allow-list unpickler; never runs code from it.
+   Inside a distributed ``dcp.load`` one rank reads it (with the manifest when ``verify``) and every rank
+   gets it, or that rank's error, over the load's process group: one request per load, whatever the world
+   size. torch's per-rank fallback (``read_metadata(rank=r)``, ``__r.metadata`` of a save without
+   collectives) is read by each rank alone, as is any call outside ``dcp.load``.
 3. ``set_up_storage_reader(metadata, is_coordinator)`` - keeps the storage map; with torch's planners,
    reports key mismatches as :class:`~dcp_storage.planners.IncompatibleKeysError`
    (:mod:`dcp_storage.planners.key_check`).
-4. ``prepare_local_plan`` / ``prepare_global_plan`` (coordinator only) - unchanged plans.
-5. ``read_data(plan, planner)`` - fetches only the byte ranges of this rank's plan, coalesced and
-   concurrent, and writes them straight into the destination tensors where it can.
+4. ``prepare_local_plan`` / ``prepare_global_plan`` (coordinator only) - the read strategy's: with
+   ``read_once`` (the default on object stores) the coordinator assigns every stored slice that several
+   ranks need to one of them (see :mod:`dcp_storage.strategies.read_strategy`).
+5. ``read_data(plan, planner)`` - fetches only the byte ranges of this rank's plan (its share of them,
+   under ``read_once``, receiving the rest over the process group), coalesced and concurrent, and writes
+   them straight into the destination tensors where it can.
 
 Compared with torch's ``FileSystemReader``/``FsspecReader`` (which read each saved chunk whole and then
 narrow it, one item at a time), a rank reads only the bytes it needs: when resharding, each byte once.
@@ -23,19 +30,25 @@ from typing import Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CheckpointNotFoundError
 from ..formats.completeness import find_leftovers
 from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
-from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata
-from ..formats.limits import METADATA, read_limited
+from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 from ..formats.misdirected import raise_explained
-from ..integrity.dcp_manifest import record_verifier
+from ..integrity.dcp_manifest import read_manifest, record_verifier
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
+from ..strategies.metadata_sharing import share_within_load
+from ..strategies.read_strategy import (
+    READ_STRATEGY_OPTION,
+    MetadataItems,
+    ReadStrategy,
+    choose_read_strategy,
+)
 from ..transports import Transport, TransportConfig
 from .location import BoundLocation
 
@@ -56,6 +69,10 @@ class FsspecReader(BoundLocation, StorageReader):
             entry-point group), which are found when an item names them. Items stored through a seekable
             transform (``dcp-storage-zstd``) that a rank needs only part of are read frame by frame.
         transport: an existing transport to share (its counters then add up across readers).
+        read_strategy: who fetches stored bytes that several ranks need: a
+            :class:`~dcp_storage.strategies.ReadStrategy` or its name (``"per_rank"``, ``"read_once"``,
+            ``"per_host"``); default: the ``"read_strategy"`` storage option, else ``read_once`` on object
+            stores and ``per_rank`` on local files.
         verify: check every record this rank reads against the checksum our writer recorded for it in
             ``.dcp_storage.json`` (records are then fetched whole, even when resharding), raising
             :class:`~dcp_storage.errors.CorruptCheckpointError` naming the URL, byte range and keys on a
@@ -73,32 +90,57 @@ class FsspecReader(BoundLocation, StorageReader):
         extension_registry: ExtensionRegistry | None = None,
         transport: Transport | None = None,
         verify: bool = False,
+        read_strategy: ReadStrategy | str | None = None,
     ) -> None:
         super().__init__()
         self.verify = verify
         self.storage_options = dict(storage_options or {})
+        self._strategy_choice = (read_strategy, self.storage_options.pop(READ_STRATEGY_OPTION, None))
         self.transport_config = transport_config
         self.loader_config = loader_config or ItemLoaderConfig()
         self.extension_registry = extension_registry
         self._given_transport = transport
         self.storage_data: dict[Any, Any] = {}
         self.metadata: Metadata | None = None
+        self._manifest: Any = _UNREAD
+        self._stored: MetadataItems | None = None
         self.load_id = uuid.uuid4().hex
         self._open(path)
+
+    def _open(self, path: str | os.PathLike[str]) -> None:
+        super()._open(path)
+        self.read_strategy = choose_read_strategy(*self._strategy_choice, is_local=self.transport.is_local)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self.metadata = None
+        self._manifest = _UNREAD
+        self._stored = None
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        if rank is not None:  # torch's fallback after the global read failed: this rank's own file
+            metadata = self._read_metadata_file(f"__{rank}{METADATA_FILE}")
+        else:
+            metadata, manifest = share_within_load(self._read_per_load_files)
+            self._manifest = manifest[0] if manifest else _UNREAD
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
+
+    def _read_per_load_files(self) -> tuple[Metadata, tuple[Any, ...]]:
+        """``.metadata``, and ``(manifest,)`` when ``verify`` needs it: what one rank reads for all."""
+        metadata = self._read_metadata_file(METADATA_FILE)
+        return metadata, ((read_manifest(self.transport, self.root),) if self.verify else ())
+
+    def _read_metadata_file(self, name: str) -> Metadata:
         path = self.transport.join(self.root, name)
         try:
-            data = read_limited(self.transport, path, METADATA)
+            return read_metadata_file(self.transport, path)
         except (CheckpointNotFoundError, NotADirectoryError) as exc:  # NotADirectory: the URL is a file
             leftovers = find_leftovers(self.transport, self.root)  # an interrupted save: say so
             if leftovers is not None:
@@ -109,11 +151,6 @@ class FsspecReader(BoundLocation, StorageReader):
             )
             # A missing bucket, or another format at the URL (a safetensors file, an HF directory): say which.
             raise_explained(self.transport, self.root, "dcp", "FsspecReader", exc, missing)
-        metadata = load_metadata(data, self.transport.url(path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
-        return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -122,15 +159,30 @@ class FsspecReader(BoundLocation, StorageReader):
         self.storage_data = metadata.storage_data
         self.metadata = metadata  # chunk sizes: whole-chunk vs partial reads of framed (compressed) items
         self.is_coordinator = is_coordinator
+        # torch's per-rank fallback (``use_collectives=False``): each rank's metadata describes other files,
+        # so equal storage indices of two ranks are not the same bytes: every rank reads its own. The global
+        # read fails on every rank at once (it is shared), so all ranks fall back together.
+        rank_local = kwargs.get("use_collectives") is False
+        self._stored = None if rank_local else MetadataItems(metadata, self._splittable)
+
+    def _splittable(self, item: ReadItem) -> bool:
+        """Row blocks of a record can be fetched alone unless it is checked or decoded whole."""
+        info = self.storage_data.get(item.storage_index)
+        return not self.verify and not getattr(info, "transform_descriptors", None)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return self.read_strategy.local_plan(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        if self._stored is None:
+            return plans
+        return self.read_strategy.global_plan(plans, self._stored)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        verifier = record_verifier(self.transport, self.root, self.storage_data) if self.verify else None
+        verifier = None
+        if self.verify:
+            known = {} if self._manifest is _UNREAD else {"manifest": self._manifest}
+            verifier = record_verifier(self.transport, self.root, self.storage_data, **known)
         loader = DcpItemLoader(
             self.transport,
             self.root,
@@ -141,7 +193,10 @@ class FsspecReader(BoundLocation, StorageReader):
             metadata=self.metadata,
             check_zips=self.verify,
         )
-        loader.load(plan.items, planner)
+        if self._stored is None:
+            loader.load(plan.items, planner)
+        else:
+            self.read_strategy.read(plan, planner, loader.load, self._stored)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -149,6 +204,9 @@ class FsspecReader(BoundLocation, StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _is_fsspec_url(checkpoint_id)
+
+
+_UNREAD = object()  # the manifest was not read with the metadata: read_data reads it if it needs it
 
 
 def _is_fsspec_url(checkpoint_id: str | os.PathLike[str]) -> bool:

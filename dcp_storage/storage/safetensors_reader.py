@@ -16,9 +16,11 @@ Call order (torch's ``dcp.load`` drives it; every rank calls every step unless n
    requests grow with files, not with ranks x files. A coordinator's failure is re-raised on every rank.
    Under ``dcp.load(..., no_dist=True)`` each caller reads the headers itself.
 3. ``set_up_storage_reader(metadata, is_coordinator)`` - keeps the storage map.
-4. ``prepare_local_plan`` / ``prepare_global_plan`` (coordinator only) - unchanged plans.
-5. ``read_data(plan, planner)`` - fetches exactly the byte ranges of this rank's plan, coalesced and
-   concurrent, straight into the destination tensors where it can.
+4. ``prepare_local_plan`` / ``prepare_global_plan`` (coordinator only) - the read strategy's (see
+   :mod:`dcp_storage.strategies.read_strategy`; ``read_once`` on object stores by default).
+5. ``read_data(plan, planner)`` - fetches exactly the byte ranges of this rank's plan (its share of the
+   slices several ranks need, under ``read_once``), coalesced and concurrent, straight into the
+   destination tensors where it can.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import load_view, running_planner
+from ..strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from ..transports import Transport, TransportConfig
 from .location import BoundLocation
 
@@ -64,6 +67,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         broadcast_metadata: ``False``: every caller reads the headers itself, never sharing them. Not needed
             for ``dcp.load(..., no_dist=True)`` (on one rank or on all), which the reader detects: each
             caller then reads the headers itself anyway (see :mod:`dcp_storage.strategies.dcp_call`).
+        read_strategy: who fetches stored bytes that several ranks need (see :class:`FsspecReader`).
         verify: check every tensor this rank reads against the digests ``SafetensorsWriter`` recorded in
             the file's header (and the header against its own digest). Each tensor touched is fetched whole
             (a slice cannot be checked); a mismatch raises :class:`~dcp_storage.errors.CorruptCheckpointError`
@@ -83,11 +87,14 @@ class SafetensorsReader(BoundLocation, StorageReader):
         coordinator_rank: int = 0,
         broadcast_metadata: bool = True,
         verify: bool = False,
+        read_strategy: ReadStrategy | str | None = None,
     ) -> None:
         super().__init__()
         if coordinator_rank < 0:
             raise ValueError(f"coordinator_rank must be >= 0, got {coordinator_rank}")
         self.storage_options = dict(storage_options or {})
+        self._strategy_choice = (read_strategy, self.storage_options.pop(READ_STRATEGY_OPTION, None))
+        self._stored: MetadataItems | None = None
         self.transport_config = transport_config
         self.scan_config = scan_config or ScanConfig()
         self.loader_config = loader_config or LoaderConfig()
@@ -103,9 +110,11 @@ class SafetensorsReader(BoundLocation, StorageReader):
     def _open(self, url: str | os.PathLike[str]) -> None:
         super()._open(url)
         self.target = self.root  # what the user named; root becomes the layout's root once metadata is read
+        self.read_strategy = choose_read_strategy(*self._strategy_choice, is_local=self.transport.is_local)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
+        self._stored = None
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
         self.load_id = uuid.uuid4().hex
@@ -168,18 +177,23 @@ class SafetensorsReader(BoundLocation, StorageReader):
         check_planned_keys(running_planner(), metadata)
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
+        self._stored = MetadataItems(metadata, lambda item: not self.verify)  # checked tensors are read whole
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return self.read_strategy.local_plan(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        if self._stored is None:
+            return plans
+        return self.read_strategy.global_plan(plans, self._stored)
 
     # -------------------------------------------------------------------------------------------- data
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        SafetensorsItemLoader(
-            self.transport, self.root, self.storage_data, self.loader_config, verify=self.verify
-        ).load(plan.items, planner)
+        loader = SafetensorsItemLoader(self.transport, self.root, self.storage_data, self.loader_config, verify=self.verify)
+        if self._stored is None:
+            loader.load(plan.items, planner)
+        else:
+            self.read_strategy.read(plan, planner, loader.load, self._stored)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

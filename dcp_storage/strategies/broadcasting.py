@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ..errors import DcpStorageError
-from ..formats.byte_items import ensure_vetted
+from ..errors import DcpStorageError, ShapeMismatchError
+from ..formats.byte_items import VettedBytes, ensure_vetted
 from ..planners.key_check import check_planned_keys
 from ..tensor_buffers import host_buffer
 from .coordinator_served import CoordinatorServedReader
@@ -156,8 +156,9 @@ class Broadcasting(CoordinatorServedReader):
                 for index, item in enumerate(canonical_order(p.items)):
                     jobs.append((rank, index, item))
             jobs.sort(key=lambda j: (item_key(j[2])[1:5], j[0]))  # storage order: neighbours coalesce
-            for chunk in self._chunks(jobs, view.rank):
-                router.route(chunk)
+            jobs, copies = _fold_copies(jobs)  # a slice several ranks need (replicas) is read once
+            for chunk in self._chunks(jobs, view.rank, copies):
+                router.route(chunk, copies)
                 inner_plan = LoadPlan([item for _r, _i, item in chunk], plan.storage_data, plan.planner_data)
                 with working_alone():
                     self.reader.read_data(inner_plan, router).wait()
@@ -167,14 +168,16 @@ class Broadcasting(CoordinatorServedReader):
             sender.abort(exc)
             raise
 
-    def _chunks(self, jobs: list[tuple[int, int, ReadItem]], me: int) -> list[list[tuple[int, int, ReadItem]]]:
+    def _chunks(
+        self, jobs: list[tuple[int, int, ReadItem]], me: int, copies: dict[int, list[tuple[int, int, ReadItem]]]
+    ) -> list[list[tuple[int, int, ReadItem]]]:
         chunks: list[list[tuple[int, int, ReadItem]]] = []
         current: list[tuple[int, int, ReadItem]] = []
         held = 0
         for job in jobs:
             rank, _index, item = job
             size = 0
-            if rank != me and item.type != LoadItemType.BYTE_IO:
+            if (rank != me or id(item) in copies) and item.type != LoadItemType.BYTE_IO:
                 size = (
                     math.prod(int(n) for n in item.lengths)
                     * torch.empty((), dtype=self._stored_dtype(item)).element_size()
@@ -189,8 +192,30 @@ class Broadcasting(CoordinatorServedReader):
         return chunks
 
 
+def _fold_copies(
+    jobs: list[tuple[int, int, ReadItem]],
+) -> tuple[list[tuple[int, int, ReadItem]], dict[int, list[tuple[int, int, ReadItem]]]]:
+    """Jobs (in storage order) with each run of jobs for the same stored slice folded into its first one;
+    ``copies`` maps that job's item (by id) to the other ranks' jobs for the same bytes."""
+    out: list[tuple[int, int, ReadItem]] = []
+    copies: dict[int, list[tuple[int, int, ReadItem]]] = {}
+    last: tuple[Any, ...] | None = None
+    for job in jobs:
+        key = item_key(job[2])[:5]  # type, stored key, chunk, offsets in it, lengths
+        if out and key == last:
+            copies.setdefault(id(out[-1][2]), []).append(job)
+        else:
+            out.append(job)
+            last = key
+    return out, copies
+
+
 class _RoutingPlanner(LoadPlanner):
-    """Stands in for the real planner inside the wrapped reader's ``read_data`` on the coordinator."""
+    """Stands in for the real planner inside the wrapped reader's ``read_data`` on the coordinator.
+
+    A slice that several ranks need is read once, into a staging buffer of the stored dtype, and then
+    copied into the coordinator's own destination and sent to every other rank that needs it.
+    """
 
     def __init__(
         self, real: LoadPlanner, me: int, sender: SliceSender, stored_dtype: Any, stats: DeliveryStats
@@ -203,6 +228,7 @@ class _RoutingPlanner(LoadPlanner):
         self._by_id: dict[int, tuple[int, int, ReadItem]] = {}
         self._by_value: dict[ReadItem, collections.deque[tuple[int, int, ReadItem]]] = {}
         self._staged: dict[int, tuple[tuple[int, int, ReadItem], torch.Tensor]] = {}
+        self._copies: dict[int, list[tuple[int, int, ReadItem]]] = {}
         self._open = 0
 
     def __getattr__(self, name: str) -> Any:  # anything else a reader may look at: the real planner's
@@ -210,7 +236,10 @@ class _RoutingPlanner(LoadPlanner):
             raise AttributeError(name)
         return getattr(self._real, name)
 
-    def route(self, chunk: list[tuple[int, int, ReadItem]]) -> None:
+    def route(
+        self, chunk: list[tuple[int, int, ReadItem]], copies: dict[int, list[tuple[int, int, ReadItem]]]
+    ) -> None:
+        self._copies = copies
         self._by_id = {id(item): job for job in chunk for item in [job[2]]}
         self._by_value = {}
         for job in chunk:
@@ -252,21 +281,22 @@ class _RoutingPlanner(LoadPlanner):
         raise DcpStorageError("Broadcasting: the routing planner is only used inside read_data")
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        rank, index, item = self._claim(read_item)
+        job = self._claim(read_item)
         self._open -= 1
         # Our readers hand over VettedBytes; bytes from any other reader are vetted here, before they
         # reach a planner (this rank's or, through the process group, another's).
         vetted = ensure_vetted(value, f"item {read_item.storage_index.fqn!r} read by the wrapped reader")
-        if rank == self._me:
-            self._stats.bytes_local += len(vetted.getbuffer())
-            self._real.load_bytes(item, vetted)
-        else:
-            self._sender.send_bytes(rank, index, vetted.getvalue())
+        for rank, index, item in [job, *self._copies.get(id(job[2]), ())]:
+            if rank == self._me:
+                self._stats.bytes_local += len(vetted.getbuffer())
+                self._real.load_bytes(item, VettedBytes(vetted.getvalue()))  # a fresh stream per destination
+            else:
+                self._sender.send_bytes(rank, index, vetted.getvalue())
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         job = self._claim(read_item)
         rank, _index, item = job
-        if rank == self._me:
+        if rank == self._me and id(item) not in self._copies:
             tensor = self._real.resolve_tensor(item)
         else:
             lengths = tuple(int(n) for n in item.lengths)
@@ -286,8 +316,24 @@ class _RoutingPlanner(LoadPlanner):
         if staged.numel():
             self._staged.pop(-staged.data_ptr(), None)
         self._open -= 1
-        if rank == self._me:
+        copies = self._copies.get(id(item))
+        if copies is None:
+            if rank == self._me:
+                self._stats.bytes_local += staged.numel() * staged.element_size()
+                self._real.commit_tensor(item, tensor)
+            else:
+                self._sender.send_tensor(rank, index, staged)
+            return
+        for rank, index, item in [(rank, index, item), *copies]:  # staged holds the stored bytes: deliver all
+            if rank != self._me:
+                self._sender.send_tensor(rank, index, staged)
+                continue
+            dest = self._real.resolve_tensor(item).detach()
+            if tuple(dest.shape) != tuple(staged.shape):
+                raise ShapeMismatchError(
+                    f"{item.dest_index.fqn}: destination has shape {list(dest.shape)} but the checkpoint slice "
+                    f"is {list(staged.shape)}"
+                )
+            dest.copy_(staged)
             self._stats.bytes_local += staged.numel() * staged.element_size()
-            self._real.commit_tensor(item, tensor)
-        else:
-            self._sender.send_tensor(rank, index, staged)
+            self._real.commit_tensor(item, dest)

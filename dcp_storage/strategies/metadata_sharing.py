@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import DcpStorageError
-from .dcp_call import load_group, works_alone
+from .dcp_call import current_call, load_group, works_alone
 from .group import group_view
 
-__all__ = ["decode_error", "encode_error", "share_object"]
+__all__ = ["decode_error", "encode_error", "share_object", "share_within_load"]
 
 T = TypeVar("T")
 _SIMPLE = (str, int, float, bool, type(None))
@@ -69,6 +69,20 @@ def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -
     if kind == "error":
         raise decode_error(body)
     return body
+
+
+def share_within_load(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -> T:
+    """:func:`share_object` while a distributed ``dcp.load`` runs (every rank of its group calls the reader
+    step that calls this); anywhere else ``fn()`` on this process alone.
+
+    For readers whose metadata step is also called outside ``dcp.load`` (``reader.read_metadata()`` on one
+    rank to look at keys, conversion, ``describe``): there no other rank is waiting, so a collective would
+    hang. Without a recognisable DCP call on the stack (see :mod:`.dcp_call`) the reader reads alone: more
+    requests, never a hang.
+    """
+    if current_call() is None:
+        return fn()
+    return share_object(fn, group=group, src_rank=src_rank)
 
 
 def encode_error(exc: BaseException, rank: int) -> dict[str, Any]:

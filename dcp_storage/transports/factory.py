@@ -21,9 +21,12 @@ from .config import TransportConfig
 from .fsspec_transport import FsspecTransport
 from .protocol import Transport
 
-__all__ = ["TRANSPORT_OPTION", "bind_transport", "open_transport"]
+__all__ = ["READ_STRATEGY_OPTION", "TRANSPORT_OPTION", "bind_transport", "open_transport"]
 
 TRANSPORT_OPTION = "transport"
+# A reader's option (which ranks fetch shared bytes, see dcp_storage.strategies.read_strategy), never the
+# filesystem's: dropped here so that any entry point given a reader's storage options can open a transport.
+READ_STRATEGY_OPTION = "read_strategy"
 BUILTIN = "fsspec"
 
 
@@ -36,6 +39,7 @@ def open_transport(
     url = os.fspath(url)
     options = dict(storage_options or {})
     chosen = options.pop(TRANSPORT_OPTION, None)
+    options.pop(READ_STRATEGY_OPTION, None)
     if chosen is None and "://" in url:
         scheme = url.split("://", 1)[0]
         if scheme != BUILTIN and any(p.name == scheme for p in registry.list("transports")):

@@ -124,6 +124,26 @@ def test_forwards_head_and_body_verbatim_over_one_connection(proxy: FaultProxy) 
     assert counters.bytes_to_client > 3 * 4000
 
 
+def test_requests_and_body_bytes_are_counted_per_object(proxy: FaultProxy) -> None:
+    """What the server was asked for, object by object: the count tests of "read once" rely on."""
+    proxy.reset_counters()
+    for path in ("/b/ckpt/.metadata", "/b/ckpt/.metadata", "/b/ckpt/x%20y.distcp?part=1"):
+        status, body = request(proxy, "GET", path)
+        assert status == 200 and len(body) > 4000
+    assert request(proxy, "HEAD", "/b/ckpt/.metadata")[0] == 200
+    counters = proxy.counters()
+    assert counters.requests_to("/.metadata") == 2
+    assert counters.requests_to("/.metadata", method="HEAD") == 1
+    assert counters.requests_to("/x y.distcp") == 1  # URL-decoded, query left out
+    assert counters.by_path[("HEAD", "/b/ckpt/.metadata")] == [1, 0]  # a HEAD has no body
+    served = counters.by_path[("GET", "/b/ckpt/.metadata")][1]
+    assert served > 2 * 4000 and counters.body_bytes() == served + counters.by_path[("GET", "/b/ckpt/x y.distcp")][1]
+    assert counters.body_bytes() < counters.bytes_to_client  # heads are not body bytes
+    assert [entry[1] for entry in counters.log] == ["/b/ckpt/.metadata"] * 2 + ["/b/ckpt/x y.distcp", "/b/ckpt/.metadata"]
+    proxy.reset_counters()
+    assert proxy.counters().by_path == {}
+
+
 def test_every_nth_matching_request_and_filters(proxy: FaultProxy) -> None:
     proxy.set_rules([FaultRule("error_500", every=3, method="GET", path=r"^/data/", query=r"part=")])
     statuses = [request(proxy, "GET", f"/data/f?part={i}")[0] for i in range(7)]

@@ -93,7 +93,8 @@ class _Entry:
 
 
 class DcpItemLoader:
-    """Reads one rank's load plan. Built per ``read_data`` call; not thread-safe."""
+    """Reads one rank's load plan, in one or several ``load`` calls. Built per ``read_data`` call; not
+    thread-safe."""
 
     def __init__(
         self,
@@ -119,6 +120,7 @@ class DcpItemLoader:
         # non-tensor items always do)
         self.check_zips = check_zips
         self._planner: LoadPlanner | None = None
+        self._sizes: dict[str, int] = {}  # file sizes seen by this loader (load() may run once per round)
 
     # ---------------------------------------------------------------------------------------- helpers
     def _entry(self, item: ReadItem) -> _Entry:
@@ -265,7 +267,9 @@ class DcpItemLoader:
             path = self._path(e)
             ends[path] = max(ends.get(path, 0), e.offset + e.length)
         for path, end in ends.items():
-            size = self.transport.size(path)
+            size = self._sizes.get(path)
+            if size is None:
+                size = self._sizes[path] = self.transport.size(path)
             if size < end:
                 raise CorruptCheckpointError(
                     f"{self.transport.url(path)}: file is {size} bytes but the metadata needs {end} (truncated?)"

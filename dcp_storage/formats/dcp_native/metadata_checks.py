@@ -34,6 +34,12 @@ from ..tiling import tiling_problem
 __all__ = ["check_metadata", "metadata_problems"]
 
 _MAX_LISTED = 5
+_PROPERTY_TYPES = (
+    ("layout", torch.layout),
+    ("memory_format", torch.memory_format),
+    ("requires_grad", bool),
+    ("pin_memory", bool),
+)
 
 
 def _int(value: Any) -> bool:
@@ -42,6 +48,8 @@ def _int(value: Any) -> bool:
 
 def _dims(value: Any) -> list[int] | None:
     """``value`` as a list of int64 dimensions (a ``torch.Size``, list or tuple), else ``None``."""
+    if type(value) is torch.Size:  # ints only (fast path): the sign and int64's range to check
+        return list(value) if not value or (min(value) >= 0 and max(value) <= MAX_DIM) else None
     if not isinstance(value, (torch.Size, list, tuple)) or not all(_int(v) and 0 <= v <= MAX_DIM for v in value):
         return None
     return [int(v) for v in value]
@@ -52,8 +60,7 @@ def _tensor_problems(fqn: str, item: TensorStorageMetadata, storage: dict[Any, A
     dtype = getattr(props, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         return [f"tensor {fqn!r} has dtype {dtype!r}, not a torch dtype"]
-    expected = {"layout": torch.layout, "memory_format": torch.memory_format, "requires_grad": bool, "pin_memory": bool}
-    odd = [name for name, kind in expected.items() if not isinstance(getattr(props, name, None), kind)]
+    odd = [name for name, kind in _PROPERTY_TYPES if not isinstance(getattr(props, name, None), kind)]
     if odd:
         return [f"tensor {fqn!r} has malformed properties ({', '.join(odd)})"]
     problems: list[str] = []
@@ -89,7 +96,26 @@ def _tensor_problems(fqn: str, item: TensorStorageMetadata, storage: dict[Any, A
     return problems
 
 
-def _storage_problems(index: Any, info: Any, state: dict[str, Any], path: str) -> list[str]:
+def _relative_problem(rel: Any, what: str, seen: dict[str, str | None]) -> str | None:
+    """:func:`check_relative`'s complaint about ``rel``, once per distinct path (a checkpoint names a few
+    data files from millions of entries)."""
+    if isinstance(rel, str) and rel in seen:
+        problem = seen[rel]
+        return None if problem is None else f"{what}: {problem}"
+    try:
+        check_relative(rel, what)
+    except CorruptCheckpointError as exc:
+        if isinstance(rel, str):
+            seen[rel] = str(exc).removeprefix(f"{what}: ")
+        return str(exc)
+    if isinstance(rel, str):
+        seen[rel] = None
+    return None
+
+
+def _storage_problems(
+    index: Any, info: Any, state: dict[str, Any], path: str, seen: dict[str, str | None] | None = None
+) -> list[str]:
     if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
         return [f"storage map key {index!r} is not a MetadataIndex"]
     what = f"storage entry for {index.fqn!r}"
@@ -98,10 +124,9 @@ def _storage_problems(index: Any, info: Any, state: dict[str, Any], path: str) -
     rel = getattr(info, "relative_path", None)
     offset, length = getattr(info, "offset", None), getattr(info, "length", None)
     problems: list[str] = []
-    try:
-        check_relative(rel, what)
-    except CorruptCheckpointError as exc:
-        problems.append(str(exc))
+    relative = _relative_problem(rel, what, {} if seen is None else seen)
+    if relative is not None:
+        problems.append(relative)
     if not (_int(offset) and _int(length)):
         problems.append(f"{what}: offset {offset!r} and length {length!r} must be integers")
     elif offset < 0 or length < 0 or offset + length > MAX_BYTES:
@@ -114,26 +139,44 @@ def _storage_problems(index: Any, info: Any, state: dict[str, Any], path: str) -
     return problems
 
 
-def _incomplete(obj: Any) -> list[str]:
-    """The dataclass fields ``obj`` lacks (a pickle can build an instance without ``__init__``)."""
-    if not dataclasses.is_dataclass(obj):
+def _incomplete(obj: Any, fields: dict[type, frozenset[str]] | None = None) -> list[str]:
+    """The dataclass fields ``obj`` lacks (a pickle can build an instance without ``__init__``).
+
+    ``fields`` caches each class's field names: a ``.metadata`` holds millions of objects of six classes.
+    An instance whose ``__dict__`` holds every field is complete without looking further.
+    """
+    cls = type(obj)
+    names = fields.get(cls) if fields is not None else None
+    if names is None:
+        if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+            names = frozenset()
+        else:
+            names = frozenset(f.name for f in dataclasses.fields(obj))
+        if fields is not None:
+            fields[cls] = names
+    if not names or names <= getattr(obj, "__dict__", {}).keys():
         return []
-    return [f.name for f in dataclasses.fields(obj) if not hasattr(obj, f.name)]
+    return sorted(name for name in names if not hasattr(obj, name))
 
 
 def _missing_fields(metadata: Metadata) -> list[str]:
-    objects: list[Any] = [metadata.storage_meta]
-    for item in metadata.state_dict_metadata.values():
-        objects.append(item)
-        objects.append(getattr(item, "properties", None))
-        objects.extend(getattr(item, "chunks", None) or ())
-    for index, info in metadata.storage_data.items():
-        objects += [index, info]
-    out = []
-    for obj in objects:
-        missing = _incomplete(obj)
+    fields: dict[type, frozenset[str]] = {}
+    out: list[str] = []
+
+    def check(obj: Any) -> None:
+        missing = _incomplete(obj, fields)
         if missing:
             out.append(f"a {type(obj).__name__} lacks {', '.join(missing)}")
+
+    check(metadata.storage_meta)
+    for item in metadata.state_dict_metadata.values():
+        check(item)
+        check(getattr(item, "properties", None))
+        for chunk in getattr(item, "chunks", None) or ():
+            check(chunk)
+    for index, info in metadata.storage_data.items():
+        check(index)
+        check(info)
     return out
 
 
@@ -172,8 +215,9 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
                 problems.append(f"value {fqn!r} has no storage entry")
         else:
             problems.append(f"{fqn!r} has metadata of type {type(item).__name__}")
+    seen: dict[str, str | None] = {}
     for index, info in storage.items():
-        problems += _storage_problems(index, info, state, path)
+        problems += _storage_problems(index, info, state, path, seen)
     return problems
 
 

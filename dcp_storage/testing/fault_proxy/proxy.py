@@ -152,7 +152,8 @@ class FaultProxy(StartStop):
     def counters(self) -> FaultCounters:
         s = self._state
         with s.lock:
-            return FaultCounters(s.requests, dict(s.faults), tuple(s.faulted), s.up, s.down)
+            by_path = {key: list(value) for key, value in s.by_path.items()}
+            return FaultCounters(s.requests, dict(s.faults), tuple(s.faulted), s.up, s.down, by_path, tuple(s.log))
 
     def reset_counters(self) -> None:
         with self._state.lock:
@@ -272,7 +273,13 @@ class FaultProxy(StartStop):
         writer.write(response.raw)
         await writer.drain()
         if has_body:
-            await relay_body(up_reader, writer, response, until_eof=True, count=lambda n: self._count(down=n))
+            key = self._state.key_of(method, head.start_line.split(" ")[1])
+
+            def count(n: int) -> None:
+                self._count(down=n)
+                self._state.count_body(key, n)
+
+            await relay_body(up_reader, writer, response, until_eof=True, count=count)
         closes = response.has_token("connection", "close") or head.has_token("connection", "close")
         delimited = (
             not has_body

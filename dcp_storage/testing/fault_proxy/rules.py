@@ -125,7 +125,10 @@ class FaultCounters:
 
     ``faults`` has every mode as a key. ``faulted`` lists ``(method, path, mode)`` of each fault, oldest
     first (the last 10,000). ``bytes_to_upstream`` / ``bytes_to_client`` count forwarded bytes (heads
-    and bodies).
+    and bodies). ``by_path`` maps ``(method, URL-decoded path)`` to ``[requests, body bytes to the client]``:
+    what the server was asked for, object by object (how many times a metadata file was fetched, how many
+    bytes of a data file were served), whatever the client's own counters say. ``log`` lists
+    ``(method, path, first byte of the range or None)`` of every request, oldest first (the last 100,000).
     """
 
     requests: int = 0
@@ -133,10 +136,20 @@ class FaultCounters:
     faulted: tuple[tuple[str, str, str], ...] = ()
     bytes_to_upstream: int = 0
     bytes_to_client: int = 0
+    by_path: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    log: tuple[tuple[str, str, int | None], ...] = ()
 
     @property
     def total_faults(self) -> int:
         return sum(self.faults.values())
+
+    def requests_to(self, path_suffix: str, method: str = "GET") -> int:
+        """Requests of ``method`` for objects whose path ends with ``path_suffix``."""
+        return sum(n for (m, p), (n, _b) in self.by_path.items() if m == method and p.endswith(path_suffix))
+
+    def body_bytes(self, method: str = "GET") -> int:
+        """Body bytes the server sent back for requests of ``method``, every object together."""
+        return sum(b for (m, _p), (_n, b) in self.by_path.items() if m == method)
 
 
 class RuleBook:
@@ -155,12 +168,27 @@ class RuleBook:
         self.faulted: list[tuple[str, str, str]] = []
         self.up = 0
         self.down = 0
+        self.by_path: dict[tuple[str, str], list[int]] = {}
+        self.log: list[tuple[str, str, int | None]] = []
+
+    def count_body(self, key: tuple[str, str], nbytes: int) -> None:
+        """Body bytes sent to the client for a request of ``key`` (method, path); the caller holds no lock."""
+        with self.lock:
+            self.by_path.setdefault(key, [0, 0])[1] += nbytes
+
+    @staticmethod
+    def key_of(method: str, target: str) -> tuple[str, str]:
+        return method, urllib.parse.unquote(urllib.parse.urlsplit(target).path)
 
     def decide(self, method: str, target: str, byte_range: ByteRange | None = None) -> FaultRule | None:
         split = urllib.parse.urlsplit(target)
         path = urllib.parse.unquote(split.path)
         with self.lock:
             self.requests += 1
+            self.by_path.setdefault((method, path), [0, 0])[0] += 1
+            self.log.append((method, path, None if byte_range is None else byte_range[0]))
+            if len(self.log) > 120_000:
+                del self.log[:-100_000]
             for i, rule in enumerate(self.rules):
                 if not rule.matches(method, path, split.query, byte_range):
                     continue
