@@ -202,16 +202,21 @@ class CrashTrials:
 
     # ------------------------------------------------------------------------------------ set-up
     def measure(self) -> float:
-        """Save the *other* checkpoint three times with 2 ranks, uninterrupted; the first warms up, and the
-        faster of the other two sets the span (a slow outlier would push most kills past the save's end)."""
+        """Three uninterrupted 2-rank saves: the first (the *other* checkpoint) warms up, and the faster of two
+        more, each to a fresh path, sets the span. Fresh paths are the fastest saves a trial makes (an
+        overwrite also retires the old files), so kills drawn within the span land before a save ends; a
+        slow outlier would push most kills past it."""
         timings = []
         for attempt in range(3):
-            job, signals = self._launch(self.other, OTHER_SEED, True, f"measure{attempt}")
+            url = self.other if attempt == 0 else self.loc.url(f"measure{attempt}")
+            job, signals = self._launch(url, OTHER_SEED, True, f"measure{attempt}")
             status = job.wait()
             assert status == [0, 0], f"uninterrupted save failed: {status}"
             duration = max(float(Path(signals, f"rank{r}.json").read_text()) for r in (0, 1))
             started = float(Path(signals, "rank0.start").read_text().split()[1])
             timings.append((duration, float(Path(signals, "committed").read_text()) - started))
+            if attempt:
+                self.loc.remove(url)
         self.duration, self.commit = min(timings[1:])
         self.data_files = sum(n.endswith(".distcp") for n in self.loc.snapshot(self.other))
         assert self.data_files >= 4, self.loc.snapshot(self.other)
