@@ -378,6 +378,10 @@ class Bench:
         self.rows.append(row)
         return row
 
+    def _chosen(self, writers: tuple[str, ...]) -> list[str]:
+        wanted = self.args.writers.split(",") if self.args.writers else writers
+        return [w for w in writers if w in wanted]
+
     def _fresh_target(self, job: dict[str, Any]) -> dict[str, Any]:
         name = f"run-{uuid.uuid4().hex[:8]}"
         if job.get("s3"):
@@ -418,7 +422,7 @@ class Bench:
             case = f"local {world}p" if world == 1 else f"local {world}r"
             print(f"[{case}]", flush=True)
             self.case(case, "raw write+fsync", _raw_local_job, world, {})
-            for writer in LOCAL_WRITERS:
+            for writer in self._chosen(LOCAL_WRITERS):
                 self.case(case, writer, _save_job, world, {"writer": writer})
         if "async" in self.args.cases:
             for world in (1, 2):
@@ -454,7 +458,7 @@ class Bench:
                     world,
                     {**raw, "multipart": True, "concurrency": self.args.raw_concurrency},
                 )
-                for writer in S3_WRITERS:
+                for writer in self._chosen(S3_WRITERS):
                     job = {"s3": True, "writer": writer, "storage_options": so, "server_pid": server.pid}
                     self.case(case, writer, _save_job, world, job)
 
@@ -636,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         "--cases", default="local1,local2,async,s3-1,s3-2", help="comma list of local1,local2,async,s3-1,s3-2"
     )
     p.add_argument("--s3-server", choices=("moto", "s3rver"), default="moto")
+    p.add_argument("--writers", default=None, help="comma list: only these writers (and the raw limits)")
     p.add_argument("--s3-repeats", type=int, default=None, help="best of N for the S3 cases (default: --repeats)")
     p.add_argument("--raw-part", type=int, default=64 * MiB, help="raw S3 limit: bytes per PUT / part")
     p.add_argument("--raw-concurrency", type=int, default=4, help="raw S3 limit: requests in flight per rank")

@@ -210,7 +210,9 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
 
         def write(name: str, items: list[WriteItem]) -> list[WriteResult]:
             size = estimated_bytes(items)
-            held = min(size, (parts + 1) * part_size) if not local else 0
+            # What the file holds in memory: its buffer (or the parts of its upload), and as much again in the
+            # HTTP client, which copies what the socket does not take at once (peak RSS was 3x the budget).
+            held = 2 * min(size, (parts + 1) * part_size) if not local else 0
             budget.acquire(held)
             try:
                 return self._write_file(name, items, planner, in_memory=not local and size <= part_size)
