@@ -12,7 +12,9 @@ The checkpoint is a real one's ``.metadata`` (``--metadata``) or a synthetic Lla
 
 * ``hsdp``: shard 8 (one host holds one replica), replicated across hosts;
 * ``fsdp``: shard = world (nothing replicated);
-* ``ddp``: shard 1 (every rank a full copy; with ``--ddp-model 8b`` a Llama-8B layout, which fits a GPU).
+* ``ddp``: shard 1 (every rank a full copy), of a Llama-3.2-1B layout (``--ddp-model``: ``1b``, ``8b`` or
+  ``70b``): DDP is for models that fit a GPU. (``8b`` at 8,192 ranks needs more than this machine's memory:
+  the coordinator's read-once plan grows with ranks x row blocks, about 16 million entries there.)
 
 For each strategy - ``per_rank`` (every rank reads what it needs), ``broadcasting`` (rank 0 reads, sends
 every rank its slices), ``read_once`` (shared slices read by one rank each, exchanged) and ``per_host``
@@ -58,6 +60,8 @@ def _metadata(args: argparse.Namespace, ddp: bool) -> Any:
             return load_metadata(fh.read(), args.metadata)
     if ddp and args.ddp_model == "8b":
         return synthetic_transformer(layers=32, hidden=4096, ffn=14336, vocab=128256, kv_heads=8, heads=32)
+    if ddp and args.ddp_model == "1b":
+        return synthetic_transformer(layers=16, hidden=2048, ffn=8192, vocab=128256, kv_heads=8, heads=32)
     return synthetic_transformer()
 
 
@@ -102,7 +106,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="hsdp,fsdp,ddp")
     parser.add_argument("--strategies", default="per_rank,broadcasting,read_once,per_host")
     parser.add_argument("--metadata", help="a real checkpoint's .metadata (default: synthetic Llama-70B)")
-    parser.add_argument("--ddp-model", choices=("70b", "8b"), default="8b")
+    parser.add_argument("--ddp-model", choices=("70b", "8b", "1b"), default="1b")
     parser.add_argument("--gpus-per-host", type=int, default=8)
     parser.add_argument("--rank-gbps", type=float, default=0.5)
     parser.add_argument("--link-gbps", type=float, default=25.0)

@@ -41,6 +41,7 @@ from ..formats.misdirected import raise_explained
 from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
+from ..integrity.safetensors_sums import FileSums
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import load_view, running_planner
 from ..strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
@@ -94,6 +95,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
             raise ValueError(f"coordinator_rank must be >= 0, got {coordinator_rank}")
         self.storage_options = dict(storage_options or {})
         self._strategy_choice = (read_strategy, self.storage_options.pop(READ_STRATEGY_OPTION, None))
+        self._sums: dict[str, FileSums] = {}  # under verify: each file's header checksums, read with the metadata
         self._stored: MetadataItems | None = None
         self.transport_config = transport_config
         self.scan_config = scan_config or ScanConfig()
@@ -115,15 +117,25 @@ class SafetensorsReader(BoundLocation, StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self._stored = None
+        self._sums = {}
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     # ---------------------------------------------------------------------------------------- metadata
-    def _scan(self) -> tuple[str, Metadata]:
+    def _scan(self) -> tuple[str, Metadata, dict[str, FileSums]]:
+        """The layout's root, its metadata and, under ``verify``, each file's header checksums (from the same
+        header bytes: a header is fetched once per load)."""
         try:
             layout = discover(self.transport, self.target)
-            return layout.root, scan_metadata(self.transport, layout, self.scan_config)
+            found: dict[Any, Any] | None = {} if self.verify else None
+            metadata = scan_metadata(self.transport, layout, self.scan_config, found)
+            sums = {
+                blob.file: FileSums(url, header.metadata, raw)
+                for blob, (header, raw, url) in (found or {}).items()
+                if blob.base == 0  # a whole safetensors file (a DCP layout's blobs sit inside .distcp files)
+            }
+            return layout.root, metadata, sums
         except (CheckpointNotFoundError, errors.CorruptCheckpointError, NotADirectoryError, IsADirectoryError) as exc:
             # A missing bucket, or another format at the URL (a DCP directory, a torch.save file): say which.
             raise_explained(self.transport, self.target, "safetensors", "SafetensorsReader", exc)
@@ -143,16 +155,16 @@ class SafetensorsReader(BoundLocation, StorageReader):
             raise CheckpointNotFoundError(f"{self.path}: safetensors checkpoints have no per-rank metadata")
         group = self._group()
         if group is None:
-            root, metadata = self._scan()
+            root, metadata, self._sums = self._scan()
         else:
-            root, metadata = self._scan_and_broadcast(group)
+            root, metadata, self._sums = self._scan_and_broadcast(group)
         self.root = root
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return metadata
 
-    def _scan_and_broadcast(self, group: Any) -> tuple[str, Metadata]:
+    def _scan_and_broadcast(self, group: Any) -> tuple[str, Metadata, dict[str, FileSums]]:
         is_coordinator = dist.get_rank(group) == self.coordinator_rank
         failure: BaseException | None = None
         payload: tuple[Any, ...] = ()
@@ -169,7 +181,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         result = box[0]
         if result[0] != "ok":
             raise _rebuild(result[1], result[2], self.coordinator_rank)
-        return result[1], result[2]
+        return result[1], result[2], result[3]
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -189,7 +201,9 @@ class SafetensorsReader(BoundLocation, StorageReader):
 
     # -------------------------------------------------------------------------------------------- data
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        loader = SafetensorsItemLoader(self.transport, self.root, self.storage_data, self.loader_config, verify=self.verify)
+        loader = SafetensorsItemLoader(
+            self.transport, self.root, self.storage_data, self.loader_config, verify=self.verify, known_sums=self._sums
+        )
         if self._stored is None:
             loader.load(plan.items, planner)
         else:

@@ -36,6 +36,7 @@ def cases() -> dict[str, tuple[str, Factory]]:
         "fsspec": ("dcp", lambda u, o: FsspecReader(u, o)),
         "fsspec-verify": ("dcp", lambda u, o: FsspecReader(u, o, verify=True)),
         "safetensors": ("st", lambda u, o: SafetensorsReader(f"{u}/model.safetensors", o)),
+        "safetensors-verify": ("st", lambda u, o: SafetensorsReader(f"{u}/model.safetensors", o, verify=True)),
         "safetensors-index": ("hf", lambda u, o: SafetensorsReader(f"{u}/model.safetensors.index.json", o)),
         "safetensors-dcp": ("dcp_st", lambda u, o: SafetensorsReader(u, o)),
         "torch-save": ("pt", lambda u, o: BroadcastingTorchSaveReader(f"{u}/model.pt", storage_options=o)),

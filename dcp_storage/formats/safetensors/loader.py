@@ -71,12 +71,14 @@ class SafetensorsItemLoader:
         storage_data: Mapping[Any, Any],
         config: LoaderConfig | None = None,
         verify: bool = False,
+        known_sums: Mapping[str, FileSums] | None = None,
     ) -> None:
         self.transport = transport
         self.root = root
         self.storage_data = storage_data
         self.config = config or LoaderConfig()
         self.verify = verify
+        self._known = dict(known_sums or {})  # file -> its header's checksums, read with the metadata
         self._sums: dict[str, FileSums] = {}
         self._resolved: dict[int, torch.Tensor] = {}  # id(item) -> destination, for the items of one load()
 
@@ -120,7 +122,9 @@ class SafetensorsItemLoader:
         """The checksums ``file``'s header records (header digest checked); warns once if it records none."""
         sums = self._sums.get(file)
         if sums is None:
-            sums, _header = FileSums.read(self.transport, self._path(file))
+            sums = self._known.get(file)
+            if sums is None:
+                sums, _header = FileSums.read(self.transport, self._path(file))
             if sums.present:
                 require_checksummed(sums)
             else:

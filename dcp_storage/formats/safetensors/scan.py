@@ -79,9 +79,14 @@ def _sizes(transport: Transport, layout: Layout, files: Sequence[str]) -> dict[s
 
 
 def read_headers(
-    transport: Transport, layout: Layout, blobs: Sequence[Blob], config: ScanConfig | None = None
+    transport: Transport,
+    layout: Layout,
+    blobs: Sequence[Blob],
+    config: ScanConfig | None = None,
+    raw: dict[Blob, bytes] | None = None,
 ) -> tuple[dict[Blob, SafetensorsHeader], dict[str, str]]:
-    """Every blob's parsed header, and the URL of each file (for messages)."""
+    """Every blob's parsed header, and the URL of each file (for messages). ``raw``, if given, receives each
+    blob's header bytes (length prefix and JSON), for callers that check its digest without reading it again."""
     config = config or ScanConfig()
     files = sorted({b.file for b in blobs})
     paths = {f: resolve(transport, layout.root, f) for f in files}
@@ -120,10 +125,23 @@ def read_headers(
     headers = {
         b: parse_header(memoryview(heads[b])[LENGTH_BYTES : needed[b]], avail[b] - needed[b], where(b)) for b in blobs
     }
+    if raw is not None:
+        raw.update({b: heads[b][: needed[b]] for b in blobs})
     return headers, urls
 
 
-def scan_metadata(transport: Transport, layout: Layout, config: ScanConfig | None = None) -> Metadata:
-    """Read every header ``layout`` needs and build its DCP ``Metadata`` (with the storage map)."""
-    headers, urls = read_headers(transport, layout, blobs_of(layout), config)
+def scan_metadata(
+    transport: Transport,
+    layout: Layout,
+    config: ScanConfig | None = None,
+    found: dict[Blob, tuple[SafetensorsHeader, bytes, str]] | None = None,
+) -> Metadata:
+    """Read every header ``layout`` needs and build its DCP ``Metadata`` (with the storage map).
+
+    ``found``, if given, receives each blob's parsed header, its raw bytes and its file's URL.
+    """
+    raw: dict[Blob, bytes] | None = {} if found is not None else None
+    headers, urls = read_headers(transport, layout, blobs_of(layout), config, raw)
+    if found is not None and raw is not None:
+        found.update({b: (headers[b], raw[b], urls[b.file]) for b in headers})
     return build_metadata(layout, headers, urls)
