@@ -570,13 +570,19 @@ def evaluate_bar(rows: list[dict[str, Any]], inflight: int) -> list[dict[str, An
         if r and "vs_raw" in r:
             bar(f"{case} >= 0.9x raw write+fsync", r["vs_raw"] >= 0.9, f"{r['vs_raw']:.2f}x ({r['gbps']:.3f} GB/s)")
         if r and "vs_torch" in r:
-            bar(f"{case} >= 1.1x torch's best FileSystemWriter", r["vs_torch"] >= 1.1,
-                f"{r['vs_torch']:.2f}x ({r['torch_ref']})")
+            bar(
+                f"{case} >= 1.1x torch's best FileSystemWriter",
+                r["vs_torch"] >= 1.1,
+                f"{r['vs_torch']:.2f}x ({r['torch_ref']})",
+            )
     for case in ("s3 1p", "s3 2r"):
         r = find(case, "ours")
         if r and "vs_raw" in r:
-            bar(f"{case} >= 0.7x raw concurrent multipart", r["vs_raw"] >= 0.7,
-                f"{r['vs_raw']:.2f}x ({r['gbps']:.3f} GB/s; x raw PUT {r.get('vs_raw_put', 0):.2f})")
+            bar(
+                f"{case} >= 0.7x raw concurrent multipart",
+                r["vs_raw"] >= 0.7,
+                f"{r['vs_raw']:.2f}x ({r['gbps']:.3f} GB/s; x raw PUT {r.get('vs_raw_put', 0):.2f})",
+            )
         if r and "vs_torch" in r:
             bar(f"{case} >= 3x torch's FsspecWriter", r["vs_torch"] >= 3.0, f"{r['vs_torch']:.2f}x")
     worst = max(

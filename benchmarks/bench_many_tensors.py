@@ -168,7 +168,13 @@ def phase(name: str, root: str, n: int) -> dict[str, float]:
             finally:
                 sys.stdout = stdout
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"seconds": seconds, "cpu_seconds": cpu, "peak_mib": (_peak_kib() - base) / 1024, "rss_before_mib": base / 1024, **extra}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "peak_mib": (_peak_kib() - base) / 1024,
+        "rss_before_mib": base / 1024,
+        **extra,
+    }
 
 
 def main() -> None:
@@ -197,15 +203,30 @@ def main() -> None:
         return
     results = {}
     for name in args.phases.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--tensors", str(args.tensors), "--_phase", name, "--_root", root]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--tensors",
+            str(args.tensors),
+            "--_phase",
+            name,
+            "--_root",
+            root,
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode:
             print(f"{name}: failed\n{out.stderr[-3000:]}")
             continue
         results[name] = json.loads(out.stdout.strip().splitlines()[-1])
         r = results[name]
-        print(f"{name:>15}: {r['seconds']:7.2f} s ({r['cpu_seconds']:.2f} s CPU), peak +{r['peak_mib']:7.1f} MiB (process before: {r['rss_before_mib']:.0f} MiB)"
-              + "".join(f", {k}={v:.0f}" for k, v in r.items() if k not in ("seconds", "cpu_seconds", "peak_mib", "rss_before_mib")))
+        print(
+            f"{name:>15}: {r['seconds']:7.2f} s ({r['cpu_seconds']:.2f} s CPU), peak +{r['peak_mib']:7.1f} MiB (process before: {r['rss_before_mib']:.0f} MiB)"
+            + "".join(
+                f", {k}={v:.0f}"
+                for k, v in r.items()
+                if k not in ("seconds", "cpu_seconds", "peak_mib", "rss_before_mib")
+            )
+        )
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump({"tensors": args.tensors, "files": args.files, "phases": results}, fh, indent=1)

@@ -52,7 +52,9 @@ def state(size_mib: int) -> dict[str, Any]:
     return out
 
 
-def rank_load(rank: int, world: int, url: str, options: dict[str, Any], strategy: str, layout: str, size_mib: int) -> dict[str, Any]:
+def rank_load(
+    rank: int, world: int, url: str, options: dict[str, Any], strategy: str, layout: str, size_mib: int
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -128,7 +130,11 @@ def main() -> None:
                     bad = [r["bad"] for r in per_rank if r["bad"]]
                     runs.append({"seconds": max(r["seconds"] for r in per_rank), "served": served, "bad": bad})
                 best = min(runs, key=lambda r: r["seconds"])
-                results[strategy] = {"best_seconds": best["seconds"], "runs": runs, "served_ratio": best["served"] / size}
+                results[strategy] = {
+                    "best_seconds": best["seconds"],
+                    "runs": runs,
+                    "served_ratio": best["served"] / size,
+                }
                 times = ", ".join(f"{r['seconds']:.2f}" for r in runs)
                 print(
                     f"{strategy:>10}: {best['seconds']:.2f} s (runs: {times}), "
@@ -137,7 +143,9 @@ def main() -> None:
                 )
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as fh:
-            json.dump({"size_bytes": size, "ranks": args.ranks, "layout": args.layout, "results": results}, fh, indent=1)
+            json.dump(
+                {"size_bytes": size, "ranks": args.ranks, "layout": args.layout, "results": results}, fh, indent=1
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -129,7 +129,10 @@ def main() -> int:
     problems = sorted({p for rank_problems in results for p in rank_problems})
     for line in problems:
         print("FAIL", line)
-    print(f"gpu_check: {ranks} {'gloo' if args.cpu else 'NCCL'} rank(s): " + ("all checks passed" if not problems else f"{len(problems)} failures"))
+    print(
+        f"gpu_check: {ranks} {'gloo' if args.cpu else 'NCCL'} rank(s): "
+        + ("all checks passed" if not problems else f"{len(problems)} failures")
+    )
     return 0 if not problems else 1
 
 

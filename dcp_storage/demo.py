@@ -73,7 +73,13 @@ def _load_rank(rank: int, world: int, url: str, options: dict[str, Any], cfg: De
         needed += local.numel() * local.element_size()
         if not torch.equal(value.full_tensor(), expected[key]):
             mismatched.append(key)
-    return {"seconds": seconds, "needed_bytes": needed, "mismatched": mismatched, "tensors": len(expected), **reader.counters}
+    return {
+        "seconds": seconds,
+        "needed_bytes": needed,
+        "mismatched": mismatched,
+        "tensors": len(expected),
+        **reader.counters,
+    }
 
 
 def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
@@ -106,7 +112,9 @@ def format_report(result: dict[str, Any]) -> str:
     needed = sum(r["needed_bytes"] for r in load)
     read = sum(r["bytes_read"] for r in load)
     bad = sorted({k for r in load for k in r["mismatched"]})
-    lines.append(f"resharded {cfg.save_ranks} -> {cfg.load_ranks} ranks: read {read / max(needed, 1):.3f}x the bytes the ranks needed")
+    lines.append(
+        f"resharded {cfg.save_ranks} -> {cfg.load_ranks} ranks: read {read / max(needed, 1):.3f}x the bytes the ranks needed"
+    )
     lines.append(
         f"verify: {load[0]['tensors']} tensors, "
         + ("all bit-exact on every rank" if not bad else f"MISMATCH in {len(bad)}: {', '.join(bad[:5])}")

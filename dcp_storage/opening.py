@@ -53,7 +53,10 @@ def detect_format(url: str | os.PathLike[str], storage_options: dict[str, Any] |
 
 
 def open_reader(
-    url: str | os.PathLike[str], format: str | None = None, storage_options: dict[str, Any] | None = None, **options: Any
+    url: str | os.PathLike[str],
+    format: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    **options: Any,
 ) -> Any:
     """A DCP ``StorageReader`` for ``url``: ``dcp.load(sd, storage_reader=open_reader(url))``.
 
@@ -70,6 +73,8 @@ def open_writer(
     """A DCP ``StorageWriter`` for ``url`` in ``format`` (``"dcp"`` or ``"safetensors"``, or a plugin's)."""
     spec = registry.get("formats", format)
     if spec.open_writer is None:
-        raise UnknownFormatError(f"format {format!r} is read-only; writable formats: "
-                                 + ", ".join(n for n, s in registered_formats().items() if s.open_writer is not None))
+        raise UnknownFormatError(
+            f"format {format!r} is read-only; writable formats: "
+            + ", ".join(n for n, s in registered_formats().items() if s.open_writer is not None)
+        )
     return spec.open_writer(os.fspath(url), storage_options=storage_options, **options)

@@ -129,8 +129,11 @@ def new_plugin(name: str, directory: str | Path = ".", kind: str = "transport") 
         path.write_text(text, encoding="utf-8")
         written.append(path)
     init = root / package / "__init__.py"
-    init.write_text(f'"""{values["description"]}"""\n\nfrom .{spec.module} import {values["target"]}\n\n'
-                    f'__all__ = ["{values["target"]}"]\n', encoding="utf-8")
+    init.write_text(
+        f'"""{values["description"]}"""\n\nfrom .{spec.module} import {values["target"]}\n\n'
+        f'__all__ = ["{values["target"]}"]\n',
+        encoding="utf-8",
+    )
     written.append(init)
     return PluginScaffold(
         root=root,

@@ -27,7 +27,9 @@ def writable_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-def host_buffer(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype, for_device: torch.device) -> torch.Tensor:
+def host_buffer(
+    shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype, for_device: torch.device
+) -> torch.Tensor:
     """A contiguous host tensor to stage bytes for ``for_device`` (pinned when that is a GPU)."""
     pin = for_device.type == "cuda" and torch.cuda.is_available()
     return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)

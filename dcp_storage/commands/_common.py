@@ -49,7 +49,9 @@ def parse_storage_option(text: str) -> tuple[tuple[str, ...], Any]:
     parts = tuple(p.strip() for p in key.split("."))
     if not sep or not key.strip() or any(not p for p in parts):
         shown = f"{key!r}=..." if sep else "an argument without '='"  # never echo a value: it may be a secret
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (dotted keys nest, e.g. client_kwargs.region_name=x), got {shown}")
+        raise argparse.ArgumentTypeError(
+            f"expected KEY=VALUE (dotted keys nest, e.g. client_kwargs.region_name=x), got {shown}"
+        )
     try:
         value = json.loads(raw)
     except ValueError:
@@ -57,7 +59,9 @@ def parse_storage_option(text: str) -> tuple[tuple[str, ...], Any]:
     return parts, value
 
 
-def merge_options(pairs: Sequence[tuple[tuple[str, ...], Any]] | None, base: dict[str, Any] | None = None) -> dict[str, Any]:
+def merge_options(
+    pairs: Sequence[tuple[tuple[str, ...], Any]] | None, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Nest ``pairs`` into a dict (over a copy of ``base``); a key both a value and a group is a usage error."""
     out: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
     for parts, value in pairs or ():
@@ -90,7 +94,10 @@ def add_command(
     ``flags`` maps library keywords to this command's flags, for :func:`as_typed` (``format="--format FORMAT"``).
     """
     parser = sub.add_parser(
-        name, help=help, description=description, epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
+        name,
+        help=help,
+        description=description,
+        epilog="examples:\n" + "\n".join(f"  {e}" for e in examples),
         formatter_class=HelpFormatter,
     )
     parser.set_defaults(flags=flags)
@@ -100,7 +107,8 @@ def add_command(
 def add_create_bucket(parser: argparse.ArgumentParser) -> None:
     """``--create-bucket`` for commands that write: without it a missing output bucket is an error."""
     parser.add_argument(
-        "--create-bucket", action="store_true",
+        "--create-bucket",
+        action="store_true",
         help="create the output's bucket (Azure: container) if it does not exist; without it a missing bucket "
         "is an error, so a typo in its name never creates a new one",
     )
@@ -109,15 +117,30 @@ def add_create_bucket(parser: argparse.ArgumentParser) -> None:
 def add_storage_options(parser: argparse.ArgumentParser, *, sides: bool = False) -> None:
     group = parser.add_argument_group("storage")
     group.add_argument(
-        "-o", "--storage-option", dest="storage_option", action="append", type=parse_storage_option, metavar="KEY=VALUE",
+        "-o",
+        "--storage-option",
+        dest="storage_option",
+        action="append",
+        type=parse_storage_option,
+        metavar="KEY=VALUE",
         help="fsspec storage option for every URL (repeatable; JSON values; dotted keys nest, e.g. "
         "client_kwargs.endpoint_url=http://127.0.0.1:9000)",
     )
     if sides:
-        group.add_argument("--src-storage-option", action="append", type=parse_storage_option, metavar="KEY=VALUE",
-                           help="storage option for the input only (over --storage-option)")
-        group.add_argument("--dst-storage-option", action="append", type=parse_storage_option, metavar="KEY=VALUE",
-                           help="storage option for the output only (over --storage-option)")
+        group.add_argument(
+            "--src-storage-option",
+            action="append",
+            type=parse_storage_option,
+            metavar="KEY=VALUE",
+            help="storage option for the input only (over --storage-option)",
+        )
+        group.add_argument(
+            "--dst-storage-option",
+            action="append",
+            type=parse_storage_option,
+            metavar="KEY=VALUE",
+            help="storage option for the output only (over --storage-option)",
+        )
 
 
 def storage_options(args: argparse.Namespace, side: str | None = None) -> dict[str, Any] | None:
@@ -184,8 +207,16 @@ def progress_bar(desc: str, total: int | None = None) -> Iterator[Any]:
     from tqdm import tqdm  # when a command runs, not for --help (see dcp_storage.cli)
 
     bar = tqdm(
-        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, file=unescaped(sys.stderr),
-        disable=None, delay=_delay(), leave=False, dynamic_ncols=True,
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        file=unescaped(sys.stderr),
+        disable=None,
+        delay=_delay(),
+        leave=False,
+        dynamic_ncols=True,
     )
     try:
         yield bar

@@ -11,7 +11,8 @@ from . import _common
 
 def add_parser(sub: Any) -> None:
     p = _common.add_command(
-        sub, "convert",
+        sub,
+        "convert",
         help="convert a checkpoint between dcp, safetensors and torch.save, on any store",
         description="Convert SRC (a DCP directory, safetensors file/directory/index, or torch.save file; local or "
         "any fsspec URL) into DST, streaming tensor by tensor: memory stays near the largest tensor. The output "
@@ -21,22 +22,36 @@ def add_parser(sub: Any) -> None:
             "dcp-storage convert ./model.safetensors ./model.pt",
             "dcp-storage convert s3://bucket/step-1000 ./local-ckpt --to dcp -o client_kwargs.endpoint_url=http://127.0.0.1:9000",
         ],
-        format="--from FORMAT", src_format="--from FORMAT", overwrite="--overwrite", drop_non_tensors="--drop-non-tensors",
+        format="--from FORMAT",
+        src_format="--from FORMAT",
+        overwrite="--overwrite",
+        drop_non_tensors="--drop-non-tensors",
         create_bucket="--create-bucket",
     )
     p.add_argument("src", metavar="SRC", help="input checkpoint URL (format detected)")
     p.add_argument("dst", metavar="DST", help="output URL: a directory, or a .safetensors / .pt / .bin file")
     p.add_argument("--to", choices=["dcp", "safetensors", "torch"], help="output format (default: from DST's suffix)")
     p.add_argument("--from", dest="src_format", metavar="FORMAT", help="input format name (default: detected)")
-    p.add_argument("--max-shard-size", metavar="SIZE",
-                   help="largest output file, e.g. 5GB or 500MiB (safetensors/torch directories: default 5GB; dcp: one file)")
-    p.add_argument("--dtype", metavar="DTYPE", help="cast float16/bfloat16/float32/float64 tensors: bf16, fp16, fp32, fp64")
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="largest output file, e.g. 5GB or 500MiB (safetensors/torch directories: default 5GB; dcp: one file)",
+    )
+    p.add_argument(
+        "--dtype", metavar="DTYPE", help="cast float16/bfloat16/float32/float64 tensors: bf16, fp16, fp32, fp64"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--drop-non-tensors", action="store_true",
-                   help="leave non-tensor values out of outputs that hold only tensors (safetensors, sharded torch)")
-    p.add_argument("--trust", action="store_true",
-                   help="decode SRC as torch.load(weights_only=False) would (objects such as argparse.Namespace); "
-                   "it can run code from SRC: only for checkpoints you trust")
+    p.add_argument(
+        "--drop-non-tensors",
+        action="store_true",
+        help="leave non-tensor values out of outputs that hold only tensors (safetensors, sharded torch)",
+    )
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="decode SRC as torch.load(weights_only=False) would (objects such as argparse.Namespace); "
+        "it can run code from SRC: only for checkpoints you trust",
+    )
     _common.add_create_bucket(p)
     _common.add_storage_options(p, sides=True)
     _common.add_json(p)
@@ -60,12 +75,21 @@ def run(args: argparse.Namespace) -> int:
         raise _common.UsageError(str(exc)) from None
     with _common.progress_bar("convert") as bar:
         result = convert(
-            args.src, args.dst, to=args.to, src_format=args.src_format, max_shard_size=args.max_shard_size,
-            dtype=args.dtype, storage_options=_common.storage_options(args),
+            args.src,
+            args.dst,
+            to=args.to,
+            src_format=args.src_format,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
+            storage_options=_common.storage_options(args),
             src_storage_options=_common.storage_options(args, "src"),
             dst_storage_options=_common.storage_options(args, "dst"),
-            overwrite=args.overwrite, drop_non_tensors=args.drop_non_tensors, create_bucket=args.create_bucket,
-            progress=bar.update, on_start=lambda _source, total: _common.set_total(bar, total), trust=args.trust,
+            overwrite=args.overwrite,
+            drop_non_tensors=args.drop_non_tensors,
+            create_bucket=args.create_bucket,
+            progress=bar.update,
+            on_start=lambda _source, total: _common.set_total(bar, total),
+            trust=args.trust,
         )
     if args.json:
         _common.emit_json(result.as_dict())

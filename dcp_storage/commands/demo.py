@@ -12,7 +12,8 @@ from . import _common
 
 def add_parser(sub: Any) -> None:
     p = _common.add_command(
-        sub, "demo",
+        sub,
+        "demo",
         help="save a 2-rank FSDP2 model to an embedded S3 server, load it at 3 ranks, verify",
         description="The library's main job end to end, on this machine only: start an embedded S3 server (moto, "
         "127.0.0.1, a free port), save a transformer-like model sharded with FSDP2 over --save-ranks gloo processes "

@@ -11,7 +11,8 @@ from . import _common
 
 def add_parser(sub: Any) -> None:
     p = _common.add_command(
-        sub, "inspect",
+        sub,
+        "inspect",
         help="show a checkpoint's format, files and tensors (reads no tensor data)",
         description="Describe the checkpoint at URL: format descriptor, files and sizes, and every tensor (key, dtype, "
         "shape, bytes, the file and byte range of each stored chunk), with totals. Reads metadata and headers only. "
@@ -76,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     rows = [("KEY", "DTYPE", "SHAPE", "BYTES", "FILES", "CHUNKS")]
     for t in info.tensors:
         files = ", ".join(shown(f) for f in t.files) if t.files else "-"
-        rows.append((shown(t.key), shown(t.dtype), _shape(t.shape), _common.human_bytes(t.nbytes), files, str(len(t.chunks))))
+        rows.append(
+            (shown(t.key), shown(t.dtype), _shape(t.shape), _common.human_bytes(t.nbytes), files, str(len(t.chunks)))
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print("  " + "  ".join(c.ljust(w) for c, w in zip(rows[0], widths)).rstrip())
     for t, r in zip(info.tensors, rows[1:]):
@@ -84,7 +87,11 @@ def run(args: argparse.Namespace) -> int:
         if args.chunks:
             for c in t.chunks:
                 file = shown(c.file) if c.file else "-"
-                where = f"{file} [{c.offset}, {c.offset + c.length})" if c.file and c.offset is not None and c.length is not None else file
+                where = (
+                    f"{file} [{c.offset}, {c.offset + c.length})"
+                    if c.file and c.offset is not None and c.length is not None
+                    else file
+                )
                 print(f"      at {_shape(c.offsets)} size {_shape(c.sizes)}: {where}")
     for v in info.values:
         where = f" in {shown(v.file)}" if v.file else ""

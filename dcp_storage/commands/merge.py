@@ -11,7 +11,8 @@ from . import _common
 
 def add_parser(sub: Any) -> None:
     p = _common.add_command(
-        sub, "merge",
+        sub,
+        "merge",
         help="merge an FSDP sharded DCP checkpoint (accelerate's pytorch_model_fsdp_0) into model.safetensors",
         description="Merge the DCP checkpoint CHECKPOINT_DIR (e.g. <output_dir>/pytorch_model_fsdp_0 from accelerate) "
         "into OUTPUT/model.safetensors (or pytorch_model.bin), sharded with an index above --max-shard-size. "
@@ -21,16 +22,25 @@ def add_parser(sub: Any) -> None:
             "dcp-storage merge out/pytorch_model_fsdp_0 out/merged",
             "dcp-storage merge out/pytorch_model_fsdp_0 out/merged --no-safe-serialization --max-shard-size 2GB",
         ],
-        drop_non_tensors="--drop-non-tensors", create_bucket="--create-bucket",
+        drop_non_tensors="--drop-non-tensors",
+        create_bucket="--create-bucket",
     )
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the DCP checkpoint directory (holds .metadata)")
     p.add_argument("output", metavar="OUTPUT", help="output directory (created if missing)")
-    p.add_argument("--safe-serialization", action=argparse.BooleanOptionalAction, default=True,
-                   help="write safetensors (default) or, with --no-safe-serialization, pytorch_model.bin")
-    p.add_argument("--unsafe-serialization", dest="safe_serialization", action="store_false",
-                   help=argparse.SUPPRESS)  # accelerate's spelling
-    p.add_argument("--remove-checkpoint-dir", action="store_true",
-                   help="delete CHECKPOINT_DIR once the output is written and verified")
+    p.add_argument(
+        "--safe-serialization",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write safetensors (default) or, with --no-safe-serialization, pytorch_model.bin",
+    )
+    p.add_argument(
+        "--unsafe-serialization", dest="safe_serialization", action="store_false", help=argparse.SUPPRESS
+    )  # accelerate's spelling
+    p.add_argument(
+        "--remove-checkpoint-dir",
+        action="store_true",
+        help="delete CHECKPOINT_DIR once the output is written and verified",
+    )
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest output file (default 5GB)")
     p.add_argument("--drop-non-tensors", action="store_true", help="leave non-tensor values out of safetensors output")
     _common.add_create_bucket(p)
@@ -51,11 +61,16 @@ def run(args: argparse.Namespace) -> int:
         raise _common.UsageError(str(exc)) from None
     with _common.progress_bar("merge") as bar:
         result = merge_fsdp_weights(
-            args.checkpoint_dir, args.output, safe_serialization=args.safe_serialization,
-            remove_checkpoint_dir=args.remove_checkpoint_dir, max_shard_size=args.max_shard_size,
+            args.checkpoint_dir,
+            args.output,
+            safe_serialization=args.safe_serialization,
+            remove_checkpoint_dir=args.remove_checkpoint_dir,
+            max_shard_size=args.max_shard_size,
             storage_options=_common.storage_options(args, "src"),
             output_storage_options=_common.storage_options(args, "dst"),
-            drop_non_tensors=args.drop_non_tensors, create_bucket=args.create_bucket, progress=bar.update,
+            drop_non_tensors=args.drop_non_tensors,
+            create_bucket=args.create_bucket,
+            progress=bar.update,
             on_start=lambda _source, total: _common.set_total(bar, total),
         )
     if args.json:

@@ -20,17 +20,27 @@ def _add_list_options(p: argparse.ArgumentParser, *, on_action: bool) -> None:
     def default(value: Any) -> Any:
         return argparse.SUPPRESS if on_action else value
 
-    p.add_argument("--kind", choices=["transports", "formats", "strategies", "planners", "extensions"],
-                   default=default(None), help="only this kind")
-    p.add_argument("--no-import", dest="load", action="store_false", default=default(True),
-                   help="list without importing (status: not loaded)")
+    p.add_argument(
+        "--kind",
+        choices=["transports", "formats", "strategies", "planners", "extensions"],
+        default=default(None),
+        help="only this kind",
+    )
+    p.add_argument(
+        "--no-import",
+        dest="load",
+        action="store_false",
+        default=default(True),
+        help="list without importing (status: not loaded)",
+    )
     p.add_argument("--strict", action="store_true", default=default(False), help="exit 1 if any plugin fails to import")
     p.add_argument("--json", action="store_true", default=default(False), help="print the result as JSON on stdout")
 
 
 def add_parser(sub: Any) -> None:
     p = _common.add_command(
-        sub, "plugins",
+        sub,
+        "plugins",
         help="list plugins with their import status, or start a new plugin ('plugins new NAME')",
         description="List every plugin entry (built-in ones register the same way), importing each to report its "
         "status: loaded, or failed with the error ('plugins' alone is 'plugins list'). 'plugins new NAME' writes a "
@@ -46,7 +56,8 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
     actions = p.add_subparsers(dest="action", metavar="ACTION", title="actions (default: list)", required=False)
     listing = _common.add_command(
-        actions, "list",
+        actions,
+        "list",
         help="list every plugin entry and its import status (the default)",
         description="List every plugin entry of every kind (transports, formats, strategies, planners, extensions) "
         "with its distribution and target, importing each to report loaded or failed, with the error.",
@@ -56,7 +67,8 @@ def add_parser(sub: Any) -> None:
     _common.add_common(listing)
     listing.set_defaults(func=run)
     new = _common.add_command(
-        actions, "new",
+        actions,
+        "new",
         help="write a working plugin distribution dcp-storage-NAME to start from",
         description="Write dcp-storage-NAME/: a plugin distribution that already works and is tested (pyproject with "
         "the entry point, code, README, tests). --template transport serves NAME:// URLs by mounting them on another "
@@ -66,8 +78,13 @@ def add_parser(sub: Any) -> None:
     )
     new.add_argument("name", nargs="?", help="the plugin's registry name (and URL scheme), e.g. 'myblob'")
     new.add_argument("--dir", default=".", help="where to create dcp-storage-NAME/ (default: .)")
-    new.add_argument("--template", dest="template_kind", choices=["transport", "extension"], default="transport",
-                     help="what the plugin provides (default: transport)")
+    new.add_argument(
+        "--template",
+        dest="template_kind",
+        choices=["transport", "extension"],
+        default="transport",
+        help="what the plugin provides (default: transport)",
+    )
     new.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print what was written as JSON")
     _common.add_common(new)
     new.set_defaults(func=_new)
@@ -120,11 +137,20 @@ def _new(args: argparse.Namespace) -> int:
     except ScaffoldError as exc:
         raise _common.UsageError(str(exc)) from None
     if args.json:
-        _common.emit_json({"root": str(made.root), "distribution": made.distribution, "package": made.package,
-                           "group": made.group, "entry_point": made.entry_point,
-                           "files": [str(f) for f in made.files]})
+        _common.emit_json(
+            {
+                "root": str(made.root),
+                "distribution": made.distribution,
+                "package": made.package,
+                "group": made.group,
+                "entry_point": made.entry_point,
+                "files": [str(f) for f in made.files],
+            }
+        )
     else:
         print(f"created {made.root} ({made.distribution}, entry point [{made.group}] {made.entry_point})")
-        print(f"next: pip install -e {made.root} && dcp-storage plugins --kind {made.group.split('.')[-1]}"
-              f" && python -m pytest {made.root / 'tests'}")
+        print(
+            f"next: pip install -e {made.root} && dcp-storage plugins --kind {made.group.split('.')[-1]}"
+            f" && python -m pytest {made.root / 'tests'}"
+        )
     return 0

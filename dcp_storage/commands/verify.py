@@ -12,7 +12,8 @@ from . import _common
 
 def add_parser(sub: Any) -> None:
     p = _common.add_command(
-        sub, "verify",
+        sub,
+        "verify",
         help="check a checkpoint is complete (every file, size, header); --deep reads every tensor",
         description="Check that the checkpoint at URL is complete: metadata present, every file present with the size "
         "its records need, headers valid, chunks covering every tensor. --deep also reads every tensor (one at a "

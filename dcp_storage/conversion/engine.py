@@ -29,7 +29,14 @@ from .torch_out import write_torch_save
 __all__ = ["TARGETS", "ConvertResult", "convert", "infer_target"]
 
 TARGETS = ("dcp", "safetensors", "torch")
-_ALIASES = {"dcp": "dcp", "safetensors": "safetensors", "torch": "torch", "torch_save": "torch", "pt": "torch", "bin": "torch"}
+_ALIASES = {
+    "dcp": "dcp",
+    "safetensors": "safetensors",
+    "torch": "torch",
+    "torch_save": "torch",
+    "pt": "torch",
+    "bin": "torch",
+}
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})  # float8 stays quantized
@@ -166,11 +173,19 @@ def write_outputs(
         return dest.path, []
     if to == "safetensors":
         check_safetensors(tensors, values, drop_non_tensors)
-        path = write_safetensors(dest, tensors, fetch, single_file=single, max_shard_size=shard, prefix=safetensors_prefix)
+        path = write_safetensors(
+            dest, tensors, fetch, single_file=single, max_shard_size=shard, prefix=safetensors_prefix
+        )
         return path, [v.key for v in values]
     return write_torch_save(
-        dest, tensors, values, fetch, single_file=single, max_shard_size=shard,
-        drop_non_tensors=drop_non_tensors, prefix=torch_prefix,
+        dest,
+        tensors,
+        values,
+        fetch,
+        single_file=single,
+        max_shard_size=shard,
+        drop_non_tensors=drop_non_tensors,
+        prefix=torch_prefix,
     )
 
 
@@ -237,8 +252,20 @@ def convert(
     with TensorSource.open(src, src_opts, src_format, trust=trust) as source:
         tensors, values = plan_outputs(source, dtype=cast)
         return _run(
-            source, dst, dst_opts, target, tensors, values, shard, overwrite, drop_non_tensors, progress, on_start,
-            started, single_file=single_file, create_bucket=create_bucket,
+            source,
+            dst,
+            dst_opts,
+            target,
+            tensors,
+            values,
+            shard,
+            overwrite,
+            drop_non_tensors,
+            progress,
+            on_start,
+            started,
+            single_file=single_file,
+            create_bucket=create_bucket,
         )
 
 
@@ -265,7 +292,14 @@ def _run(
         if on_start is not None:
             on_start(source, total)
         output, dropped = write_outputs(
-            dest, target, tensors, values, _Fetch(source), max_shard_size=shard, drop_non_tensors=drop_non_tensors, **options
+            dest,
+            target,
+            tensors,
+            values,
+            _Fetch(source),
+            max_shard_size=shard,
+            drop_non_tensors=drop_non_tensors,
+            **options,
         )
     finally:
         dest.transport.close()

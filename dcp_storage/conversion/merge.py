@@ -72,7 +72,11 @@ def verify_output(result: ConvertResult, tensors: list[OutTensor], storage_optio
                 problems.append(f"{transport.url(path)}: {size} bytes on storage, {f.size} written")
         if not problems:
             # torch shards have no reader-level index: read each file; safetensors through its index
-            urls = [transport.url(p) for n, p in paths.items() if n.endswith(".bin")] if result.to == "torch" else [result.output]
+            urls = (
+                [transport.url(p) for n, p in paths.items() if n.endswith(".bin")]
+                if result.to == "torch"
+                else [result.output]
+            )
             found: dict[str, Any] = {}
             for url in urls:
                 with TensorSource.open(url, storage_options) as back:
@@ -150,8 +154,20 @@ def merge_fsdp_weights(
         paths = [t.path for t in source.tensors.values()] + [v.path for v in source.values.values()]
         tensors, values = plan_outputs(source, rename=_unwrap_single_top_level(paths))
         result = _run(
-            source, output_path, out_opts, target, tensors, values, shard, overwrite, drop_non_tensors,
-            progress, on_start, started, safetensors_prefix="model", torch_prefix="pytorch_model",
+            source,
+            output_path,
+            out_opts,
+            target,
+            tensors,
+            values,
+            shard,
+            overwrite,
+            drop_non_tensors,
+            progress,
+            on_start,
+            started,
+            safetensors_prefix="model",
+            torch_prefix="pytorch_model",
             create_bucket=create_bucket,
         )
     verify_output(result, tensors, out_opts)

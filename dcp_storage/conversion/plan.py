@@ -89,7 +89,11 @@ class Destination:
 
     @classmethod
     def of(
-        cls, url: str | os.PathLike[str], storage_options: dict[str, Any] | None, overwrite: bool, create_bucket: bool = False
+        cls,
+        url: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None,
+        overwrite: bool,
+        create_bucket: bool = False,
     ) -> Destination:
         """Open the output location; its bucket must exist (or is created with ``create_bucket``)."""
         url = os.fspath(url)

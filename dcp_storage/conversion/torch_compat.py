@@ -33,8 +33,14 @@ def dcp_to_torch_save(
     ``weights_only=False`` (only for a checkpoint you trust; see :func:`convert`).
     """
     return convert(
-        dcp_checkpoint_dir, torch_save_path, to="torch", src_format="dcp", single_file=True,
-        storage_options=storage_options, overwrite=True, trust=trust,
+        dcp_checkpoint_dir,
+        torch_save_path,
+        to="torch",
+        src_format="dcp",
+        single_file=True,
+        storage_options=storage_options,
+        overwrite=True,
+        trust=trust,
     )
 
 
@@ -51,7 +57,12 @@ def torch_save_to_dcp(
     for a file you trust: it may run code); without it, ``data.pkl`` goes through the allow-list.
     """
     return convert(
-        torch_save_path, dcp_checkpoint_dir, to="dcp", src_format="torch_save", single_file=False,
-        storage_options=storage_options, overwrite=True, trust=trust,
+        torch_save_path,
+        dcp_checkpoint_dir,
+        to="dcp",
+        src_format="torch_save",
+        single_file=False,
+        storage_options=storage_options,
+        overwrite=True,
+        trust=trust,
     )
-

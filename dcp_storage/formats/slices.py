@@ -56,8 +56,7 @@ def slice_runs(
     inner = offsets[k] * strides[k]
     outer_ranges = [range(offsets[d], offsets[d] + lengths[d]) for d in range(k)]
     starts = [
-        base + (sum(i * s for i, s in zip(idx, strides)) + inner) * itemsize
-        for idx in itertools.product(*outer_ranges)
+        base + (sum(i * s for i, s in zip(idx, strides)) + inner) * itemsize for idx in itertools.product(*outer_ranges)
     ]
     return starts, run_bytes
 

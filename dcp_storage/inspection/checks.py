@@ -41,7 +41,9 @@ from .summary import resolve_spec
 
 __all__ = ["VerifyReport", "verify"]
 
-NO_CHECKSUMS = "no checksums recorded: this checkpoint's writer recorded none, so bit flips inside tensor data cannot be detected"
+NO_CHECKSUMS = (
+    "no checksums recorded: this checkpoint's writer recorded none, so bit flips inside tensor data cannot be detected"
+)
 _CRC_CHUNK = 8 * 1024 * 1024
 _MAX_KEYS_NAMED = 5
 
@@ -98,13 +100,17 @@ def _check_dcp(report: VerifyReport, url: str, storage_options: dict[str, Any] |
         needs: dict[str, list[tuple[int, str]]] = {}
         for index, info in storage.items():
             try:
-                rel = check_relative(getattr(info, "relative_path", None), f"{transport.url(path)}: entry for {index.fqn!r}")
+                rel = check_relative(
+                    getattr(info, "relative_path", None), f"{transport.url(path)}: entry for {index.fqn!r}"
+                )
             except DcpStorageError as exc:
                 report.problems.append(str(exc))
                 continue
             end = int(info.offset) + int(info.length)
             if int(info.offset) < 0 or int(info.length) < 0:
-                report.problems.append(f"{transport.url(path)}: entry for {index.fqn!r} has a negative offset or length")
+                report.problems.append(
+                    f"{transport.url(path)}: entry for {index.fqn!r} has a negative offset or length"
+                )
             needs.setdefault(rel, []).append((end, index.fqn))
         for rel, ends in sorted(needs.items()):
             file_path = transport.join(root, rel)
@@ -145,7 +151,9 @@ def _check_dcp_coverage(report: VerifyReport, md: Any, storage: dict[Any, Any], 
             chunks += 1
             offsets, sizes = [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes]
             if len(offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, sizes, size)):
-                report.problems.append(f"{where}: tensor {fqn!r} chunk at {offsets} of size {sizes} lies outside {size}")
+                report.problems.append(
+                    f"{where}: tensor {fqn!r} chunk at {offsets} of size {sizes} lies outside {size}"
+                )
                 inside = False
             if MetadataIndex(fqn, chunk.offsets) not in storage:
                 report.problems.append(f"{where}: tensor {fqn!r} chunk at {offsets} has no storage entry")

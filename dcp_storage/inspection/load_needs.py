@@ -38,9 +38,7 @@ def _descriptors(info: Any) -> tuple[str, ...] | None:
     return tuple(descs)
 
 
-def check_extensions(
-    report: VerifyReport, transport: Any, root: str, storage: dict[Any, Any], where: str
-) -> None:
+def check_extensions(report: VerifyReport, transport: Any, root: str, storage: dict[Any, Any], where: str) -> None:
     """One problem per extension (descriptor list) that the items of ``storage`` need and nobody provides."""
     from ..formats.dcp_native.extensions import ExtensionResolver
 

@@ -341,7 +341,7 @@ def model_load(
         first = model.per_rank[0]
         extra = [c for i, c in enumerate(model.per_rank) if i and (c.gets or c.heads)]
         total = RankCounts(
-            groups * (first.gets + sum(c.gets for c in extra)) ,
+            groups * (first.gets + sum(c.gets for c in extra)),
             groups * (first.heads + sum(c.heads for c in extra)),
             groups * (first.bytes + sum(c.bytes for c in extra)),
         )
@@ -350,9 +350,9 @@ def model_load(
     elif "broadcasting" in out:
         model = out["broadcasting"]
         busy = [c for c in model.per_rank if c.gets or c.heads]
-        model.per_rank = [RankCounts(sum(c.gets for c in busy), sum(c.heads for c in busy), sum(c.bytes for c in busy))] + [
-            RankCounts() for _ in model.per_rank[1:]
-        ]
+        model.per_rank = [
+            RankCounts(sum(c.gets for c in busy), sum(c.heads for c in busy), sum(c.bytes for c in busy))
+        ] + [RankCounts() for _ in model.per_rank[1:]]
     return out
 
 
@@ -392,7 +392,14 @@ def _broadcasting(
     """The coordinator's reads for one replica group: every rank's items in storage order, chunked by the
     bytes held for other ranks (``staging_bytes``), one read call per chunk (as ``Broadcasting._serve``)."""
     jobs = [(rank, item) for rank, plan in enumerate(plans) for item in plan.items]
-    jobs.sort(key=lambda j: (j[1].storage_index.fqn, tuple(j[1].storage_index.offset or ()), tuple(j[1].storage_offsets), j[0]))
+    jobs.sort(
+        key=lambda j: (
+            j[1].storage_index.fqn,
+            tuple(j[1].storage_index.offset or ()),
+            tuple(j[1].storage_offsets),
+            j[0],
+        )
+    )
     folded: list[tuple[int, ReadItem, bool]] = []  # a slice several ranks need is read once (staged)
     last: tuple[Any, ...] | None = None
     for rank, item in jobs:

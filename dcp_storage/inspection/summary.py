@@ -183,11 +183,17 @@ def _describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str,
         if layout.kind == "dcp":
             names.append(".metadata")
         files = [FileInfo(n, _size_or_none(transport, resolve(transport, layout.root, n))) for n in sorted(set(names))]
-        provenance = {} if layout.kind == "dcp" else safetensors_provenance(
-            transport, [resolve(transport, layout.root, n) for n in layout.files]
+        provenance = (
+            {}
+            if layout.kind == "dcp"
+            else safetensors_provenance(transport, [resolve(transport, layout.root, n) for n in layout.files])
         )
-    kind = {"file": "safetensors file", "directory": "safetensors directory", "index": "Hugging Face index",
-            "dcp": "DCP .metadata + safetensors"}.get(layout.kind, layout.kind)
+    kind = {
+        "file": "safetensors file",
+        "directory": "safetensors directory",
+        "index": "Hugging Face index",
+        "dcp": "DCP .metadata + safetensors",
+    }.get(layout.kind, layout.kind)
     return CheckpointInfo(url, spec.descriptor, spec.description, kind, files, tensors, values, provenance)
 
 

@@ -236,9 +236,7 @@ class _RoutingPlanner(LoadPlanner):
             raise AttributeError(name)
         return getattr(self._real, name)
 
-    def route(
-        self, chunk: list[tuple[int, int, ReadItem]], copies: dict[int, list[tuple[int, int, ReadItem]]]
-    ) -> None:
+    def route(self, chunk: list[tuple[int, int, ReadItem]], copies: dict[int, list[tuple[int, int, ReadItem]]]) -> None:
         self._copies = copies
         self._by_id = {id(item): job for job in chunk for item in [job[2]]}
         self._by_value = {}

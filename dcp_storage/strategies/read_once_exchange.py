@@ -48,7 +48,12 @@ ReadItems = Callable[[Sequence[ReadItem], LoadPlanner], None]
 
 
 def run_exchange(
-    plan: LoadPlan, exchange: ExchangePlan, planner: LoadPlanner, read_items: ReadItems, stored: _Stored, view: GroupView
+    plan: LoadPlan,
+    exchange: ExchangePlan,
+    planner: LoadPlanner,
+    read_items: ReadItems,
+    stored: _Stored,
+    view: GroupView,
 ) -> None:
     """Carry out this rank's part (see the module docstring). Collective over ``view.group``."""
     items = plan.items
@@ -213,7 +218,9 @@ class _Arrival:
         self.dest = _destination(planner, self.item)
         self.direct = self.dest.is_contiguous() and self.dest.dtype == self.dtype and self.dest.device == device
         if self.nbytes:
-            self.landing = _raw(self.dest, device) if self.direct else torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            self.landing = (
+                _raw(self.dest, device) if self.direct else torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            )
 
     def finish(self, planner: LoadPlanner, packed: torch.Tensor | None) -> None:
         """Deliver: from ``packed`` (this slice's bytes in a packed message), else from staging."""

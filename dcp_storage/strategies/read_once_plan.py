@@ -123,6 +123,7 @@ def _blocks(item: ReadItem, nbytes: int, target: int) -> list[tuple[int, int]]:
 def _block_of(item: ReadItem, start: int, rows: int) -> ReadItem:
     if start == 0 and (not item.lengths or rows == int(item.lengths[0])):
         return item
+
     def shift(offsets: Any) -> torch.Size:
         return torch.Size([int(offsets[0]) + start, *offsets[1:]])
 
@@ -209,7 +210,8 @@ def plan_read_once(
             for rank, index in others:
                 exchanges[rank].rounds.setdefault(number, RoundPlan()).receives.append((entry.reader, index, packed))
     return [
-        dataclasses.replace(plan, items=new_items[rank], storage_data=exchanges[rank]) for rank, plan in enumerate(plans)
+        dataclasses.replace(plan, items=new_items[rank], storage_data=exchanges[rank])
+        for rank, plan in enumerate(plans)
     ]
 
 

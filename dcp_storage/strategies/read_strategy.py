@@ -146,7 +146,9 @@ class _ReadOnce:
     def global_plan(self, plans: list[LoadPlan], stored: StoredItems) -> list[LoadPlan]:
         view = load_view()
         hosts = [p.storage_data.host if isinstance(p.storage_data, RankInfo) else "" for p in plans]
-        plans = [dataclasses.replace(p, storage_data=None) if isinstance(p.storage_data, RankInfo) else p for p in plans]
+        plans = [
+            dataclasses.replace(p, storage_data=None) if isinstance(p.storage_data, RankInfo) else p for p in plans
+        ]
         if not view.distributed or view.world == 1 or len(plans) != view.world:
             return plans  # alone, or torch's per-rank fallback planning one rank's plan at a time
         return plan_read_once(plans, stored, self.config, hosts if self.host_key is not None else None)
@@ -187,7 +189,9 @@ class ReadStrategies:
         items larger than this are read as row blocks, spread over the ranks that need them.
         ``pack_below``: slices smaller than this travel packed, one message per pair of ranks and round.
         """
-        return _ReadOnce("read_once", ReadOnceConfig(delivery_config or DeliveryConfig(), split_bytes, pack_below), None)
+        return _ReadOnce(
+            "read_once", ReadOnceConfig(delivery_config or DeliveryConfig(), split_bytes, pack_below), None
+        )
 
     @staticmethod
     def per_host(

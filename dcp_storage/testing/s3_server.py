@@ -197,7 +197,9 @@ class MotoS3Server(Launcher):
 
     def _set_auth(self, count: str) -> None:
         request = urllib.request.Request(
-            self.endpoint_url + "/moto-api/reset-auth", data=count.encode(), method="POST",
+            self.endpoint_url + "/moto-api/reset-auth",
+            data=count.encode(),
+            method="POST",
             headers={"Content-Type": "text/plain"},  # a form body would be parsed away before moto reads it
         )
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -208,7 +210,10 @@ class MotoS3Server(Launcher):
         import boto3  # deferred, as in client()
 
         return boto3.client(
-            "iam", endpoint_url=self.endpoint_url, region_name=_REGION, aws_access_key_id=_KEY,
+            "iam",
+            endpoint_url=self.endpoint_url,
+            region_name=_REGION,
+            aws_access_key_id=_KEY,
             aws_secret_access_key=_SECRET,
         )
 

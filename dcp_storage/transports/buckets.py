@@ -23,7 +23,15 @@ from typing import Any
 from ..errors import BucketNotFoundError, StorageAccessError
 from .access import access_errors
 
-__all__ = ["LOAD_FIX", "SAVE_FIX", "bucket_of", "make_output_root", "missing_bucket", "prepare_output", "require_bucket"]
+__all__ = [
+    "LOAD_FIX",
+    "SAVE_FIX",
+    "bucket_of",
+    "make_output_root",
+    "missing_bucket",
+    "prepare_output",
+    "require_bucket",
+]
 
 _CONTAINER_PROTOCOLS = frozenset({"az", "abfs", "abfss", "adl"})
 LOAD_FIX = "check the {noun} name in the URL, and the endpoint or account in storage_options"
@@ -78,8 +86,11 @@ def require_bucket(transport: Any, path: str, *, create: bool = False) -> None:
         return
     if not create:
         raise error
-    with access_errors(lambda: f"create {error.noun} {transport.url(error.bucket)}"), contextlib.suppress(
-        FileExistsError  # another process created it meanwhile
+    with (
+        access_errors(lambda: f"create {error.noun} {transport.url(error.bucket)}"),
+        contextlib.suppress(
+            FileExistsError  # another process created it meanwhile
+        ),
     ):
         transport.fs.mkdir(error.bucket)
 

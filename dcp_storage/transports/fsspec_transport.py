@@ -47,6 +47,7 @@ from .worker_pool import WorkerPool
 
 __all__ = ["FsspecTransport", "TransportConfig"]
 
+
 class _CountingWriter:
     """File wrapper that counts bytes written (and forwards everything else)."""
 

@@ -82,9 +82,7 @@ def _split(index: int, req: RangeRequest, max_request_bytes: int) -> list[Segmen
     ]
 
 
-def plan_fetches(
-    requests: Sequence[RangeRequest], coalesce_gap: int, max_request_bytes: int
-) -> list[FetchGroup]:
+def plan_fetches(requests: Sequence[RangeRequest], coalesce_gap: int, max_request_bytes: int) -> list[FetchGroup]:
     """Group ``requests`` into storage requests.
 
     Ranges of the same path are merged when the gap between them is at most ``coalesce_gap`` and the

@@ -38,8 +38,13 @@ def cli_env(**extra: str) -> dict[str, str]:
 def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> Result:
     """``python -m dcp_storage.cli ARGV`` in a fresh process."""
     proc = subprocess.run(
-        [sys.executable, "-m", "dcp_storage.cli", *argv], check=False, capture_output=True, text=True, timeout=timeout,
-        env=env or cli_env(), cwd=REPO,
+        [sys.executable, "-m", "dcp_storage.cli", *argv],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or cli_env(),
+        cwd=REPO,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
@@ -47,8 +52,14 @@ def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120)
 def run_batch(commands: list[list[str]], timeout: float = 300) -> list[Result]:
     """Several command lines through ``dcp_storage.cli.main`` in one fresh process (see ``_batch.py``)."""
     proc = subprocess.run(
-        [sys.executable, str(BATCH)], input=json.dumps(commands), check=False, capture_output=True, text=True, timeout=timeout,
-        env=cli_env(), cwd=REPO,
+        [sys.executable, str(BATCH)],
+        input=json.dumps(commands),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(),
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
     return [Result(**r) for r in json.loads(proc.stdout)]

@@ -42,8 +42,15 @@ def _helps() -> dict[str, str]:
 def test_help_and_version_import_no_torch() -> None:
     """``python -m dcp_storage.cli --help`` (and every command's help, and --version) never imports torch."""
     argvs = [["--help"], ["--version"], *([*c.split(), "--help"] for c in COMMANDS)]
-    proc = subprocess.run([sys.executable, "-c", _RUN_AS_MODULE, json.dumps(argvs)], capture_output=True, text=True,
-                          env=cli_env(), cwd=REPO, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_AS_MODULE, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stderr)
     assert found == {" ".join(a): [] for a in argvs}, found
@@ -89,13 +96,15 @@ def test_plugins_new_shows_only_its_own_options(tmp_path: Path) -> None:
         assert listing_only not in helps["plugins new"], helps["plugins new"]
         assert listing_only in helps["plugins list"] and listing_only in helps["plugins"]
     assert "--template" in helps["plugins new"] and "--template" not in helps["plugins list"]
-    listed, before, kind, made, nameless = run_batch([
-        ["plugins", "list", "--json"],
-        ["plugins", "--json", "--kind", "formats", "list"],  # options before the action are kept
-        ["plugins", "--kind", "formats", "--no-import"],
-        ["plugins", "new", "demoplug", "--dir", str(tmp_path), "--json"],
-        ["plugins", "new"],
-    ])
+    listed, before, kind, made, nameless = run_batch(
+        [
+            ["plugins", "list", "--json"],
+            ["plugins", "--json", "--kind", "formats", "list"],  # options before the action are kept
+            ["plugins", "--kind", "formats", "--no-import"],
+            ["plugins", "new", "demoplug", "--dir", str(tmp_path), "--json"],
+            ["plugins", "new"],
+        ]
+    )
     assert listed.rc == 0 and {r["kind"] for r in json.loads(listed.stdout)} >= {"formats", "transports"}
     assert before.rc == 0 and {r["kind"] for r in json.loads(before.stdout)} == {"formats"}
     assert kind.rc == 0 and "formats" in kind.stdout and "transports" not in kind.stdout
@@ -107,13 +116,15 @@ def test_messages_name_flags_as_typed(tmp_path: Path, sources: dict[str, Path]) 
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"hello, not a checkpoint\n")
     values = tmp_path / "with_values.safetensors"
-    inspect, verify, convert, exists, non_tensors = run_batch([
-        ["inspect", str(junk)],
-        ["verify", str(junk)],
-        ["convert", str(junk), str(tmp_path / "out.pt")],
-        ["convert", str(sources["dcp"]), str(sources["torch"])],
-        ["convert", str(sources["dcp"]), str(values)],
-    ])
+    inspect, verify, convert, exists, non_tensors = run_batch(
+        [
+            ["inspect", str(junk)],
+            ["verify", str(junk)],
+            ["convert", str(junk), str(tmp_path / "out.pt")],
+            ["convert", str(sources["dcp"]), str(sources["torch"])],
+            ["convert", str(sources["dcp"]), str(values)],
+        ]
+    )
     assert inspect.rc == 1 and "ass --format FORMAT to choose one" in inspect.stderr, inspect
     assert verify.rc == 1 and "ass --format FORMAT to choose one" in verify.stdout, verify
     assert convert.rc == 1 and "ass --from FORMAT to choose one" in convert.stderr, convert

@@ -47,16 +47,18 @@ def test_all_format_pairs_round_trip_bit_exact(tmp_path: Path, sources: dict[str
     src = str(sources["dcp_tensors"])
     a_st, a_pt, a_dcp = tmp_path / "a.safetensors", tmp_path / "a.pt", tmp_path / "a_dcp"
     b_pt, b_st, b_dcp = tmp_path / "b.bin", tmp_path / "b_st", tmp_path / "b_dcp"
-    results = run_batch([
-        # dcp -> safetensors -> torch -> dcp
-        ["convert", src, str(a_st)],
-        ["convert", str(a_st), str(a_pt)],
-        ["convert", str(a_pt), str(a_dcp), "--to", "dcp"],
-        # dcp -> torch -> safetensors -> dcp
-        ["convert", src, str(b_pt), "--json"],
-        ["convert", str(b_pt), str(b_st), "--to", "safetensors"],
-        ["convert", str(b_st), str(b_dcp), "--to", "dcp"],
-    ])
+    results = run_batch(
+        [
+            # dcp -> safetensors -> torch -> dcp
+            ["convert", src, str(a_st)],
+            ["convert", str(a_st), str(a_pt)],
+            ["convert", str(a_pt), str(a_dcp), "--to", "dcp"],
+            # dcp -> torch -> safetensors -> dcp
+            ["convert", src, str(b_pt), "--json"],
+            ["convert", str(b_pt), str(b_st), "--to", "safetensors"],
+            ["convert", str(b_st), str(b_dcp), "--to", "dcp"],
+        ]
+    )
     for r in results:
         assert r.rc == 0, r
     assert "converted" in results[0].stdout and "-> " in results[0].stdout
@@ -135,15 +137,23 @@ def test_sharding_dtype_cast_and_refusals(tmp_path: Path, sources: dict[str, Pat
 
     from dcp_storage import NonTensorStateError, convert
 
-    res = convert(sources["dcp"], tmp_path / "sharded", to="safetensors", max_shard_size="8KB", dtype="bf16",
-                  drop_non_tensors=True)
+    res = convert(
+        sources["dcp"],
+        tmp_path / "sharded",
+        to="safetensors",
+        max_shard_size="8KB",
+        dtype="bf16",
+        drop_non_tensors=True,
+    )
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and res.dropped_values == ["step"]
     got: dict[str, torch.Tensor] = {}
     for name in set(index["weight_map"].values()):
         got.update(load_file(str(tmp_path / "sharded" / name)))
-    want = {k: (v.to(torch.bfloat16) if v.dtype in (torch.float16, torch.float32, torch.float64) else v)
-            for k, v in reference.items()}
+    want = {
+        k: (v.to(torch.bfloat16) if v.dtype in (torch.float16, torch.float32, torch.float64) else v)
+        for k, v in reference.items()
+    }
     assert_same_tensors(got, want)
     with pytest.raises(NonTensorStateError, match="step"):
         convert(sources["dcp"], tmp_path / "refused.safetensors")
@@ -156,15 +166,17 @@ def test_cli_exit_codes_errors_and_no_progress_without_tty(tmp_path: Path, sourc
     ok = run_cli("convert", str(sources["safetensors"]), str(tmp_path / "o.pt"), env=env)
     assert ok.rc == 0, ok
     assert ok.stderr == "", ok  # stderr is a pipe: no progress bar even with no delay
-    results = run_batch([
-        ["convert", str(sources["safetensors"]), str(tmp_path / "o.pt")],  # exists
-        ["convert", str(tmp_path / "missing"), str(tmp_path / "x.pt")],
-        ["convert", str(sources["safetensors"]), str(tmp_path / "plain")],  # format not inferable
-        ["convert", str(sources["safetensors"]), str(tmp_path / "y.pt"), "--dtype", "int7"],
-        ["convert", str(sources["safetensors"]), str(tmp_path / "y.pt"), "-o", "novalue"],
-        ["convert", str(sources["safetensors"]), str(tmp_path / "y.pt"), "--to", "nope"],
-        ["convert", str(sources["safetensors"]), str(tmp_path / "o.pt"), "--overwrite", "-o", "auto_mkdir=true"],
-    ])
+    results = run_batch(
+        [
+            ["convert", str(sources["safetensors"]), str(tmp_path / "o.pt")],  # exists
+            ["convert", str(tmp_path / "missing"), str(tmp_path / "x.pt")],
+            ["convert", str(sources["safetensors"]), str(tmp_path / "plain")],  # format not inferable
+            ["convert", str(sources["safetensors"]), str(tmp_path / "y.pt"), "--dtype", "int7"],
+            ["convert", str(sources["safetensors"]), str(tmp_path / "y.pt"), "-o", "novalue"],
+            ["convert", str(sources["safetensors"]), str(tmp_path / "y.pt"), "--to", "nope"],
+            ["convert", str(sources["safetensors"]), str(tmp_path / "o.pt"), "--overwrite", "-o", "auto_mkdir=true"],
+        ]
+    )
     exists, missing, plain, dtype, option, to, overwrite = results
     assert exists.rc == 1 and "CheckpointExistsError" in exists.stderr and "--overwrite" in exists.stderr
     assert len(exists.stderr.strip().splitlines()) == 1 and "Traceback" not in exists.stderr
@@ -189,16 +201,28 @@ def test_cli_convert_on_s3(tmp_path: Path, s3_url, sources: dict[str, Path], ref
     for f in sources["dcp"].iterdir():
         data = f.read_bytes()
         fs.pipe_file(f"{url}/bad_dcp/{f.name}", data[: len(data) // 2] if f.suffix == ".distcp" else data)
-    results = run_batch([
-        ["convert", str(sources["dcp"]), f"{url}/st", "--to", "safetensors", "--drop-non-tensors", "--max-shard-size", "8KB", *flags],
-        ["convert", f"{url}/st", f"{url}/m.pt", *flags],
-        ["convert", f"{url}/m.pt", str(tmp_path / "back"), "--to", "dcp", *flags],
-        ["convert", str(sources["dcp"]), f"{url}/dcp", "--to", "dcp", *flags],
-        ["verify", f"{url}/dcp", "--deep", *flags],
-        ["inspect", f"{url}/st", "--json", *flags],
-        ["verify", f"{url}/bad/model.safetensors", *flags],
-        ["verify", f"{url}/bad_dcp", *flags],
-    ])
+    results = run_batch(
+        [
+            [
+                "convert",
+                str(sources["dcp"]),
+                f"{url}/st",
+                "--to",
+                "safetensors",
+                "--drop-non-tensors",
+                "--max-shard-size",
+                "8KB",
+                *flags,
+            ],
+            ["convert", f"{url}/st", f"{url}/m.pt", *flags],
+            ["convert", f"{url}/m.pt", str(tmp_path / "back"), "--to", "dcp", *flags],
+            ["convert", str(sources["dcp"]), f"{url}/dcp", "--to", "dcp", *flags],
+            ["verify", f"{url}/dcp", "--deep", *flags],
+            ["inspect", f"{url}/st", "--json", *flags],
+            ["verify", f"{url}/bad/model.safetensors", *flags],
+            ["verify", f"{url}/bad_dcp", *flags],
+        ]
+    )
     bad_st, bad_dcp = results[-2:]
     for r in results[:-2]:
         assert r.rc == 0, r

@@ -60,20 +60,24 @@ def damaged(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]) 
     p.write_bytes(sources["torch"].read_bytes()[:-300])
     out["pt_bitflip"] = p = root / "flip.pt"
     raw = bytearray(sources["torch"].read_bytes())
-    start = int(next(t for t in describe(sources["torch"]).tensors if t.key == "model.embed.weight").chunks[0].offset or 0)
+    start = int(
+        next(t for t in describe(sources["torch"]).tensors if t.key == "model.embed.weight").chunks[0].offset or 0
+    )
     raw[start + 11] ^= 0x10
     p.write_bytes(bytes(raw))
     return out
 
 
 def test_inspect_every_format(sources: dict[str, Path], reference: dict) -> None:
-    results = run_batch([
-        ["inspect", str(sources["dcp"]), "--json"],
-        ["inspect", str(sources["safetensors"]), "--json"],
-        ["inspect", str(sources["torch"]), "--json"],
-        ["inspect", str(sources["dcp"]), "--chunks"],
-        ["inspect", str(sources["dcp"] / "nope")],
-    ])
+    results = run_batch(
+        [
+            ["inspect", str(sources["dcp"]), "--json"],
+            ["inspect", str(sources["safetensors"]), "--json"],
+            ["inspect", str(sources["torch"]), "--json"],
+            ["inspect", str(sources["dcp"]), "--chunks"],
+            ["inspect", str(sources["dcp"] / "nope")],
+        ]
+    )
     dcp, st, pt, text, missing = results
     for r in (dcp, st, pt, text):
         assert r.rc == 0, r
@@ -96,13 +100,15 @@ def test_inspect_every_format(sources: dict[str, Path], reference: dict) -> None
 
 
 def test_verify_good_checkpoints(sources: dict[str, Path], damaged: dict[str, Path]) -> None:
-    results = run_batch([
-        ["verify", str(sources["dcp"])],
-        ["verify", str(sources["dcp"]), "--deep"],
-        ["verify", str(sources["safetensors"]), "--deep"],
-        ["verify", str(damaged["st_sharded"]), "--deep", "--json"],
-        ["verify", str(sources["torch"]), "--deep"],
-    ])
+    results = run_batch(
+        [
+            ["verify", str(sources["dcp"])],
+            ["verify", str(sources["dcp"]), "--deep"],
+            ["verify", str(sources["safetensors"]), "--deep"],
+            ["verify", str(damaged["st_sharded"]), "--deep", "--json"],
+            ["verify", str(sources["torch"]), "--deep"],
+        ]
+    )
     for r in results:
         assert r.rc == 0, r
         assert r.stderr == ""
@@ -116,15 +122,24 @@ def test_verify_good_checkpoints(sources: dict[str, Path], damaged: dict[str, Pa
 
 def test_verify_names_every_problem(damaged: dict[str, Path]) -> None:
     names = [
-        "dcp_truncated", "dcp_missing_file", "dcp_no_metadata", "dcp_garbled_metadata", "st_truncated", "st_bad_header",
-        "st_shard_missing", "pt_truncated",
+        "dcp_truncated",
+        "dcp_missing_file",
+        "dcp_no_metadata",
+        "dcp_garbled_metadata",
+        "st_truncated",
+        "st_bad_header",
+        "st_shard_missing",
+        "pt_truncated",
     ]
-    results = run_batch([["verify", str(damaged[n])] for n in names] + [
-        ["verify", str(damaged["dcp_corrupt_record"])],
-        ["verify", str(damaged["dcp_corrupt_record"]), "--deep"],
-        ["verify", str(damaged["pt_bitflip"])],
-        ["verify", str(damaged["pt_bitflip"]), "--deep", "--json"],
-    ])
+    results = run_batch(
+        [["verify", str(damaged[n])] for n in names]
+        + [
+            ["verify", str(damaged["dcp_corrupt_record"])],
+            ["verify", str(damaged["dcp_corrupt_record"]), "--deep"],
+            ["verify", str(damaged["pt_bitflip"])],
+            ["verify", str(damaged["pt_bitflip"]), "--deep", "--json"],
+        ]
+    )
     got = dict(zip(names, results))
     for name, r in got.items():
         assert r.rc == 1, (name, r)
@@ -138,7 +153,7 @@ def test_verify_names_every_problem(damaged: dict[str, Path]) -> None:
     assert "not valid JSON" in got["st_bad_header"].stdout
     assert "no such file" in got["st_shard_missing"].stdout
     assert "truncated" in got["pt_truncated"].stdout
-    shallow_record, deep_record, shallow_flip, deep_flip = results[len(names):]
+    shallow_record, deep_record, shallow_flip, deep_flip = results[len(names) :]
     assert shallow_record.rc == 0, shallow_record  # sizes and metadata are intact
     assert deep_record.rc == 1 and "tensor 'model.embed.weight'" in deep_record.stdout, deep_record
     assert shallow_flip.rc == 0, shallow_flip
@@ -158,7 +173,9 @@ def _needs_missing_plugin(src: Path, dst: Path) -> Path:
         info.transform_descriptors = ["stream.nosuchplugin/1"]
     (dst / ".metadata").write_bytes(pickle.dumps(md))
     manifest = json.loads((dst / ".dcp_storage.json").read_text())
-    manifest["extensions"] = [{"descriptor": "stream.nosuchplugin/1", "distribution": "dcp-storage-nosuch", "version": "2.0"}]
+    manifest["extensions"] = [
+        {"descriptor": "stream.nosuchplugin/1", "distribution": "dcp-storage-nosuch", "version": "2.0"}
+    ]
     (dst / ".dcp_storage.json").write_text(json.dumps(manifest))
     return dst
 
@@ -188,11 +205,13 @@ def test_verify_one_shard_names_its_set(tmp_path: Path, damaged: dict[str, Path]
     (no_index / "model.safetensors.index.json").unlink()
     missing = sorted(p.name for p in damaged["st_shard_missing"].glob("*.safetensors"))
     gone = sorted(set(shards) - set(missing))
-    alone, without_sibling, without_index = run_batch([
-        ["verify", str(whole / shards[0])],
-        ["verify", str(damaged["st_shard_missing"] / shards[0])],
-        ["verify", str(no_index / shards[-1]), "--json"],
-    ])
+    alone, without_sibling, without_index = run_batch(
+        [
+            ["verify", str(whole / shards[0])],
+            ["verify", str(damaged["st_shard_missing"] / shards[0])],
+            ["verify", str(no_index / shards[-1]), "--json"],
+        ]
+    )
     assert alone.rc == 0, alone
     index = whole / "model.safetensors.index.json"
     assert f"note: {shards[0]} is one shard of a sharded set: verify {index} to check the whole set" in alone.stdout

@@ -74,17 +74,27 @@ def test_convert_peak_rss_is_bounded_by_the_largest_tensor(tmp_path: Path) -> No
     assert total > 200 * 1000 * 1000
 
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(src), str(out), str(tmp_path / "tiny")], check=False, capture_output=True, text=True, env=cli_env(), cwd=REPO,
+        [sys.executable, "-c", CHILD, str(src), str(out), str(tmp_path / "tiny")],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
-    print("peak RSS figures (MiB):", json.dumps({
-        "checkpoint": round(total / MiB, 1),
-        "largest_tensor": LARGEST / MiB,
-        "baseline_rss": round(figures["baseline_rss"] / MiB, 1),
-        **{k: round(v["peak_growth"] / MiB, 1) for k, v in figures["steps"].items()},
-    }))
+    print(
+        "peak RSS figures (MiB):",
+        json.dumps(
+            {
+                "checkpoint": round(total / MiB, 1),
+                "largest_tensor": LARGEST / MiB,
+                "baseline_rss": round(figures["baseline_rss"] / MiB, 1),
+                **{k: round(v["peak_growth"] / MiB, 1) for k, v in figures["steps"].items()},
+            }
+        ),
+    )
     assert all(s["rc"] == 0 for s in figures["steps"].values()), figures
     assert figures["max_peak_growth"] < 3 * LARGEST + BASELINE_SLACK, figures
 

@@ -31,12 +31,22 @@ def test_merge_like_accelerate(tmp_path: Path, fsdp_output_dir: Path) -> None:
     import shutil
 
     shutil.copytree(ckpt, copy)
-    results = run_batch([
-        ["merge", str(ckpt), str(tmp_path / "st")],
-        ["merge", str(copy), str(tmp_path / "bin"), "--no-safe-serialization", "--max-shard-size", "40KB",
-         "--remove-checkpoint-dir", "--json"],
-        ["merge", str(fsdp_output_dir), str(tmp_path / "wrong")],
-    ])
+    results = run_batch(
+        [
+            ["merge", str(ckpt), str(tmp_path / "st")],
+            [
+                "merge",
+                str(copy),
+                str(tmp_path / "bin"),
+                "--no-safe-serialization",
+                "--max-shard-size",
+                "40KB",
+                "--remove-checkpoint-dir",
+                "--json",
+            ],
+            ["merge", str(fsdp_output_dir), str(tmp_path / "wrong")],
+        ]
+    )
     st, bins, wrong = results
     assert st.rc == 0, st
     assert "merged" in st.stdout and "verified" in st.stdout

@@ -28,9 +28,23 @@ def test_new_writes_installable_plugins_whose_tests_pass(tmp_path: Path) -> None
     # A real pip install (wheel build from the generated pyproject.toml) into a target directory.
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(tmp_path / "dcp-storage-vaultblob"), str(tmp_path / "dcp-storage-packz")],
-        check=True, capture_output=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(tmp_path / "dcp-storage-vaultblob"),
+            str(tmp_path / "dcp-storage-packz"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=180,
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
     listed = run_cli("plugins", "--json", env=env)
@@ -42,7 +56,12 @@ def test_new_writes_installable_plugins_whose_tests_pass(tmp_path: Path) -> None
     for plugin in ("dcp-storage-vaultblob", "dcp-storage-packz"):
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-            cwd=tmp_path / plugin, env=env, capture_output=True, text=True, timeout=300, check=False,
+            cwd=tmp_path / plugin,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
         assert proc.returncode == 0, f"{plugin}:\n{proc.stdout}\n{proc.stderr}"
 

@@ -23,8 +23,13 @@ def _run_on_pty(argv: list[str], env: dict[str, str], timeout: float = 120) -> t
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a real terminal has a size
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dcp_storage.cli", *argv], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
-        env=env, cwd=REPO, close_fds=True,
+        [sys.executable, "-m", "dcp_storage.cli", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        cwd=REPO,
+        close_fds=True,
     )
     os.close(slave)
     chunks: list[bytes] = []
@@ -72,23 +77,36 @@ def _fake_distribution(root: Path, dist: str, module: str, entry_points: str, bo
 
 def test_plugins_lists_failures_with_reason(tmp_path: Path) -> None:
     _fake_distribution(
-        tmp_path, "cliplug-broken", "cliplug_broken",
+        tmp_path,
+        "cliplug-broken",
+        "cliplug_broken",
         "[dcp_storage.formats]\nbrokenfmt = cliplug_broken:FORMAT\n",
         "raise ImportError('needs libfoo >= 2')\n",
     )
     _fake_distribution(
-        tmp_path, "cliplug-good", "cliplug_good",
+        tmp_path,
+        "cliplug-good",
+        "cliplug_good",
         "[dcp_storage.planners]\ngoodplanner = cliplug_good:PLANNER\n",
         "PLANNER = object()\n",
     )
     env = cli_env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent("""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
             import json, sys
             from tests.cli._batch import run_one
             print(json.dumps([run_one(a) for a in (["plugins", "--json"], ["plugins"], ["plugins", "--strict"])]))
-        """)],
-        check=False, capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+        """),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     as_json, text, strict = json.loads(proc.stdout)
@@ -99,5 +117,8 @@ def test_plugins_lists_failures_with_reason(tmp_path: Path) -> None:
     assert "ImportError: needs libfoo >= 2" in broken["error"]
     assert rows[("planners", "goodplanner")]["status"] == "loaded"
     assert rows[("formats", "dcp")]["status"] == "loaded" and rows[("formats", "dcp")]["distribution"] == "dcp-storage"
-    assert text["rc"] == 0 and "failed: formats/brokenfmt (cliplug-broken): ImportError: needs libfoo >= 2" in text["stdout"]
+    assert (
+        text["rc"] == 0
+        and "failed: formats/brokenfmt (cliplug-broken): ImportError: needs libfoo >= 2" in text["stdout"]
+    )
     assert strict["rc"] == 1

@@ -105,14 +105,22 @@ def test_s3_rejected_and_denied_credentials(s3_auth: tuple[Location, dict[str, t
 
 def test_s3_without_any_credentials(s3_location: Location, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     url, opts, _ = _saved(s3_location)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     bare = {k: v for k, v in opts.items() if k not in ("key", "secret")}  # anon=False (the default)
     reader = ds.FsspecReader(url, bare)
     exc = _access_error(reader.read_metadata)
-    _assert_message(exc, f"read {url}/.metadata", "Unable to locate credentials", ("no credentials were found", *S3_FIX))
+    _assert_message(
+        exc, f"read {url}/.metadata", "Unable to locate credentials", ("no credentials were found", *S3_FIX)
+    )
     assert reader.counters["retries"] == 0
     exc = _access_error(lambda: dcp.save(dict(STATE), storage_writer=ds.FsspecWriter(url + "-2", bare), no_dist=True))
     _assert_message(exc, "s3://", "Unable to locate credentials", S3_FIX)
@@ -137,7 +145,12 @@ def test_gs_forbidden(gs_forbidding: tuple[Location, FaultProxy]) -> None:
     proxy.set_rules([FaultRule("forbidden_403")])
     reader = ds.FsspecReader(url, opts)
     exc = _access_error(reader.read_metadata)
-    _assert_message(exc, f"read {url}/.metadata", "does not have storage.objects.get access", ("the store refused the request", *gs_fix))
+    _assert_message(
+        exc,
+        f"read {url}/.metadata",
+        "does not have storage.objects.get access",
+        ("the store refused the request", *gs_fix),
+    )
     assert reader.counters["retries"] == 0 and proxy.counters().faults["forbidden_403"] == 1  # one request, no retry
     exc = _access_error(lambda: dcp.save(dict(STATE), storage_writer=ds.FsspecWriter(url + "-2", opts), no_dist=True))
     _assert_message(exc, "gs://", "HTTP 403", gs_fix)

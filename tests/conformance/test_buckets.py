@@ -167,13 +167,19 @@ def test_convert_and_the_cli_refuse_a_missing_bucket_unless_asked(s3_typo: Typo,
     with pytest.raises(BucketNotFoundError):
         ds.merge_fsdp_weights(src, typo.url + "-merged", storage_options=typo.options)
     assert not typo.exists()
-    flags = option_flags({k: v for k, v in typo.options.items() if k not in ("skip_instance_cache", "use_listings_cache")}, "-o")
-    refused, created = run_batch([
-        ["convert", src, typo.url + "-cli", "--to", "safetensors", *flags],
-        ["convert", src, typo.url + "-cli", "--to", "safetensors", "--create-bucket", *flags],
-    ])
+    flags = option_flags(
+        {k: v for k, v in typo.options.items() if k not in ("skip_instance_cache", "use_listings_cache")}, "-o"
+    )
+    refused, created = run_batch(
+        [
+            ["convert", src, typo.url + "-cli", "--to", "safetensors", *flags],
+            ["convert", src, typo.url + "-cli", "--to", "safetensors", "--create-bucket", *flags],
+        ]
+    )
     assert refused.rc == 1 and f"'{typo.bucket}' does not exist" in refused.stderr, refused
-    assert "pass --create-bucket" in refused.stderr and "create_bucket=" not in refused.stderr, refused  # flags, not keywords
+    assert "pass --create-bucket" in refused.stderr and "create_bucket=" not in refused.stderr, (
+        refused
+    )  # flags, not keywords
     assert "Traceback" not in refused.stderr, refused
     assert created.rc == 0, created
     assert typo.exists()

@@ -229,7 +229,9 @@ def test_no_leak_from_access_errors(
     wrong_secret = {**opts, "key": known_id}  # the sentinel secret and token, with a key id moto knows
     from tests.cli._helpers import option_flags, run_batch
 
-    flags = option_flags({k: v for k, v in opts.items() if k not in ("skip_instance_cache", "use_listings_cache")}, "-o")
+    flags = option_flags(
+        {k: v for k, v in opts.items() if k not in ("skip_instance_cache", "use_listings_cache")}, "-o"
+    )
     attempts: dict[str, BaseException] = {}
     with moto_server.iam_auth():
         for name, options in (("unknown key", opts), ("wrong secret", wrong_secret)):

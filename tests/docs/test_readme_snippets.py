@@ -58,7 +58,12 @@ def test_snippet_runs(title: str, code: str, tmp_path: Path) -> None:
         argv = [sys.executable]
     # Own session, so a hung snippet's ranks die with their launcher when the timeout kills the group.
     proc = subprocess.Popen(
-        [*argv, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*argv, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
     try:

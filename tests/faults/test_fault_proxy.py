@@ -139,7 +139,10 @@ def test_requests_and_body_bytes_are_counted_per_object(proxy: FaultProxy) -> No
     served = counters.by_path[("GET", "/b/ckpt/.metadata")][1]
     assert served > 2 * 4000 and counters.body_bytes() == served + counters.by_path[("GET", "/b/ckpt/x y.distcp")][1]
     assert counters.body_bytes() < counters.bytes_to_client  # heads are not body bytes
-    assert [entry[1] for entry in counters.log] == ["/b/ckpt/.metadata"] * 2 + ["/b/ckpt/x y.distcp", "/b/ckpt/.metadata"]
+    assert [entry[1] for entry in counters.log] == ["/b/ckpt/.metadata"] * 2 + [
+        "/b/ckpt/x y.distcp",
+        "/b/ckpt/.metadata",
+    ]
     proxy.reset_counters()
     assert proxy.counters().by_path == {}
 

@@ -29,7 +29,11 @@ def stored() -> tuple[FsspecTransport, StoredTensor, torch.Tensor]:
 
 
 def _load(
-    transport: FsspecTransport, stored: StoredTensor, offsets: tuple[int, int], lengths: tuple[int, int], gap: int | None
+    transport: FsspecTransport,
+    stored: StoredTensor,
+    offsets: tuple[int, int],
+    lengths: tuple[int, int],
+    gap: int | None,
 ) -> tuple[torch.Tensor, int]:
     dest = torch.empty(lengths)
     work = plan_slice_read("k", stored, offsets, lengths, dest, dense_gap=gap)
@@ -73,7 +77,6 @@ def test_sparse_or_short_slices_keep_their_runs(
     dest, got = _load(transport, tensor, offsets, lengths, gap)
     rows, cols = (slice(o, o + n) for o, n in zip(offsets, lengths))
     assert got == planned and same_bits(dest, full[rows, cols].contiguous())
-
 
 
 def test_dense_slice_into_a_casting_destination(stored: tuple[FsspecTransport, StoredTensor, torch.Tensor]) -> None:

@@ -25,8 +25,13 @@ def llama(meta: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
     )
     torch.manual_seed(0)
     if not meta:
@@ -142,4 +147,3 @@ def test_fsdp2_llama_on_meta_from_a_file_at_two_ranks(tmp_path: Path) -> None:
     want = logits(ref).flatten().tolist()
     for got in run_ranks(_fsdp2_llama_logits, 2, path, timeout=120.0):
         assert got == want  # bit-exact: the same weights, buffers and kernels as the normal build
-

@@ -60,7 +60,9 @@ def central_edit(draw: st.DrawFn) -> tuple[int, dict[str, object]]:
             body = draw(st.binary(min_size=0, max_size=24))
             changes[field] = struct.pack("<HH", draw(st.sampled_from([1, 1, 0x5455])), length) + body
         elif field == "name":
-            changes[field] = draw(st.sampled_from([b"", b"archive/data.pkl", b"archive/data/0", b"\xff\xfe", b"x" * 300]))
+            changes[field] = draw(
+                st.sampled_from([b"", b"archive/data.pkl", b"archive/data/0", b"\xff\xfe", b"x" * 300])
+            )
         else:
             changes[field] = draw(st.one_of(HOSTILE_INTS, st.integers(0, 0xFFFFFFFF)))
     return which, changes
@@ -81,12 +83,16 @@ def hostile_zip(draw: st.DrawFn) -> bytes:
         try:
             if kind == "central":
                 which, changes = draw(central_edit())
-                data = zm.rewrite_central(data, lambda rs, w=which, c=changes: [replace(r, **c) if i == w else r for i, r in enumerate(rs)])  # type: ignore[arg-type]  # noqa: E501
+                data = zm.rewrite_central(
+                    data, lambda rs, w=which, c=changes: [replace(r, **c) if i == w else r for i, r in enumerate(rs)]
+                )  # type: ignore[arg-type]  # noqa: E501
             elif kind == "local":
                 name, fields = draw(local_edit())
                 data = zm.patch_local(data, name, **fields)
             elif kind == "duplicate":
-                data = zm.duplicate_entry(data, draw(st.sampled_from(["data/0", "byteorder"])), draw(st.binary(max_size=64)))
+                data = zm.duplicate_entry(
+                    data, draw(st.sampled_from(["data/0", "byteorder"])), draw(st.binary(max_size=64))
+                )
             else:
                 data = zm.overlapping_entry(data, "byteorder", "data/0", at=draw(st.integers(0, 8)))
         except (StopIteration, ValueError, struct.error, IndexError):

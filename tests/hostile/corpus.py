@@ -525,7 +525,9 @@ class _Builder:
         for name, whole in P.FRESH_ATTACKS.items():
             self.case(family, f"metadata-state-{name}", METADATA, spliced(P.as_prefix(whole)))
         for op in bombs:
-            self.case(family, f"metadata-bomb-{op}", METADATA, lambda d, o=op: (d / METADATA).write_bytes(P.size_bomb(o)))
+            self.case(
+                family, f"metadata-bomb-{op}", METADATA, lambda d, o=op: (d / METADATA).write_bytes(P.size_bomb(o))
+            )
 
         def deep(d: Path) -> None:  # 200,000 levels from ~400 KB, built without recursion
             md = pickle.loads((d / METADATA).read_bytes())
@@ -577,7 +579,13 @@ class _Builder:
         record = _data_pkl(_FakeTensor(_FakeStorage(torch.FloatStorage, 128), 0, (16, 8), (8, 1)))
         for name, prefix in P.RECORD_STATE_ATTACKS.items():
             blob = _handmade_torch_zip(P.splice(prefix, record), b"\0" * 512)
-            self.case("dcp", f"record-state-{name}", "evil.distcp", lambda d, b=blob: self.point_item(d, "w", b), in_metadata=False)
+            self.case(
+                "dcp",
+                f"record-state-{name}",
+                "evil.distcp",
+                lambda d, b=blob: self.point_item(d, "w", b),
+                in_metadata=False,
+            )
 
         f32 = torch.FloatStorage
         for tag, tensor, storage in (
@@ -617,6 +625,7 @@ class _Builder:
         ``verify=True``: tests/formats/dcp_native): the attacks on what it reads, and deflated entries
         (such a record goes to ``torch.load``) are refused by default.
         """
+
         def attacks(record: bytes) -> dict[str, bytes]:
             with zipfile.ZipFile(io.BytesIO(record)) as zf:
                 plain = [(i.filename, zf.read(i)) for i in zf.infolist()]
@@ -636,17 +645,35 @@ class _Builder:
                 "data-pkl-deflate-bomb": zm.deflate_bomb_zip(plain, pkl, inflated=1 << 30),
             }
 
-        tensor_refused = ("local-name-differs", "local-sizes-differ", "deflate-bomb", "deflate-ratio", "data-pkl-deflate-bomb")
+        tensor_refused = (
+            "local-name-differs",
+            "local-sizes-differ",
+            "deflate-bomb",
+            "deflate-ratio",
+            "data-pkl-deflate-bomb",
+        )
         for tag, blob in attacks(_torch_save_bytes(tensors()["w"])).items():
             if tag in tensor_refused:
-                self.case("dcp", f"record-{tag}", "evil.distcp", lambda d, b=blob: self.point_item(d, "w", b), in_metadata=False)
+                self.case(
+                    "dcp",
+                    f"record-{tag}",
+                    "evil.distcp",
+                    lambda d, b=blob: self.point_item(d, "w", b),
+                    in_metadata=False,
+                )
         step = _torch_save_bytes(torch.arange(128, dtype=torch.int32))  # a value holding a tensor: has data/0
         flipped = bytearray(step)
         head = zm.local_offset(step, "data/0")
         flipped[head + 30 + sum(struct.unpack_from("<HH", step, head + 26)) + 100] ^= 0x01
         items = {**attacks(step), "crc-mismatch": bytes(flipped)}
         for tag, blob in items.items():
-            self.case("dcp", f"byte-item-{tag}", "evil.distcp", lambda d, b=blob: self.point_item(d, "step", b), in_metadata=False)
+            self.case(
+                "dcp",
+                f"byte-item-{tag}",
+                "evil.distcp",
+                lambda d, b=blob: self.point_item(d, "step", b),
+                in_metadata=False,
+            )
 
     def dcp_st(self) -> None:
         self.file_mutations("dcp_st", METADATA, in_metadata=True, cuts=3)
@@ -861,6 +888,7 @@ class _Builder:
         """Zip layouts to refuse: duplicate names, local headers that disagree with the central directory,
         overlapping entries, zip64 fields that are missing, deflate bombs. (A flipped tensor byte is found by
         ``verify=True`` and ``verify --deep``: tests/formats/torch_save.)"""
+
         def mutated(fn: Callable[[bytes], bytes]) -> Callable[[Path], None]:
             return lambda d: (d / PT_FILE).write_bytes(fn((d / PT_FILE).read_bytes()))
 
@@ -874,10 +902,14 @@ class _Builder:
             "local-flags-differ": lambda b: zm.patch_local(b, "data/2", flags=0x800),
             "local-sizes-differ-with-descriptor": lambda b: zm.patch_local(b, "data/1", csize=7, usize=7),
             "central-sizes-differ": lambda b: zm.edit_entry(b, "data/2", csize=16),
-            "central-encrypted": lambda b: zm.patch_local(zm.edit_entry(b, "data/0", flags=0x809), "data/0", flags=0x809),
+            "central-encrypted": lambda b: zm.patch_local(
+                zm.edit_entry(b, "data/0", flags=0x809), "data/0", flags=0x809
+            ),
             "entries-overlap": lambda b: zm.overlapping_entry(b, "data/2", "data/1"),
             "zip64-extra-empty": lambda b: zm.edit_entry(b, "data/0", usize=0xFFFFFFFF, extra=b"\x01\x00\x00\x00"),
-            "zip64-extra-short": lambda b: zm.edit_entry(b, "data/0", usize=0xFFFFFFFF, csize=0xFFFFFFFF, extra=zip64_short),
+            "zip64-extra-short": lambda b: zm.edit_entry(
+                b, "data/0", usize=0xFFFFFFFF, csize=0xFFFFFFFF, extra=zip64_short
+            ),
             "zip64-extra-overruns": lambda b: zm.edit_entry(b, "data/0", offset=0xFFFFFFFF, extra=b"\x01\x00\xff\xff"),
         }.items():
             self.case("zip", tag, PT_FILE, mutated(fn))

@@ -94,8 +94,10 @@ def test_special_files_and_broadcasts_cost_bounded_memory_and_time(corpus: list[
             failures.append(f"{r['case']} [convert]: {r['raised']}: {r['message'][:200]}")
     worst = max(results, key=lambda r: r["peak_mib_above"])
     slowest = max(results, key=lambda r: r["seconds"])
-    print(f"{len(results)} runs; peak {worst['peak_mib_above']} MiB ({worst['case']} {worst['entry']}); "
-          f"slowest {slowest['seconds']} s ({slowest['case']} {slowest['entry']})")
+    print(
+        f"{len(results)} runs; peak {worst['peak_mib_above']} MiB ({worst['case']} {worst['entry']}); "
+        f"slowest {slowest['seconds']} s ({slowest['case']} {slowest['entry']})"
+    )
     assert not failures, "\n".join(failures)
 
 

@@ -161,7 +161,11 @@ def test_state_attacks_are_live_without_the_guard() -> None:
     assert out["fresh-instance-class-swap"][0] == "Metadata"  # a StorageMeta turned into a Metadata
     assert out["fresh-instance-dunder"] == ["StorageMeta", ["__reduce_ex__"]]
     assert out["fresh-instance-dict-from-call"] == ["StorageMeta", ["__eq__"]]
-    assert out["fresh-instance-dunder-text-key"] == out["fresh-instance-dunder-binstring-key"] == ["StorageMeta", ["__reduce_ex__"]]
+    assert (
+        out["fresh-instance-dunder-text-key"]
+        == out["fresh-instance-dunder-binstring-key"]
+        == ["StorageMeta", ["__reduce_ex__"]]
+    )
 
 
 _BOMBS = """

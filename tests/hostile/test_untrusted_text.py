@@ -147,8 +147,12 @@ def test_cli_escapes_every_line(cases: dict[str, Hostile], tmp_path: Path) -> No
     surrogate = printable(NAMES["lone-surrogate"])
     values = cases["dcp-values"]
     runs += [  # what safetensors cannot hold is refused or left out, named escaped
-        (cases["dcp-valid"], ["convert", cases["dcp-valid"].url, str(tmp_path / "a.safetensors"), "--drop-non-tensors"],
-         1, f"UnsupportedKeyError: safetensors cannot store the keys '{surrogate}'"),
+        (
+            cases["dcp-valid"],
+            ["convert", cases["dcp-valid"].url, str(tmp_path / "a.safetensors"), "--drop-non-tensors"],
+            1,
+            f"UnsupportedKeyError: safetensors cannot store the keys '{surrogate}'",
+        ),
         (values, ["convert", values.url, str(tmp_path / "b.safetensors")], 1, "NonTensorStateError"),
         (values, ["convert", values.url, str(tmp_path / "c.safetensors"), "--drop-non-tensors"], 0, "left out 2"),
     ]
@@ -165,7 +169,8 @@ def test_cli_escapes_every_line(cases: dict[str, Hostile], tmp_path: Path) -> No
                 failures.append(f"{case.name} [{what}]: JSON output is not ASCII")
             if argv[0] == "inspect" and case.loads:  # exact names for scripts
                 keys = {t["key"] for t in json.loads(res.stdout)["tensors"]} | {
-                    v["key"] for v in json.loads(res.stdout)["values"]}
+                    v["key"] for v in json.loads(res.stdout)["values"]
+                }
                 if not keys >= set(case.names):
                     failures.append(f"{case.name} [{what}]: JSON keys are not the exact names: {sorted(keys)!r}")
         shows_names = argv[0] == "inspect" and "--json" not in argv or (argv[0] != "inspect" and res.rc != 0)
@@ -188,14 +193,25 @@ def test_cli_on_real_pipes(cases: dict[str, Hostile]) -> None:
 
     from tests.cli._helpers import REPO, cli_env
 
-    runs = [(cases["dcp-valid"], ["inspect"], 0), (cases["pt-global"], ["verify", "--deep"], 1),
-            (cases["dcp-format"], ["--debug", "inspect"], 1)]
+    runs = [
+        (cases["dcp-valid"], ["inspect"], 0),
+        (cases["pt-global"], ["verify", "--deep"], 1),
+        (cases["dcp-format"], ["--debug", "inspect"], 1),
+    ]
     argvs = [[*argv, case.url] for case, argv, _rc in runs]
-    proc = subprocess.run([sys.executable, "-c", _REAL_STREAMS, json.dumps(argvs)], capture_output=True,
-                          env=cli_env(), cwd=REPO, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _REAL_STREAMS, json.dumps(argvs)],
+        capture_output=True,
+        env=cli_env(),
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
     stdout, stderr = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")  # strict: no surrogates got out
     assert proc.returncode == 0, stderr
-    assert [int(line.split()[-1]) for line in stdout.splitlines() if line.startswith("=== rc")] == [r for *_x, r in runs]
+    assert [int(line.split()[-1]) for line in stdout.splitlines() if line.startswith("=== rc")] == [
+        r for *_x, r in runs
+    ]
     failures: list[str] = []
     for case, _argv, _rc in runs:
         _cli_text_ok(case, stdout + stderr, failures, "real pipes")
@@ -203,7 +219,9 @@ def test_cli_on_real_pipes(cases: dict[str, Hostile]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_cli_escapes_what_no_message_escaped(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_escapes_what_no_message_escaped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The last line of defence: raw text a command prints on stdout and stderr (as a warning would) and a
     foreign exception's message, with and without --debug, all reach the streams escaped."""
     from dcp_storage import cli

@@ -185,8 +185,16 @@ def torch_save_hostile_global(root: Path) -> Hostile:
 
 
 BUILDERS = (
-    dcp_valid, dcp_values, dcp_truncated, dcp_extension, dcp_unknown_format, safetensors_valid, safetensors_bad_dtype,
-    hf_index_hostile_file, torch_save_valid, torch_save_hostile_global,
+    dcp_valid,
+    dcp_values,
+    dcp_truncated,
+    dcp_extension,
+    dcp_unknown_format,
+    safetensors_valid,
+    safetensors_bad_dtype,
+    hf_index_hostile_file,
+    torch_save_valid,
+    torch_save_hostile_global,
 )
 
 

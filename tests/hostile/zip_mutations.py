@@ -81,7 +81,11 @@ def central_records(data: bytes) -> list[Central]:
         f = _CENTRAL.unpack_from(data, pos)
         nlen, xlen, clen = f[10], f[11], f[12]
         at = pos + _CENTRAL.size
-        name, extra, comment = data[at : at + nlen], data[at + nlen : at + nlen + xlen], data[at + nlen + xlen : at + nlen + xlen + clen]
+        name, extra, comment = (
+            data[at : at + nlen],
+            data[at + nlen : at + nlen + xlen],
+            data[at + nlen + xlen : at + nlen + xlen + clen],
+        )
         out.append(Central(name, *f[1:10], extra, comment, *f[13:17]))  # type: ignore[arg-type]
         pos = at + nlen + xlen + clen
     return out
@@ -121,7 +125,21 @@ def patch_local(data: bytes, name: str, **fields: int | bytes) -> bytes:
     sig, ver, flags, method, t, d, crc, csize, usize, nlen, xlen = _LOCAL.unpack_from(out, at)
     values = {"flags": flags, "method": method, "crc": crc, "csize": csize, "usize": usize}
     values.update({k: v for k, v in fields.items() if k != "name_bytes"})  # type: ignore[misc]
-    _LOCAL.pack_into(out, at, sig, ver, values["flags"], values["method"], t, d, values["crc"], values["csize"], values["usize"], nlen, xlen)
+    _LOCAL.pack_into(
+        out,
+        at,
+        sig,
+        ver,
+        values["flags"],
+        values["method"],
+        t,
+        d,
+        values["crc"],
+        values["csize"],
+        values["usize"],
+        nlen,
+        xlen,
+    )
     new_name = fields.get("name_bytes")
     if isinstance(new_name, bytes):
         if len(new_name) != nlen:
@@ -141,9 +159,20 @@ def duplicate_entry(data: bytes, name: str, payload: bytes) -> bytes:
     _, _, cd_offset, _ = _ends(data)
     original = _by_name(central_records(data), name)
     crc = zlib.crc32(payload)
-    local = _LOCAL.pack(b"PK\x03\x04", 20, original.flags & 0x800, 0, 0, 0x21, crc, len(payload), len(payload), len(original.name), 0)
+    local = _LOCAL.pack(
+        b"PK\x03\x04", 20, original.flags & 0x800, 0, 0, 0x21, crc, len(payload), len(payload), len(original.name), 0
+    )
     blob = local + original.name + payload
-    twin = replace(original, flags=original.flags & 0x800, method=0, crc=crc, csize=len(payload), usize=len(payload), extra=b"", offset=cd_offset)
+    twin = replace(
+        original,
+        flags=original.flags & 0x800,
+        method=0,
+        crc=crc,
+        csize=len(payload),
+        usize=len(payload),
+        extra=b"",
+        offset=cd_offset,
+    )
     moved = data[:cd_offset] + blob + data[cd_offset:]
     eocd, eocd64, _, _ = _ends(moved)
     out = bytearray(moved)
@@ -187,7 +216,9 @@ def zero_stream(n: int) -> bytes:
     return block * (n >> 20) + rest
 
 
-def deflate_bomb_zip(entries: list[tuple[str, bytes]], name: str, *, inflated: int, declared: int | None = None) -> bytes:
+def deflate_bomb_zip(
+    entries: list[tuple[str, bytes]], name: str, *, inflated: int, declared: int | None = None
+) -> bytes:
     """``entries`` as a zip whose entry ``name`` is a deflate stream of ``inflated`` zero bytes (about 1 KB per
     MiB) that declares ``declared`` bytes (default: the real entry's size, so only inflating tells)."""
     stream = zero_stream(inflated)
@@ -210,5 +241,7 @@ def overlapping_entry(data: bytes, name: str, host: str, at: int = 1024) -> byte
         raise ValueError(f"{host} is too small to hide {name} in it")
     pos = host_start + at
     out = data[:pos] + blob + data[pos + len(blob) :]
-    out = rewrite_central(out, lambda rs: [replace(r, offset=pos, flags=r.flags & ~0x08) if r.name == moved.name else r for r in rs])
+    out = rewrite_central(
+        out, lambda rs: [replace(r, offset=pos, flags=r.flags & ~0x08) if r.name == moved.name else r for r in rs]
+    )
     return out

@@ -86,7 +86,9 @@ def test_imports_only_the_plugin_api(path: Path) -> None:
 def test_the_check_catches_an_internal_import(tmp_path: Path) -> None:
     """The attack: a plugin module reaching into the core is reported, in code and in tests alike."""
     plugin = REPO / "plugins" / "dcp-storage-zstd" / "dcp_storage_zstd" / "extension.py"
-    source = plugin.read_text() + "\nfrom dcp_storage.transports.ranges import plan_fetches\nimport dcp_storage.errors\n"
+    source = (
+        plugin.read_text() + "\nfrom dcp_storage.transports.ranges import plan_fetches\nimport dcp_storage.errors\n"
+    )
     fake = tmp_path / "plugins" / "x" / "x" / "mod.py"
     fake.parent.mkdir(parents=True)
     fake.write_text(source)

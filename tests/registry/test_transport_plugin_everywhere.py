@@ -185,14 +185,19 @@ ENTRY_POINTS: dict[str, Callable[[dict[str, Path], Path], None]] = {
     "open_reader-safetensors": lambda c, _t: _load(open_reader(c["safetensors"], storage_options=_opts())),
     "open_reader-torch": lambda c, _t: _load(open_reader(c["torch"], storage_options=_opts())),
     "FsspecWriter": lambda _c, t: dcp.save(
-        reference_state_dict(0, **SHAPE), storage_writer=FsspecWriter(_memory_url(), storage_options=_opts()), no_dist=True
+        reference_state_dict(0, **SHAPE),
+        storage_writer=FsspecWriter(_memory_url(), storage_options=_opts()),
+        no_dist=True,
     ),
     "SafetensorsWriter": lambda _c, t: dcp.save(
-        reference_state_dict(0, **SHAPE), storage_writer=SafetensorsWriter(_memory_url(), storage_options=_opts()),
+        reference_state_dict(0, **SHAPE),
+        storage_writer=SafetensorsWriter(_memory_url(), storage_options=_opts()),
         no_dist=True,
     ),
     "open_writer": lambda _c, t: dcp.save(
-        reference_state_dict(0, **SHAPE), storage_writer=open_writer(_memory_url(), storage_options=_opts()), no_dist=True
+        reference_state_dict(0, **SHAPE),
+        storage_writer=open_writer(_memory_url(), storage_options=_opts()),
+        no_dist=True,
     ),
     "describe-dcp": lambda c, _t: describe(c["dcp"], storage_options=_opts()),
     "describe-safetensors": lambda c, _t: describe(c["safetensors"], storage_options=_opts()),

@@ -138,6 +138,7 @@ def fail_on_one_rank(rank: int, world: int, url: str, options: dict[str, Any]) -
     warnings.filterwarnings("ignore")
     reader = FsspecReader(url, options, read_strategy=_strategy("read_once"))
     if rank == 1:
+
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise TransportError(f"{url}: injected failure on rank 1")
 

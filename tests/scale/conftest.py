@@ -80,9 +80,7 @@ def gcs_server() -> Iterator[FakeGcsServer]:
 def counted_gcs(gcs_server: FakeGcsServer) -> Iterator[Counted]:
     with FaultProxy(gcs_server.endpoint_url, dialect="gcs", rewrite_location=True) as proxy:
         direct = gcs_server.storage_options(skip_instance_cache=True, use_listings_cache=False)
-        proxied = gcs_server.storage_options(
-            endpoint_url=proxy.url, skip_instance_cache=True, use_listings_cache=False
-        )
+        proxied = gcs_server.storage_options(endpoint_url=proxy.url, skip_instance_cache=True, use_listings_cache=False)
         buckets: list[str] = []
 
         def make() -> str:

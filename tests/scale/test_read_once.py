@@ -82,8 +82,9 @@ def _run(store: Counted, sources: dict[str, str], cases: dict[str, tuple[Any, ..
         case_options = dict(options)
         if strategy == "default":  # the reader's own choice for an object store, no argument given
             strategy = None
-        specs.append({"kind": kind, "layout": layout, "url": url, "options": case_options, "strategy": strategy,
-                      "hosts": hosts})
+        specs.append(
+            {"kind": kind, "layout": layout, "url": url, "options": case_options, "strategy": strategy, "hosts": hosts}
+        )
         urls[name] = url
     store.proxy.reset_counters()
     per_rank = run_ranks(F.load_cases, WORLD, specs, timeout=DEADLINE_S)
@@ -173,7 +174,9 @@ def test_the_request_model_agrees_with_the_server(
     transport, root = FsspecTransport.from_url(sources["dcp"])
     metadata = read_metadata_file(transport, transport.join(root, ".metadata"))
     settings = F._strategy(strategy).config if strategy in ("read_once", "per_host") else ReadOnceConfig()
-    model = model_load(metadata, JobLayout(WORLD, gpus_per_host=2, shard=shard), [strategy], ModelConfig(read_once=settings))[strategy]
+    model = model_load(
+        metadata, JobLayout(WORLD, gpus_per_host=2, shard=shard), [strategy], ModelConfig(read_once=settings)
+    )[strategy]
     seen = s3_results[case]
     assert model.gets == pytest.approx(seen["requests"]["GET"], rel=0.05), (model.gets, seen["requests"])
     assert model.heads == pytest.approx(seen["requests"]["HEAD"], rel=0.05), (model.heads, seen["requests"])

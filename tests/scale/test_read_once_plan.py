@@ -34,8 +34,16 @@ def _item(fqn: str, rows: int, cols: int = 256, kind: LoadItemType = LoadItemTyp
 
 def _ddp(world: int) -> list[LoadPlan]:
     items = [_item(f"w{i}", rows) for i, rows in enumerate([4096, 1024, 256, 64, 8, 1])]  # 4 MiB down to 1 KiB
-    items.append(ReadItem(LoadItemType.BYTE_IO, MetadataIndex("step"), torch.Size([0]), MetadataIndex("step"),
-                          torch.Size([0]), torch.Size([0])))
+    items.append(
+        ReadItem(
+            LoadItemType.BYTE_IO,
+            MetadataIndex("step"),
+            torch.Size([0]),
+            MetadataIndex("step"),
+            torch.Size([0]),
+            torch.Size([0]),
+        )
+    )
     return [LoadPlan(list(items)) for _ in range(world)]
 
 
@@ -51,7 +59,9 @@ def _reads(planned: list[LoadPlan]) -> dict[tuple[Any, ...], list[int]]:
         for part in exchange.rounds.values():
             for index, _packed, _to in part.reads:
                 item = plan.items[index]
-                out.setdefault((item.storage_index.fqn, tuple(item.storage_offsets), tuple(item.lengths)), []).append(rank)
+                out.setdefault((item.storage_index.fqn, tuple(item.storage_offsets), tuple(item.lengths)), []).append(
+                    rank
+                )
     return out
 
 

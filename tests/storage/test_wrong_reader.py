@@ -48,9 +48,15 @@ READERS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
 
 def _write_inputs(root: str, opts: dict[str, Any]) -> dict[str, str]:
     """Each kind of input under ``root`` (a local directory or a bucket prefix); returns kind -> URL."""
-    urls = {kind: f"{root}/{name}" for kind, name in [
-        ("dcp_dir", "dcp"), ("safetensors_file", "model.safetensors"), ("hf_dir", "hf"), ("torch_file", "model.pt"),
-    ]}
+    urls = {
+        kind: f"{root}/{name}"
+        for kind, name in [
+            ("dcp_dir", "dcp"),
+            ("safetensors_file", "model.safetensors"),
+            ("hf_dir", "hf"),
+            ("torch_file", "model.pt"),
+        ]
+    }
     dcp.save(dict(STATE), storage_writer=ds.FsspecWriter(urls["dcp_dir"], opts), no_dist=True)
     dcp.save(dict(STATE), storage_writer=ds.SafetensorsWriter(urls["hf_dir"], opts, max_shard_size=60), no_dist=True)
     fs, _ = fsspec.core.url_to_fs(root, **opts)

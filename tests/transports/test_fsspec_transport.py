@@ -155,7 +155,10 @@ class TransportConformance:
 
     @pytest.mark.parametrize("nbytes", [1000, 6 * MiB], ids=["small", "multipart"])
     def test_open_atomic_failure_leaves_nothing(
-        self, transport_root: tuple[FsspecTransport, str], nbytes: int, request: pytest.FixtureRequest,
+        self,
+        transport_root: tuple[FsspecTransport, str],
+        nbytes: int,
+        request: pytest.FixtureRequest,
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         """A body that raises mid-write leaves no file (and on S3 no completed object nor pending upload).
@@ -501,8 +504,13 @@ def test_local_reads_use_few_syscalls(local: tuple[FsspecTransport, str]) -> Non
 
 
 def test_transport_config_validation() -> None:
-    for kwargs in ({"max_workers": 0}, {"max_inflight_bytes": 0}, {"max_request_bytes": 0}, {"coalesce_gap": -1},
-                   {"part_size": 5 * MiB - 1}):
+    for kwargs in (
+        {"max_workers": 0},
+        {"max_inflight_bytes": 0},
+        {"max_request_bytes": 0},
+        {"coalesce_gap": -1},
+        {"part_size": 5 * MiB - 1},
+    ):
         with pytest.raises(ValueError):
             TransportConfig(**kwargs)
 

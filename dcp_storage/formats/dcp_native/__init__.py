@@ -3,4 +3,11 @@
 from .metadata_io import METADATA_FILE, dump_metadata, load_metadata, metadata_allow_list
 from .torch_record import TensorRecord, parse_tensor_record
 
-__all__ = ["METADATA_FILE", "TensorRecord", "dump_metadata", "load_metadata", "metadata_allow_list", "parse_tensor_record"]
+__all__ = [
+    "METADATA_FILE",
+    "TensorRecord",
+    "dump_metadata",
+    "load_metadata",
+    "metadata_allow_list",
+    "parse_tensor_record",
+]

@@ -33,7 +33,6 @@ from .seekable import SeekableTransform
 __all__ = ["MANIFEST_FILE", "ExtensionResolver", "PluginExtensionRegistry", "UnknownExtensionError"]
 
 
-
 class PluginExtensionRegistry(ExtensionRegistry):
     """torch's :class:`ExtensionRegistry` that also finds extension plugins, on first use of their name.
 

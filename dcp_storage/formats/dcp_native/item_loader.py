@@ -225,7 +225,9 @@ class DcpItemLoader:
             except (UnsupportedRecord, NeedMoreBytes):
                 tensor = load_tensor_record(data, where)
                 if not isinstance(tensor, torch.Tensor):
-                    raise CorruptCheckpointError(f"{where}: record holds a {type(tensor).__name__}, not a tensor") from None
+                    raise CorruptCheckpointError(
+                        f"{where}: record holds a {type(tensor).__name__}, not a tensor"
+                    ) from None
                 decoded[entry] = tensor
 
         ranged: list[SliceRead] = []

@@ -91,7 +91,14 @@ def metadata_allow_list() -> dict[tuple[str, str], Any]:
     allowed[("builtins", "getattr")] = allowed[("__builtin__", "getattr")] = _enum_member
     allowed[("copyreg", "_reconstructor")] = copyreg._reconstructor
     allowed[("copy_reg", "_reconstructor")] = copyreg._reconstructor
-    for name, obj in (("object", object), ("set", set), ("frozenset", frozenset), ("tuple", tuple), ("list", list), ("dict", dict)):
+    for name, obj in (
+        ("object", object),
+        ("set", set),
+        ("frozenset", frozenset),
+        ("tuple", tuple),
+        ("list", list),
+        ("dict", dict),
+    ):
         allowed[("builtins", name)] = obj
         allowed[("__builtin__", name)] = obj
     return allowed

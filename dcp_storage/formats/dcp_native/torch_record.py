@@ -38,7 +38,6 @@ __all__ = [
 ]
 
 
-
 class NeedMoreBytes(Exception):
     """The prefix given is too short to reach the tensor's data; retry with at least ``needed`` bytes."""
 
@@ -109,13 +108,24 @@ class _StorageType:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
 
-def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> _Spec:
+def _rebuild_v2(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None
+) -> _Spec:
     if not isinstance(storage, _StorageRef) or storage.dtype is None or hooks:
         raise UnsupportedRecord("tensor with hooks or untyped storage")
     return _Spec(storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype)
 
 
-def _rebuild_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, metadata: Any = None) -> _Spec:
+def _rebuild_v3(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
+) -> _Spec:
     if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype) or hooks:
         raise UnsupportedRecord("tensor with hooks or unknown dtype")
     return _Spec(storage, int(storage_offset), tuple(size), tuple(stride), dtype)
@@ -270,8 +280,12 @@ def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
         text = str(exc)
         if "Weights only load failed" in text or "weights_only" in text:
             match = _FORBIDDEN.search(text)
-            raise UnsafeCheckpointError(path, match.group(1) if match else "unknown global", "weights_only=True refused it") from None
-        raise CorruptCheckpointError(f"{path}: cannot decode a torch.save record ({type(exc).__name__}: {exc})") from exc
+            raise UnsafeCheckpointError(
+                path, match.group(1) if match else "unknown global", "weights_only=True refused it"
+            ) from None
+        raise CorruptCheckpointError(
+            f"{path}: cannot decode a torch.save record ({type(exc).__name__}: {exc})"
+        ) from exc
     if isinstance(loaded, torch.Tensor) and loaded.layout == torch.strided:
         stored = loaded.untyped_storage().nbytes()
         check_view(tuple(loaded.shape), loaded.stride(), loaded.storage_offset(), loaded.element_size(), stored, path)

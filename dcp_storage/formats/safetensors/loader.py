@@ -165,7 +165,9 @@ class SafetensorsItemLoader:
             for entry, (item, dest) in in_place.items():
                 span = f"bytes [{entry.data_offset}, {entry.data_offset + nbytes(entry)})"
                 full = dest.reshape(-1).view(torch.uint8)
-                problem = self._sums[entry.file].check_tensor(entry.tensor, entry.shape, entry.dtype.itemsize, full, span)
+                problem = self._sums[entry.file].check_tensor(
+                    entry.tensor, entry.shape, entry.dtype.itemsize, full, span
+                )
                 if problem:
                     raise CorruptCheckpointError(problem)
                 planner.commit_tensor(item, dest)

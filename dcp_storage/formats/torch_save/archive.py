@@ -311,9 +311,7 @@ def _scan_legacy_file(transport: Transport, path: str, url: str, config: Archive
         return
 
 
-def _refuse_not_zip(
-    transport: Transport, path: str, exc: NotAZipError, config: ArchiveConfig, trust: bool
-) -> None:
+def _refuse_not_zip(transport: Transport, path: str, exc: NotAZipError, config: ArchiveConfig, trust: bool) -> None:
     """Raise the most useful error for a file without a zip end record (for a trusted one, never "unsafe")."""
     url = transport.url(path)
     if not exc.head:

@@ -190,8 +190,10 @@ def check_local_header(entry: ZipEntry, head: bytes, url: str) -> int | None:
         return None
     name = head[LOCAL.size : LOCAL.size + nlen]
     if flags & _DESCRIPTOR:  # the real values follow the data: the local ones may be placeholders
-        sizes_agree = crc in (0, entry.crc32) and csize in (0, _U32_MAX, entry.compressed_size) and usize in (
-            0, _U32_MAX, entry.size
+        sizes_agree = (
+            crc in (0, entry.crc32)
+            and csize in (0, _U32_MAX, entry.compressed_size)
+            and usize in (0, _U32_MAX, entry.size)
         )
     else:
         if _U32_MAX in (csize, usize):  # zip64: the sizes are in the local extra field
@@ -200,7 +202,9 @@ def check_local_header(entry: ZipEntry, head: bytes, url: str) -> int | None:
             extra = bytes(head[LOCAL.size + nlen : start])
             usize, csize, _ = _zip64_fields(extra, (usize, csize, 0), url, entry.name)
         sizes_agree = (crc, csize, usize) == (entry.crc32, entry.compressed_size, entry.size)
-    if not (name == entry.raw_name and method == entry.method and not (flags ^ entry.flags) & _MUST_AGREE and sizes_agree):
+    if not (
+        name == entry.raw_name and method == entry.method and not (flags ^ entry.flags) & _MUST_AGREE and sizes_agree
+    ):
         differs = []
         if name != entry.raw_name:
             differs.append(f"name {bytes(name)!r}")

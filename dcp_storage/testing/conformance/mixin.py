@@ -134,7 +134,9 @@ class StorageConformance:
         assert_state_equal(dest, sd)
 
         dcp.save(sd, storage_writer=self.dcp_writer(ours, options))
-        torch_reader = dcp.FileSystemReader(ours) if backend == "local" else TorchFsspecReader(ours, **fsspec_options(options))
+        torch_reader = (
+            dcp.FileSystemReader(ours) if backend == "local" else TorchFsspecReader(ours, **fsspec_options(options))
+        )
         dest = destination_like(sd)
         dcp.load(dest, storage_reader=torch_reader)
         assert_state_equal(dest, sd)

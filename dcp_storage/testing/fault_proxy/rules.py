@@ -23,7 +23,14 @@ __all__ = [
 ]
 
 FaultMode = Literal[
-    "slowdown_503", "error_500", "reset", "truncate", "slow", "ignore_range", "shift_range", "short_range",
+    "slowdown_503",
+    "error_500",
+    "reset",
+    "truncate",
+    "slow",
+    "ignore_range",
+    "shift_range",
+    "short_range",
     "forbidden_403",
 ]
 # Faults of the transport: every request can meet them, and a retry of the same request may succeed.

@@ -135,4 +135,3 @@ def reset(writer: asyncio.StreamWriter) -> None:
 
 def response_has_body(method: str, status: int) -> bool:
     return method != "HEAD" and not (100 <= status < 200 or status in (204, 304))
-

@@ -312,8 +312,14 @@ def test_cli_verify_without_an_importable_plugin(tmp_path: Path) -> None:
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text(_SHADOW)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "dcp_storage.cli", "verify", str(ckpt), "--deep"], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "dcp_storage.cli", "verify", str(ckpt), "--deep"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     problems = [line for line in done.stdout.splitlines() if line.startswith("PROBLEM:")]
     assert len(problems) == 1, done.stdout

@@ -46,7 +46,9 @@ def _pickle(obj: Any) -> bytes:
 def _metadata() -> Metadata:
     chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 3]))]
     return Metadata(
-        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([4, 3]), chunks)},
+        state_dict_metadata={
+            "w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([4, 3]), chunks)
+        },
         storage_data={MetadataIndex("w", torch.Size([0, 0])): _StorageInfo("__0_0.distcp", 0, 1200)},
     )
 
@@ -65,7 +67,9 @@ def test_enum_members_pickled_by_name_load() -> None:
     ],
 )
 @pytest.mark.parametrize("protocol", [2, pickle.DEFAULT_PROTOCOL])  # __builtin__.getattr, builtins.getattr
-def test_getattr_is_refused_for_anything_but_an_enum_member(payload: tuple[Any, tuple[Any, ...]], protocol: int) -> None:
+def test_getattr_is_refused_for_anything_but_an_enum_member(
+    payload: tuple[Any, tuple[Any, ...]], protocol: int
+) -> None:
     class _Payload:
         def __reduce__(self) -> tuple[Any, ...]:
             return payload

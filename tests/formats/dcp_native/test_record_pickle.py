@@ -160,4 +160,3 @@ def test_unpickling_pauses_and_restores_garbage_collection() -> None:
         assert not gc.isenabled()  # a caller's disabled collector stays disabled
     finally:
         gc.enable()
-

@@ -131,4 +131,3 @@ def test_torch_save_to_dcp_with_trust(path: str, tmp_path: Path) -> None:
     back = str(tmp_path / "back.pt")  # and on to torch.save again: the value is decoded with weights_only=False
     convert(out, back, to="torch", trust=True)
     _assert_loaded(torch.load(back, weights_only=False))
-

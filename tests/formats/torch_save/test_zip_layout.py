@@ -61,8 +61,10 @@ ATTACKS = {
     "encrypted": (lambda b: zm.edit_entry(b, "data/0", flags=0x809), "encrypted"),
     "overlap": (lambda b: zm.overlapping_entry(b, "data/2", "data/1"), "overlaps entry"),
     "zip64 empty": (lambda b: zm.edit_entry(b, "data/0", usize=0xFFFFFFFF, extra=b"\x01\x00\x00\x00"), "zip64"),
-    "zip64 short": (lambda b: zm.edit_entry(b, "data/0", csize=0xFFFFFFFF, usize=0xFFFFFFFF,
-                                           extra=b"\x01\x00\x08\x00" + bytes(8)), "needs 2 zip64 values"),  # fmt: skip
+    "zip64 short": (
+        lambda b: zm.edit_entry(b, "data/0", csize=0xFFFFFFFF, usize=0xFFFFFFFF, extra=b"\x01\x00\x08\x00" + bytes(8)),
+        "needs 2 zip64 values",
+    ),  # fmt: skip
     "zip64 overrun": (lambda b: zm.edit_entry(b, "data/0", offset=0xFFFFFFFF, extra=b"\x01\x00\xff\xff"), "runs past"),
     "zip64 missing": (lambda b: zm.edit_entry(b, "data/0", offset=0xFFFFFFFF, extra=b""), "has none"),
 }
@@ -115,7 +117,9 @@ def test_deflated_data_pkl_and_zip64_fields_still_load(tmp_path: Path, good: byt
     deflated = io.BytesIO()
     with zipfile.ZipFile(deflated, "w") as zf:
         for name, data in entries:
-            zf.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("data.pkl") else zipfile.ZIP_STORED)
+            zf.writestr(
+                name, data, compress_type=zipfile.ZIP_DEFLATED if name.endswith("data.pkl") else zipfile.ZIP_STORED
+            )
     wide = io.BytesIO()
     with zipfile.ZipFile(wide, "w") as zf:
         for name, data in entries:
@@ -152,7 +156,9 @@ def test_verify_checks_the_crc_of_tensors_read_whole(tmp_path: Path, good: bytes
     inner = next(iter(info.value.failures.values()))
     inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) in recent torch
     text = f"{type(inner).__name__}: {inner}"
-    assert text.startswith("CorruptCheckpointError") and "flipped.pt" in text and "'big'" in text and "CRC32" in text, text
+    assert text.startswith("CorruptCheckpointError") and "flipped.pt" in text and "'big'" in text and "CRC32" in text, (
+        text
+    )
     assert not torch.equal(load(verify=False)["big"], state()["big"])  # the default does not check (README)
 
 
