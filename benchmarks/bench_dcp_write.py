@@ -464,6 +464,20 @@ class Bench:
 
     @contextlib.contextmanager
     def _s3_server(self) -> Any:
+        """The S3 server, behind a :class:`~dcp_storage.testing.fault_proxy.LinkModel` proxy with ``--s3-link``."""
+        with self._s3_emulator() as server:
+            if not self.args.s3_link:
+                yield server
+                return
+            from dcp_storage.testing.fault_proxy import FaultProxy, LinkModel
+
+            link = LinkModel.parse(self.args.s3_link)
+            with FaultProxy(server.endpoint_url, link=link) as proxy:
+                self.s3_name += f" behind a link of {link.describe()}"
+                yield _Linked(server, proxy)
+
+    @contextlib.contextmanager
+    def _s3_emulator(self) -> Any:
         os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
         os.environ["NO_PROXY"] = "127.0.0.1,localhost"
@@ -485,6 +499,21 @@ class Bench:
         self.s3_name = f"s3rver {S3RVER_VERSION}"
         with S3rverServer(prefix, buckets=(BUCKET,)) as server:
             yield server
+
+
+class _Linked:
+    """An S3 server as its clients see it through a link-model proxy: the proxy's port and endpoint."""
+
+    def __init__(self, server: Any, proxy: Any) -> None:
+        self._server = server
+        self.port = proxy.port
+        self.endpoint_url = proxy.url
+        self.pid = server.pid
+
+    def storage_options(self) -> dict[str, Any]:
+        options = self._server.storage_options()
+        options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": self.endpoint_url}
+        return options
 
 
 # ============================================================================================ report
@@ -627,6 +656,13 @@ def main(argv: list[str] | None = None) -> int:
         "--cases", default="local1,local2,async,s3-1,s3-2", help="comma list of local1,local2,async,s3-1,s3-2"
     )
     p.add_argument("--s3-server", choices=("moto", "s3rver"), default="moto")
+    p.add_argument(
+        "--s3-link",
+        default=None,
+        metavar="MBPS[,LATENCY_MS]",
+        help="put a proxy in front of the S3 server that caps each connection at MBPS (1e6 bytes/s) and delays "
+        "each response by LATENCY_MS, as a real store's single stream is capped (see RESULTS-dcp-write.md)",
+    )
     p.add_argument("--writers", default=None, help="comma list: only these writers (and the raw limits)")
     p.add_argument("--s3-repeats", type=int, default=None, help="best of N for the S3 cases (default: --repeats)")
     p.add_argument("--raw-part", type=int, default=64 * MiB, help="raw S3 limit: bytes per PUT / part")

@@ -11,6 +11,11 @@ while the writer fills the next one, so serialising and uploading overlap and me
 ``(max_pending + 1) * part_size``. Each part's bytes are the buffer they were gathered in (handed over,
 never copied again).
 
+S3 allows 10,000 parts per upload. So that a small ``part_size`` (more parts in flight within the same
+memory) does not also cap the object's size, the part size doubles after every 1,000 parts
+(:func:`part_size_at`): from 16 MiB, the first 15.6 GiB go in 16 MiB parts and 10,000 parts reach S3's
+5 TiB object limit; only objects beyond 15.6 GiB pay more memory per part.
+
 Requests go to s3fs's botocore client directly (:func:`~dcp_storage.transports.s3_stream.s3_call`), with
 the credentials, endpoint and ``s3_additional_kwargs`` of the filesystem.
 """
@@ -29,13 +34,24 @@ from typing import Any, TypeVar
 from ..errors import TransportError
 from .s3_stream import s3_call
 
-__all__ = ["Runner", "S3AtomicUpload", "put_object"]
+__all__ = ["MAX_PARTS", "Runner", "S3AtomicUpload", "part_size_at", "put_object"]
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
 # ``runner(fn, what)`` calls ``fn`` under the transport's retry policy; ``what`` names the request for
 # the final error ("upload part 3 (67108864 bytes) of"); the runner appends the URL.
 Runner = Callable[[Callable[[], Any], str], Any]
+
+
+MAX_PARTS = 10_000  # S3's limit per multipart upload
+_PARTS_PER_SIZE = 1_000  # parts uploaded at one size before it doubles
+_MAX_PART = 5 * 1024**3  # S3's largest part
+
+
+def part_size_at(number: int, base: int) -> int:
+    """The size of part ``number`` (1-based) of an upload that starts at ``base``: doubled every 1,000 parts,
+    at most S3's 5 GiB."""
+    return min(base << ((number - 1) // _PARTS_PER_SIZE), _MAX_PART)
 
 
 def put_object(fs: Any, path: str, data: bytes | bytearray | memoryview, runner: Runner) -> None:
@@ -94,10 +110,11 @@ class S3AtomicUpload:
         pos, end = 0, view.nbytes
         try:
             while pos < end:
-                take = min(self.part_size - len(self._buffer), end - pos)
+                size = part_size_at(self._numbers + 1, self.part_size)
+                take = min(size - len(self._buffer), end - pos)
                 self._buffer += view[pos : pos + take]
                 pos += take
-                if len(self._buffer) == self.part_size:
+                if len(self._buffer) == size:
                     part, self._buffer = self._buffer, bytearray()
                     self._send(part)
         except BaseException as exc:
@@ -121,6 +138,11 @@ class S3AtomicUpload:
         if self._upload_id is None:
             created = self._call("create_multipart_upload", "start multipart upload of")
             self._upload_id = str(created["UploadId"])
+        if self._numbers >= MAX_PARTS:
+            raise TransportError(
+                f"{self.fs.unstrip_protocol(self.path)}: more than S3's {MAX_PARTS} parts (the object is over "
+                f"{sum(part_size_at(n, self.part_size) for n in range(1, MAX_PARTS + 1))} bytes)"
+            )
         self._numbers += 1
         if self._executor is None:
             self._upload_part(self._numbers, body)

@@ -51,10 +51,15 @@ It runs an asyncio loop in a daemon thread, so synchronous tests and pytest fixt
         ...  # point the client's endpoint_url at proxy.url
         assert proxy.counters().faults["truncate"] > 0
 
+``FaultProxy(upstream, link=LinkModel(bytes_per_s=25e6, first_byte_s=0.03))`` also models a real store's
+network: a bandwidth cap per connection and a latency before each response (:mod:`.link`); the write
+benchmark puts it in front of moto (``--s3-link``).
+
 Rules can be replaced at any time from any thread (:meth:`FaultProxy.set_rules`); :meth:`counters`
 returns a consistent snapshot.
 """
 
+from .link import LinkModel, Pacer
 from .proxy import FaultProxy, FaultProxyError
 from .rules import ALL_FAULT_MODES, FAULT_MODES, PERMANENT_MODES, RANGE_FAULT_MODES, FaultCounters, FaultMode, FaultRule
 
@@ -68,4 +73,6 @@ __all__ = [
     "FaultProxy",
     "FaultProxyError",
     "FaultRule",
+    "LinkModel",
+    "Pacer",
 ]

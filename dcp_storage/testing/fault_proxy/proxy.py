@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import threading
 import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Literal
 
 from .._server_process import StartStop
 from .bodies import ANSWERED_MODES, error_body
+from .link import LinkModel
 from .rules import RANGE_FAULT_MODES, FaultCounters, FaultRule, RuleBook, faulted_range, parse_range
 from .wire import CHUNK, MAX_HEAD, Head, read_head, relay_body, reset, response_has_body
 
@@ -35,6 +36,9 @@ class FaultProxy(StartStop):
     ``rewrite_location``: a response ``Location`` header that points at the upstream is rewritten to point
     at the proxy. fake-gcs-server names its own address there for every resumable upload, so without it
     the upload's chunks would go around the proxy.
+    ``link``: a :class:`~.link.LinkModel` (bandwidth per connection, latency to first byte) applied to every
+    forwarded request, so an emulator behaves like a store whose throughput grows with the connections in
+    flight (benchmarks use it; tests of faults leave it off).
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class FaultProxy(StartStop):
         *,
         dialect: Literal["s3", "gcs"] = "s3",
         rewrite_location: bool = False,
+        link: LinkModel | None = None,
     ) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
@@ -53,6 +58,7 @@ class FaultProxy(StartStop):
         self.upstream = upstream
         self.dialect = dialect
         self.rewrite_location = rewrite_location
+        self.link = link
         self._up_host, self._up_port = parsed.hostname, parsed.port
         self._state = RuleBook()
         self.set_rules(rules)
@@ -265,6 +271,8 @@ class FaultProxy(StartStop):
         mode = rule.mode if rule is not None else None
         if mode == "slow":
             await asyncio.sleep(rule.delay)  # type: ignore[union-attr]
+        if self.link is not None:
+            await self.link.first_byte()
         has_body = response_has_body(method, status)
         if mode == "truncate":
             await self._truncate(up_reader, writer, response, has_body)
@@ -279,7 +287,7 @@ class FaultProxy(StartStop):
                 self._count(down=n)
                 self._state.count_body(key, n)
 
-            await relay_body(up_reader, writer, response, until_eof=True, count=count)
+            await relay_body(up_reader, writer, response, until_eof=True, count=count, pace=self._pacer())
         closes = response.has_token("connection", "close") or head.has_token("connection", "close")
         delimited = (
             not has_body
@@ -296,7 +304,13 @@ class FaultProxy(StartStop):
         return response.with_header("Location", self.url + location[len(self.upstream) :])
 
     async def _pump_request(self, reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, head: Head) -> None:
-        await relay_body(reader, up_writer, head, until_eof=False, count=lambda n: self._count(up=n))
+        await relay_body(
+            reader, up_writer, head, until_eof=False, count=lambda n: self._count(up=n), pace=self._pacer()
+        )
+
+    def _pacer(self) -> Callable[[int], Awaitable[None]] | None:
+        """A fresh pacer for one body under :attr:`link`, or ``None`` (no link, or no bandwidth cap)."""
+        return None if self.link is None else self.link.pacer()
 
     async def _truncate(
         self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: Head, has_body: bool

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 __all__ = ["CHUNK", "MAX_HEAD", "Head", "read_head", "relay_body", "reset", "response_has_body"]
@@ -73,10 +73,12 @@ async def relay_body(
     *,
     until_eof: bool,
     count: Callable[[int], None] | None = None,
+    pace: Callable[[int], Awaitable[None]] | None = None,
 ) -> int:
     """Copy one message body (``Content-Length``, chunked, or to EOF) as raw bytes; ``writer=None`` drops it.
 
-    ``count(n)`` is called before each piece is written, so counters never lag what the peer has seen.
+    ``count(n)`` is called before each piece is written, so counters never lag what the peer has seen;
+    ``pace(n)`` is awaited after each piece (a :class:`~.link.Pacer` holding the body to a bandwidth).
     """
 
     async def put(data: bytes) -> None:
@@ -85,6 +87,8 @@ async def relay_body(
         if writer is not None:
             writer.write(data)
             await writer.drain()
+        if pace is not None:
+            await pace(len(data))
 
     moved = 0
     if head.has_token("transfer-encoding", "chunked"):
