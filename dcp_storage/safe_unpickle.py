@@ -9,14 +9,13 @@ beyond the stream before anything is allocated (:mod:`.pickle_guard`).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import io
 import pickle
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .gc_pause import gc_paused
 from .pickle_guard import MISSING, guard_pickle
 
 __all__ = ["AllowListUnpickler", "StandInRefusal", "safe_loads"]
@@ -73,7 +72,7 @@ class AllowListUnpickler(pickle.Unpickler):
         stream = self._stream
         guard_pickle(stream.getvalue(), stream.tell(), self._path, self._guard_resolve, check_state=self.check_state)
         try:
-            with _gc_paused():
+            with gc_paused():
                 return super().load()
         except StandInRefusal as refusal:
             raise UnsafeCheckpointError(self._path, refusal.forbidden, refusal.detail) from None
@@ -100,25 +99,6 @@ class AllowListUnpickler(pickle.Unpickler):
         if self._persistent is None:
             raise UnsafeCheckpointError(self._path, "persistent id", f"unexpected persistent id {pid!r}")
         return self._persistent(pid)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while unpickling.
-
-    Unpickling ``.metadata`` allocates thousands of small objects, and each 700 allocations start a
-    collection; in a process holding torch (~250k tracked objects) the full ones cost ~10 ms of the
-    ~12 ms a 2 GiB checkpoint's metadata takes to decode (1.2 ms without). The pause is bounded by the
-    input's size; nesting and an already disabled collector are respected.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def safe_loads(

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .. import registry
 from ..formats.spec import FormatSpec
+from ..gc_pause import gc_paused
 from ..integrity.safetensors_check import safetensors_provenance
 from ..integrity.summary import dcp_provenance
 from ..transports import Transport
@@ -240,4 +241,5 @@ def describe(
     """Describe the checkpoint at ``url`` (format detected unless ``format`` names one)."""
     url = os.fspath(url)
     spec = resolve_spec(url, storage_options, format)
-    return _DESCRIBERS.get(spec.name, _describe_generic)(url, spec, storage_options)
+    with gc_paused():  # one row object per tensor, millions at a million tensors (see gc_pause)
+        return _DESCRIBERS.get(spec.name, _describe_generic)(url, spec, storage_options)

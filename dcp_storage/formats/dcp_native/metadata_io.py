@@ -22,6 +22,7 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ...gc_pause import gc_paused
 from ...safe_unpickle import StandInRefusal, globals_of, safe_loads
 from ..limits import METADATA, read_limited
 from ..safe_globals import with_registered_globals
@@ -113,8 +114,9 @@ def load_metadata(data: bytes | bytearray | memoryview, path: str) -> Metadata:
     The decoded object is checked too (:mod:`.metadata_checks`: dtypes, shapes, byte counts, chunk bounds,
     storage entries that stay inside the checkpoint), so every problem is reported here, naming ``path``.
     """
-    metadata = safe_loads(data, path, with_registered_globals(_ALLOWED), expected=Metadata)
-    return check_metadata(metadata, path)
+    with gc_paused():  # millions of small acyclic objects at a million tensors (see gc_pause)
+        metadata = safe_loads(data, path, with_registered_globals(_ALLOWED), expected=Metadata)
+        return check_metadata(metadata, path)
 
 
 def read_metadata_file(transport: Any, path: str) -> Metadata:

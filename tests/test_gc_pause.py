@@ -1,0 +1,57 @@
+"""The collector pause around metadata decoding and ``describe``: off inside, restored after, even on error."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+from dcp_storage.gc_pause import gc_paused
+
+
+@pytest.fixture(autouse=True)
+def collector_on() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_paused_inside_and_restored_after_an_error() -> None:
+    with pytest.raises(RuntimeError), gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # nested: the inner one must not turn it back on
+            pass
+        assert not gc.isenabled()
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_a_collector_the_caller_disabled_stays_disabled() -> None:
+    gc.disable()
+    with gc_paused():
+        pass
+    assert not gc.isenabled()
+
+
+def test_describe_and_metadata_decode_pause_and_restore(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_storage import describe
+    from dcp_storage.formats.dcp_native import metadata_checks
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path), no_dist=True)
+    seen: list[bool] = []
+    check = metadata_checks.check_metadata
+
+    def spy(metadata, path):  # the checks of a decoded .metadata run with the collector off
+        seen.append(gc.isenabled())
+        return check(metadata, path)
+
+    monkeypatch.setattr("dcp_storage.formats.dcp_native.metadata_io.check_metadata", spy)
+    info = describe(tmp_path)
+    assert [t.key for t in info.tensors] == ["w"]
+    assert seen == [False]
+    assert gc.isenabled()
