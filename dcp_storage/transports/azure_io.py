@@ -21,6 +21,7 @@ from typing import Any
 
 from fsspec.asyn import sync
 
+from ..errors import FileTooLargeError
 from .range_check import check_range_answer, describe_answer, range_mismatch
 
 __all__ = ["azure_read", "azure_read_range", "check_each_answer", "is_azure"]
@@ -87,9 +88,21 @@ async def _download(fs: Any, path: str, start: int | None, end: int | None) -> b
         return bytes(await stream.readall())
 
 
-def azure_read(fs: Any, path: str) -> bytes:
-    """The whole blob at ``path`` (``.metadata``, an index file); a ``200`` the SDK cannot read is refused."""
-    return bytes(sync(fs.loop, _download, fs, path, None, None))
+def azure_read(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
+    """The whole blob at ``path`` (``.metadata``, an index file); a ``200`` the SDK cannot read is refused.
+
+    With ``max_bytes``: the blob's size comes first (its properties); a larger blob raises
+    :class:`~dcp_storage.errors.FileTooLargeError` with none of it read, and a blob that grew since is read
+    only up to the size seen (an exact, checked range), so nothing unbounded is ever allocated.
+    """
+    if max_bytes is None:
+        return bytes(sync(fs.loop, _download, fs, path, None, None))
+    size = int(fs.size(path))
+    if size > max_bytes:
+        raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)
+    if size == 0:
+        return b""
+    return bytes(sync(fs.loop, _download, fs, path, 0, min(size, max_bytes + 1)))
 
 
 def azure_read_range(fs: Any, path: str, start: int, end: int) -> bytes:

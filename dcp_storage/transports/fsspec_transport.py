@@ -289,7 +289,8 @@ class FsspecTransport:
     # ------------------------------------------------------------------------------------ reading
     def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         """Read a whole (small) file, retrying transient errors. One over ``max_bytes`` raises ``FileTooLargeError``
-        having read at most ``max_bytes + 1`` bytes of it (none where the size comes first: local, S3)."""
+        having read at most ``max_bytes + 1`` bytes of it (none where the size comes first: local, S3, Azure,
+        other fsspec filesystems; GCS streams the body and stops there)."""
 
         def fetch() -> bytes:
             if self.is_local:
@@ -297,7 +298,7 @@ class FsspecTransport:
             elif can_stream(self.fs):
                 data = read_object(self.fs, path, max_bytes)
             else:
-                data = whole_file_reader(self.fs)(path)
+                data = whole_file_reader(self.fs)(path, max_bytes)
             self.counters.add(requests=1, bytes_read=len(data))
             if max_bytes is not None and len(data) > max_bytes:
                 raise FileTooLargeError(self.url(path), None, max_bytes)

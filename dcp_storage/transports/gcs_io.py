@@ -48,6 +48,7 @@ __all__ = [
 
 _CONTENT_TYPE = "application/octet-stream"
 _ERROR_BODY_MAX = 64 * 1024  # of an error answer, enough for GCS's JSON message
+_PIECE = 1024 * 1024  # read size of a bounded whole-object read
 
 
 def _single_attempt(fs: Any) -> Any:
@@ -73,10 +74,35 @@ def _split(fs: Any, path: str) -> tuple[str, str]:
     return bucket, key
 
 
-def gcs_read(fs: Any, path: str) -> bytes:
-    """The whole object's bytes (``.metadata``, an index file)."""
-    _, _, body = gcs_call(fs, "GET", fs.url(path))
-    return body
+def gcs_read(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
+    """The whole object's bytes (``.metadata``, an index file); with ``max_bytes``, at most ``max_bytes + 1``
+    of them (the caller refuses a result that long), streamed so a huge object is never held whole."""
+    if max_bytes is None:
+        _, _, body = gcs_call(fs, "GET", fs.url(path))
+        return body
+    return bytes(asyn.sync(fs.loop, _get_prefix, fs, path, max_bytes + 1))
+
+
+async def _get_prefix(fs: Any, path: str, limit: int) -> bytearray:
+    """The first ``limit`` bytes of the object (all of it when shorter), from one GET on gcsfs's session.
+
+    gcsfs's own request reads the whole body before returning; this one stops reading at ``limit``.
+    """
+    from gcsfs.retry import validate_response  # gcsfs is optional; fs is a gcsfs filesystem here
+
+    await fs._set_session()
+    headers = fs._get_headers({})
+    params = fs._get_params({})  # userProject, for requester-pays buckets
+    async with fs.session.get(fs.url(path), params=params, headers=headers, timeout=fs.requests_timeout) as r:
+        if r.status >= 400:
+            validate_response(r.status, await r.content.read(_ERROR_BODY_MAX), path)
+        out = bytearray()
+        while len(out) < limit:
+            piece = await r.content.read(min(_PIECE, limit - len(out)))
+            if not piece:
+                break
+            out += piece
+        return out
 
 
 async def _get_range(fs: Any, path: str, start: int, end: int) -> bytes:

@@ -14,6 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import FileTooLargeError
 from .azure_io import azure_read, azure_read_range, is_azure
 from .gcs_io import gcs_read, gcs_read_range, is_gcs
 from .http_io import http_read_range, is_http
@@ -36,9 +37,23 @@ def buffered_range_reader(fs: Any) -> RangeReader:
     return functools.partial(_cat_file, fs)
 
 
-def whole_file_reader(fs: Any) -> Callable[[str], bytes]:
-    """``read(path) -> bytes`` of a whole (small) file on ``fs``, s3fs aside (see :mod:`.s3_stream`)."""
+def _cat_whole(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
+    """Any other filesystem: the size first when bounded (nothing is read of a larger file), then no more
+    than that size plus one byte, so a file that grew meanwhile is not read whole either."""
+    if max_bytes is None:
+        return fs.cat_file(path)  # type: ignore[no-any-return]
+    size = int(fs.size(path))
+    if size > max_bytes:
+        raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)
+    return fs.cat_file(path, start=0, end=size + 1)  # type: ignore[no-any-return]
+
+
+def whole_file_reader(fs: Any) -> Callable[..., bytes]:
+    """``read(path, max_bytes=None) -> bytes`` of a whole (small) file on ``fs``, s3fs aside (see
+    :mod:`.s3_stream`). With ``max_bytes`` it raises :class:`~dcp_storage.errors.FileTooLargeError` for a
+    file the store says is larger, and otherwise returns at most ``max_bytes + 1`` bytes, having allocated
+    no more than that (the caller refuses a result that long)."""
     for matches, read in ((is_gcs, gcs_read), (is_azure, azure_read)):
         if matches(fs):
             return functools.partial(read, fs)
-    return fs.cat_file  # type: ignore[no-any-return]
+    return functools.partial(_cat_whole, fs)

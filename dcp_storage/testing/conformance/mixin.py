@@ -214,6 +214,16 @@ class StorageConformance:
         assert err.value.limit == 9_999 and err.value.size in (10_000, None)
         assert t.counters.bytes_read - before <= 10_000  # at most limit + 1 bytes read
 
+    def test_read_file_with_a_limit_reads_no_more_than_the_limit(self, transport: Any) -> None:
+        """A huge (hostile) metadata or index file costs no more memory than its limit, on every store."""
+        t, root = transport
+        path = t.join(root, "huge.bin")
+        t.write_file(path, bytes(4 * 1024 * 1024))
+        before = t.counters.bytes_read
+        with pytest.raises(FileTooLargeError, match="huge.bin"):
+            t.read_file(path, max_bytes=1_000)
+        assert t.counters.bytes_read - before <= 1_001
+
     def test_read_ranges_with_coalescing(self, transport: Any) -> None:
         t, root = transport
         path = t.join(root, "f.bin")
