@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
+from .paths import DATA_SUFFIX, INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
 
 __all__ = [
     "Leftovers",
@@ -37,13 +38,6 @@ __all__ = [
     "raise_if_incomplete",
     "remove_stale_temp_files",
 ]
-
-METADATA_FILE = ".metadata"
-MANIFEST_FILE = ".dcp_storage.json"  # dcp_storage.integrity.manifest.MANIFEST_FILE, written just before .metadata
-LOCK_FILE = ".dcp_storage.lock"  # held by a save from before its first byte until its commit (storage.claim)
-DATA_SUFFIX = ".distcp"
-INDEX_SUFFIX = ".safetensors.index.json"
-SAFETENSORS_SUFFIX = ".safetensors"
 
 # The fsspec transport's open_atomic and SafetensorsWriter name temp files ".{final name}.{uuid4 hex}.tmp".
 TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.tmp$")
