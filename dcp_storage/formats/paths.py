@@ -13,6 +13,7 @@ it with the caller's credentials. Every recorded name must be a plain relative p
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -26,6 +27,7 @@ __all__ = [
     "MANIFEST_FILE",
     "METADATA_FILE",
     "SAFETENSORS_SUFFIX",
+    "check_prefix",
     "check_relative",
     "index_name",
     "shard_name",
@@ -41,6 +43,13 @@ SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"  # a Hugging Face index: {prefix}.safetensors.index.json
 EXTRA_STATE_FILE = "extra_state.pt"  # SafetensorsWriter(allow_extra_state=True): non-tensor entries
 DEFAULT_PREFIX = "model"  # what Hugging Face's save_pretrained names its files
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` if it can start a file name in the checkpoint directory (plain, not hidden), else ``ValueError``."""
+    if not prefix or "/" in prefix or os.sep in prefix or prefix.startswith("."):
+        raise ValueError(f"filename_prefix must be a plain, non-hidden file name, got {prefix!r}")
+    return prefix
 
 
 def single_name(prefix: str = DEFAULT_PREFIX) -> str:

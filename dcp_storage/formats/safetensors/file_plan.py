@@ -25,7 +25,16 @@ from ...integrity.checksums import checksum
 from ...integrity.provenance import writer_descriptor
 from .encode import HeaderEntry, encode_header, safetensors_order_key
 
-__all__ = ["FileSpec", "PieceKey", "TensorSpec", "file_spec", "fill_header", "pack_files", "parse_size"]
+__all__ = [
+    "FileSpec",
+    "PieceKey",
+    "TensorSpec",
+    "file_spec",
+    "fill_header",
+    "header_metadata",
+    "pack_files",
+    "parse_size",
+]
 
 _UNITS = {
     "": 1,
@@ -61,6 +70,19 @@ def parse_size(size: int | str) -> int:
     if value < 1:
         raise ValueError(f"max_shard_size must be at least 1 byte, got {size!r}")
     return value
+
+
+def header_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """The user's ``__metadata__`` for every header of a save, after ``{"format": "pt"}`` (``transformers``
+    requires it); keys starting with the writer's reserved prefix are refused."""
+    out = {"format": "pt"}
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"metadata must map str to str; {k!r}: {type(v).__name__} is not")
+        if k.startswith(sums.RESERVED_PREFIX):
+            raise ValueError(f"metadata key {k!r}: keys starting with {sums.RESERVED_PREFIX!r} are the writer's own")
+        out[k] = v
+    return out
 
 
 @dataclass(frozen=True)

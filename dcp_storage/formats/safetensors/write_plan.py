@@ -31,8 +31,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
-from ...errors import UnsupportedDtypeError
-from ..paths import index_name, shard_name, single_name
+from ...errors import NonTensorStateError, UnsupportedDtypeError
+from ..paths import EXTRA_STATE_FILE, index_name, shard_name, single_name
 from ..slices import RunSet
 from ..slices import row_major_runs as chunk_runs
 from .dtypes import safetensors_dtype
@@ -51,6 +51,7 @@ __all__ = [
     "chunk_runs",
     "fill_header",
     "index_name",
+    "local_order",
     "pack_files",
     "parse_size",
     "plan_save",
@@ -65,6 +66,31 @@ class LocalOrder:
     """``SavePlan.storage_data`` of a local plan: the rank's tensor keys in state-dict order (pre-dedup)."""
 
     fqns: tuple[str, ...]
+
+
+def local_order(plan: SavePlan, *, allow_extra_state: bool) -> LocalOrder:
+    """``plan``'s tensor keys in state-dict order, once its items are known to fit safetensors.
+
+    Raises :class:`~dcp_storage.errors.UnsupportedDtypeError` naming every key whose dtype safetensors
+    lacks, and, unless ``allow_extra_state``, :class:`~dcp_storage.errors.NonTensorStateError` naming every
+    non-tensor entry.
+    """
+    bad_dtypes: dict[str, object] = {}
+    byte_keys: list[str] = []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            byte_keys.append(item.index.fqn)
+        elif item.tensor_data is not None and safetensors_dtype(item.tensor_data.properties.dtype) is None:
+            bad_dtypes[item.index.fqn] = item.tensor_data.properties.dtype
+    if bad_dtypes:
+        raise UnsupportedDtypeError(bad_dtypes)
+    if byte_keys and not allow_extra_state:
+        raise NonTensorStateError(
+            byte_keys,
+            fix=f"pass allow_extra_state=True to write them to {EXTRA_STATE_FILE} beside the weights, "
+            "or leave them out of the state dict",
+        )
+    return LocalOrder(tuple(dict.fromkeys(i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO)))
 
 
 @dataclass(frozen=True)
