@@ -3,10 +3,9 @@
 Names. Every module that writes, finds or lists a checkpoint's files takes their names from here:
 DCP's ``.metadata`` and ``.distcp`` data files, dcp-storage's manifest and lock, Hugging Face safetensors
 files and index, the extra-state file ``SafetensorsWriter`` writes, and the hidden temp names of a local
-save in progress.
+save in progress, with the patterns that recognise each kind of name in a listing.
 
-Checking.
-A checkpoint names its own files: an HF index's ``weight_map``, DCP's ``.metadata`` storage map. A hostile
+Checking. A checkpoint names its own files: an HF index's ``weight_map``, DCP's ``.metadata`` storage map. A hostile
 one could name ``../../etc/passwd``, an absolute path or a URL to another bucket and have a reader fetch
 it with the caller's credentials. Every recorded name must be a plain relative path below the checkpoint.
 """
@@ -14,12 +13,18 @@ it with the caller's credentials. Every recorded name must be a plain relative p
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from ..errors import CorruptCheckpointError
 
 __all__ = [
     "DATA_SUFFIX",
+    "HF_SHARD_RE",
+    "LOCK_RE",
+    "MANIFEST_RE",
+    "RANK_METADATA_RE",
+    "TEMP_RE",
     "EXTRA_STATE_FILE",
     "INDEX_FILE",
     "INDEX_SUFFIX",
@@ -73,6 +78,14 @@ INDEX_FILE = index_name()
 def temp_name(name: str, token: str) -> str:
     """The hidden name ``.{name}.{token}.tmp`` a local save writes ``name`` under until its commit."""
     return f".{name}.{token}.tmp"
+
+
+# What a listing holds. Temp files: the transport's open_atomic and SafetensorsWriter use a uuid4 hex token.
+TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.tmp$")
+HF_SHARD_RE = re.compile(rf"^(?P<prefix>.+)-\d{{5}}-of-\d{{5}}{re.escape(SAFETENSORS_SUFFIX)}$")  # shard_name's
+RANK_METADATA_RE = re.compile(rf"^__\d+{re.escape(METADATA_FILE)}$")  # a rank-local save's __{rank}.metadata
+MANIFEST_RE = re.compile(rf"^(__\d+)?{re.escape(MANIFEST_FILE)}$")  # rank-local saves: __{rank}.dcp_storage.json
+LOCK_RE = re.compile(rf"^(__\d+)?{re.escape(LOCK_FILE)}$")  # see storage.claim.lock_name
 
 
 def check_relative(name: Any, where: str) -> str:
