@@ -11,14 +11,12 @@ the claim, and results. How bytes reach storage is chosen per filesystem, not by
 on local disks (:mod:`.safetensors_local`), or one atomic upload per file streamed by the coordinator
 (:mod:`.safetensors_stream`), fed over the process group by :mod:`dcp_storage.strategies.chunk_exchange`.
 
-Checksums (on by default): every file's header ``__metadata__`` records the writer, the algorithm and a
-digest of every chunk's bytes (one per tensor when a tensor is written whole) plus a digest of the header
-itself; :mod:`dcp_storage.integrity.safetensors_sums` says why per chunk. The header is written before the
-data exists, so it is planned with zero-filled digests of fixed width and filled in without moving a byte:
-locally each rank hashes the chunks it writes in the same pass and the coordinator fills the headers in
-``finish``; on object stores the header is the first bytes of an upload that cannot be rewritten, so every
-rank hashes its chunks and the digests are all-gathered before any upload starts. A sidecar file was the
-alternative, but it would split one file's integrity over two objects that can drift apart.
+Checksums (on by default): every file's header ``__metadata__`` records the writer, the algorithm, a digest
+of every chunk's bytes and one of the header itself (:mod:`dcp_storage.integrity.safetensors_sums` says why
+per chunk). Headers are planned with zero-filled digests of fixed width and filled in without moving a
+byte: in ``finish`` on local disks, before any upload on object stores (each mode's module says how).
+A sidecar file was the alternative, but it would split one file's integrity over two objects that can drift
+apart.
 """
 
 from __future__ import annotations
