@@ -23,11 +23,21 @@ are taken as they are.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
+from .paths import (
+    DATA_SUFFIX,
+    HF_SHARD_RE,
+    INDEX_SUFFIX,
+    LOCK_RE,
+    MANIFEST_RE,
+    METADATA_FILE,
+    RANK_METADATA_RE,
+    SAFETENSORS_SUFFIX,
+    TEMP_RE,
+)
 
 __all__ = [
     "Leftovers",
@@ -38,19 +48,6 @@ __all__ = [
     "remove_stale_temp_files",
 ]
 
-METADATA_FILE = ".metadata"
-MANIFEST_FILE = ".dcp_storage.json"  # dcp_storage.integrity.manifest.MANIFEST_FILE, written just before .metadata
-LOCK_FILE = ".dcp_storage.lock"  # held by a save from before its first byte until its commit (storage.claim)
-DATA_SUFFIX = ".distcp"
-INDEX_SUFFIX = ".safetensors.index.json"
-SAFETENSORS_SUFFIX = ".safetensors"
-
-# The fsspec transport's open_atomic and SafetensorsWriter name temp files ".{final name}.{uuid4 hex}.tmp".
-TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.tmp$")
-HF_SHARD_RE = re.compile(r"^(?P<prefix>.+)-\d{5}-of-\d{5}\.safetensors$")
-RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")
-MANIFEST_RE = re.compile(r"^(__\d+)?\.dcp_storage\.json$")  # rank-local saves write __{rank}.dcp_storage.json
-LOCK_RE = re.compile(r"^(__\d+)?\.dcp_storage\.lock$")
 TORCH_DISTRIBUTED_SHARD = "shard-"  # torch's HuggingFaceStorageWriter(save_distributed=True): no index
 _NAMES_SHOWN = 4
 

@@ -1,17 +1,91 @@
-"""Checking file names a checkpoint records (index entries, storage maps) before any I/O uses them.
+"""The file names of a checkpoint, defined once, and the check of the names a checkpoint records.
 
-A checkpoint names its own files: an HF index's ``weight_map``, DCP's ``.metadata`` storage map. A hostile
+Names. Every module that writes, finds or lists a checkpoint's files takes their names from here:
+DCP's ``.metadata`` and ``.distcp`` data files, dcp-storage's manifest and lock, Hugging Face safetensors
+files and index, the extra-state file ``SafetensorsWriter`` writes, and the hidden temp names of a local
+save in progress, with the patterns that recognise each kind of name in a listing.
+
+Checking. A checkpoint names its own files: an HF index's ``weight_map``, DCP's ``.metadata`` storage map. A hostile
 one could name ``../../etc/passwd``, an absolute path or a URL to another bucket and have a reader fetch
 it with the caller's credentials. Every recorded name must be a plain relative path below the checkpoint.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["check_relative"]
+__all__ = [
+    "DATA_SUFFIX",
+    "HF_SHARD_RE",
+    "LOCK_RE",
+    "MANIFEST_RE",
+    "RANK_METADATA_RE",
+    "TEMP_RE",
+    "EXTRA_STATE_FILE",
+    "INDEX_FILE",
+    "INDEX_SUFFIX",
+    "LOCK_FILE",
+    "MANIFEST_FILE",
+    "METADATA_FILE",
+    "SAFETENSORS_SUFFIX",
+    "check_prefix",
+    "check_relative",
+    "index_name",
+    "shard_name",
+    "single_name",
+    "temp_name",
+]
+
+METADATA_FILE = ".metadata"  # DCP's metadata, the commit marker of a DCP checkpoint
+DATA_SUFFIX = ".distcp"  # DCP's data files
+MANIFEST_FILE = ".dcp_storage.json"  # dcp-storage's manifest (integrity.manifest), written just before .metadata
+LOCK_FILE = ".dcp_storage.lock"  # held by a save from before its first byte until its commit (storage.claim)
+SAFETENSORS_SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"  # a Hugging Face index: {prefix}.safetensors.index.json
+EXTRA_STATE_FILE = "extra_state.pt"  # SafetensorsWriter(allow_extra_state=True): non-tensor entries
+DEFAULT_PREFIX = "model"  # what Hugging Face's save_pretrained names its files
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` if it can start a file name in the checkpoint directory (plain, not hidden), else ``ValueError``."""
+    if not prefix or "/" in prefix or os.sep in prefix or prefix.startswith("."):
+        raise ValueError(f"filename_prefix must be a plain, non-hidden file name, got {prefix!r}")
+    return prefix
+
+
+def single_name(prefix: str = DEFAULT_PREFIX) -> str:
+    """The one safetensors file of an unsharded save: ``model.safetensors``."""
+    return f"{prefix}{SAFETENSORS_SUFFIX}"
+
+
+def shard_name(prefix: str, k: int, n: int) -> str:
+    """File ``k`` (1-based) of ``n``: ``model-00001-of-00003.safetensors``, as ``save_pretrained`` names it."""
+    return f"{prefix}-{k:05d}-of-{n:05d}{SAFETENSORS_SUFFIX}"
+
+
+def index_name(prefix: str = DEFAULT_PREFIX) -> str:
+    """The index of a sharded save: ``model.safetensors.index.json``."""
+    return f"{prefix}{INDEX_SUFFIX}"
+
+
+INDEX_FILE = index_name()
+
+
+def temp_name(name: str, token: str) -> str:
+    """The hidden name ``.{name}.{token}.tmp`` a local save writes ``name`` under until its commit."""
+    return f".{name}.{token}.tmp"
+
+
+# What a listing holds. Temp files: the transport's open_atomic and SafetensorsWriter use a uuid4 hex token.
+TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.tmp$")
+HF_SHARD_RE = re.compile(rf"^(?P<prefix>.+)-\d{{5}}-of-\d{{5}}{re.escape(SAFETENSORS_SUFFIX)}$")  # shard_name's
+RANK_METADATA_RE = re.compile(rf"^__\d+{re.escape(METADATA_FILE)}$")  # a rank-local save's __{rank}.metadata
+MANIFEST_RE = re.compile(rf"^(__\d+)?{re.escape(MANIFEST_FILE)}$")  # rank-local saves: __{rank}.dcp_storage.json
+LOCK_RE = re.compile(rf"^(__\d+)?{re.escape(LOCK_FILE)}$")  # see storage.claim.lock_name
 
 
 def check_relative(name: Any, where: str) -> str:

@@ -33,7 +33,7 @@ from ..errors import CorruptCheckpointError, ShapeMismatchError
 from ..tensor_buffers import host_buffer, writable_bytes
 from ..transports import LocalFileAccess, RangeRequest, Transport
 from ..transports.local_io import LocalFiles
-from .slices import count_runs, is_row_major, slice_runs
+from .slices import count_runs, is_row_major, row_major_runs, slice_runs
 
 __all__ = ["SliceRead", "StoredTensor", "dense_gap_of", "plan_slice_read", "read_slices"]
 
@@ -221,16 +221,9 @@ def _finish(transport: Transport, batch: list[SliceRead], on_done: Callable[[Sli
 
 
 def _run_bytes(work: SliceRead) -> int:
+    """Bytes of one contiguous run of a mapped slice (all runs of a row-major slice have the same length)."""
     stored, offsets = work.mapped  # type: ignore[misc]
-    return _first_run_bytes(stored, offsets, work.lengths)
-
-
-def _first_run_bytes(stored: StoredTensor, offsets: Sequence[int], lengths: Sequence[int]) -> int:
-    """Bytes of one contiguous run of the slice (all runs of a row-major slice have the same length)."""
-    k = len(stored.shape) - 1
-    while k >= 0 and offsets[k] == 0 and lengths[k] == stored.shape[k]:
-        k -= 1
-    return lengths[k] * math.prod(stored.shape[k + 1 :]) * stored.itemsize if k >= 0 else 0
+    return row_major_runs(stored.shape, offsets, work.lengths, stored.itemsize).length
 
 
 def _copy_mapped(transport: Transport, works: list[SliceRead]) -> None:

@@ -1,6 +1,6 @@
 """What a distributed load asks of storage, worked out without storage, processes or tensors.
 
-For a checkpoint's DCP ``Metadata`` (a real one, or :func:`synthetic_transformer`'s) and a job layout
+For a checkpoint's DCP ``Metadata`` (a real one, or :func:`~.synthetic_metadata.synthetic_transformer`'s) and a job layout
 (:class:`JobLayout`: world size, GPUs per host, a ``(replicate, shard)`` mesh), :func:`model_load` runs
 the planning code a real load runs on every rank and counts, per read strategy, the storage requests and
 bytes each rank makes, the metadata requests, and the bytes ranks send each other:
@@ -31,12 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
@@ -46,14 +44,13 @@ from ..formats.slices import count_runs, slice_runs
 from ..strategies.read_once_plan import ReadOnceConfig, plan_read_once
 from ..strategies.read_strategy import MetadataItems
 from ..transports.ranges import RangeRequest, plan_fetches
+from .synthetic_metadata import RECORD_TRAILER, even_split, synthetic_transformer
 
 __all__ = ["STRATEGIES", "JobLayout", "LoadModel", "ModelConfig", "model_load", "synthetic_transformer"]
 
 STRATEGIES = ("per_rank", "broadcasting", "read_once", "per_host")
 
 KiB, MiB = 1024, 1024 * 1024
-_TRAILER = 512  # bytes after a record's tensor data (zip central directory), an estimate
-_HEADER = 1024  # bytes before it in a synthetic record
 
 
 @dataclass(frozen=True)
@@ -129,61 +126,6 @@ class LoadModel:
         return max(c.gets + c.heads for c in self.per_rank)
 
 
-def synthetic_transformer(
-    layers: int = 80,
-    hidden: int = 8192,
-    ffn: int = 28672,
-    vocab: int = 128256,
-    kv_heads: int = 8,
-    heads: int = 64,
-    dtype: torch.dtype = torch.bfloat16,
-    save_shards: int = 8,
-) -> Metadata:
-    """DCP metadata of a Llama-shaped model (defaults: 70B) saved ``Shard(0)`` by ``save_shards`` ranks,
-    rank ``r`` writing its chunk of every tensor, in order, to ``__r_0.distcp``."""
-    kv = hidden // heads * kv_heads
-    shapes: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"layers.{i}."
-        shapes += [
-            (p + "attention.wq.weight", (hidden, hidden)),
-            (p + "attention.wk.weight", (kv, hidden)),
-            (p + "attention.wv.weight", (kv, hidden)),
-            (p + "attention.wo.weight", (hidden, hidden)),
-            (p + "feed_forward.w1.weight", (ffn, hidden)),
-            (p + "feed_forward.w2.weight", (hidden, ffn)),
-            (p + "feed_forward.w3.weight", (ffn, hidden)),
-            (p + "attention_norm.weight", (hidden,)),
-            (p + "ffn_norm.weight", (hidden,)),
-        ]
-    shapes += [("norm.weight", (hidden,)), ("output.weight", (vocab, hidden))]
-    props = TensorProperties(dtype=dtype)
-    state: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
-    ends = [0] * save_shards
-    for fqn, shape in shapes:
-        chunks = []
-        for r, (start, rows) in enumerate(_even(shape[0], save_shards)):
-            offsets = torch.Size([start, *([0] * (len(shape) - 1))])
-            sizes = torch.Size([rows, *shape[1:]])
-            chunks.append(ChunkStorageMetadata(offsets, sizes))
-            length = _HEADER + math.prod(sizes) * dtype.itemsize + _TRAILER
-            storage[MetadataIndex(fqn, offsets)] = _StorageInfo(f"__{r}_0.distcp", ends[r], length)
-            ends[r] += length
-        state[fqn] = TensorStorageMetadata(props, torch.Size(shape), chunks)
-    return Metadata(state_dict_metadata=state, storage_data=storage)
-
-
-def _even(n: int, parts: int) -> list[tuple[int, int]]:
-    step, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        rows = step + (1 if i < extra else 0)
-        out.append((start, rows))
-        start += rows
-    return [(s, r) for s, r in out if r > 0]
-
-
 def _plan_for_shard(metadata: Metadata, coordinate: int, shard: int) -> LoadPlan:
     """The load plan of a rank holding ``Shard(0)`` coordinate ``coordinate`` of ``shard`` of every tensor."""
     items: list[ReadItem] = []
@@ -196,7 +138,7 @@ def _plan_for_shard(metadata: Metadata, coordinate: int, shard: int) -> LoadPlan
         if not size:
             box = ChunkStorageMetadata(torch.Size([]), torch.Size([]))
         else:
-            pieces = _even(size[0], shard)
+            pieces = even_split(size[0], shard)
             if coordinate >= len(pieces):
                 continue
             start, rows = pieces[coordinate]
@@ -259,7 +201,7 @@ class _Reads:
         md = self.md[item.storage_index.fqn]
         shape = self._chunk_shape(md, item)
         itemsize = md.properties.dtype.itemsize
-        base = int(info.offset) + int(info.length) - _TRAILER - math.prod(shape) * itemsize
+        base = int(info.offset) + int(info.length) - RECORD_TRAILER - math.prod(shape) * itemsize
         offsets, lengths = [int(o) for o in item.storage_offsets], [int(n) for n in item.lengths]
         if math.prod(lengths) == 0:
             return []

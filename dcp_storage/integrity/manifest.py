@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..formats.paths import check_relative
+from ..formats.paths import MANIFEST_FILE, check_relative
 
 __all__ = ["MANIFEST_FILE", "SCHEMA", "ExtensionInfo", "FileChecksums", "ItemChecksum", "Manifest", "install_hint"]
 
-MANIFEST_FILE = ".dcp_storage.json"
 SCHEMA = 1
 
 # PEP 508 distribution names and PEP 440-shaped versions: nothing a shell would read as more than a word.

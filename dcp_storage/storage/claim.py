@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointExistsError
-from ..formats.completeness import LOCK_FILE
+from ..formats.paths import LOCK_FILE
 from ..integrity.provenance import writer_descriptor
 
 __all__ = ["LOCK_FILE", "Claim", "ClaimingWriter", "claim_location", "lock_name", "refuse_existing"]

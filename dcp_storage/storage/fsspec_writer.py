@@ -44,10 +44,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..formats.completeness import DATA_SUFFIX
 from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.dcp_native.transform_write import ItemEncoder
+from ..formats.paths import DATA_SUFFIX
 from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter, check_algorithm
 from ..integrity.dcp_manifest import build_manifest
 from ..integrity.manifest import MANIFEST_FILE

@@ -15,10 +15,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..formats.completeness import remove_stale_temp_files
+from ..formats.paths import DATA_SUFFIX, HF_SHARD_RE, TEMP_RE, single_name
 
 __all__ = ["retire_dcp", "retire_safetensors"]
 
-_DCP_DATA_FILE = re.compile(r"^__(\d+)_.*\.distcp$")  # ours and torch's FileSystemWriter's; group(1): the rank
+_DCP_DATA_FILE = re.compile(rf"^__(\d+)_.*{re.escape(DATA_SUFFIX)}$")  # ours and torch's FileSystemWriter's; (1): rank
 
 
 def retire_dcp(
@@ -54,14 +55,18 @@ def retire_dcp(
 
 def retire_safetensors(transport: Any, root: str, prefix: str, index: str, extra: str) -> None:
     """Remove the ``index`` file, then ``{prefix}.safetensors`` and its shards, ``extra`` and stale temp files."""
-    escaped = re.escape(prefix)
-    ours = re.compile(rf"^{escaped}(-\d{{5}}-of-\d{{5}})?\.safetensors$")
-    stale_tmp = re.compile(rf"^\.{escaped}(-\d{{5}}-of-\d{{5}})?\.safetensors\.[0-9a-f]+\.tmp$")
     transport.remove(transport.join(root, index))  # first: the old checkpoint stops looking complete
     names = transport.listdir(root)
     if transport.is_local:
         with contextlib.suppress(FileNotFoundError):
             names = sorted(set(names) | set(os.listdir(root)))  # listdir hides temp files
     for name in names:
-        if ours.match(name) or stale_tmp.match(name) or name == extra:
+        temp = TEMP_RE.match(name)  # a killed save's temp file of one of ours
+        if _is_ours(name, prefix) or (temp is not None and _is_ours(temp.group("name"), prefix)) or name == extra:
             transport.remove(transport.join(root, name))
+
+
+def _is_ours(name: str, prefix: str) -> bool:
+    """Whether ``name`` is ``{prefix}.safetensors`` or one of the ``{prefix}-0000k-of-0000N`` shards."""
+    shard = HF_SHARD_RE.match(name)
+    return name == single_name(prefix) or (shard is not None and shard.group("prefix") == prefix)

@@ -36,14 +36,15 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import errors
-from ..errors import CheckpointNotFoundError, DcpStorageError
+from ..errors import CheckpointNotFoundError
 from ..formats.misdirected import raise_explained
 from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
 from ..integrity.safetensors_sums import FileSums
 from ..planners.key_check import check_planned_keys
-from ..strategies.dcp_call import load_view, running_planner
+from ..strategies.dcp_call import running_planner
+from ..strategies.metadata_sharing import share_object
 from ..strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from ..transports import Transport, TransportConfig
 from .location import BoundLocation
@@ -140,48 +141,20 @@ class SafetensorsReader(BoundLocation, StorageReader):
             # A missing bucket, or another format at the URL (a DCP directory, a torch.save file): say which.
             raise_explained(self.transport, self.target, "safetensors", "SafetensorsReader", exc)
 
-    def _group(self) -> Any:
-        """The group to share the metadata over, or ``None`` to read it here (see the class docstring)."""
-        if not self.broadcast_metadata:
-            return None
-        view = load_view(self.process_group)
-        if not view.distributed or view.world == 1:
-            return None
-        return view.group if view.group is not None else dist.group.WORLD
-
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             # dcp.load asks for per-rank metadata only after the global read failed; there is none here.
             raise CheckpointNotFoundError(f"{self.path}: safetensors checkpoints have no per-rank metadata")
-        group = self._group()
-        if group is None:
-            root, metadata, self._sums = self._scan()
+        if self.broadcast_metadata:
+            # The coordinator scans; its result or its error reaches every rank (see share_object).
+            shared = share_object(self._scan, group=self.process_group, src_rank=self.coordinator_rank)
         else:
-            root, metadata, self._sums = self._scan_and_broadcast(group)
-        self.root = root
+            shared = self._scan()
+        self.root, metadata, self._sums = shared
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return metadata
-
-    def _scan_and_broadcast(self, group: Any) -> tuple[str, Metadata, dict[str, FileSums]]:
-        is_coordinator = dist.get_rank(group) == self.coordinator_rank
-        failure: BaseException | None = None
-        payload: tuple[Any, ...] = ()
-        if is_coordinator:
-            try:
-                payload = ("ok", *self._scan())
-            except Exception as exc:  # noqa: BLE001 - peers must hear of any failure, or they hang
-                failure = exc
-                payload = ("error", type(exc).__name__, str(exc))
-        box: list[Any] = [payload]
-        dist.broadcast_object_list(box, group=group, group_src=self.coordinator_rank, device=_object_device(group))
-        if failure is not None:
-            raise failure
-        result = box[0]
-        if result[0] != "ok":
-            raise _rebuild(result[1], result[2], self.coordinator_rank)
-        return result[1], result[2], result[3]
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -217,35 +190,3 @@ class SafetensorsReader(BoundLocation, StorageReader):
         """Only URLs that name a safetensors file or index; directories are ambiguous without I/O."""
         text = os.fspath(checkpoint_id)
         return text.endswith((SUFFIX, INDEX_FILE))
-
-
-def _object_device(group: Any) -> Any:
-    """The device object collectives of ``group`` must use: its default device under NCCL, else ``None``."""
-    if "nccl" in str(dist.get_backend(group)).lower():
-        from torch.distributed.distributed_c10d import _get_pg_default_device
-
-        return _get_pg_default_device(group)
-    return None
-
-
-# Our errors whose constructor takes just the message (others are rebuilt as DcpStorageError).
-_MESSAGE_ERRORS: dict[str, type[DcpStorageError]] = {
-    cls.__name__: cls
-    for cls in (
-        errors.DcpStorageError,
-        errors.CheckpointNotFoundError,
-        errors.CorruptCheckpointError,
-        errors.TransportError,
-        errors.ShapeMismatchError,
-        errors.StorageAccessError,
-        errors.WrongFormatError,
-    )
-}
-
-
-def _rebuild(name: str, message: str, coordinator: int) -> Exception:
-    """The coordinator's error, re-raised on a peer (same class when it is one of ours)."""
-    cls = _MESSAGE_ERRORS.get(name)
-    if cls is not None:
-        return cls(message)
-    return DcpStorageError(f"coordinator rank {coordinator} could not read the checkpoint metadata: {name}: {message}")

@@ -2,12 +2,16 @@
 
 * :class:`Broadcasting` - wrap any ``StorageReader`` so that only the coordinator reads and every other
   rank receives exactly the slices of its plan over the process group.
-* :func:`share_object` - run a function on one rank, give its result or its error to all (what readers
-  call in ``read_metadata``).
+* :func:`share_object` - run a function on one rank, give its result or its error to all (what every
+  reader calls in ``read_metadata``: the one coordinator broadcast).
 * :class:`ReadStrategies` - named factories of read strategies (``per_rank``, ``read_once``, ``per_host``):
   which rank fetches the stored bytes that several ranks need (:mod:`.read_strategy`).
 * :mod:`.slice_delivery` - the send/receive protocol both of the above, and
   :class:`~dcp_storage.BroadcastingTorchSaveReader`, are built on.
+* :mod:`.chunk_exchange` - the save side: every rank's chunks reach the coordinator of a streamed
+  :class:`~dcp_storage.SafetensorsWriter` save.
+* :mod:`.group` - where a rank stands in its process group, and the one rule for the device the group's
+  collectives use.
 """
 
 from .broadcasting import Broadcasting

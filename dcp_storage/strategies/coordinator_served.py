@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, DcpStorageError
-from .dcp_call import SOLO, load_group, works_alone
-from .group import GroupView, group_view
+from .dcp_call import load_group, works_alone
+from .group import SOLO, GroupView, group_view
 from .slice_delivery import DeliveryStats, receive_items
 
 __all__ = ["CoordinatorServedReader"]
@@ -40,7 +40,7 @@ class CoordinatorServedReader(StorageReader):
     delivery: DeliveryStats
 
     def _view(self) -> GroupView:
-        """This rank in the load's group; :data:`~.dcp_call.SOLO` when it works alone."""
+        """This rank in the load's group; :data:`~.group.SOLO` when it works alone."""
         if works_alone():
             return SOLO
         view = group_view(load_group(self.process_group))

@@ -35,18 +35,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from .group import GroupView, group_view
+from .group import SOLO, GroupView, group_view
 
 __all__ = ["DcpCall", "current_call", "load_group", "load_view", "running_planner", "working_alone", "works_alone"]
 
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("dcp_storage_working_alone", default=False)
 _MAX_FRAMES = 64  # dcp.load -> _load_state_dict -> reduce_scatter -> local_step -> a reader: a dozen at most
 _DCP_MODULES = "torch.distributed.checkpoint"
-
-#: The view of a process that works alone: rank 0 of a group of one, no collectives.
-SOLO = GroupView(None, 0, 1, torch.device("cpu"), False)
 
 
 @dataclass(frozen=True)

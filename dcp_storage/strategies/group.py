@@ -1,4 +1,8 @@
-"""Where this process stands in a process group: rank, size, transfer device, or no group at all."""
+"""Where this process stands in a process group: rank, size, transfer device, or no group at all.
+
+The one rule for the device a group's collectives use lives here (:func:`group_view`): every strategy and
+writer that sends tensors over a group asks its :class:`GroupView` rather than the backend.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GroupView", "group_view"]
+__all__ = ["SOLO", "GroupView", "group_view"]
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,16 @@ class GroupView:
             raise ValueError(f"{what}={src} is not a rank of a process group of size {self.world}")
 
 
+#: The view of a process that works alone: rank 0 of a group of one, no collectives.
+SOLO = GroupView(None, 0, 1, torch.device("cpu"), False)
+
+
 def group_view(group: Any = None) -> GroupView:
     """Describe ``group`` (``None``: the default group), or a single process when none is initialised."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return GroupView(None, 0, 1, torch.device("cpu"), False)
+        return SOLO
     from torch.distributed.distributed_c10d import _get_object_coll_device
 
     kind = _get_object_coll_device(group)

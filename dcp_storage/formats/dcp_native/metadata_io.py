@@ -25,12 +25,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...gc_pause import gc_paused
 from ...safe_unpickle import StandInRefusal, globals_of, safe_loads
 from ..limits import METADATA, read_limited
+from ..paths import METADATA_FILE
 from ..safe_globals import with_registered_globals
 from .metadata_checks import check_metadata
 
 __all__ = ["METADATA_FILE", "dump_metadata", "load_metadata", "metadata_allow_list", "read_metadata_file"]
-
-METADATA_FILE = ".metadata"
 
 
 def _layout_by_name(name: str) -> torch.layout:

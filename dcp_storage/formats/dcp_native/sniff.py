@@ -22,6 +22,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from ...errors import DcpStorageError
+from ..paths import DATA_SUFFIX
 from ..spec import HEAD_BYTES, Probe
 from .metadata_io import METADATA_FILE, read_metadata_file
 
@@ -65,7 +66,7 @@ def dcp_data_kind(probe: Probe) -> str | None:
 
     if not probe.is_dir or METADATA_FILE not in probe.names:
         return None
-    data = sorted(n for n in probe.names if n.endswith(".distcp"))
+    data = sorted(n for n in probe.names if n.endswith(DATA_SUFFIX))
     if not data:
         return NATIVE
     head = probe.head_of(data[0], HEAD_BYTES)

@@ -32,7 +32,8 @@ from ...transports import Transport
 from ..completeness import raise_if_incomplete
 from ..dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 from ..limits import INDEX, read_limited
-from ..paths import check_relative
+from ..paths import INDEX_FILE, check_relative
+from ..paths import SAFETENSORS_SUFFIX as SUFFIX
 from .header import LENGTH_BYTES, MAX_HEADER_BYTES
 
 __all__ = [
@@ -45,9 +46,6 @@ __all__ = [
     "parse_index",
     "resolve",
 ]
-
-INDEX_FILE = "model.safetensors.index.json"
-SUFFIX = ".safetensors"
 
 
 def looks_like_safetensors(head: bytes | bytearray | memoryview, size: int) -> bool:

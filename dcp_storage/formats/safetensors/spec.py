@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..paths import INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
 from ..spec import HEAD_BYTES, FormatSpec, Probe, trust_byte_items
 from .layout import looks_like_safetensors
 
 __all__ = ["FORMAT"]
 
-INDEX_SUFFIX = ".safetensors.index.json"
 _UNKNOWN_SIZE = 1 << 62  # a directory probe reads heads only; the reader checks real sizes
 
 
@@ -21,10 +21,10 @@ def _sniff(probe: Probe) -> int | None:
     names = set(probe.names)
     if any(n.endswith(INDEX_SUFFIX) for n in names):
         return 90
-    tensors = sorted(n for n in names if n.endswith(".safetensors"))
+    tensors = sorted(n for n in names if n.endswith(SAFETENSORS_SUFFIX))
     if tensors:
         return 80 if looks_like_safetensors(probe.head_of(tensors[0], HEAD_BYTES), _UNKNOWN_SIZE) else None
-    if ".metadata" in names:  # FileSystemWriter(serialization_format=SAFETENSORS): .distcp files are safetensors
+    if METADATA_FILE in names:  # FileSystemWriter(serialization_format=SAFETENSORS): .distcp files are safetensors
         from ..dcp_native.sniff import SAFETENSORS, dcp_data_kind
 
         return 100 if dcp_data_kind(probe) == SAFETENSORS else None

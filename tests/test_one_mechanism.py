@@ -1,0 +1,118 @@
+"""One mechanism per concern: each of these jobs has one home in ``dcp_storage``, and these tests keep it so.
+
+* the coordinator broadcast: :func:`dcp_storage.strategies.share_object` (error on every rank, no hang);
+* the device a group's collectives use: :class:`dcp_storage.strategies.group.GroupView`;
+* the byte runs of a row-major slice: :func:`dcp_storage.formats.slices.row_major_runs`;
+* the checkpoint's file names: :mod:`dcp_storage.formats.paths`.
+
+The first, second and fourth read the package's source (a second copy is a source fact); the third checks
+the calculator's every consumer against brute force.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import dcp_storage
+from dcp_storage.formats import paths
+from dcp_storage.formats.slices import count_runs, row_major_runs, slice_runs
+
+PACKAGE = Path(dcp_storage.__file__).parent
+FILE_NAMES = {
+    paths.METADATA_FILE,
+    paths.DATA_SUFFIX,
+    paths.MANIFEST_FILE,
+    paths.LOCK_FILE,
+    paths.SAFETENSORS_SUFFIX,
+    paths.INDEX_SUFFIX,
+    paths.INDEX_FILE,
+    paths.EXTRA_STATE_FILE,
+}
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text(encoding="utf-8")) for p in PACKAGE.rglob("*.py")}
+
+
+def _where_named(names: set[str]) -> dict[str, list[int]]:
+    """Modules (and lines) that name any of ``names`` as an attribute, an imported name or a variable."""
+    found: dict[str, list[int]] = {}
+    for module, tree in _modules().items():
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, ast.Name):
+                name = node.id
+            elif isinstance(node, ast.alias):
+                name = node.name.rpartition(".")[2]
+            if name in names:
+                found.setdefault(module, []).append(getattr(node, "lineno", 0))
+    return found
+
+
+def test_one_coordinator_broadcast() -> None:
+    assert set(_where_named({"broadcast_object_list"})) == {"strategies/metadata_sharing.py"}
+
+
+def test_one_group_device_rule() -> None:
+    rules = {"_get_object_coll_device", "_get_pg_default_device", "get_backend"}
+    assert set(_where_named(rules)) == {"strategies/group.py"}
+
+
+def test_checkpoint_file_names_are_defined_once() -> None:
+    defined: dict[str, list[str]] = {}
+    for module, tree in _modules().items():
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
+                if node.value.value in FILE_NAMES:
+                    defined.setdefault(module, []).append(node.value.value)
+    assert set(defined) == {"formats/paths.py"}, defined
+    assert sorted(defined["formats/paths.py"]) == sorted(FILE_NAMES - {paths.INDEX_FILE})  # INDEX_FILE is built
+
+
+def _brute_force(
+    shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], itemsize: int
+) -> list[int]:
+    """Every byte of the box, in its row-major order, as offsets into the full tensor's bytes."""
+    ids = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64).reshape(shape)
+    box = ids[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+    return [int(e) * itemsize + b for e in box.reshape(-1).tolist() for b in range(itemsize)]
+
+
+def test_every_view_of_the_run_calculator_agrees_with_brute_force() -> None:
+    rng = random.Random(11)
+    for _ in range(400):
+        ndim = rng.randint(1, 4)
+        shape = tuple(rng.randint(1, 5) for _ in range(ndim))
+        offsets = tuple(rng.randint(0, s - 1) for s in shape)
+        lengths = tuple(rng.randint(0, s - o) for s, o in zip(shape, offsets))
+        itemsize, base = rng.choice([1, 2, 4, 8]), rng.randint(0, 1000)
+        expected = _brute_force(shape, offsets, lengths, itemsize)
+        runs = row_major_runs(shape, offsets, lengths, itemsize)
+        starts, length = slice_runs(shape, offsets, lengths, itemsize, base)
+        where = (shape, offsets, lengths, itemsize)
+        assert [o + b for o in runs.offsets() for b in range(runs.length)] == expected, where
+        assert [s - base + b for s in starts for b in range(length)] == expected, where
+        assert count_runs(shape, offsets, lengths) == len(starts) == runs.count, where
+        assert runs.nbytes == len(expected), where
+
+
+@pytest.mark.parametrize(
+    ("offsets", "lengths"), [((2, 0), (3, 4)), ((0, -1), (4, 2)), ((0,), (4,)), ((0, 0, 0), (1, 1, 1))]
+)
+def test_the_run_calculator_refuses_boxes_outside_the_tensor(
+    offsets: tuple[int, ...], lengths: tuple[int, ...]
+) -> None:
+    for ask in (
+        lambda: row_major_runs((4, 4), offsets, lengths, 4),
+        lambda: slice_runs((4, 4), offsets, lengths, 4),
+        lambda: count_runs((4, 4), offsets, lengths),
+    ):
+        with pytest.raises(ValueError, match=r"shape \(4, 4\)"):
+            ask()
