@@ -42,10 +42,12 @@ def _cat_whole(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     than that size plus one byte, so a file that grew meanwhile is not read whole either."""
     if max_bytes is None:
         return fs.cat_file(path)  # type: ignore[no-any-return]
-    size = int(fs.size(path))
-    if size > max_bytes:
-        raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)
-    return fs.cat_file(path, start=0, end=size + 1)  # type: ignore[no-any-return]
+    size = fs.size(path)
+    if size is None:  # a store that does not say (an HTTP server without Content-Length): a bounded range
+        return fs.cat_file(path, start=0, end=max_bytes + 1)  # type: ignore[no-any-return]
+    if int(size) > max_bytes:
+        raise FileTooLargeError(fs.unstrip_protocol(path), int(size), max_bytes)
+    return fs.cat_file(path, start=0, end=int(size) + 1)  # type: ignore[no-any-return]
 
 
 def whole_file_reader(fs: Any) -> Callable[..., bytes]:
