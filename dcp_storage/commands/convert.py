@@ -13,7 +13,7 @@ def add_parser(sub: Any) -> None:
     p = _common.add_command(
         sub,
         "convert",
-        help="convert a checkpoint between dcp, safetensors and torch.save, on any store",
+        help="convert a checkpoint between formats (dcp, safetensors, torch.save, plugins'), on any store",
         description="Convert SRC (a DCP directory, safetensors file/directory/index, or torch.save file; local or "
         "any fsspec URL) into DST, streaming tensor by tensor: memory stays near the largest tensor. The output "
         "format comes from --to or DST's suffix (.safetensors, .pt, .bin; a directory needs --to).",
@@ -30,7 +30,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("src", metavar="SRC", help="input checkpoint URL (format detected)")
     p.add_argument("dst", metavar="DST", help="output URL: a directory, or a .safetensors / .pt / .bin file")
-    p.add_argument("--to", choices=["dcp", "safetensors", "torch"], help="output format (default: from DST's suffix)")
+    p.add_argument(
+        "--to",
+        metavar="FORMAT",
+        help="output format: dcp, safetensors, torch, or a plugin format that can be written "
+        "(`dcp-storage plugins list --kind formats`); default: from DST's suffix",
+    )
     p.add_argument("--from", dest="src_format", metavar="FORMAT", help="input format name (default: detected)")
     p.add_argument(
         "--max-shard-size",
@@ -62,12 +67,15 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     # Here, not at module level: the library imports torch, and --help must not (see dcp_storage.cli).
     from ..conversion import convert
-    from ..conversion.engine import _normalize_target
     from ..conversion.plan import parse_dtype
+    from ..conversion.targets import convert_targets, resolve_target, target_names
     from ..formats.safetensors.write_plan import parse_size
 
+    if args.to is not None and args.to.strip().lower() not in convert_targets():  # as argparse's choices would
+        shown_names = ", ".join(repr(n) for n in target_names())
+        raise _common.UsageError(f"argument --to: invalid choice: {shown(args.to)!r} (choose from {shown_names})")
     try:
-        _normalize_target(args.to, args.dst)
+        resolve_target(args.to, args.dst)
         parse_dtype(args.dtype)
         if args.max_shard_size is not None:
             parse_size(args.max_shard_size)

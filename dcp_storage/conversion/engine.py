@@ -9,7 +9,6 @@ buffer, whatever the checkpoint's size. Metadata, headers and ``data.pkl`` are b
 from __future__ import annotations
 
 import os
-import posixpath
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -17,28 +16,17 @@ from typing import Any
 
 import torch
 
-from ..errors import TargetError
+from ..errors import TargetError  # its old home: kept importable from here
+from ..formats.convert_target import ConvertTarget, WriteOptions
 from ..formats.safetensors.write_plan import parse_size
+from ..formats.spec import FormatSpec
 from ..transports.factory import open_transport
-from .dcp_out import write_dcp
 from .plan import Destination, OutTensor, OutValue, WrittenFile, parse_dtype
-from .safetensors_out import check_safetensors, write_safetensors
 from .source import TensorSource
-from .torch_out import write_torch_save
+from .targets import infer_target, resolve_target
 
-__all__ = ["TARGETS", "ConvertResult", "convert", "infer_target"]
+__all__ = ["ConvertResult", "TargetError", "convert", "infer_target"]
 
-TARGETS = ("dcp", "safetensors", "torch")
-_ALIASES = {
-    "dcp": "dcp",
-    "safetensors": "safetensors",
-    "torch": "torch",
-    "torch_save": "torch",
-    "pt": "torch",
-    "bin": "torch",
-}
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})  # float8 stays quantized
 
 
@@ -78,39 +66,6 @@ def same_location(
     finally:
         transport_a.close()
         transport_b.close()
-
-
-def _basename(url: str) -> str:
-    return posixpath.basename(url.rstrip("/").replace(os.sep, "/"))
-
-
-def infer_target(dst: str) -> str | None:
-    """The output format a destination's name implies, or ``None`` (a plain directory name)."""
-    name = _basename(dst).lower()
-    if name.endswith((".safetensors", ".safetensors.index.json")):
-        return "safetensors"
-    if name.endswith(_TORCH_SUFFIXES):
-        return "torch"
-    return None
-
-
-def _normalize_target(to: str | None, dst: str, check_suffix: bool = True) -> str:
-    if _basename(dst).lower().endswith(".index.json"):
-        raise TargetError(f"{dst!r}: pass the output directory; the index is named and written by the converter")
-    if to is None:
-        guessed = infer_target(dst)
-        if guessed is None:
-            raise TargetError(
-                f"cannot tell the output format from {dst!r}; pass to='dcp', 'safetensors' or 'torch' (--to)"
-            )
-        return guessed
-    key = str(to).strip().lower()
-    if key not in _ALIASES:
-        raise TargetError(f"unknown output format {to!r}; choose one of {', '.join(TARGETS)}")
-    target, implied = _ALIASES[key], infer_target(dst)
-    if check_suffix and implied is not None and implied != target:
-        raise TargetError(f"{dst!r} names a {implied} file but the output format is {target}; rename it or drop --to")
-    return target
 
 
 class _Fetch:
@@ -154,7 +109,7 @@ def plan_outputs(
 
 def write_outputs(
     dest: Destination,
-    to: str,
+    target: tuple[FormatSpec, ConvertTarget],
     tensors: Sequence[OutTensor],
     values: Sequence[OutValue],
     fetch: Any,
@@ -162,31 +117,14 @@ def write_outputs(
     max_shard_size: int | None,
     drop_non_tensors: bool,
     single_file: bool | None = None,
-    safetensors_prefix: str = "model",
-    torch_prefix: str = "pytorch_model",
 ) -> tuple[str, list[str]]:
-    """Dispatch to the writer for ``to``; returns (path to open, dropped value keys)."""
-    single = (infer_target(dest.url) == to if single_file is None else single_file) and to != "dcp"
-    shard = max_shard_size if max_shard_size is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
-    if to == "dcp":
-        write_dcp(dest, tensors, values, fetch, max_shard_size=max_shard_size)
-        return dest.path, []
-    if to == "safetensors":
-        check_safetensors(tensors, values, drop_non_tensors)
-        path = write_safetensors(
-            dest, tensors, fetch, single_file=single, max_shard_size=shard, prefix=safetensors_prefix
-        )
-        return path, [v.key for v in values]
-    return write_torch_save(
-        dest,
-        tensors,
-        values,
-        fetch,
-        single_file=single,
-        max_shard_size=shard,
-        drop_non_tensors=drop_non_tensors,
-        prefix=torch_prefix,
-    )
+    """Write through the format's target; returns (path to open, dropped value keys)."""
+    spec, writer = target
+    single = infer_target(dest.url) == writer.name if single_file is None else single_file
+    options = WriteOptions(max_shard_size, drop_non_tensors, single and writer.single_file, spec.descriptor)
+    if writer.refuse is not None:
+        writer.refuse(tensors, values, options)
+    return writer.write(dest, tensors, values, fetch, options)
 
 
 def convert(
@@ -217,7 +155,8 @@ def convert(
             in ``.safetensors`` / ``.pt``, ``.pth``, ``.bin``, ``.ckpt`` (one file, no sharding), otherwise a
             directory with Hugging Face names (``model.safetensors`` / ``pytorch_model.bin``, sharded with an
             index above ``max_shard_size``).
-        to: ``"dcp"``, ``"safetensors"`` or ``"torch"``; inferred from ``dst``'s suffix when omitted.
+        to: a registered format's convert target: ``"dcp"``, ``"safetensors"``, ``"torch"``, or a plugin's
+            (:func:`~dcp_storage.conversion.targets.target_names`); inferred from ``dst``'s suffix when omitted.
         src_format: force the source format (a registry name) instead of detecting it.
         max_shard_size: bytes per output file (int, or ``"5GB"``, ``"500MiB"``). Sharded safetensors/torch
             outputs default to 5GB; DCP output is one data file unless given.
@@ -242,7 +181,7 @@ def convert(
     """
     started = time.monotonic()
     src, dst = os.fspath(src), os.fspath(dst)
-    target = _normalize_target(to, dst, check_suffix=single_file is None)
+    target = resolve_target(to, dst, check_suffix=single_file is None)
     cast = parse_dtype(dtype)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
     src_opts = {**(storage_options or {}), **(src_storage_options or {})} or None
@@ -273,7 +212,7 @@ def _run(
     source: TensorSource,
     dst: str,
     dst_opts: dict[str, Any] | None,
-    target: str,
+    target: tuple[FormatSpec, ConvertTarget],
     tensors: list[OutTensor],
     values: list[OutValue],
     shard: int | None,
@@ -307,7 +246,7 @@ def _run(
         src=source.url,
         src_format=source.spec.descriptor,
         dst=dst,
-        to=target,
+        to=target[1].name,
         output=dest.url_of(output),
         files=list(dest.written),
         tensors=len(tensors),

@@ -28,6 +28,7 @@ from ..transports.factory import open_transport
 from .engine import ConvertResult, _run, plan_outputs, same_location
 from .plan import OutTensor
 from .source import TensorSource
+from .targets import convert_targets
 
 __all__ = ["FSDP_MODEL_DIR", "merge_fsdp_weights"]
 
@@ -149,7 +150,8 @@ def merge_fsdp_weights(
             f"{output_path!r} lies inside {checkpoint_dir!r}, which remove_checkpoint_dir would delete; "
             "write the merged weights elsewhere"
         )
-    target = "safetensors" if safe_serialization else "torch"
+    # accelerate's flag names the two formats it writes (with their default file names, as here)
+    target = convert_targets()["safetensors" if safe_serialization else "torch"]
     with TensorSource.open(checkpoint_dir, storage_options) as source:
         paths = [t.path for t in source.tensors.values()] + [v.path for v in source.values.values()]
         tensors, values = plan_outputs(source, rename=_unwrap_single_top_level(paths))
@@ -166,8 +168,6 @@ def merge_fsdp_weights(
             progress,
             on_start,
             started,
-            safetensors_prefix="model",
-            torch_prefix="pytorch_model",
             create_bucket=create_bucket,
         )
     verify_output(result, tensors, out_opts)

@@ -1,21 +1,21 @@
 """What a conversion writes: output entries, where they go, and the knobs every writer shares.
 
 Pure data plus small helpers; no tensor bytes move here. The engine (:mod:`.engine`) turns a
-:class:`~.source.TensorSource` into :class:`OutTensor`/:class:`OutValue` entries (renamed, cast), and a
-writer (:mod:`.dcp_out`, :mod:`.safetensors_out`, :mod:`.torch_out`) streams them to a
-:class:`Destination`, asking a :class:`Fetch` for each tensor just before it writes it.
+:class:`~.source.TensorSource` into :class:`OutTensor`/:class:`OutValue` entries (renamed, cast), and the
+target format's writer (its spec's ``convert_target``, :mod:`dcp_storage.formats.convert_target`) streams
+them to a :class:`Destination`, asking a :class:`Fetch` for each tensor just before it writes it.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from ..formats.convert_target import Fetch, OutTensor, OutValue, WrittenFile
 from ..transports import Transport
 from ..transports.buckets import require_bucket
 from ..transports.factory import open_transport
@@ -30,54 +30,13 @@ __all__ = [
     "parse_dtype",
 ]
 
-Path = tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class OutTensor:
-    """One output tensor: its output key and nested path, the source key, and its output dtype/shape."""
-
-    key: str
-    path: Path
-    src: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    order: int = 0  # position in the source's metadata (outputs that mix tensors and values keep it)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class OutValue:
-    """One output non-tensor value (step counters, extra state)."""
-
-    key: str
-    path: Path
-    src: str
-    order: int = 0
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    name: str  # relative to the destination directory (the file name for a single-file destination)
-    size: int
-
-
-class Fetch(Protocol):
-    """What a writer asks for while it streams (implemented by the engine)."""
-
-    def tensor(self, out: OutTensor) -> torch.Tensor: ...
-
-    def value_bytes(self, out: OutValue) -> bytes: ...
-
-    def value(self, out: OutValue) -> Any: ...
-
 
 @dataclass
 class Destination:
-    """Where output goes: a transport and a path on it (a directory, or a file for single-file outputs)."""
+    """Where output goes: a transport and a path on it (a directory, or a file for single-file outputs).
+
+    What a format's writer sees of it is :class:`~dcp_storage.formats.convert_target.WriteDestination`.
+    """
 
     url: str
     transport: Transport

@@ -1,8 +1,14 @@
-"""What a format plugin provides: a sniffer and reader/writer factories.
+"""What a format plugin provides: a sniffer, reader/writer factories, and the hooks the tools call.
 
 A format registers a :class:`FormatSpec` under the ``dcp_storage.formats`` entry-point group.
 :func:`dcp_storage.open_reader` builds one :class:`Probe` of the URL (a directory listing, or the first
 bytes of a file) and asks every format's ``sniff``; the best score wins.
+
+Everything a tool knows about a format comes through its spec: ``inspect`` calls ``describe``, ``verify``
+calls ``check`` and ``deep_check``, ``convert`` writes through ``convert_target``. So a format lives in
+one place (``formats/<name>/``, or a plugin's package), and a plugin's format gets the same tools as the
+built-in ones. Each hook is optional; without it the tool falls back to what any format's reader gives
+(its ``Metadata``, and every tensor read back).
 """
 
 from __future__ import annotations
@@ -11,14 +17,18 @@ import dataclasses
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import CheckpointNotFoundError
 from ..transports import Transport
 from ..transports.buckets import missing_bucket
 from ..transports.factory import open_transport
 
-__all__ = ["FormatSpec", "Probe", "trust_byte_items"]
+if TYPE_CHECKING:
+    from .convert_target import ConvertTarget
+    from .reports import CheckpointInfo, VerifyReport
+
+__all__ = ["CheckHook", "DescribeHook", "FormatSpec", "Probe", "trust_byte_items"]
 
 HEAD_BYTES = 64
 
@@ -66,15 +76,43 @@ class Probe:
         return bytes(self.transport.read_range(path, 0, min(size, nbytes))) if size else b""
 
 
+class DescribeHook(Protocol):
+    def __call__(self, url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:
+        """What the checkpoint at ``url`` holds and where (files, tensors, chunks with their byte ranges),
+        from metadata and headers only: no tensor data is read. Raises our errors for what it cannot read."""
+        ...
+
+
+class CheckHook(Protocol):
+    def __call__(self, report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
+        """Add every problem found to ``report.problems`` (each naming the file, the key and the reason),
+        and what was checked to ``report.notes``/``report.checked``; never raises for a damaged checkpoint."""
+        ...
+
+
 @dataclass(frozen=True)
 class FormatSpec:
-    """A checkpoint format: ``name/version`` descriptor, detection, and reader/writer factories.
+    """A checkpoint format: ``name/version`` descriptor, detection, reader/writer factories and tool hooks.
 
     ``sniff(probe)`` returns a score (higher is more specific) when the probe looks like this format, or
     ``None``. ``open_reader(url, storage_options=..., **options)`` returns a DCP ``StorageReader``;
     ``open_writer`` a ``StorageWriter`` (``None`` for read-only formats). ``reader`` names the reader class
     to suggest to a user who pointed another format's reader at such a checkpoint
     (``"dcp_storage.SafetensorsReader(url)"``); empty: ``open_reader(url, format=name)`` is suggested.
+
+    The tools' hooks (all optional; the fallback in brackets):
+
+    * ``describe`` - ``inspect``'s summary, with file names and byte ranges [the reader's ``Metadata``:
+      tensors and shapes, no files];
+    * ``check`` - ``verify``'s structural checks: metadata, headers, sizes, coverage, without reading tensor
+      data [the reader's ``Metadata`` must load];
+    * ``deep_check`` - ``verify --deep``'s byte checks that only the format knows (recorded checksums,
+      CRCs), run after the shallow checks passed and every tensor was read back through the reader [none:
+      the read-back is all];
+    * ``convert_target`` - the streaming writer that makes the format a ``convert --to`` target [not a
+      target];
+    * ``suffixes`` - file-name endings that imply the format: ``convert`` infers ``--to`` from the output's
+      name, ``verify`` checks a file detection refused as the format its name says.
     """
 
     name: str
@@ -84,6 +122,11 @@ class FormatSpec:
     open_writer: Callable[..., Any] | None = None
     description: str = ""
     reader: str = ""
+    describe: DescribeHook | None = None
+    check: CheckHook | None = None
+    deep_check: CheckHook | None = None
+    convert_target: ConvertTarget | None = None
+    suffixes: tuple[str, ...] = ()
 
     @property
     def descriptor(self) -> str:

@@ -16,7 +16,7 @@ from .checksums import mismatch, new_hasher
 from .manifest import Manifest
 from .read_verify import key_name
 
-__all__ = ["ChecksumCheck", "check_dcp_checksums", "deep_check_dcp", "no_checksums_note", "report_dcp_checksums"]
+__all__ = ["ChecksumCheck", "check_dcp_checksums", "no_checksums_note", "report_dcp_checksums"]
 
 PIECE_BYTES = 16 * 1024 * 1024
 _MAX_KEYS_NAMED = 5
@@ -141,18 +141,6 @@ def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[A
         )
     elif not report.deep:
         report.notes.append(f"file sizes checked against the manifest ({manifest.algorithm} checksums: pass --deep)")
-
-
-def deep_check_dcp(report: Any, url: str, storage_options: dict[str, Any] | None) -> None:
-    """The deep half of :func:`report_dcp_checksums`, opening the checkpoint at ``url`` itself."""
-    from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
-    from ..transports.factory import open_transport
-
-    transport, root = open_transport(url, storage_options)
-    with transport:
-        path = transport.join(root, METADATA_FILE)
-        md = read_metadata_file(transport, path)
-        report_dcp_checksums(report, transport, root, md.storage_data or {}, deep=True)
 
 
 def no_checksums_note(writer: str | None) -> str:

@@ -16,7 +16,7 @@ from .checksums import mismatch, new_hasher
 from .deep_check import PIECE_BYTES, no_checksums_note
 from .safetensors_sums import FileSums, Piece
 
-__all__ = ["check_file", "deep_check_safetensors", "report_safetensors_checksums", "safetensors_provenance"]
+__all__ = ["check_file", "report_safetensors_checksums", "safetensors_provenance"]
 
 
 def _contiguous_range(piece: Piece, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
@@ -109,19 +109,6 @@ def report_safetensors_checksums(report: Any, transport: Any, paths: list[str], 
             f"header checksums of {with_sums} files checked ({', '.join(sorted(algorithms))} checksums of the "
             "tensor data: pass --deep)" + (f"; {without} files record none" if without else "")
         )
-
-
-def deep_check_safetensors(report: Any, url: str, storage_options: dict[str, Any] | None) -> None:
-    """The deep half of :func:`report_safetensors_checksums`, opening the checkpoint at ``url`` itself."""
-    from ..formats.safetensors.layout import discover, resolve
-    from ..formats.safetensors.scan import blobs_of
-    from ..transports.factory import open_transport
-
-    transport, target = open_transport(url, storage_options)
-    with transport:
-        layout = discover(transport, target)
-        files = sorted({b.file for b in blobs_of(layout) if b.base == 0})
-        report_safetensors_checksums(report, transport, [resolve(transport, layout.root, f) for f in files], deep=True)
 
 
 def safetensors_provenance(transport: Any, paths: list[str]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
+from ..formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.dcp_native.transform_write import ItemEncoder
 from ..formats.paths import DATA_SUFFIX
@@ -64,7 +64,6 @@ from .write_layout import MemoryFile, estimated_bytes, group_items
 
 __all__ = ["FsspecWriter"]
 
-DCP_VERSION = "1.0.0"
 _SAVE_TAG = 12  # hex digits of the save id in the data file names of an overwrite=True save over files
 
 

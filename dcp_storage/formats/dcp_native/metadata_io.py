@@ -29,7 +29,16 @@ from ..paths import METADATA_FILE
 from ..safe_globals import with_registered_globals
 from .metadata_checks import check_metadata
 
-__all__ = ["METADATA_FILE", "dump_metadata", "load_metadata", "metadata_allow_list", "read_metadata_file"]
+__all__ = [
+    "DCP_VERSION",
+    "METADATA_FILE",
+    "dump_metadata",
+    "load_metadata",
+    "metadata_allow_list",
+    "read_metadata_file",
+]
+
+DCP_VERSION = "1.0.0"  # the Metadata.version written: torch's FileSystemWriter's
 
 
 def _layout_by_name(name: str) -> torch.layout:

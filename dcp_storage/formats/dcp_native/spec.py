@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import FormatSpec, Probe, trust_byte_items
+from .convert_out import TARGET
+from .describe import describe_dcp
 from .sniff import NATIVE, dcp_data_kind
+from .verify import check_dcp, deep_check_dcp
 
 __all__ = ["FORMAT"]
 
@@ -37,4 +40,8 @@ FORMAT = FormatSpec(
     open_writer=_writer,
     description="torch.distributed.checkpoint native layout: .metadata + __R_N.distcp",
     reader="dcp_storage.FsspecReader(url)",
+    describe=describe_dcp,
+    check=check_dcp,
+    deep_check=deep_check_dcp,
+    convert_target=TARGET,
 )

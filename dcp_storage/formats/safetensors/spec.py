@@ -6,7 +6,10 @@ from typing import Any
 
 from ..paths import INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
 from ..spec import HEAD_BYTES, FormatSpec, Probe, trust_byte_items
+from .convert_out import TARGET
+from .describe import describe_safetensors
 from .layout import looks_like_safetensors
+from .verify import check_safetensors, deep_check_safetensors
 
 __all__ = ["FORMAT"]
 
@@ -53,4 +56,9 @@ FORMAT = FormatSpec(
     open_writer=_writer,
     description="safetensors: a file, a directory, an HF model.safetensors.index.json, torch's DCP layouts",
     reader="dcp_storage.SafetensorsReader(url)",
+    describe=describe_safetensors,
+    check=check_safetensors,
+    deep_check=deep_check_safetensors,
+    convert_target=TARGET,
+    suffixes=(".safetensors", INDEX_SUFFIX),
 )

@@ -10,6 +10,8 @@ import struct
 from typing import Any
 
 from ..spec import FormatSpec, Probe
+from .convert_out import TARGET
+from .tool_hooks import check_torch_save, deep_check_torch_save, describe_torch_save
 
 __all__ = ["FORMAT", "looks_like_legacy_torch_pickle", "looks_like_torch_zip"]
 
@@ -54,4 +56,9 @@ FORMAT = FormatSpec(
     open_writer=None,
     description="a single torch.save file (zip format); legacy pickles are recognised and refused",
     reader="dcp_storage.BroadcastingTorchSaveReader(url)",
+    describe=describe_torch_save,
+    check=check_torch_save,
+    deep_check=deep_check_torch_save,
+    convert_target=TARGET,
+    suffixes=(".pt", ".pth", ".bin", ".ckpt"),
 )

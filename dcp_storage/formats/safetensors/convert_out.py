@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from ..errors import CheckpointExistsError, NonTensorStateError, UnsupportedDtypeError
-from ..formats.limits import INDEX, read_limited
-from ..formats.safetensors.dtypes import safetensors_dtype
-from ..formats.safetensors.encode import (
+from ...errors import CheckpointExistsError, NonTensorStateError, UnsupportedDtypeError
+from ...transports.buckets import make_output_root
+from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
+from ..limits import INDEX, read_limited
+from .dtypes import safetensors_dtype
+from .encode import (
     HeaderEntry,
     as_memoryview,
     encode_header,
@@ -24,17 +26,17 @@ from ..formats.safetensors.encode import (
     tensor_bytes,
     unstorable_keys,
 )
-from ..formats.safetensors.write_plan import TensorSpec, index_name, pack_files, shard_name, single_name
-from ..transports.buckets import make_output_root
-from .plan import Destination, Fetch, OutTensor, OutValue
+from .write_plan import TensorSpec, index_name, pack_files, parse_size, shard_name, single_name
 
-__all__ = ["check_safetensors", "hf_index_json", "write_safetensors"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "TARGET", "hf_index_json", "refuse_unstorable", "write_safetensors"]
 
 HEADER_METADATA = {"format": "pt"}
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default, for directory outputs
 
 
-def check_safetensors(tensors: Sequence[OutTensor], values: Sequence[OutValue], drop_non_tensors: bool) -> None:
+def refuse_unstorable(tensors: Sequence[OutTensor], values: Sequence[OutValue], options: WriteOptions) -> None:
     """Refuse, before any I/O, what safetensors cannot hold (naming every key)."""
+    drop_non_tensors = options.drop_non_tensors
     bad = {t.key: t.dtype for t in tensors if safetensors_dtype(t.dtype) is None}
     if bad:
         raise UnsupportedDtypeError(bad)
@@ -54,7 +56,7 @@ def hf_index_json(total_size: int, weight_map: Mapping[str, str]) -> bytes:
     return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
-def _old_index_files(dest: Destination, index_path: str) -> set[str]:
+def _old_index_files(dest: WriteDestination, index_path: str) -> set[str]:
     try:
         doc = json.loads(read_limited(dest.transport, index_path, INDEX))
         return {str(f) for f in doc.get("weight_map", {}).values() if "/" not in str(f) and ".." not in str(f)}
@@ -63,7 +65,7 @@ def _old_index_files(dest: Destination, index_path: str) -> set[str]:
 
 
 def write_safetensors(
-    dest: Destination,
+    dest: WriteDestination,
     tensors: Sequence[OutTensor],
     fetch: Fetch,
     *,
@@ -129,3 +131,18 @@ def write_safetensors(
     if single_file:
         return dest.path
     return index_path if len(names) > 1 and index_path is not None else transport.join(root, names[0])
+
+
+def _write(
+    dest: WriteDestination,
+    tensors: Sequence[OutTensor],
+    values: Sequence[OutValue],
+    fetch: Fetch,
+    options: WriteOptions,
+) -> tuple[str, list[str]]:
+    shard = options.max_shard_size if options.max_shard_size is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
+    path = write_safetensors(dest, tensors, fetch, single_file=options.single_file, max_shard_size=shard)
+    return path, [v.key for v in values]  # refuse_unstorable let them through: drop_non_tensors
+
+
+TARGET = ConvertTarget("safetensors", _write, refuse=refuse_unstorable)

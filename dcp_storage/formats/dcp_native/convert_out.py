@@ -28,18 +28,17 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CheckpointExistsError
-from ..formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata
-from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
-from ..formats.safetensors.write_plan import TensorSpec, pack_files
-from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter
-from ..integrity.dcp_manifest import build_manifest
-from ..integrity.manifest import MANIFEST_FILE
-from ..storage.fsspec_writer import DATA_SUFFIX, DCP_VERSION
-from ..transports.buckets import make_output_root
-from .plan import Destination, Fetch, OutTensor, OutValue
+from ...errors import CheckpointExistsError
+from ...integrity.checksums import DEFAULT_ALGORITHM, HashingWriter
+from ...integrity.dcp_manifest import build_manifest
+from ...integrity.manifest import MANIFEST_FILE
+from ...transports.buckets import make_output_root
+from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
+from ..paths import DATA_SUFFIX
+from ..safetensors.write_plan import TensorSpec, pack_files
+from .metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
 
-__all__ = ["write_dcp"]
+__all__ = ["TARGET", "write_dcp"]
 
 
 def _groups(tensors: Sequence[OutTensor], max_shard_size: int | None) -> list[list[OutTensor]]:
@@ -51,13 +50,14 @@ def _groups(tensors: Sequence[OutTensor], max_shard_size: int | None) -> list[li
 
 
 def write_dcp(
-    dest: Destination,
+    dest: WriteDestination,
     tensors: Sequence[OutTensor],
     values: Sequence[OutValue],
     fetch: Fetch,
     *,
     max_shard_size: int | None = None,
     checksum_algorithm: str = DEFAULT_ALGORITHM,
+    descriptor: str = "dcp/1",
 ) -> None:
     """Write ``tensors`` and ``values`` as a DCP checkpoint in the directory ``dest``, with its manifest."""
     transport = dest.transport
@@ -114,9 +114,23 @@ def write_dcp(
         storage_meta=StorageMeta(checkpoint_id=dest.url, save_id=uuid.uuid4().hex),
     )
     metadata.version = DCP_VERSION
-    manifest = build_manifest(DCP_FORMAT.descriptor, storage, records, {checksum_algorithm}).to_json()
+    manifest = build_manifest(descriptor, storage, records, {checksum_algorithm}).to_json()
     transport.write_file(dest.join(MANIFEST_FILE), manifest)  # before the commit marker
     dest.record(MANIFEST_FILE, len(manifest))
     data = dump_metadata(metadata)
     transport.write_file(metadata_path, data)
     dest.record(METADATA_FILE, len(data))
+
+
+def _write(
+    dest: WriteDestination,
+    tensors: Sequence[OutTensor],
+    values: Sequence[OutValue],
+    fetch: Fetch,
+    options: WriteOptions,
+) -> tuple[str, list[str]]:
+    write_dcp(dest, tensors, values, fetch, max_shard_size=options.max_shard_size, descriptor=options.descriptor)
+    return dest.path, []
+
+
+TARGET = ConvertTarget("dcp", _write, single_file=False)

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 
-from ..errors import CheckpointExistsError, NonTensorStateError
-from ..formats.safetensors.write_plan import TensorSpec, pack_files
-from ..transports.buckets import make_output_root
-from .plan import Destination, Fetch, OutTensor, OutValue
-from .safetensors_out import hf_index_json
+from ...errors import CheckpointExistsError, NonTensorStateError
+from ...transports.buckets import make_output_root
+from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
+from ..safetensors.convert_out import DEFAULT_MAX_SHARD_SIZE, hf_index_json
+from ..safetensors.write_plan import TensorSpec, pack_files, parse_size
 
-__all__ = ["build_tree", "write_torch_save"]
+__all__ = ["TARGET", "build_tree", "write_torch_save"]
 
 PICKLE_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
 STORAGE_ALIGNMENT = 64
@@ -160,7 +160,7 @@ def _flat_shards(tensors: Sequence[OutTensor], max_shard_size: int) -> list[list
 
 
 def write_torch_save(
-    dest: Destination,
+    dest: WriteDestination,
     tensors: Sequence[OutTensor],
     values: Sequence[OutValue],
     fetch: Fetch,
@@ -228,3 +228,25 @@ def write_torch_save(
         dest.record(index_name, len(data))
         return transport.join(root, index_name), dropped
     return transport.join(root, single_name), dropped
+
+
+def _write(
+    dest: WriteDestination,
+    tensors: Sequence[OutTensor],
+    values: Sequence[OutValue],
+    fetch: Fetch,
+    options: WriteOptions,
+) -> tuple[str, list[str]]:
+    shard = options.max_shard_size if options.max_shard_size is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
+    return write_torch_save(
+        dest,
+        tensors,
+        values,
+        fetch,
+        single_file=options.single_file,
+        max_shard_size=shard,
+        drop_non_tensors=options.drop_non_tensors,
+    )
+
+
+TARGET = ConvertTarget("torch", _write, aliases=("torch_save", "pt", "bin"))

@@ -1,0 +1,42 @@
+"""``inspect`` for DCP native checkpoints: the ``.metadata`` storage map, the data files and the manifest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...integrity.summary import dcp_provenance
+from ...transports.factory import open_transport
+from ..reports import CheckpointInfo, FileInfo, size_or_none, tensor_table
+from ..spec import FormatSpec
+from .metadata_io import METADATA_FILE, read_metadata_file
+
+__all__ = ["describe_dcp"]
+
+
+def describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:
+    """Every tensor chunk and value with its data file and byte range; every data file with its size."""
+    transport, root = open_transport(url, storage_options)
+    with transport:
+        path = transport.join(root, METADATA_FILE)
+        md = read_metadata_file(transport, path)
+        storage = md.storage_data or {}
+        # Keyed by plain tuples: a dict lookup by MetadataIndex runs its Python __hash__ and __eq__, and a
+        # checkpoint of a million tensors has a million of them.
+        places = {
+            (index.fqn, None if index.offset is None else tuple(index.offset)): (
+                info.relative_path,
+                int(info.offset),
+                int(info.length),
+            )
+            for index, info in storage.items()
+        }
+
+        def locate(fqn: str, offsets: list[int] | None) -> tuple[Any, ...]:
+            return places.get((fqn, None if offsets is None else tuple(offsets)), (None, None, None))
+
+        tensors, values = tensor_table(md, locate)
+        listed = [n for n in transport.listdir(root) if n.endswith(".distcp")]  # unreferenced data files too
+        names = sorted({METADATA_FILE, *listed, *(i.relative_path for i in storage.values())})
+        files = [FileInfo(n, size_or_none(transport, transport.join(root, n))) for n in names]
+        provenance = dcp_provenance(transport, root)
+    return CheckpointInfo(url, spec.descriptor, spec.description, "dcp", files, tensors, values, provenance)

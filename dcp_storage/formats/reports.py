@@ -1,0 +1,170 @@
+"""What a format's ``describe`` and ``check`` hooks fill in: the reports ``inspect`` and ``verify`` print.
+
+They live with the formats, below the tools, because the hooks that build them live in ``formats/<name>/``
+(and in plugins): a format describes and checks its own layout, and :mod:`dcp_storage.inspection` only
+picks the hook and prints the result. :func:`tensor_table` builds the tensor and value rows from a DCP
+``Metadata`` for any format, given where each chunk is stored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from ..errors import DcpStorageError
+
+__all__ = [
+    "CheckpointInfo",
+    "ChunkInfo",
+    "FileInfo",
+    "Locate",
+    "TensorInfo",
+    "ValueInfo",
+    "VerifyReport",
+    "dtype_name",
+    "error_text",
+    "named_keys",
+    "size_or_none",
+    "tensor_table",
+]
+
+_MAX_KEYS_NAMED = 5
+
+
+# Slotted: a checkpoint of a million tensors makes a million of each (a third of the memory of plain ones).
+@dataclass(slots=True)
+class ChunkInfo:
+    offsets: list[int]
+    sizes: list[int]
+    file: str | None = None
+    offset: int | None = None  # byte offset of the stored record/elements in ``file``
+    length: int | None = None
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    key: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    chunks: list[ChunkInfo] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({c.file for c in self.chunks if c.file is not None})
+
+
+@dataclass(slots=True)
+class ValueInfo:
+    key: str
+    file: str | None = None
+    offset: int | None = None
+    length: int | None = None
+
+
+@dataclass
+class FileInfo:
+    name: str
+    size: int | None  # None: listed by the checkpoint but missing
+
+
+@dataclass
+class CheckpointInfo:
+    url: str
+    format: str  # descriptor, e.g. "dcp/1"
+    description: str
+    layout: str  # "dcp", "safetensors file", "safetensors index", "torch.save zip", ...
+    files: list[FileInfo] = field(default_factory=list)
+    tensors: list[TensorInfo] = field(default_factory=list)
+    values: list[ValueInfo] = field(default_factory=list)
+    # What wrote it (from dcp-storage's manifest or header metadata): format, writer, extensions, checksums.
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return {
+            "files": len(self.files),
+            "file_bytes": sum(f.size or 0 for f in self.files),
+            "tensors": len(self.tensors),
+            "tensor_bytes": sum(t.nbytes for t in self.tensors),
+            "chunks": sum(len(t.chunks) for t in self.tensors),
+            "values": len(self.values),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["totals"] = self.totals
+        return out
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found: every problem (each naming file, key and reason), notes, and counts."""
+
+    url: str
+    format: str | None
+    deep: bool
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    checked: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+Locate = Callable[[str, "list[int] | None"], tuple[Any, ...]]
+"""``locate(fqn, offsets or None)`` -> ``(file, offset, length)`` of a chunk's or value's storage."""
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def size_or_none(transport: Any, path: str) -> int | None:
+    """A listed file's size, or ``None`` when it is missing (``inspect`` shows it as such)."""
+    return transport.size(path) if transport.exists(path) else None
+
+
+def error_text(exc: BaseException) -> str:
+    """A problem line for ``exc``: our errors' own messages, anything else with its class name."""
+    return str(exc) if isinstance(exc, DcpStorageError) else f"{type(exc).__name__}: {exc}"
+
+
+def named_keys(keys: list[str]) -> str:
+    """The first few keys, quoted, and how many more: a problem about a million keys stays one line."""
+    shown = ", ".join(repr(k) for k in keys[:_MAX_KEYS_NAMED])
+    return shown + (f" and {len(keys) - _MAX_KEYS_NAMED} more" if len(keys) > _MAX_KEYS_NAMED else "")
+
+
+def _ints(value: Any) -> list[int]:
+    return list(value) if type(value) is torch.Size else [int(v) for v in value]  # a Size holds ints only
+
+
+def tensor_table(md: Metadata, locate: Locate) -> tuple[list[TensorInfo], list[ValueInfo]]:
+    """The tensor and value rows of ``md``, each chunk placed by ``locate``."""
+    tensors, values = [], []
+    names: dict[Any, str] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            shape = _ints(item.size)
+            dtype = item.properties.dtype
+            name = names.get(dtype)
+            if name is None:
+                name = names[dtype] = dtype_name(dtype)
+            info = TensorInfo(fqn, name, shape, math.prod(shape) * dtype.itemsize)
+            for chunk in item.chunks:
+                offsets = _ints(chunk.offsets)
+                info.chunks.append(ChunkInfo(offsets, _ints(chunk.sizes), *locate(fqn, offsets)))
+            tensors.append(info)
+        elif isinstance(item, BytesStorageMetadata):
+            values.append(ValueInfo(fqn, *locate(fqn, None)))
+    return tensors, values

@@ -1,0 +1,126 @@
+"""``verify`` for safetensors checkpoints (a file, a directory, an HF index, torch's DCP layouts).
+
+Shallow: every header valid (JSON, dtypes, offsets inside the file, no overlaps), no trailing bytes after
+the data section (the reference implementation refuses those), the index's ``weight_map`` consistent with
+the headers, pieces tiling their tensors, a lone shard's set named; header digests and checksum coverage
+where the writer recorded them. Deep: every digest the headers record
+(:mod:`dcp_storage.integrity.safetensors_check`).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ...errors import DcpStorageError
+from ...integrity.safetensors_check import report_safetensors_checksums
+from ...transports.factory import open_transport
+from ..completeness import HF_SHARD_RE, INDEX_SUFFIX
+from ..reports import VerifyReport, error_text
+from .layout import discover, resolve
+from .metadata import build_metadata
+from .scan import blobs_of, read_headers
+
+__all__ = ["check_safetensors", "check_shard_set", "deep_check_safetensors"]
+
+_SIBLINGS_NAMED = 8
+
+
+def check_safetensors(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
+    """The shallow checks (see the module docstring)."""
+    transport, target = open_transport(url, storage_options)
+    with transport:
+        try:
+            layout = discover(transport, target)
+            blobs = blobs_of(layout)
+        except Exception as exc:  # noqa: BLE001 - reported
+            report.problems.append(error_text(exc))
+            return
+        headers, urls, broken = {}, {}, 0
+        for blob in blobs:
+            try:
+                got, where = read_headers(transport, layout, [blob])
+            except Exception as exc:  # noqa: BLE001 - one problem per file
+                report.problems.append(error_text(exc))
+                broken += 1
+                continue
+            headers.update(got)
+            urls.update(where)
+            header = got[blob]
+            if blob.base == 0 and layout.kind != "dcp":
+                size = transport.size(resolve(transport, layout.root, blob.file))
+                end = header.data_start + max((t.end for t in header.tensors.values()), default=0)
+                if end != size:
+                    report.problems.append(
+                        f"{where[blob.file]}: {size - end} bytes after the last tensor's data (the data section must "
+                        "end the file; safetensors refuses it)"
+                    )
+        report.checked["files"] = len({b.file for b in blobs})
+        if layout.kind == "file":
+            check_shard_set(report, transport, layout.root, layout.files[0])  # one shard of a set: name the rest
+        if broken:
+            return
+        try:
+            md = build_metadata(layout, headers, urls)
+        except Exception as exc:  # noqa: BLE001 - reported
+            report.problems.append(error_text(exc))
+            return
+        report.checked["tensors"] = sum(isinstance(i, TensorStorageMetadata) for i in md.state_dict_metadata.values())
+        report.checked["chunks"] = sum(
+            len(i.chunks) for i in md.state_dict_metadata.values() if isinstance(i, TensorStorageMetadata)
+        )
+        if layout.kind != "dcp":  # header digests and coverage; torch's DCP layouts record none
+            paths = [resolve(transport, layout.root, f) for f in sorted({b.file for b in blobs})]
+            report_safetensors_checksums(report, transport, paths, deep=False)
+
+
+def deep_check_safetensors(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
+    """Every digest the headers record, each file read in bounded memory."""
+    transport, target = open_transport(url, storage_options)
+    with transport:
+        layout = discover(transport, target)
+        files = sorted({b.file for b in blobs_of(layout) if b.base == 0})
+        report_safetensors_checksums(report, transport, [resolve(transport, layout.root, f) for f in files], deep=True)
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SIBLINGS_NAMED])
+    return shown + (f" and {len(names) - _SIBLINGS_NAMED} more" if len(names) > _SIBLINGS_NAMED else "")
+
+
+def check_shard_set(report: VerifyReport, transport: Any, root: str, name: str) -> None:
+    """Name the index and siblings of ``name`` (a file under ``root``) if it is one shard of an HF set.
+
+    ``model-00001-of-00003.safetensors`` verified alone is a valid file, but only one part of a checkpoint:
+    the report names the set's index and siblings and asks for the index to be verified. A set whose
+    siblings or index are missing cannot be loaded as a whole (readers refuse shards without their index
+    as an interrupted save), so that is a problem, not a note.
+    """
+    shard = HF_SHARD_RE.match(name)
+    if shard is None:
+        return
+    number, _, total = name[len(shard.group("prefix")) + 1 : -len(".safetensors")].partition("-of-")
+    count = int(total)
+    siblings = [f"{shard.group('prefix')}-{i:0{len(number)}d}-of-{total}.safetensors" for i in range(1, count + 1)]
+    siblings = [s for s in siblings if s != name]
+    index = shard.group("prefix") + INDEX_SUFFIX
+    try:
+        present = set(transport.listdir(root))
+    except DcpStorageError as exc:  # an unlistable parent: say what to look for
+        report.notes.append(f"{name} is one shard of a sharded set of {count}; its directory cannot be listed ({exc})")
+        return
+    missing = [s for s in [index, *siblings] if s not in present]
+    where = transport.url(root)
+    if missing:
+        report.problems.append(
+            f"{name} is shard {int(number)} of a sharded set of {count}, but {_listed(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing from {where}: the set cannot be loaded "
+            f"(an interrupted save or download?)"
+        )
+        return
+    report.notes.append(
+        f"{name} is one shard of a sharded set: verify {posixpath.join(where, index)} to check the whole set "
+        f"(siblings: {_listed(siblings)})"
+    )
