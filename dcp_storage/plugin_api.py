@@ -9,6 +9,9 @@ checks the in-tree ones. Everything here is kept stable:
   another transport;
 * formats and extensions: :class:`FormatSpec`, :class:`Probe`, and the seekable-transform pieces a
   compressing extension needs, and :class:`ItemLoaderConfig` (the reader's ranged-read threshold its tests tune);
+* a format's tool hooks: the reports ``describe``/``check`` fill in (:class:`CheckpointInfo` and its rows,
+  :class:`VerifyReport`, :func:`tensor_table`) and what a ``convert`` target writes (:class:`ConvertTarget`,
+  :class:`WriteOptions`, :class:`WriteDestination`, :class:`OutTensor`, :class:`OutValue`, :class:`Fetch`);
 * errors: the whole hierarchy (:class:`DcpStorageError` and its subclasses);
 * the registry: :mod:`registry` and its ``register``/``registered``/``get`` helpers.
 
@@ -71,6 +74,14 @@ _LAZY = {
     "NeedMoreTail": ".formats.dcp_native.seekable",
     "SeekableTransform": ".formats.dcp_native.seekable",
     "ItemLoaderConfig": ".formats.dcp_native.item_loader",
+    **dict.fromkeys(
+        ("CheckpointInfo", "ChunkInfo", "FileInfo", "TensorInfo", "ValueInfo", "VerifyReport", "tensor_table"),
+        ".formats.reports",
+    ),
+    **dict.fromkeys(
+        ("ConvertTarget", "Fetch", "OutTensor", "OutValue", "WriteDestination", "WriteOptions"),
+        ".formats.convert_target",
+    ),
 }
 
 
@@ -84,18 +95,33 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from .formats.convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
     from .formats.dcp_native.item_loader import ItemLoaderConfig
     from .formats.dcp_native.seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
+    from .formats.reports import (
+        CheckpointInfo,
+        ChunkInfo,
+        FileInfo,
+        TensorInfo,
+        ValueInfo,
+        VerifyReport,
+        tensor_table,
+    )
     from .formats.spec import FormatSpec, Probe
 
 __all__ = [
     "AtomicWriter",
     "BucketNotFoundError",
     "CheckpointExistsError",
+    "CheckpointInfo",
     "CheckpointNotFoundError",
+    "ChunkInfo",
+    "ConvertTarget",
     "CorruptCheckpointError",
     "DcpStorageError",
+    "Fetch",
     "FetchGroup",
+    "FileInfo",
     "FileTooLargeError",
     "FormatSpec",
     "Frame",
@@ -105,6 +131,8 @@ __all__ = [
     "LocalFileAccess",
     "NeedMoreTail",
     "NonTensorStateError",
+    "OutTensor",
+    "OutValue",
     "PluginError",
     "PluginImportError",
     "PluginNotFoundError",
@@ -118,6 +146,7 @@ __all__ = [
     "ShapeMismatchError",
     "StorageAccessError",
     "TargetError",
+    "TensorInfo",
     "Transport",
     "TransportConfig",
     "TransportCounters",
@@ -128,7 +157,11 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedDtypeError",
     "UnsupportedKeyError",
+    "ValueInfo",
+    "VerifyReport",
     "WorkerPool",
+    "WriteDestination",
+    "WriteOptions",
     "WrongFormatError",
     "call_with_retry",
     "get",
@@ -141,4 +174,5 @@ __all__ = [
     "registered",
     "registry",
     "resolve_config",
+    "tensor_table",
 ]

@@ -49,7 +49,7 @@ def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
-def run_batch(commands: list[list[str]], timeout: float = 300) -> list[Result]:
+def run_batch(commands: list[list[str]], timeout: float = 300, env: dict[str, str] | None = None) -> list[Result]:
     """Several command lines through ``dcp_storage.cli.main`` in one fresh process (see ``_batch.py``)."""
     proc = subprocess.run(
         [sys.executable, str(BATCH)],
@@ -58,7 +58,7 @@ def run_batch(commands: list[list[str]], timeout: float = 300) -> list[Result]:
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=cli_env(),
+        env=env or cli_env(),
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
