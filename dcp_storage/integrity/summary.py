@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import DcpStorageError
 from .manifest import Manifest
 
-__all__ = ["dcp_provenance", "manifest_provenance"]
+__all__ = ["manifest_provenance"]
 
 
 def manifest_provenance(manifest: Manifest | None) -> dict[str, Any]:
@@ -24,13 +23,3 @@ def manifest_provenance(manifest: Manifest | None) -> dict[str, Any]:
         "checksums": manifest.algorithm,
         "checksummed_records": sum(len(f.items) for f in manifest.files.values()),
     }
-
-
-def dcp_provenance(transport: Any, root: str) -> dict[str, Any]:
-    """Provenance of the DCP checkpoint at ``root``; a damaged manifest is shown as such, not raised."""
-    from .dcp_manifest import read_manifest
-
-    try:
-        return manifest_provenance(read_manifest(transport, root))
-    except DcpStorageError as exc:
-        return {"error": str(exc)}

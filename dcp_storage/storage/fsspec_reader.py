@@ -37,9 +37,9 @@ from torch.futures import Future
 from ..errors import CheckpointNotFoundError
 from ..formats.completeness import find_leftovers
 from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
+from ..formats.dcp_native.manifest_io import read_manifest, record_verifier
 from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 from ..formats.misdirected import raise_explained
-from ..integrity.dcp_manifest import read_manifest, record_verifier
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
 from ..strategies.metadata_sharing import share_within_load

@@ -44,12 +44,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..formats.dcp_native.manifest_io import build_manifest
 from ..formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.dcp_native.transform_write import ItemEncoder
 from ..formats.paths import DATA_SUFFIX
 from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter, check_algorithm
-from ..integrity.dcp_manifest import build_manifest
 from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import Transport, TransportConfig

@@ -38,10 +38,10 @@ from torch.futures import Future
 from .. import errors
 from ..errors import CheckpointNotFoundError
 from ..formats.misdirected import raise_explained
+from ..formats.safetensors.checksums import FileSums
 from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
 from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
 from ..formats.safetensors.scan import ScanConfig, scan_metadata
-from ..integrity.safetensors_sums import FileSums
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
 from ..strategies.metadata_sharing import share_object

@@ -12,7 +12,7 @@ on local disks (:mod:`.safetensors_local`), or one atomic upload per file stream
 (:mod:`.safetensors_stream`), fed over the process group by :mod:`dcp_storage.strategies.chunk_exchange`.
 
 Checksums (on by default): every file's header ``__metadata__`` records the writer, the algorithm, a digest
-of every chunk's bytes and one of the header itself (:mod:`dcp_storage.integrity.safetensors_sums` says why
+of every chunk's bytes and one of the header itself (:mod:`dcp_storage.formats.safetensors.checksums` says why
 per chunk). Headers are planned with zero-filled digests of fixed width and filled in without moving a
 byte: in ``finish`` on local disks, before any upload on object stores (each mode's module says how).
 A sidecar file was the alternative, but it would split one file's integrity over two objects that can drift

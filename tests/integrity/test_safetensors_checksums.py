@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from dcp_storage import SafetensorsReader, SafetensorsWriter, describe, verify
 from dcp_storage.cli import main as cli_main
 from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.safetensors.checksums import ALGORITHM_KEY, CHECKSUM_PREFIX, HEADER_KEY, WRITER_KEY
 from dcp_storage.integrity.manifest import MANIFEST_FILE, Manifest
-from dcp_storage.integrity.safetensors_sums import ALGORITHM_KEY, CHECKSUM_PREFIX, HEADER_KEY, WRITER_KEY
 from dcp_storage.testing.distributed import run_ranks
 
 from . import _st_rank_fns as R

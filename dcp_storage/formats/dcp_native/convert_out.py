@@ -30,12 +30,12 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import CheckpointExistsError
 from ...integrity.checksums import DEFAULT_ALGORITHM, HashingWriter
-from ...integrity.dcp_manifest import build_manifest
 from ...integrity.manifest import MANIFEST_FILE
 from ...transports.buckets import make_output_root
 from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
 from ..paths import DATA_SUFFIX
 from ..safetensors.write_plan import TensorSpec, pack_files
+from .manifest_io import build_manifest
 from .metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
 
 __all__ = ["TARGET", "write_dcp"]

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...integrity.summary import dcp_provenance
+from ...errors import DcpStorageError
+from ...integrity.summary import manifest_provenance
 from ...transports.factory import open_transport
 from ..reports import CheckpointInfo, FileInfo, size_or_none, tensor_table
 from ..spec import FormatSpec
+from .manifest_io import read_manifest
 from .metadata_io import METADATA_FILE, read_metadata_file
 
-__all__ = ["describe_dcp"]
+__all__ = ["dcp_provenance", "describe_dcp"]
+
+
+def dcp_provenance(transport: Any, root: str) -> dict[str, Any]:
+    """Provenance of the DCP checkpoint at ``root``; a damaged manifest is shown as such, not raised."""
+    try:
+        return manifest_provenance(read_manifest(transport, root))
+    except DcpStorageError as exc:
+        return {"error": str(exc)}
 
 
 def describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:

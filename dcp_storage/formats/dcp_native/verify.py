@@ -4,7 +4,7 @@ Shallow: ``.metadata`` present and decodable; every data file it names present; 
 ``offset + length`` within its file; every tensor's chunks inside the tensor, each with a storage entry,
 together covering every element; every non-tensor value with a storage entry; every stream extension a
 load needs installed; file sizes against the manifest. Deep: every record's checksum in the manifest
-(:mod:`dcp_storage.integrity.deep_check`), each file read sequentially in bounded memory.
+(:mod:`.checksum_check`), each file read sequentially in bounded memory.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from ...errors import DcpStorageError
-from ...integrity.deep_check import report_dcp_checksums
 from ...transports.factory import open_transport
 from ..paths import check_relative
 from ..reports import VerifyReport, error_text, named_keys
 from ..tiling import tiling_problem
+from .checksum_check import report_dcp_checksums
 from .extensions import ExtensionResolver
 from .metadata_io import METADATA_FILE, read_metadata_file
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ...integrity.safetensors_check import safetensors_provenance
 from ...transports.factory import open_transport
 from ..reports import CheckpointInfo, FileInfo, size_or_none, tensor_table
 from ..spec import FormatSpec
+from .checksum_check import safetensors_provenance
 from .layout import discover, resolve
 from .metadata import StoredBytes, StoredChunk
 from .scan import scan_metadata

@@ -7,7 +7,7 @@ the limit starts a new file, a tensor larger than the limit gets a file of its o
 lays one file out: tensors in safetensors' own data order (see :mod:`.encode`), without gaps.
 
 Checksums. With a ``checksum_algorithm`` each header's ``__metadata__`` also carries the provenance and one
-digest per written chunk (see :mod:`dcp_storage.integrity.safetensors_sums`), planned as zero-filled
+digest per written chunk (see :mod:`.checksums`), planned as zero-filled
 placeholders of the digest's fixed width: :func:`fill_header` later puts the real digests in without
 changing the header's length, so every planned offset stays valid.
 """
@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ...errors import DcpStorageError
-from ...integrity import safetensors_sums as sums
 from ...integrity.checksums import checksum
 from ...integrity.provenance import writer_descriptor
+from . import checksums as sums
 from .encode import HeaderEntry, encode_header, safetensors_order_key
 
 __all__ = [

@@ -7,7 +7,7 @@ tensor when it is a contiguous CPU tensor of the stored dtype (see :mod:`..tenso
 items (DCP ``.metadata`` layouts only) are fetched whole and handed to ``planner.load_bytes``.
 
 With ``verify`` every tensor an item touches is fetched whole instead (a slice cannot be checked), its
-digests from the file's header (:mod:`dcp_storage.integrity.safetensors_sums`) are compared, and the
+digests from the file's header (:mod:`.checksums`) are compared, and the
 items are copied out of those same bytes, so what lands in the destination is what was checked. Tensors
 are fetched in batches of at most ``staging_bytes`` (or one tensor, if larger). A tensor one item loads
 whole into a contiguous CPU destination of its dtype is read straight into it and hashed there.
@@ -26,12 +26,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import batches_by_bytes
-from ...integrity.safetensors_sums import FileSums, require_checksummed
 from ...tensor_buffers import writable_bytes
 from ...transports import RangeRequest, Transport
 from ..byte_items import deliver_byte_item
 from ..paths import check_relative
 from ..tensor_reads import SliceRead, dense_gap_of, plan_slice_read, read_slices
+from .checksums import FileSums, require_checksummed
 from .layout import resolve
 from .metadata import StoredBytes, StoredChunk
 

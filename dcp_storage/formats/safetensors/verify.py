@@ -4,7 +4,7 @@ Shallow: every header valid (JSON, dtypes, offsets inside the file, no overlaps)
 the data section (the reference implementation refuses those), the index's ``weight_map`` consistent with
 the headers, pieces tiling their tensors, a lone shard's set named; header digests and checksum coverage
 where the writer recorded them. Deep: every digest the headers record
-(:mod:`dcp_storage.integrity.safetensors_check`).
+(:mod:`.checksum_check`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...errors import DcpStorageError
-from ...integrity.safetensors_check import report_safetensors_checksums
 from ...transports.factory import open_transport
 from ..completeness import HF_SHARD_RE, INDEX_SUFFIX
 from ..reports import VerifyReport, error_text
+from .checksum_check import report_safetensors_checksums
 from .layout import discover, resolve
 from .metadata import build_metadata
 from .scan import blobs_of, read_headers

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import DcpStorageError
-from .checksums import mismatch, new_hasher
-from .deep_check import PIECE_BYTES, no_checksums_note
-from .safetensors_sums import FileSums, Piece
+import torch
+
+from ...errors import DcpStorageError
+from ...integrity.checksums import mismatch, new_hasher
+from ...integrity.verify_notes import PIECE_BYTES, no_checksums_note
+from .checksums import FileSums, Piece
+from .write_plan import chunk_runs
 
 __all__ = ["check_file", "report_safetensors_checksums", "safetensors_provenance"]
 
 
 def _contiguous_range(piece: Piece, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
     """``[begin, end)`` of the piece inside its tensor's bytes, when it is one run; else ``None``."""
-    from ..formats.safetensors.write_plan import chunk_runs
-
     runs = chunk_runs(shape, piece.offsets, piece.sizes, itemsize)
     if runs.count > 1:
         return None
@@ -33,8 +34,6 @@ def check_file(
     transport: Any, path: str, *, deep: bool, piece_bytes: int = PIECE_BYTES
 ) -> tuple[FileSums | None, list[str], int]:
     """The file's checksums, the problems found and how many digests were compared."""
-    import torch
-
     try:
         sums, header = FileSums.read(transport, path)
     except DcpStorageError as exc:

@@ -1,4 +1,4 @@
-"""Checking a whole checkpoint against its recorded checksums, for ``verify`` (``dcp-storage verify``).
+"""Checking a DCP checkpoint against its manifest's checksums, for ``verify`` (``dcp-storage verify``).
 
 Shallow: every file the manifest lists is present with exactly the size recorded, and every record of the
 metadata has a checksum. Deep: every file is read sequentially in pieces of at most ``piece_bytes`` (so
@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DcpStorageError
-from .checksums import mismatch, new_hasher
-from .manifest import Manifest
-from .read_verify import key_name
+from ...errors import DcpStorageError
+from ...integrity.checksums import mismatch, new_hasher
+from ...integrity.manifest import Manifest
+from ...integrity.read_verify import key_name
+from ...integrity.verify_notes import PIECE_BYTES, no_checksums_note
+from .manifest_io import read_manifest
 
-__all__ = ["ChecksumCheck", "check_dcp_checksums", "no_checksums_note", "report_dcp_checksums"]
-
-PIECE_BYTES = 16 * 1024 * 1024
+__all__ = ["ChecksumCheck", "check_dcp_checksums", "report_dcp_checksums"]
 _MAX_KEYS_NAMED = 5
 
 
@@ -120,8 +120,6 @@ def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[A
 
     Shallow (``deep=False``): file sizes and checksum coverage. Deep: every record's checksum as well.
     """
-    from .dcp_manifest import read_manifest
-
     try:
         manifest = read_manifest(transport, root)
     except DcpStorageError as exc:
@@ -141,8 +139,3 @@ def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[A
         )
     elif not report.deep:
         report.notes.append(f"file sizes checked against the manifest ({manifest.algorithm} checksums: pass --deep)")
-
-
-def no_checksums_note(writer: str | None) -> str:
-    who = f"its writer ({writer})" if writer else "its writer (not dcp-storage, e.g. torch's)"
-    return f"no checksums recorded: {who} recorded none, so bit flips inside tensor data cannot be detected"

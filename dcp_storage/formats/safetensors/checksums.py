@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError
-from .checksums import checksum, digest_width, mismatch
+from ...errors import CorruptCheckpointError
+from ...integrity.checksums import checksum, digest_width, mismatch
+from .header import LENGTH_BYTES, header_length, parse_header
 
 __all__ = [
     "ALGORITHM_KEY",
@@ -238,8 +239,6 @@ class FileSums:
 
         Raises :class:`CorruptCheckpointError` if the header does not parse.
         """
-        from ..formats.safetensors.header import LENGTH_BYTES, header_length, parse_header
-
         url = transport.url(path)
         size = transport.size(path)
         prefix = bytes(transport.read_range(path, 0, min(LENGTH_BYTES, size)))

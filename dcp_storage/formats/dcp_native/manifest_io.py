@@ -1,4 +1,4 @@
-"""Building and reading the manifest of a DCP native checkpoint (see :mod:`.manifest`)."""
+"""Building and reading the manifest of a DCP native checkpoint (see :mod:`dcp_storage.integrity.manifest`)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-from ..errors import CheckpointNotFoundError, DcpStorageError
-from ..formats.limits import MANIFEST, read_limited
-from ..text import printable
-from .manifest import MANIFEST_FILE, ExtensionInfo, Manifest, file_checksums
-from .provenance import describe_extension, format_distribution, writer_descriptor
-from .read_verify import RecordVerifier
+from ...errors import CheckpointNotFoundError, DcpStorageError
+from ...integrity.manifest import MANIFEST_FILE, ExtensionInfo, Manifest, file_checksums
+from ...integrity.provenance import describe_extension, format_distribution, writer_descriptor
+from ...integrity.read_verify import RecordVerifier
+from ...text import printable
+from ..limits import MANIFEST, read_limited
 
 __all__ = ["build_manifest", "read_manifest", "record_verifier"]
 
