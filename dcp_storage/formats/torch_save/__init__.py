@@ -2,7 +2,9 @@
 
 * :mod:`.zip_index` - the archive's records from its central directory (no record is read);
 * :mod:`.pickle_tree` - ``data.pkl`` through an allow-list, tensors as descriptors (no storage is read);
-* :mod:`.archive` - both together: DCP ``Metadata`` and where each tensor's elements lie.
+* :mod:`.archive` - both together: DCP ``Metadata`` and where each tensor's elements lie;
+* :mod:`.describe`, :mod:`.verify`, :mod:`.convert_out` - what ``inspect``, ``verify`` and ``convert`` do
+  with such a file (the hooks of :data:`.spec.FORMAT`).
 """
 
 from .archive import ArchiveConfig, TorchSaveArchive, UnsupportedFormatError, flatten_tree

@@ -11,7 +11,8 @@ from typing import Any
 
 from ..spec import FormatSpec, Probe
 from .convert_out import TARGET
-from .tool_hooks import check_torch_save, deep_check_torch_save, describe_torch_save
+from .describe import describe_torch_save
+from .verify import check_torch_save, deep_check_torch_save
 
 __all__ = ["FORMAT", "looks_like_legacy_torch_pickle", "looks_like_torch_zip"]
 

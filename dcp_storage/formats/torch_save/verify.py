@@ -1,48 +1,24 @@
-"""``inspect`` and ``verify`` for ``torch.save`` files.
+"""``verify`` for ``torch.save`` files.
 
-Describe: every tensor with the byte range of its elements in its zip record (from the central directory
-and ``data.pkl``, no storage read). Check: zip end records and central directory, ``data.pkl`` decodable
-by the allow-list, every storage record present, uncompressed, large enough and inside the file. Deep: the
-zip CRC32 of every stored record (written by torch's zip writer), each read in pieces of bounded size.
+Shallow: zip end records and central directory, ``data.pkl`` decodable by the allow-list, every storage
+record present, uncompressed, large enough and inside the file. Deep: the zip CRC32 of every stored record
+(written by torch's zip writer), each read in pieces of bounded size.
 """
 
 from __future__ import annotations
 
-import os
-import posixpath
 import zlib
 from typing import Any
 
 from ...integrity.checksums import mismatch
 from ...transports.factory import open_transport
-from ..reports import CheckpointInfo, ChunkInfo, FileInfo, TensorInfo, ValueInfo, VerifyReport, dtype_name, error_text
-from ..spec import FormatSpec
+from ..reports import VerifyReport, error_text
 from .archive import TorchSaveArchive
-from .pickle_tree import TensorDescriptor
 from .zip_index import STORED, data_starts, read_zip_index
 
-__all__ = ["check_torch_save", "deep_check_torch_save", "describe_torch_save"]
+__all__ = ["check_torch_save", "deep_check_torch_save"]
 
 _CRC_CHUNK = 8 * 1024 * 1024
-
-
-def describe_torch_save(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:
-    transport, path = open_transport(url, storage_options)
-    with transport:
-        archive = TorchSaveArchive.open(transport, path)
-        name = posixpath.basename(path.replace(os.sep, "/"))
-        starts = archive._data_starts()
-        tensors, values = [], []
-        for fqn, value in archive.flat.items():
-            if isinstance(value, TensorDescriptor):
-                shape = list(value.shape)
-                start = starts[value.storage_key] + value.storage_offset * value.itemsize
-                chunk = ChunkInfo([0] * len(shape), shape, name, start, value.nbytes)
-                tensors.append(TensorInfo(fqn, dtype_name(value.dtype), shape, value.nbytes, [chunk]))
-            else:
-                values.append(ValueInfo(fqn, name, None, None))
-        files = [FileInfo(name, archive.index.file_size)]
-    return CheckpointInfo(url, spec.descriptor, spec.description, "torch.save zip", files, tensors, values)
 
 
 def check_torch_save(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
