@@ -5,6 +5,7 @@ files or byte ranges, verified by loading its metadata only, and could not be a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -30,6 +31,7 @@ from dcp_storage import (
     verify,
 )
 from dcp_storage.inspection import FileInfo
+from dcp_storage.plugin_api import FormatSpec, TargetError
 from tests.cli._helpers import cli_env, run_batch
 
 SITE = Path(__file__).with_name("site")
@@ -258,3 +260,33 @@ def test_cli_inspects_verifies_and_converts_a_plugin_format(npz_file: Path, tmp_
     with np.load(tmp_path / "back" / "arrays.npz", allow_pickle=False) as npz:
         _same({k: torch.from_numpy(npz[k]) for k in npz.files}, _arrays())
     assert nope.rc == 2 and "invalid choice" in nope.stderr and "'npz'" in nope.stderr, nope
+
+
+# ---------------------------------------------------------------------------------- hooks left out, or broken
+def test_a_format_without_hooks_gets_the_readers_view(npz_plugin: None, npz_file: Path) -> None:
+    """The fallbacks: ``describe`` from the reader's metadata, ``verify`` by loading it and reading back."""
+    full = registry.get("formats", "npz")
+    bare = FormatSpec("bare", "1", lambda _probe: None, full.open_reader)
+    with registry.registered("formats", "bare", bare):
+        info = describe(npz_file, format="bare")
+        assert (info.format, info.layout, info.files) == ("bare/1", "bare", [])
+        assert [(t.key, t.shape, t.files) for t in info.tensors] == [
+            (k, list(a.shape), []) for k, a in _arrays().items()
+        ]
+        report = verify(npz_file, deep=True, format="bare")
+        assert report.ok and report.checked == {"tensors_read": 5}, report
+        assert "format bare/1 has no checks of its own: only its reader's metadata is checked" in report.notes
+        with pytest.raises(TargetError, match="unknown output format 'bare'"):
+            convert(npz_file, npz_file.with_name("x"), to="bare", src_format="bare")
+
+
+def test_a_hook_that_raises_is_a_problem_not_a_crash(npz_plugin: None, npz_file: Path) -> None:
+    def broken(_report: object, _url: str, _options: object) -> None:
+        raise RuntimeError("the plugin did not expect this")
+
+    full = registry.get("formats", "npz")
+    spec = dataclasses.replace(full, name="broken", check=None, deep_check=broken)
+    with registry.registered("formats", "broken", spec):
+        report = verify(npz_file, deep=True, format="broken")
+    assert report.problems == ["RuntimeError: the plugin did not expect this"]
+    assert report.checked["tensors_read"] == 5  # everything before the broken hook still ran
