@@ -55,11 +55,12 @@ def write_dcp(
     values: Sequence[OutValue],
     fetch: Fetch,
     *,
+    descriptor: str,
     max_shard_size: int | None = None,
     checksum_algorithm: str = DEFAULT_ALGORITHM,
-    descriptor: str = "dcp/1",
 ) -> None:
-    """Write ``tensors`` and ``values`` as a DCP checkpoint in the directory ``dest``, with its manifest."""
+    """Write ``tensors`` and ``values`` as a DCP checkpoint in the directory ``dest``, with its manifest
+    (which records ``descriptor``, the format's ``name/version``, as what the checkpoint is)."""
     transport = dest.transport
     metadata_path = dest.join(METADATA_FILE)
     if transport.exists(metadata_path):
