@@ -7,6 +7,7 @@ from typing import Any
 from ...errors import DcpStorageError
 from ...integrity.summary import manifest_provenance
 from ...transports.factory import open_transport
+from ..paths import DATA_SUFFIX
 from ..reports import CheckpointInfo, FileInfo, size_or_none, tensor_table
 from ..spec import FormatSpec
 from .manifest_io import read_manifest
@@ -45,7 +46,7 @@ def describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | N
             return places.get((fqn, None if offsets is None else tuple(offsets)), (None, None, None))
 
         tensors, values = tensor_table(md, locate)
-        listed = [n for n in transport.listdir(root) if n.endswith(".distcp")]  # unreferenced data files too
+        listed = [n for n in transport.listdir(root) if n.endswith(DATA_SUFFIX)]  # unreferenced data files too
         names = sorted({METADATA_FILE, *listed, *(i.relative_path for i in storage.values())})
         files = [FileInfo(n, size_or_none(transport, transport.join(root, n))) for n in names]
         provenance = dcp_provenance(transport, root)

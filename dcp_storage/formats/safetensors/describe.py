@@ -11,6 +11,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ...transports.factory import open_transport
+from ..paths import METADATA_FILE
 from ..reports import CheckpointInfo, FileInfo, size_or_none, tensor_table
 from ..spec import FormatSpec
 from .checksum_check import safetensors_provenance
@@ -49,7 +50,7 @@ def describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str, 
         if layout.kind == "index" and layout.index_path is not None:
             names.append(posixpath.basename(layout.index_path.replace(os.sep, "/")))
         if layout.kind == "dcp":
-            names.append(".metadata")
+            names.append(METADATA_FILE)
         files = [FileInfo(n, size_or_none(transport, resolve(transport, layout.root, n))) for n in sorted(set(names))]
         provenance = (
             {}

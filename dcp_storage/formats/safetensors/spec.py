@@ -60,5 +60,5 @@ FORMAT = FormatSpec(
     check=check_safetensors,
     deep_check=deep_check_safetensors,
     convert_target=TARGET,
-    suffixes=(".safetensors", INDEX_SUFFIX),
+    suffixes=(SAFETENSORS_SUFFIX, INDEX_SUFFIX),
 )

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...errors import DcpStorageError
 from ...transports.factory import open_transport
-from ..completeness import HF_SHARD_RE, INDEX_SUFFIX
+from ..paths import HF_SHARD_RE, INDEX_SUFFIX
 from ..reports import VerifyReport, error_text
 from .checksum_check import report_safetensors_checksums
 from .layout import discover, resolve
