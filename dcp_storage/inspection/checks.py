@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
@@ -37,6 +36,7 @@ from ..text import printable
 from ..transports.factory import open_transport
 from .leftovers import check_leftovers
 from .load_needs import check_extensions, check_shard_set
+from .report import VerifyReport
 from .summary import resolve_spec
 
 __all__ = ["VerifyReport", "verify"]
@@ -46,23 +46,6 @@ NO_CHECKSUMS = (
 )
 _CRC_CHUNK = 8 * 1024 * 1024
 _MAX_KEYS_NAMED = 5
-
-
-@dataclass
-class VerifyReport:
-    url: str
-    format: str | None
-    deep: bool
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    checked: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
 
 
 def _err(exc: BaseException) -> str:

@@ -13,14 +13,12 @@
 from __future__ import annotations
 
 import posixpath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import DcpStorageError
 from ..formats.completeness import HF_SHARD_RE, INDEX_SUFFIX
 from ..planners.errors import format_keys
-
-if TYPE_CHECKING:
-    from .checks import VerifyReport
+from .report import VerifyReport
 
 __all__ = ["check_extensions", "check_shard_set"]
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..paths import INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
-from ..spec import HEAD_BYTES, FormatSpec, Probe, trust_byte_items
+from ..spec import HEAD_BYTES, FormatSpec, Probe
 from .layout import looks_like_safetensors
 
 __all__ = ["FORMAT"]
@@ -31,26 +29,10 @@ def _sniff(probe: Probe) -> int | None:
     return None
 
 
-def _reader(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
-    from ...storage import SafetensorsReader
-    from .loader import LoaderConfig
-
-    trust_byte_items(options, LoaderConfig)
-    return SafetensorsReader(url, storage_options, **options)
-
-
-def _writer(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
-    from ...storage import SafetensorsWriter
-
-    return SafetensorsWriter(url, storage_options, **options)
-
-
 FORMAT = FormatSpec(
     name="safetensors",
     version="1",
     sniff=_sniff,
-    open_reader=_reader,
-    open_writer=_writer,
     description="safetensors: a file, a directory, an HF model.safetensors.index.json, torch's DCP layouts",
     reader="dcp_storage.SafetensorsReader(url)",
 )
