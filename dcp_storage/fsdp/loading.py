@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ..errors import DcpStorageError
+from ..opening import detect_format, open_reader
 from ..planners import DtypePolicy, IncompatibleKeysError, RemappingLoadPlanner
 from ..strategies.group import GroupView, group_view
 from ..strategies.metadata_sharing import share_object
@@ -143,8 +144,6 @@ def _describe_source(
 ) -> tuple[str, str | None, str | None]:
     """Rank 0: ``("url", url, format name)`` or ``("memory", None, None)``."""
     if isinstance(full_sd, (str, os.PathLike)):
-        from ..opening import detect_format
-
         url = os.fspath(full_sd)
         return ("url", url, detect_format(url, storage_options).name)
     return ("memory", None, None)
@@ -171,8 +170,6 @@ def _load_url(
 ) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from ..opening import open_reader
 
     reader = open_reader(url, format=fmt, storage_options=storage_options)
     try:

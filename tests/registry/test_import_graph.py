@@ -96,7 +96,7 @@ class Import:
     where: str  # file:line, relative to the package's parent directory
     line: int
     in_function: bool
-    says_why: bool  # a ``#`` comment on the statement's lines or the line above
+    says_why: bool  # a ``#`` comment on its run of import statements or the line above (:func:`_commented`)
 
 
 def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
@@ -125,6 +125,28 @@ def _in_functions(tree: ast.Module) -> set[int]:
     return inside
 
 
+def _commented(tree: ast.Module, lines: list[str]) -> set[int]:
+    """``id`` of every import node that says why: a ``#`` comment on the line above a run of consecutive
+    import statements, or on one of the run's lines, covers the whole run."""
+    covered = set()
+    for node in ast.walk(tree):
+        for body in (getattr(node, name, None) for name in ("body", "orelse", "finalbody")):
+            if not isinstance(body, list):
+                continue
+            run: list[ast.stmt] = []
+            for stmt in [*body, None]:
+                if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                    run.append(stmt)
+                    continue
+                if run:
+                    first, last = run[0].lineno, run[-1].end_lineno or run[-1].lineno
+                    above = lines[first - 2].strip() if first > 1 else ""
+                    if above.startswith("#") or any("#" in line for line in lines[first - 1 : last]):
+                        covered.update(id(s) for s in run)
+                run = []
+    return covered
+
+
 def imports(root: Path, package: str = PACKAGE) -> list[Import]:
     """Every import of a module of ``package`` made by a module under ``root``, as edges between modules."""
     known = modules(root, package)
@@ -135,6 +157,7 @@ def imports(root: Path, package: str = PACKAGE) -> list[Import]:
         tree = ast.parse(text, str(path))
         own_package = source if path.name == "__init__.py" else source.rpartition(".")[0]
         in_functions = _in_functions(tree)
+        commented = _commented(tree, lines)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -147,9 +170,7 @@ def imports(root: Path, package: str = PACKAGE) -> list[Import]:
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
             else:
                 continue
-            span = lines[node.lineno - 1 : node.end_lineno]
-            above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
-            says_why = any("#" in line for line in span) or above.startswith("#")
+            says_why = id(node) in commented
             for name in targets:
                 target = _nearest_module(name, known) if name == package or name.startswith(package + ".") else None
                 if target is not None and target != source:
@@ -185,7 +206,8 @@ def cycle(edges: list[Import]) -> list[Import]:
 
 
 def _describe(edges: list[Import]) -> str:
-    return "\n".join(f"  {e.source} -> {e.target}  ({e.where})" for e in edges)
+    shown = dict.fromkeys(f"  {e.source} -> {e.target}  ({e.where})" for e in edges)  # one line per statement
+    return "\n".join(shown)
 
 
 def test_every_module_has_a_layer() -> None:
@@ -259,6 +281,14 @@ def test_the_checker_resolves_names_and_sees_type_only_and_silent_imports(tmp_pa
             "high.py": "import pkg.low\nfrom . import low as L\nimport os\n",
             "sub/__init__.py": "",
             "sub/deep.py": "def g():\n    from ..high import H\n    from .. import low\n",
+            "sub/why.py": """\
+                def h():
+                    # heavy: the comment covers the run of imports below it
+                    from ..high import H
+                    from .. import low
+                    x = 1
+                    from ..sub import deep
+            """,
         },
     )
     edges = {(e.source, e.target, e.in_function, e.says_why) for e in imports(root, "pkg")}
@@ -267,6 +297,9 @@ def test_the_checker_resolves_names_and_sees_type_only_and_silent_imports(tmp_pa
         ("pkg.high", "pkg.low", False, False),
         ("pkg.sub.deep", "pkg.high", True, False),
         ("pkg.sub.deep", "pkg.low", True, False),
+        ("pkg.sub.why", "pkg.high", True, True),
+        ("pkg.sub.why", "pkg.low", True, True),
+        ("pkg.sub.why", "pkg.sub.deep", True, False),
     }
 
 

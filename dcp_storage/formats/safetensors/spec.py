@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..dcp_native.sniff import SAFETENSORS, dcp_data_kind
 from ..paths import INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
 from ..spec import HEAD_BYTES, FormatSpec, Probe
 from .layout import looks_like_safetensors
@@ -23,8 +24,6 @@ def _sniff(probe: Probe) -> int | None:
     if tensors:
         return 80 if looks_like_safetensors(probe.head_of(tensors[0], HEAD_BYTES), _UNKNOWN_SIZE) else None
     if METADATA_FILE in names:  # FileSystemWriter(serialization_format=SAFETENSORS): .distcp files are safetensors
-        from ..dcp_native.sniff import SAFETENSORS, dcp_data_kind
-
         return 100 if dcp_data_kind(probe) == SAFETENSORS else None
     return None
 
