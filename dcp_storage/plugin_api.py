@@ -8,7 +8,9 @@ checks the in-tree ones. Everything here is kept stable:
   retries, the worker pool, the scatter sink, counters, config), and :func:`open_transport` to build on
   another transport;
 * formats and extensions: :class:`FormatSpec`, :class:`Probe`, and the seekable-transform pieces a
-  compressing extension needs, and :class:`ItemLoaderConfig` (the reader's ranged-read threshold its tests tune);
+  compressing extension needs, and :class:`DcpLoaderConfig` (the reader's ranged-read threshold its tests tune);
+* readers: :func:`share_object` (run a function on the coordinator, give its result or its error to every
+  rank: how a reader shares what it read in ``read_metadata``);
 * errors: the whole hierarchy (:class:`DcpStorageError` and its subclasses);
 * the registry: :mod:`registry` and its ``register``/``registered``/``get`` helpers.
 
@@ -19,6 +21,7 @@ plugin importing this module stays cheap to load.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from . import registry
@@ -70,11 +73,16 @@ _LAZY = {
     "FrameIndex": ".formats.dcp_native.seekable",
     "NeedMoreTail": ".formats.dcp_native.seekable",
     "SeekableTransform": ".formats.dcp_native.seekable",
-    "ItemLoaderConfig": ".formats.dcp_native.item_loader",
+    "DcpLoaderConfig": ".formats.dcp_native.item_loader",
+    "share_object": ".strategies.metadata_sharing",
 }
+_RENAMED = {"ItemLoaderConfig": "DcpLoaderConfig"}  # the names before 0.2, with a DeprecationWarning
 
 
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(f"{__name__}.{name} is deprecated; use {_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+        return __getattr__(_RENAMED[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -84,9 +92,10 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from .formats.dcp_native.item_loader import ItemLoaderConfig
+    from .formats.dcp_native.item_loader import DcpLoaderConfig
     from .formats.dcp_native.seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
     from .formats.spec import FormatSpec, Probe
+    from .strategies.metadata_sharing import share_object
 
 __all__ = [
     "AtomicWriter",
@@ -94,6 +103,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "DcpLoaderConfig",
     "DcpStorageError",
     "FetchGroup",
     "FileTooLargeError",
@@ -101,7 +111,6 @@ __all__ = [
     "Frame",
     "FrameIndex",
     "IncompleteCheckpointError",
-    "ItemLoaderConfig",
     "LocalFileAccess",
     "NeedMoreTail",
     "NonTensorStateError",
@@ -141,4 +150,5 @@ __all__ = [
     "registered",
     "registry",
     "resolve_config",
+    "share_object",
 ]

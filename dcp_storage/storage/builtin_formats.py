@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..formats.dcp_native.item_loader import ItemLoaderConfig
+from ..formats.dcp_native.item_loader import DcpLoaderConfig
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
-from ..formats.safetensors.loader import LoaderConfig
+from ..formats.safetensors.loader import SafetensorsLoaderConfig
 from ..formats.safetensors.spec import FORMAT as SAFETENSORS_FORMAT
 from ..formats.spec import trust_byte_items
 from ..formats.torch_save.spec import FORMAT as TORCH_SAVE_FORMAT
@@ -26,7 +26,7 @@ __all__ = ["DCP", "SAFETENSORS", "TORCH_SAVE"]
 
 
 def _dcp_reader(path: str, storage_options: dict[str, Any] | None = None, **options: Any) -> FsspecReader:
-    trust_byte_items(options, ItemLoaderConfig)
+    trust_byte_items(options, DcpLoaderConfig)
     return FsspecReader(path, storage_options, **options)
 
 
@@ -35,7 +35,7 @@ def _dcp_writer(path: str, storage_options: dict[str, Any] | None = None, **opti
 
 
 def _safetensors_reader(path: str, storage_options: dict[str, Any] | None = None, **options: Any) -> SafetensorsReader:
-    trust_byte_items(options, LoaderConfig)
+    trust_byte_items(options, SafetensorsLoaderConfig)
     return SafetensorsReader(path, storage_options, **options)
 
 

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from ...deprecation import renamed_attributes
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import RecordVerifier, batches_by_bytes
 from ...transports import RangeRequest, Transport
@@ -50,14 +51,14 @@ from .torch_record import (
 )
 from .verified_in_place import load_verified_in_place
 
-__all__ = ["DcpItemLoader", "ItemLoaderConfig"]
+__all__ = ["DcpItemLoader", "DcpLoaderConfig"]
 
 KiB = 1024
 MiB = 1024 * KiB
 
 
 @dataclass(frozen=True)
-class ItemLoaderConfig:
+class DcpLoaderConfig:
     """Knobs of :class:`DcpItemLoader` (see the module docstring).
 
     ``trust_byte_items``: non-tensor items (``BYTE_IO``: step counters, extra state, Python objects) are
@@ -80,7 +81,7 @@ class ItemLoaderConfig:
         if self.probe_bytes < 512:
             raise ValueError(f"probe_bytes must be >= 512, got {self.probe_bytes}")
         if self.small_item_bytes < 0 or self.staging_bytes < 1 or self.max_runs_per_item < 1:
-            raise ValueError("ItemLoaderConfig sizes must be positive")
+            raise ValueError("DcpLoaderConfig sizes must be positive")
 
 
 class DcpItemLoader:
@@ -92,7 +93,7 @@ class DcpItemLoader:
         transport: Transport,
         root: str,
         storage_data: dict[Any, Any],
-        config: ItemLoaderConfig | None = None,
+        config: DcpLoaderConfig | None = None,
         extension_registry: ExtensionRegistry | None = None,
         verifier: RecordVerifier | None = None,
         *,
@@ -102,7 +103,7 @@ class DcpItemLoader:
         self.transport = transport
         self.root = root
         self.storage_data = storage_data
-        self.config = config or ItemLoaderConfig()
+        self.config = config or DcpLoaderConfig()
         # torch's default extensions, the caller's, and extension plugins (looked up when a descriptor needs one)
         self.transforms = ExtensionResolver(transport, root, extension_registry)
         self.metadata = metadata  # chunk sizes: tells a partial read of a framed item from a whole one
@@ -369,3 +370,7 @@ def _tensor_from_bytes(data: memoryview, rec: TensorRecord) -> torch.Tensor:
         raw = memoryview(bytearray(raw))
     flat = torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype)
     return flat.as_strided(rec.shape, rec.stride, rec.storage_offset)
+
+
+# the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
+__getattr__ = renamed_attributes(__name__, {"ItemLoaderConfig": "DcpLoaderConfig"}, globals())

@@ -40,7 +40,7 @@ class InPlaceLoader(Protocol):
     destination tensor the planner resolves."""
 
     transport: Transport
-    config: Any  # the loader's ItemLoaderConfig: small_item_bytes, probe_bytes
+    config: Any  # the loader's DcpLoaderConfig: small_item_bytes, probe_bytes
 
     def _entry(self, item: ReadItem) -> RecordEntry: ...
 
