@@ -27,8 +27,17 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
+from .. import registry
+from ..conversion.memory import MemoryReleaser
+from ..conversion.source import TensorSource
 from ..errors import DcpStorageError
+from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from ..formats.safetensors.layout import check_relative, discover, resolve
+from ..formats.safetensors.metadata import build_metadata
+from ..formats.safetensors.scan import blobs_of, read_headers
 from ..formats.tiling import tiling_problem
+from ..formats.torch_save import TorchSaveArchive
+from ..formats.torch_save.zip_index import STORED, data_starts, read_zip_index
 from ..integrity.checksums import mismatch
 from ..integrity.deep_check import deep_check_dcp, report_dcp_checksums
 from ..integrity.safetensors_check import deep_check_safetensors, report_safetensors_checksums
@@ -59,9 +68,6 @@ def _named(keys: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------------------ DCP
 def _check_dcp(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
-    from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
-    from ..formats.safetensors.layout import check_relative
-
     transport, root = open_transport(url, storage_options)
     with transport:
         path = transport.join(root, METADATA_FILE)
@@ -150,10 +156,6 @@ def _check_dcp_coverage(report: VerifyReport, md: Any, storage: dict[Any, Any], 
 
 # ---------------------------------------------------------------------------------------- safetensors
 def _check_safetensors(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
-    from ..formats.safetensors.layout import discover, resolve
-    from ..formats.safetensors.metadata import build_metadata
-    from ..formats.safetensors.scan import blobs_of, read_headers
-
     transport, target = open_transport(url, storage_options)
     with transport:
         try:
@@ -202,8 +204,6 @@ def _check_safetensors(report: VerifyReport, url: str, storage_options: dict[str
 
 # ------------------------------------------------------------------------------------------ torch.save
 def _check_torch_save(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
-    from ..formats.torch_save import TorchSaveArchive
-
     transport, path = open_transport(url, storage_options)
     with transport:
         try:
@@ -218,8 +218,6 @@ def _check_torch_save(report: VerifyReport, url: str, storage_options: dict[str,
 
 
 def _check_crc32(report: VerifyReport, url: str, storage_options: dict[str, Any] | None) -> None:
-    from ..formats.torch_save.zip_index import STORED, data_starts, read_zip_index
-
     transport, path = open_transport(url, storage_options)
     with transport:
         index = read_zip_index(transport, path)
@@ -247,14 +245,12 @@ def _deep_read(
     progress: Callable[[int], None] | None,
     on_start: Callable[[int], None] | None,
 ) -> None:
-    from ..conversion.source import TensorSource
 
     try:
         source = TensorSource.open(url, storage_options, format)
     except Exception as exc:  # noqa: BLE001 - reported
         report.problems.append(f"cannot open for reading: {_err(exc)}")
         return
-    from ..conversion.memory import MemoryReleaser
 
     read, releaser = 0, MemoryReleaser()
     with source:
@@ -280,7 +276,6 @@ def _deep_read(
 
 def _format_by_name(url: str) -> Any:
     """The built-in format a file name implies (``.safetensors``, ``.pt``...), when detection failed."""
-    from .. import registry
 
     name = url.rstrip("/").lower()
     if name.endswith((".safetensors", ".safetensors.index.json")):

@@ -16,7 +16,8 @@ import posixpath
 from typing import Any
 
 from ..errors import DcpStorageError
-from ..formats.completeness import HF_SHARD_RE, INDEX_SUFFIX
+from ..formats.dcp_native.extensions import ExtensionResolver
+from ..formats.paths import HF_SHARD_RE, INDEX_SUFFIX
 from ..planners.errors import format_keys
 from .report import VerifyReport
 
@@ -38,7 +39,6 @@ def _descriptors(info: Any) -> tuple[str, ...] | None:
 
 def check_extensions(report: VerifyReport, transport: Any, root: str, storage: dict[Any, Any], where: str) -> None:
     """One problem per extension (descriptor list) that the items of ``storage`` need and nobody provides."""
-    from ..formats.dcp_native.extensions import ExtensionResolver
 
     users: dict[tuple[str, ...], list[tuple[str, str]]] = {}
     for index, info in storage.items():

@@ -19,10 +19,16 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from .. import registry
+from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from ..formats.safetensors.layout import discover, resolve
+from ..formats.safetensors.metadata import StoredBytes, StoredChunk
+from ..formats.safetensors.scan import scan_metadata
 from ..formats.spec import FormatSpec
+from ..formats.torch_save import TensorDescriptor, TorchSaveArchive
 from ..gc_pause import gc_paused
 from ..integrity.safetensors_check import safetensors_provenance
 from ..integrity.summary import dcp_provenance
+from ..opening import detect_format
 from ..transports import Transport
 from ..transports.factory import open_transport
 
@@ -129,8 +135,6 @@ def _tensor_table(md: Metadata, locate: Any) -> tuple[list[TensorInfo], list[Val
 
 
 def _describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:
-    from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
-
     transport, root = open_transport(url, storage_options)
     with transport:
         path = transport.join(root, METADATA_FILE)
@@ -159,10 +163,6 @@ def _describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | 
 
 
 def _describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:
-    from ..formats.safetensors.layout import discover, resolve
-    from ..formats.safetensors.metadata import StoredBytes, StoredChunk
-    from ..formats.safetensors.scan import scan_metadata
-
     transport, target = open_transport(url, storage_options)
     with transport:
         layout = discover(transport, target)
@@ -199,8 +199,6 @@ def _describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str,
 
 
 def _describe_torch_save(url: str, spec: FormatSpec, storage_options: dict[str, Any] | None) -> CheckpointInfo:
-    from ..formats.torch_save import TensorDescriptor, TorchSaveArchive
-
     transport, path = open_transport(url, storage_options)
     with transport:
         archive = TorchSaveArchive.open(transport, path)
@@ -230,8 +228,6 @@ _DESCRIBERS = {"dcp": _describe_dcp, "safetensors": _describe_safetensors, "torc
 
 
 def resolve_spec(url: str, storage_options: dict[str, Any] | None, format: str | None) -> FormatSpec:
-    from ..opening import detect_format
-
     return registry.get("formats", format) if format is not None else detect_format(url, storage_options)
 
 

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DcpStorageError
+from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from ..transports.factory import open_transport
 from .checksums import mismatch, new_hasher
+from .dcp_manifest import read_manifest
 from .manifest import Manifest
 from .read_verify import key_name
 
@@ -120,7 +123,6 @@ def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[A
 
     Shallow (``deep=False``): file sizes and checksum coverage. Deep: every record's checksum as well.
     """
-    from .dcp_manifest import read_manifest
 
     try:
         manifest = read_manifest(transport, root)
@@ -145,8 +147,6 @@ def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[A
 
 def deep_check_dcp(report: Any, url: str, storage_options: dict[str, Any] | None) -> None:
     """The deep half of :func:`report_dcp_checksums`, opening the checkpoint at ``url`` itself."""
-    from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
-    from ..transports.factory import open_transport
 
     transport, root = open_transport(url, storage_options)
     with transport:

@@ -12,6 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import DcpStorageError
+from ..formats.safetensors.layout import discover, resolve
+from ..formats.safetensors.scan import blobs_of
+from ..formats.safetensors.write_plan import chunk_runs
+from ..transports.factory import open_transport
 from .checksums import mismatch, new_hasher
 from .deep_check import PIECE_BYTES, no_checksums_note
 from .safetensors_sums import FileSums, Piece
@@ -21,7 +25,6 @@ __all__ = ["check_file", "deep_check_safetensors", "report_safetensors_checksums
 
 def _contiguous_range(piece: Piece, shape: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
     """``[begin, end)`` of the piece inside its tensor's bytes, when it is one run; else ``None``."""
-    from ..formats.safetensors.write_plan import chunk_runs
 
     runs = chunk_runs(shape, piece.offsets, piece.sizes, itemsize)
     if runs.count > 1:
@@ -113,9 +116,6 @@ def report_safetensors_checksums(report: Any, transport: Any, paths: list[str], 
 
 def deep_check_safetensors(report: Any, url: str, storage_options: dict[str, Any] | None) -> None:
     """The deep half of :func:`report_safetensors_checksums`, opening the checkpoint at ``url`` itself."""
-    from ..formats.safetensors.layout import discover, resolve
-    from ..formats.safetensors.scan import blobs_of
-    from ..transports.factory import open_transport
 
     transport, target = open_transport(url, storage_options)
     with transport:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..formats.safetensors.header import LENGTH_BYTES, header_length, parse_header
 from .checksums import checksum, digest_width, mismatch
 
 __all__ = [
@@ -238,7 +239,6 @@ class FileSums:
 
         Raises :class:`CorruptCheckpointError` if the header does not parse.
         """
-        from ..formats.safetensors.header import LENGTH_BYTES, header_length, parse_header
 
         url = transport.url(path)
         size = transport.size(path)

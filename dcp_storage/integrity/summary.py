@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import DcpStorageError
+from .dcp_manifest import read_manifest
 from .manifest import Manifest
 
 __all__ = ["dcp_provenance", "manifest_provenance"]
@@ -28,7 +29,6 @@ def manifest_provenance(manifest: Manifest | None) -> dict[str, Any]:
 
 def dcp_provenance(transport: Any, root: str) -> dict[str, Any]:
     """Provenance of the DCP checkpoint at ``root``; a damaged manifest is shown as such, not raised."""
-    from .dcp_manifest import read_manifest
 
     try:
         return manifest_provenance(read_manifest(transport, root))
