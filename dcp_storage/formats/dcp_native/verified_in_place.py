@@ -35,7 +35,7 @@ from .torch_record import TensorRecord
 
 
 class InPlaceLoader(Protocol):
-    """What the in-place path uses of the item loader (:class:`~.item_loader.InPlaceLoader`), which calls it
+    """What the in-place path uses of the item loader (:class:`~.item_loader.DcpItemLoader`), which calls it
     from ``load`` with its planner set: the record each item lives in, its path, the header round, and the
     destination tensor the planner resolves."""
 
