@@ -10,8 +10,8 @@ The layers, lowest first (:data:`LAYERS`; a module takes the layer of its longes
 module must have one, so a new top-level module is a decision, not an accident):
 
 1. ``base``: what every layer may use and that knows no checkpoint: the error hierarchy, message text and
-   redaction, the version, deprecation shims, the plugin registry, tensor byte views, the pickle guard and
-   safe unpickler.
+   redaction, the version, deprecation shims, the plugin registry, tensor byte views, pausing the collector,
+   the pickle guard and safe unpickler.
 2. ``transports``: bytes only (``transports/``).
 3. ``formats``: layout <-> DCP ``Metadata`` (``formats/``), with the integrity code the readers and writers
    of every format run while they move records: checksum algorithms, the manifest, provenance descriptors,
@@ -58,6 +58,7 @@ LAYERS: dict[str, int] = {
     "registry": BASE,
     "tensor_buffers": BASE,
     "deprecation": BASE,
+    "gc_pause": BASE,
     "pickle_guard": BASE,
     "safe_unpickle": BASE,
     "transports": TRANSPORTS,
