@@ -13,15 +13,15 @@ module must have one, so a new top-level module is a decision, not an accident):
    redaction, the version, deprecation shims, the plugin registry, tensor byte views, pausing the collector,
    the pickle guard and safe unpickler.
 2. ``transports``: bytes only (``transports/``).
-3. ``formats``: layout <-> DCP ``Metadata`` (``formats/``), with the integrity code the readers and writers
-   of every format run while they move records: checksum algorithms, the manifest, provenance descriptors,
-   checking records on read, carrying checksums to ``finish``, the manifest's format check that detection
-   asks first.
+3. ``formats``: layout <-> DCP ``Metadata`` (``formats/``), with ``integrity/``, which the readers and
+   writers of every format run while they move records (checksum algorithms, the manifest, provenance
+   descriptors, checking records on read, carrying checksums to ``finish``, the manifest's format check
+   that detection asks first) and whose whole-checkpoint checks use only formats and transports.
 4. ``storage``: who reads and how the state dict maps onto the checkpoint: ``planners/``, ``strategies/``,
    the DCP ``StorageReader``/``StorageWriter`` classes (``storage/``, which also registers the built-in
    formats with their reader and writer factories), and ``opening`` (``open_reader``/``open_writer``).
-5. ``tools``: what works on whole checkpoints: ``inspection/``, ``conversion/``, the ``verify`` checks of
-   ``integrity/``, ``fsdp/`` loading, the plugin scaffold.
+5. ``tools``: what works on whole checkpoints: ``inspection/``, ``conversion/``, ``fsdp/`` loading, the
+   plugin scaffold.
 6. ``api``: the public surface: the package ``__init__``, ``plugin_api``, and ``testing/`` (the conformance
    suite and fixtures that plugin tests import the way users do, through ``dcp_storage``).
 7. ``app``: the command line (``cli``, ``__main__``, ``commands/``) and ``demo``, which drives ``testing``'s
@@ -63,15 +63,7 @@ LAYERS: dict[str, int] = {
     "safe_unpickle": BASE,
     "transports": TRANSPORTS,
     "formats": FORMATS,
-    "integrity": TOOLS,  # ``verify``'s checks; the record-level pieces below run inside every reader and writer
-    "integrity.checksums": FORMATS,
-    "integrity.manifest": FORMATS,
-    "integrity.provenance": FORMATS,
-    "integrity.read_verify": FORMATS,
-    "integrity.write_results": FORMATS,
-    "integrity.format_check": FORMATS,
-    "integrity.dcp_manifest": FORMATS,
-    "integrity.safetensors_sums": FORMATS,
+    "integrity": FORMATS,
     "planners": STORAGE,
     "strategies": STORAGE,
     "storage": STORAGE,
@@ -312,8 +304,8 @@ def test_the_checker_resolves_names_and_sees_type_only_and_silent_imports(tmp_pa
         ("dcp_storage", API),
         ("dcp_storage.errors", BASE),
         ("dcp_storage.formats.dcp_native.spec", FORMATS),
-        ("dcp_storage.integrity.deep_check", TOOLS),
         ("dcp_storage.integrity.checksums", FORMATS),
+        ("dcp_storage.inspection.checks", TOOLS),
         ("dcp_storage.storage.fsspec_reader", STORAGE),
         ("dcp_storage.commands.convert", APP),
         ("dcp_storage.nonexistent_module", None),
