@@ -42,8 +42,8 @@ for p in (REPO, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import bench_dcp_read as base
-from bench_dcp_read import MiB
+import harness as base
+from harness import MiB
 
 # ============================================================================================ child
 
@@ -106,7 +106,7 @@ def _check(output: str, storage_options: dict[str, Any] | None, info: dict[str, 
     with TensorSource.open(output, storage_options=storage_options) as source:
         for fqn in source.tensors:
             name = fqn.removeprefix("model.")
-            if base._checksum(source.read_tensor(fqn)) != expected.get(name):
+            if base.checksum(source.read_tensor(fqn)) != expected.get(name):
                 raise SystemExit(f"{output}: tensor {fqn} differs from the source")
             seen += 1
     if seen != len(expected):

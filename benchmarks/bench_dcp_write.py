@@ -8,7 +8,7 @@ Usage::
 What it does:
 
 * Builds, in every rank process, the state dict of the read benchmark's transformer-shaped model
-  (``bench_dcp_read.model_spec``: fp32 embedding/head/norms/biases, bf16 matrices) of about ``--size-gib``
+  (``harness.model_spec``: fp32 embedding/head/norms/biases, bf16 matrices) of about ``--size-gib``
   GiB: full tensors in one process, or ``Shard(0)`` DTensors on 2 gloo ranks (one torch thread each).
   Contents are a cheap seeded bit pattern (a save's cost does not depend on the values).
 * Times the ``dcp.save`` call of each writer, best of ``--repeats``, each run in a fresh process (a fork of
@@ -59,8 +59,8 @@ for _p in (HERE, REPO):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import bench_dcp_read as base
-from bench_dcp_read import GB, GiB, MiB
+import harness as base
+from harness import GB, GiB, MiB
 
 BUCKET = "bench-write"
 RAW_CHUNK = 64 * MiB  # os.write piece of the raw local limit
@@ -94,7 +94,7 @@ def build_state(spec: list, rank: int, world: int, seed: int) -> dict[str, Any]:
     for idx, (name, shape, dtype) in enumerate(spec):
         shape = tuple(shape)
         local_shape = (shape[0] // world, *shape[1:])
-        local = torch.empty(local_shape, dtype=base._torch_dtype(dtype))
+        local = torch.empty(local_shape, dtype=base.torch_dtype(dtype))
         _fill(local, seed * 1000 + idx * world + rank + 1)
         if mesh is None:
             sd[name] = local
@@ -102,7 +102,7 @@ def build_state(spec: list, rank: int, world: int, seed: int) -> dict[str, Any]:
             from torch.distributed.tensor import DTensor, Shard
 
             sd[name] = DTensor.from_local(
-                local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=base._contig_stride(shape)
+                local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=base.contig_stride(shape)
             )
     return sd
 
@@ -165,17 +165,17 @@ def measured(job: dict[str, Any], world: int) -> Any:
     gc.collect()
     os.sync()  # the previous run's dirty pages must not be written back on this run's clock
     out: dict[str, Any] = {}
-    before = base._proc_status()["VmRSS"]
-    hwm = base._reset_peak_rss()
-    io0 = base._proc_io()
+    before = base.proc_status()["VmRSS"]
+    hwm = base.reset_peak_rss()
+    io0 = base.proc_io()
     if world > 1:
         dist.barrier()
-    with base._CpuWindow(job.get("server_pid")) as cpu:
+    with base.CpuWindow(job.get("server_pid")) as cpu:
         t0 = time.perf_counter()
         yield out
         out.setdefault("seconds", time.perf_counter() - t0)
-    io1 = base._proc_io()
-    peak = base._proc_status()["VmHWM"] if hwm else base._ru_maxrss()
+    io1 = base.proc_io()
+    peak = base.proc_status()["VmHWM"] if hwm else base.ru_maxrss_bytes()
     out.update(
         peak_extra=peak - before,
         syscw=io1.get("syscw", 0) - io0.get("syscw", 0),
@@ -373,7 +373,7 @@ class Bench:
                 row["requests"] = sum(r["requests"] for r in best)
             if all("blocked_s" in r for r in best):
                 row["blocked_s"] = max(r["blocked_s"] for r in best)
-            row.update(base._cpu_summary(best, t, nbytes))
+            row.update(base.cpu_summary(best, t, nbytes))
         self._print(row)
         self.rows.append(row)
         return row
@@ -689,9 +689,9 @@ def main(argv: list[str] | None = None) -> int:
     machine = base.machine_notes()
     base.print_machine(machine)
     spec = base.model_spec(int(args.size_gib * GiB))
-    largest = max(base._nbytes(tuple(s), d) for _, s, d in spec)
+    largest = max(base.tensor_nbytes(tuple(s), d) for _, s, d in spec)
     print(
-        f"model: {base._spec_bytes(spec) / GiB:.2f} GiB in {len(spec)} tensors, largest {largest / MiB:.0f} MiB",
+        f"model: {base.spec_total_bytes(spec) / GiB:.2f} GiB in {len(spec)} tensors, largest {largest / MiB:.0f} MiB",
         flush=True,
     )
     bench = Bench(args, [[n, list(s), d] for n, s, d in spec])
@@ -721,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_at_end": os.getloadavg(),
         "busy_before_runs": bench.busy_before,
         "code_at_end": base.code_version(),
-        "model": {"bytes": base._spec_bytes(spec), "tensors": len(spec), "largest_tensor_bytes": largest},
+        "model": {"bytes": base.spec_total_bytes(spec), "tensors": len(spec), "largest_tensor_bytes": largest},
         "s3_server": getattr(bench, "s3_name", None),
         "definitions": {
             "gbps": "tensor bytes (all ranks) / seconds of the slowest rank (dcp.save, or async_save until committed)",

@@ -8,7 +8,7 @@ Usage::
 Needs the ``dcp-storage-obstore`` plugin installed (``pip install -e plugins/dcp-storage-obstore``) and
 ``node``/``npm`` for s3rver (installed under ``benchmarks/.servers`` on first use).
 
-Same checkpoint, server, timing and checks as ``bench_dcp_read.py`` (whose helpers this script reuses):
+Same checkpoint, server, timing and checks as ``bench_dcp_read.py`` (whose harness, ``harness/``, this script reuses):
 a seeded ~2 GiB transformer-shaped DCP checkpoint saved by 2 ranks, uploaded once to s3rver, loaded by
 one process into full tensors, ``dcp.load`` timed, best of ``--repeats``, each load in a fresh process,
 every tensor verified by checksum. Rows, all in the same run:
@@ -47,8 +47,8 @@ for p in (REPO, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import bench_dcp_read as base
-from bench_dcp_read import GB, GiB, MiB
+import harness as base
+from harness import GB, GiB, MiB
 
 RAW_PART = 16 * MiB
 RAW_CONCURRENCY = 8
@@ -71,13 +71,13 @@ def _make_reader(kind: str, url: str, storage_options: dict[str, Any]) -> Any:
     return FsspecReader(url, {**storage_options, "transport": "obstore"}, transport_config=config)
 
 
-_ORIGINAL_MAKE_READER = base._make_reader
-_ORIGINAL_LOAD_JOB = base._load_job
+_ORIGINAL_MAKE_READER = base.make_reader
+_ORIGINAL_LOAD_JOB = base.load_rank_job
 
 
 def load_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """``bench_dcp_read._load_job`` with readers of the obstore transport added."""
-    base._make_reader = _make_reader
+    """``harness.load_rank_job`` with readers of the obstore transport added."""
+    base.make_reader = _make_reader
     return _ORIGINAL_LOAD_JOB(rank, world, job)
 
 
@@ -153,7 +153,7 @@ def raw_s3fs_cat_ranges_job(
     import s3fs
 
     fs = s3fs.S3FileSystem(**storage_options, skip_instance_cache=True)
-    _keep, views = zip(*(base._touched(size) for _, size in objects))
+    _keep, views = zip(*(base.touched(size) for _, size in objects))
     tasks = list(base.ranged_tasks(objects, part))
     paths = [f"{bucket}/{objects[i][0]}" for i, _, _ in tasks]
     starts = [off for _, off, _ in tasks]
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or 4
     args.quiet_wait = 20.0 if args.quiet_wait is None else args.quiet_wait
     args.json = args.json or os.path.join(HERE, "results", "obstore_quick.json" if args.quick else "obstore.json")
-    # What bench_dcp_read.Bench reads from its arguments:
+    # What harness.Bench reads from its arguments:
     args.extra_repeats, args.slow_s = (0 if args.quick else 2), 30.0
     started = time.time()
     warnings.filterwarnings("ignore")
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     os.environ["NO_PROXY"] = "127.0.0.1,localhost"
-    base._load_job = load_job  # Bench.load runs this module's job (pickled by name: bench_obstore.load_job)
+    base.load_rank_job = load_job  # Bench.load runs this module's job (pickled by name: bench_obstore.load_job)
 
     machine = base.machine_notes()
     import obstore
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.raw(
                 CASE,
                 f"raw http.client {label}",
-                base._raw_s3_job,
+                base.raw_s3_job,
                 srv.host,
                 srv.port,
                 http_objects,

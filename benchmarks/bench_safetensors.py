@@ -10,7 +10,7 @@ What it does (one run measures everything):
 * Builds once (cached under ``$TMPDIR/dcp-storage-bench/`` keyed by size, seed and spec version) a seeded
   Hugging Face sharded checkpoint: several ``model-0000k-of-0000N.safetensors`` written with
   ``safetensors.torch.save_file`` plus ``model.safetensors.index.json``. The model is the transformer of
-  ``bench_dcp_read.model_spec`` (fp32 embedding/head/norms/biases, bf16 attention and MLP matrices).
+  ``harness.model_spec`` (fp32 embedding/head/norms/biases, bf16 attention and MLP matrices).
 * Local reads (warm page cache; only ``dcp.load`` is timed, best of ``--repeats``, fresh rank processes):
 
   - ``local 1p full``: one process loads full plain tensors: ours vs torch's
@@ -61,8 +61,8 @@ for _p in (REPO, HERE):
     if _p not in sys.path:
         sys.path.insert(1, _p)
 
-import bench_dcp_read as bdr
-from bench_dcp_read import GB, GiB, MiB
+import harness as bdr
+from harness import GB, GiB, MiB
 
 SPEC_VERSION = 1  # bump when the checkpoint layout/generation changes (invalidates the cache)
 BUCKET = "bench"
@@ -77,12 +77,12 @@ def _tensor(idx: int, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(seed * 1_000_003 + idx)
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(bdr._torch_dtype(dtype))
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(bdr.torch_dtype(dtype))
 
 
 def _row_halves(t: Any, world: int) -> list[int]:
     rows = t.shape[0] // world
-    return [bdr._checksum(t[r * rows : (r + 1) * rows]) for r in range(world)]
+    return [bdr.checksum(t[r * rows : (r + 1) * rows]) for r in range(world)]
 
 
 def ensure_checkpoint(cache_root: str, size_gib: float, seed: int) -> dict[str, Any]:
@@ -100,14 +100,14 @@ def ensure_checkpoint(cache_root: str, size_gib: float, seed: int) -> dict[str, 
             info["generated_s"] = 0.0
             return info
     spec = bdr.model_spec(int(size_gib * GiB))
-    total = bdr._spec_bytes(spec)
-    largest = max(bdr._nbytes(s, d) for _, s, d in spec)
+    total = bdr.spec_total_bytes(spec)
+    largest = max(bdr.tensor_nbytes(s, d) for _, s, d in spec)
     max_shard = max(largest, -(-total // N_FILES_TARGET))
     # Greedy packing in spec order, as huggingface_hub's split_torch_state_dict_into_shards does.
     groups: list[list[int]] = [[]]
     acc = 0
     for i, (_, shape, dtype) in enumerate(spec):
-        b = bdr._nbytes(shape, dtype)
+        b = bdr.tensor_nbytes(shape, dtype)
         if groups[-1] and acc + b > max_shard:
             groups.append([])
             acc = 0
@@ -129,7 +129,7 @@ def ensure_checkpoint(cache_root: str, size_gib: float, seed: int) -> dict[str, 
         for i in group:
             tname, shape, dtype = spec[i]
             t = _tensor(i, shape, dtype, seed)
-            sums[tname] = {"all": bdr._checksum(t), "rows2": _row_halves(t, 2)}
+            sums[tname] = {"all": bdr.checksum(t), "rows2": _row_halves(t, 2)}
             tensors[tname] = t
             weight_map[tname] = name
         save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
@@ -210,9 +210,9 @@ def _load_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     spec = [(n, tuple(s), d) for n, s, d in job["spec"]]
     s3count = None
     if job.get("s3"):
-        s3count = bdr._S3Count()
+        s3count = bdr.S3Count()
         s3count.install()
-    sd = bdr._destinations(spec, job["layout"], rank, world)
+    sd = bdr.destinations(spec, job["layout"], rank, world)
     needed = sum((v.to_local() if hasattr(v, "to_local") else v).numel() * v.element_size() for v in sd.values())
     reader = _make_reader(job["reader"], job["url"], job.get("storage_options") or {})
     phases: dict[str, float] = {}
@@ -252,12 +252,12 @@ def _load_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             stderr=subprocess.DEVNULL,
         )
         time.sleep(1.5)  # let it attach
-    base = bdr._proc_status()["VmRSS"]
-    hwm_reset = bdr._reset_peak_rss()
-    io0 = bdr._proc_io()
+    base = bdr.proc_status()["VmRSS"]
+    hwm_reset = bdr.reset_peak_rss()
+    io0 = bdr.proc_io()
     if world > 1:
         dist.barrier()
-    with bdr._CpuWindow(job.get("server_pid")) as cpu:
+    with bdr.CpuWindow(job.get("server_pid")) as cpu:
         if job.get("profile") == "cprofile":
             prof.enable()
         t0 = time.perf_counter()
@@ -273,14 +273,14 @@ def _load_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             spy.wait(timeout=60)
         except Exception:  # noqa: BLE001
             spy.kill()
-    io1 = bdr._proc_io()
-    status = bdr._proc_status()
-    peak = status["VmHWM"] if hwm_reset else bdr._ru_maxrss()
+    io1 = bdr.proc_io()
+    status = bdr.proc_status()
+    peak = status["VmHWM"] if hwm_reset else bdr.ru_maxrss_bytes()
     bad = []
     for name, _, _ in spec:
         v = sd[name]
         local = v.to_local() if hasattr(v, "to_local") else v
-        if bdr._checksum(local) != _expected(job["sums"], name, job["layout"], rank):
+        if bdr.checksum(local) != _expected(job["sums"], name, job["layout"], rank):
             bad.append(name)
     out: dict[str, Any] = {
         "rank": rank,
@@ -335,7 +335,7 @@ def _write_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 rows = shape[0] // world
                 local = f.get_slice(name)[rank * rows : (rank + 1) * rows].contiguous().clone()
                 sd[name] = DTensor.from_local(
-                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=bdr._contig_stride(shape)
+                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=bdr.contig_stride(shape)
                 )
     sd = {n: sd[n] for n, _, _ in job["spec"]}  # model order
     consolidate_s: list[float] = []
@@ -362,13 +362,13 @@ def _write_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             job["out"], fqn_to_index_mapping=mapping, save_distributed=True, enable_consolidation=True
         )
     gc.collect()
-    io0 = bdr._proc_io()
+    io0 = bdr.proc_io()
     dist.barrier()
-    with bdr._CpuWindow() as cpu:
+    with bdr.CpuWindow() as cpu:
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=writer)
         elapsed = time.perf_counter() - t0
-    io1 = bdr._proc_io()
+    io1 = bdr.proc_io()
     out = {
         "rank": rank,
         "seconds": elapsed,
@@ -395,7 +395,7 @@ def verify_output(out_dir: str, info: dict[str, Any]) -> list[str]:
     for file, names in by_file.items():
         with safe_open(os.path.join(out_dir, file), framework="pt") as f:
             for n in names:
-                if n not in info["sums"] or bdr._checksum(f.get_tensor(n)) != info["sums"][n]["all"]:
+                if n not in info["sums"] or bdr.checksum(f.get_tensor(n)) != info["sums"][n]["all"]:
                     bad.append(n)
     return bad
 
@@ -577,7 +577,7 @@ class Bench:
             )
             if "requests" in best:
                 row["requests"] = best["requests"]
-            row.update(bdr._cpu_summary([best], best["seconds"], best["bytes"]))
+            row.update(bdr.cpu_summary([best], best["seconds"], best["bytes"]))
         return row
 
     def _load_row(self, case: str, label: str, st: dict[str, Any], thunk: Any) -> dict[str, Any]:
@@ -629,7 +629,7 @@ class Bench:
             row["s3_gets"] = sum(r["s3_gets"] for r in best)
             row["s3_get_bytes_per_rank"] = [r["s3_get_bytes"] for r in best]
             row["s3_other_calls"] = sum(r["s3_other_calls"] for r in best)
-        row.update(bdr._cpu_summary(best, t, needed))
+        row.update(bdr.cpu_summary(best, t, needed))
         return row
 
     def raw_entry(self, label: str, fn: Any, *a: Any) -> tuple[str, str, Any]:
@@ -679,7 +679,7 @@ class Bench:
         prof: dict[str, Any] = {
             "tool": job["profile"],
             "seconds": [r["seconds"] for r in res],
-            "cpu_summary": bdr._cpu_summary(res, max(r["seconds"] for r in res), sum(r["bytes_needed"] for r in res)),
+            "cpu_summary": bdr.cpu_summary(res, max(r["seconds"] for r in res), sum(r["bytes_needed"] for r in res)),
         }
         if pyspy:
             for rank in range(world):
@@ -791,7 +791,7 @@ class Bench:
             got = self.series(
                 case,
                 [
-                    self.raw_entry("raw readinto 1 thread", bdr._raw_local_job, files, 1),
+                    self.raw_entry("raw readinto 1 thread", bdr.raw_local_job, files, 1),
                     *(self.load_entry(r, path, "full", 1) for r in ("ours", "torch-hf", "torch-hf-t2")),
                 ],
                 rounds,
@@ -804,7 +804,7 @@ class Bench:
             got = self.series(
                 case,
                 [
-                    self.raw_entry("raw readinto 2 threads", bdr._raw_local_job, files, 2),
+                    self.raw_entry("raw readinto 2 threads", bdr.raw_local_job, files, 2),
                     *(self.load_entry(r, path, "shard0", 2) for r in ("ours", "torch-hf")),
                 ],
                 rounds,
@@ -834,7 +834,7 @@ class Bench:
                 case,
                 [
                     self.raw_entry(
-                        raw_label, bdr._raw_s3_job, host, port, objects, bdr.RAW_PART, bdr.RAW_CONCURRENCY, server.pid
+                        raw_label, bdr.raw_s3_job, host, port, objects, bdr.RAW_PART, bdr.RAW_CONCURRENCY, server.pid
                     ),
                     self.load_entry("ours", url, "shard0", 2, storage_options=so, s3=True),
                     *(
@@ -1088,7 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json = os.path.join(HERE, "results", "safetensors_quick.json" if args.quick else "safetensors.json")
     started = time.time()
     warnings.filterwarnings("ignore")
-    # Rank processes (forkserver children) must import this module and bench_dcp_read by name.
+    # Rank processes (forkserver children) must import this module and the harness package by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (HERE, REPO, os.environ.get("PYTHONPATH")) if x)
 
     machine = bdr.machine_notes()

@@ -46,7 +46,7 @@ CASES = {
 def _job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     import warnings
 
-    import bench_dcp_read as b
+    import harness as b
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -55,8 +55,8 @@ def _job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     if world == 1:
         torch.set_num_threads(os.cpu_count() or 1)
     spec = [(n, tuple(s), d) for n, s, d in job["spec"]]
-    sd = b._destinations(spec, job["layout"], rank, world)
-    reader = b._make_reader(job["reader"], job["url"], job["storage_options"])
+    sd = b.destinations(spec, job["layout"], rank, world)
+    reader = b.make_reader(job["reader"], job["url"], job["storage_options"])
     spy = None
     if rank == 0 and job.get("py_spy"):
         spy = subprocess.Popen(
@@ -139,7 +139,7 @@ def main() -> int:
     args = p.parse_args()
     sys.path.insert(0, HERE)
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (HERE, REPO, os.environ.get("PYTHONPATH")) if x)
-    import bench_dcp_read as b
+    import harness as b
 
     from dcp_storage.testing.distributed import run_ranks
 

@@ -7,6 +7,7 @@ needs, retry transient storage failures, commit atomically and never run code fr
 
 import importlib
 import importlib.util
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -34,6 +35,11 @@ _EXPORTS = {
         "UnsupportedKeyError",
         "WrongFormatError",
     ),
+    # The configs the readers take, one scheme: format-specific ones start with their format's name.
+    ".formats.dcp_native.item_loader": ("DcpLoaderConfig",),
+    ".formats.safetensors.loader": ("SafetensorsLoaderConfig",),
+    ".formats.safetensors.scan": ("SafetensorsScanConfig",),
+    ".formats.torch_save.archive": ("TorchSaveArchiveConfig",),
     ".inspection": ("describe", "verify"),
     ".opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
     ".planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
@@ -51,15 +57,21 @@ _EXPORTS = {
         "PrefixStrategy",
         "RoundRobinPrefixStrategy",
     ),
-    ".strategies": ("Broadcasting", "ReadStrategies", "share_object"),
+    ".strategies": ("Broadcasting", "DeliveryConfig", "ReadOnceConfig", "ReadStrategies"),
     # ``Transport`` is the protocol to depend on; ``FsspecTransport`` (the built-in implementation) stays exported
     # for existing callers, but code should open transports with ``transports.factory.open_transport``.
     ".transports": ("FsspecTransport", "RetryPolicy", "Transport", "TransportConfig"),
 }
 _LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
+# Importable still, with a DeprecationWarning: name -> (where it lives now, the module that defines it).
+_DEPRECATED = {"share_object": ("dcp_storage.plugin_api", ".strategies.metadata_sharing")}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:  # collective plumbing for readers (plugins included), not a user API
+        home, defining = _DEPRECATED[name]
+        warnings.warn(f"dcp_storage.{name} is deprecated; import it from {home}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(defining, __name__), name)
     module = _LAZY.get(name)
     if module is None:  # a submodule (``dcp_storage.fsdp``), as the eager imports used to make them attributes
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
@@ -95,6 +107,10 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         UnsupportedKeyError,
         WrongFormatError,
     )
+    from .formats.dcp_native.item_loader import DcpLoaderConfig
+    from .formats.safetensors.loader import SafetensorsLoaderConfig
+    from .formats.safetensors.scan import SafetensorsScanConfig
+    from .formats.torch_save.archive import TorchSaveArchiveConfig
     from .inspection import describe, verify
     from .opening import UnknownFormatError, detect_format, open_reader, open_writer
     from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
@@ -106,7 +122,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         PrefixStrategy,
         RoundRobinPrefixStrategy,
     )
-    from .strategies import Broadcasting, ReadStrategies, share_object
+    from .strategies import Broadcasting, DeliveryConfig, ReadOnceConfig, ReadStrategies
     from .transports import FsspecTransport, RetryPolicy, Transport, TransportConfig
 
 
@@ -119,8 +135,10 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConvertResult",
     "CorruptCheckpointError",
+    "DcpLoaderConfig",
     "DcpStorageError",
     "DecimalPrefixStrategy",
+    "DeliveryConfig",
     "DtypePolicy",
     "DynamicMetaLoadPlanner",
     "FileTooLargeError",
@@ -133,14 +151,18 @@ __all__ = [
     "KeyRules",
     "NonTensorStateError",
     "PrefixStrategy",
+    "ReadOnceConfig",
     "ReadStrategies",
     "RemappingLoadPlanner",
     "RetryPolicy",
     "RoundRobinPrefixStrategy",
+    "SafetensorsLoaderConfig",
     "SafetensorsReader",
+    "SafetensorsScanConfig",
     "SafetensorsWriter",
     "ShapeMismatchError",
     "StorageAccessError",
+    "TorchSaveArchiveConfig",
     "Transport",
     "TransportConfig",
     "TransportError",
@@ -160,7 +182,6 @@ __all__ = [
     "open_reader",
     "open_writer",
     "registry",
-    "share_object",
     "torch_save_to_dcp",
     "verify",
 ]

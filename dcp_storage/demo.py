@@ -12,6 +12,11 @@ from typing import Any
 
 import torch
 
+from .storage import FsspecReader, FsspecWriter
+from .testing.distributed import run_ranks
+from .testing.models import build_model, fsdp2_shard, reference_state_dict
+from .testing.s3_server import MotoS3Server
+
 __all__ = ["DemoConfig", "format_report", "run_demo"]
 
 
@@ -38,9 +43,6 @@ def _save_rank(rank: int, world: int, url: str, options: dict[str, Any], cfg: De
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from .storage import FsspecWriter
-    from .testing.models import build_model, fsdp2_shard
-
     model = fsdp2_shard(build_model(cfg.seed, **cfg.shape))
     writer = FsspecWriter(url, options, overwrite=True)
     dist.barrier()
@@ -53,9 +55,6 @@ def _save_rank(rank: int, world: int, url: str, options: dict[str, Any], cfg: De
 def _load_rank(rank: int, world: int, url: str, options: dict[str, Any], cfg: DemoConfig) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-
-    from .storage import FsspecReader
-    from .testing.models import build_model, fsdp2_shard, reference_state_dict
 
     model = fsdp2_shard(build_model(cfg.seed + 1, **cfg.shape))  # different weights: the load must replace them
     state = {"model": model.state_dict()}
@@ -84,8 +83,6 @@ def _load_rank(rank: int, world: int, url: str, options: dict[str, Any], cfg: De
 
 def run_demo(cfg: DemoConfig | None = None) -> dict[str, Any]:
     """Run the whole job and return the per-rank figures."""
-    from .testing.distributed import run_ranks
-    from .testing.s3_server import MotoS3Server
 
     cfg = cfg or DemoConfig()
     with MotoS3Server() as server:

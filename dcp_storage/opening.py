@@ -16,7 +16,7 @@ from .formats.detection import best_formats, registered_formats, score_formats
 from .formats.spec import FormatSpec, Probe
 from .integrity.format_check import missing_format_plugin
 
-__all__ = ["UnknownFormatError", "detect_format", "open_reader", "open_writer"]
+__all__ = ["UnknownFormatError", "detect_format", "open_reader", "open_writer", "reader_of"]
 
 
 def _describe(probe: Probe) -> str:
@@ -64,6 +64,17 @@ def open_reader(
     without it the format is detected.
     """
     spec = registry.get("formats", format) if format is not None else detect_format(url, storage_options)
+    return reader_of(spec, url, storage_options, **options)
+
+
+def reader_of(
+    spec: FormatSpec, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, **options: Any
+) -> Any:
+    """``spec``'s reader for ``url``; :class:`UnknownFormatError` for a format registered without one."""
+    if spec.open_reader is None:
+        raise UnknownFormatError(
+            f"format {spec.name!r} is registered without a reader; its plugin must pass open_reader"
+        )
     return spec.open_reader(os.fspath(url), storage_options=storage_options, **options)
 
 

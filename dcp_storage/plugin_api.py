@@ -8,10 +8,12 @@ checks the in-tree ones. Everything here is kept stable:
   retries, the worker pool, the scatter sink, counters, config), and :func:`open_transport` to build on
   another transport;
 * formats and extensions: :class:`FormatSpec`, :class:`Probe`, and the seekable-transform pieces a
-  compressing extension needs, and :class:`ItemLoaderConfig` (the reader's ranged-read threshold its tests tune);
+  compressing extension needs, and :class:`DcpLoaderConfig` (the reader's ranged-read threshold its tests tune);
 * a format's tool hooks: the reports ``describe``/``check`` fill in (:class:`CheckpointInfo` and its rows,
   :class:`VerifyReport`, :func:`tensor_table`) and what a ``convert`` target writes (:class:`ConvertTarget`,
   :class:`WriteOptions`, :class:`WriteDestination`, :class:`OutTensor`, :class:`OutValue`, :class:`Fetch`);
+* readers: :func:`share_object` (run a function on the coordinator, give its result or its error to every
+  rank: how a reader shares what it read in ``read_metadata``);
 * errors: the whole hierarchy (:class:`DcpStorageError` and its subclasses);
 * the registry: :mod:`registry` and its ``register``/``registered``/``get`` helpers.
 
@@ -22,6 +24,7 @@ plugin importing this module stays cheap to load.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from . import registry
@@ -73,7 +76,8 @@ _LAZY = {
     "FrameIndex": ".formats.dcp_native.seekable",
     "NeedMoreTail": ".formats.dcp_native.seekable",
     "SeekableTransform": ".formats.dcp_native.seekable",
-    "ItemLoaderConfig": ".formats.dcp_native.item_loader",
+    "DcpLoaderConfig": ".formats.dcp_native.item_loader",
+    "share_object": ".strategies.metadata_sharing",
     **dict.fromkeys(
         ("CheckpointInfo", "ChunkInfo", "FileInfo", "TensorInfo", "ValueInfo", "VerifyReport", "tensor_table"),
         ".formats.reports",
@@ -83,9 +87,13 @@ _LAZY = {
         ".formats.convert_target",
     ),
 }
+_RENAMED = {"ItemLoaderConfig": "DcpLoaderConfig"}  # the names before 0.2, with a DeprecationWarning
 
 
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(f"{__name__}.{name} is deprecated; use {_RENAMED[name]}", DeprecationWarning, stacklevel=2)
+        return __getattr__(_RENAMED[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -96,7 +104,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from .formats.convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
-    from .formats.dcp_native.item_loader import ItemLoaderConfig
+    from .formats.dcp_native.item_loader import DcpLoaderConfig
     from .formats.dcp_native.seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
     from .formats.reports import (
         CheckpointInfo,
@@ -108,6 +116,7 @@ if TYPE_CHECKING:
         tensor_table,
     )
     from .formats.spec import FormatSpec, Probe
+    from .strategies.metadata_sharing import share_object
 
 __all__ = [
     "AtomicWriter",
@@ -118,6 +127,7 @@ __all__ = [
     "ChunkInfo",
     "ConvertTarget",
     "CorruptCheckpointError",
+    "DcpLoaderConfig",
     "DcpStorageError",
     "Fetch",
     "FetchGroup",
@@ -127,7 +137,6 @@ __all__ = [
     "Frame",
     "FrameIndex",
     "IncompleteCheckpointError",
-    "ItemLoaderConfig",
     "LocalFileAccess",
     "NeedMoreTail",
     "NonTensorStateError",
@@ -174,5 +183,6 @@ __all__ = [
     "registered",
     "registry",
     "resolve_config",
+    "share_object",
     "tensor_table",
 ]

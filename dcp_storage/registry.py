@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
@@ -35,6 +35,7 @@ __all__ = [
     "PluginInfo",
     "PluginNotFoundError",
     "get",
+    "instance",
     "list",
     "register",
     "registered",
@@ -199,6 +200,20 @@ def list(kind: str | None = None) -> list[PluginInfo]:  # noqa: A001 - the docum
 def get(kind: str, name: str) -> Any:
     """The object a plugin names, imported on first use."""
     return _REGISTRY.get(kind, name)
+
+
+def instance(kind: str, value: Any, accepts: Callable[[Any], bool], what: str) -> Any:
+    """``value`` when ``accepts`` it, else the plugin of ``kind`` named by the string ``value``; a registered
+    class or factory is called with no arguments. Anything else is refused with ``TypeError``: ``what`` (what
+    the parameter must be), the type found and the registered name. How every API that takes a strategy or planner "object or
+    name" (``prefix_strategy=``, ``read_strategy=``, ``planner=``) resolves it."""
+    found = get(kind, value) if isinstance(value, str) else value
+    if isinstance(found, type) or (not accepts(found) and callable(found)):
+        found = found()
+    if not accepts(found):
+        registered = f" (registered as {value!r})" if isinstance(value, str) else ""
+        raise TypeError(f"{what}, got {type(found).__name__}{registered}")
+    return found
 
 
 def load_all(kind: str) -> dict[str, Any]:

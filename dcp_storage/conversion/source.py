@@ -32,8 +32,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from .. import registry
 from ..errors import CorruptCheckpointError
 from ..formats.spec import FormatSpec
+from ..opening import detect_format, reader_of
 
 __all__ = ["SourceTensor", "SourceValue", "TensorSource"]
 
@@ -140,13 +142,10 @@ class TensorSource:
     ) -> TensorSource:
         """Open ``url``. ``trust``: the reader decodes the checkpoint as ``torch.load(weights_only=False)`` would
         (formats whose reader takes a ``trust`` option: the built-in ones), and so does :meth:`read_value`."""
-        from .. import registry
-        from ..opening import detect_format
-
         url = os.fspath(url)
         spec = registry.get("formats", format) if format is not None else detect_format(url, storage_options)
         options = {"trust": True} if trust else {}
-        reader = spec.open_reader(url, storage_options=storage_options, **options)
+        reader = reader_of(spec, url, storage_options, **options)
         metadata = reader.read_metadata()
         reader.set_up_storage_reader(metadata, True)
         return cls(url, spec, reader, metadata, trust)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
+from ..transports.factory import open_transport
 from .paths import (
     DATA_SUFFIX,
     HF_SHARD_RE,
@@ -38,6 +39,7 @@ from .paths import (
     SAFETENSORS_SUFFIX,
     TEMP_RE,
 )
+from .spec import Probe
 
 __all__ = [
     "Leftovers",
@@ -157,7 +159,6 @@ def probe_or_refuse(url: str, storage_options: dict[str, Any] | None = None) -> 
     listed once more, because temp files are hidden from the probe (a directory holding only temp files
     even looks like a file to it).
     """
-    from .spec import Probe
 
     try:
         probe = Probe.of(url, storage_options)
@@ -170,8 +171,6 @@ def probe_or_refuse(url: str, storage_options: dict[str, Any] | None = None) -> 
 
 
 def _refuse_local_leftovers(url: str, storage_options: dict[str, Any] | None) -> None:
-    from ..transports.factory import open_transport
-
     try:
         transport, path = open_transport(url, storage_options)
     except Exception:  # noqa: BLE001 - the caller re-raises its own error

@@ -1,5 +1,9 @@
 """What a format plugin provides: a sniffer, reader/writer factories, and the hooks the tools call.
 
+The built-in formats define their own half here in ``formats/<name>/spec.py`` (name, version, sniffer);
+their readers and writers live a layer above (``dcp_storage.storage``), which binds them into the specs the
+entry points register (:mod:`dcp_storage.storage.builtin_formats`), so no format imports the storage layer.
+
 A format registers a :class:`FormatSpec` under the ``dcp_storage.formats`` entry-point group.
 :func:`dcp_storage.open_reader` builds one :class:`Probe` of the URL (a directory listing, or the first
 bytes of a file) and asks every format's ``sniff``; the best score wins.
@@ -96,7 +100,8 @@ class FormatSpec:
 
     ``sniff(probe)`` returns a score (higher is more specific) when the probe looks like this format, or
     ``None``. ``open_reader(url, storage_options=..., **options)`` returns a DCP ``StorageReader``;
-    ``open_writer`` a ``StorageWriter`` (``None`` for read-only formats). ``reader`` names the reader class
+    ``open_writer`` a ``StorageWriter`` (``None`` for read-only formats). A spec registered without a reader
+    (a format's own half, before its reader is bound) is detected but cannot be opened. ``reader`` names the reader class
     to suggest to a user who pointed another format's reader at such a checkpoint
     (``"dcp_storage.SafetensorsReader(url)"``); empty: ``open_reader(url, format=name)`` is suggested.
 
@@ -118,7 +123,7 @@ class FormatSpec:
     name: str
     version: str
     sniff: Callable[[Probe], int | None]
-    open_reader: Callable[..., Any]
+    open_reader: Callable[..., Any] | None = None
     open_writer: Callable[..., Any] | None = None
     description: str = ""
     reader: str = ""

@@ -43,7 +43,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.planner import LoadPlanner
 
+from .. import registry
 from ..errors import DcpStorageError
+from ..opening import detect_format, open_reader
 from ..planners import DtypePolicy, IncompatibleKeysError, RemappingLoadPlanner
 from ..strategies.group import GroupView, group_view
 from ..strategies.metadata_sharing import share_object
@@ -63,7 +65,7 @@ def load_full_state_dict(
     cpu_offload: bool = False,
     *,
     storage_options: dict[str, Any] | None = None,
-    planner: LoadPlanner | None = None,
+    planner: LoadPlanner | str | None = None,
     dtype_policy: DtypePolicy | None = None,
     delivery_config: DeliveryConfig | None = None,
     stats: DeliveryStats | None = None,
@@ -80,7 +82,8 @@ def load_full_state_dict(
         cpu_offload: materialise meta tensors on the CPU (for FSDP2 ``CPUOffloadPolicy``) instead of the
             mesh's device. Tensors that are already materialised are filled where they are.
         storage_options: fsspec options for a URL (every rank passes its own).
-        planner: URL sources only: the ``dcp.load`` planner (default ``RemappingLoadPlanner(strict=True)``).
+        planner: URL sources only: the ``dcp.load`` planner (default ``RemappingLoadPlanner(strict=True)``), or
+            the name of one registered under the ``dcp_storage.planners`` entry-point group.
         dtype_policy: which stored -> model dtype casts are accepted (default ``DtypePolicy.cast()``).
         delivery_config: in-flight byte bounds for rank 0's sends.
         stats: if given, filled with this rank's transfer counts (``bytes_received``, ``bytes_sent``,
@@ -98,6 +101,7 @@ def load_full_state_dict(
     policy = dtype_policy or DtypePolicy.cast()
     if not isinstance(policy, DtypePolicy):
         raise TypeError(f"dtype_policy must be a DtypePolicy, got {type(policy).__name__}")
+    planner = _planner(planner)  # a registered name: refused here, on every rank alike, before any collective
     stats = stats if stats is not None else DeliveryStats()
     view = group_view(None)
     # One broadcast decides the source for everyone: rank 0's argument (and, for a URL, its format).
@@ -138,13 +142,19 @@ def load_full_state_dict(
     return model
 
 
+def _planner(planner: LoadPlanner | str | None) -> LoadPlanner | None:
+    """``planner``, or the registered planner it names (a class or factory is called with no arguments)."""
+    if planner is None:
+        return None
+    accepts = lambda found: isinstance(found, LoadPlanner)  # noqa: E731
+    return registry.instance("planners", planner, accepts, "planner must be a torch LoadPlanner")
+
+
 def _describe_source(
     full_sd: FullStateDict, storage_options: dict[str, Any] | None
 ) -> tuple[str, str | None, str | None]:
     """Rank 0: ``("url", url, format name)`` or ``("memory", None, None)``."""
     if isinstance(full_sd, (str, os.PathLike)):
-        from ..opening import detect_format
-
         url = os.fspath(full_sd)
         return ("url", url, detect_format(url, storage_options).name)
     return ("memory", None, None)
@@ -171,8 +181,6 @@ def _load_url(
 ) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from ..opening import open_reader
 
     reader = open_reader(url, format=fmt, storage_options=storage_options)
     try:

@@ -7,15 +7,13 @@ and a young one may belong to a save that is still running).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import DcpStorageError
 from ..formats.completeness import find_leftovers
 from ..transports.factory import open_transport
+from ..formats.reports import VerifyReport
 from .uploads import list_pending_uploads
-
-if TYPE_CHECKING:
-    from .checks import VerifyReport
 
 __all__ = ["check_leftovers"]
 

@@ -12,6 +12,7 @@ import functools
 from importlib import metadata as importlib_metadata
 from typing import Any
 
+from .. import registry
 from .._version import __version__
 from .manifest import ExtensionInfo
 
@@ -43,8 +44,6 @@ def distribution_of_module(module: str) -> str | None:
 
 
 def _registry_distribution(registry_name: str, cls: type) -> str | None:
-    from .. import registry
-
     target = f"{cls.__module__}:{cls.__qualname__}"
     for info in registry.list("extensions"):
         if info.name == registry_name or info.target == target or info.target is cls:
@@ -54,7 +53,6 @@ def _registry_distribution(registry_name: str, cls: type) -> str | None:
 
 def format_distribution(name: str) -> str | None:
     """The distribution that registers format ``name`` (``dcp-storage`` for the built-in ones)."""
-    from .. import registry
 
     for info in registry.list("formats"):
         if info.name == name:
@@ -70,8 +68,6 @@ def describe_extension(descriptor: str, extension: Any | None = None) -> Extensi
         cls = extension if isinstance(extension, type) else type(extension)
         dist = _registry_distribution(name, cls) or distribution_of_module(cls.__module__)
     else:
-        from .. import registry
-
         dist = next(
             (
                 i.distribution

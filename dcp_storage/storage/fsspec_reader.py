@@ -36,7 +36,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointNotFoundError
 from ..formats.completeness import find_leftovers
-from ..formats.dcp_native.item_loader import DcpItemLoader, ItemLoaderConfig
+from ..formats.dcp_native.item_loader import DcpItemLoader, DcpLoaderConfig
 from ..formats.dcp_native.manifest_io import read_manifest, record_verifier
 from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 from ..formats.misdirected import raise_explained
@@ -63,7 +63,7 @@ class FsspecReader(BoundLocation, StorageReader):
             ``gs://...``, or anything fsspec resolves.
         storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
         transport_config: concurrency, coalescing, in-flight and retry settings.
-        loader_config: header probe size, staging limit (see :class:`ItemLoaderConfig`).
+        loader_config: header probe size, staging limit (see :class:`DcpLoaderConfig`).
         extension_registry: torch stream extensions for items saved with ``_extensions``; not needed for
             torch's own (``stream.zstd``) nor for extension plugins (the ``dcp_storage.extensions``
             entry-point group), which are found when an item names them. Items stored through a seekable
@@ -86,7 +86,7 @@ class FsspecReader(BoundLocation, StorageReader):
         storage_options: dict[str, Any] | None = None,
         *,
         transport_config: TransportConfig | None = None,
-        loader_config: ItemLoaderConfig | None = None,
+        loader_config: DcpLoaderConfig | None = None,
         extension_registry: ExtensionRegistry | None = None,
         transport: Transport | None = None,
         verify: bool = False,
@@ -97,7 +97,7 @@ class FsspecReader(BoundLocation, StorageReader):
         self.storage_options = dict(storage_options or {})
         self._strategy_choice = (read_strategy, self.storage_options.pop(READ_STRATEGY_OPTION, None))
         self.transport_config = transport_config
-        self.loader_config = loader_config or ItemLoaderConfig()
+        self.loader_config = loader_config or DcpLoaderConfig()
         self.extension_registry = extension_registry
         self._given_transport = transport
         self.storage_data: dict[Any, Any] = {}

@@ -21,7 +21,7 @@ entry-point group and users pass its name (``FsspecWriter(url, prefix_strategy="
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from .. import registry
 from ..formats.paths import check_relative
@@ -121,15 +121,12 @@ def resolve_prefix_strategy(value: PrefixStrategy | str | None) -> PrefixStrateg
     factory is called with no arguments); anything else is refused with ``TypeError``."""
     if value is None:
         return None
-    found: Any = registry.get("strategies", value) if isinstance(value, str) else value
-    if isinstance(found, type) or (not isinstance(found, PrefixStrategy) and callable(found)):
-        found = found()
-    if not isinstance(found, PrefixStrategy):
-        raise TypeError(
-            f"prefix_strategy must have a directory(rank, world_size) method, got {type(found).__name__}"
-            + (f" (registered as {value!r})" if isinstance(value, str) else "")
-        )
-    return found
+    return registry.instance(
+        "strategies",
+        value,
+        lambda found: isinstance(found, PrefixStrategy),
+        "prefix_strategy must have a directory(rank, world_size) method",
+    )
 
 
 def rank_directory(strategy: PrefixStrategy | None, rank: int, world_size: int) -> str:

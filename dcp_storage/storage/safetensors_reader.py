@@ -36,12 +36,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import errors
+from ..deprecation import renamed_keyword
 from ..errors import CheckpointNotFoundError
 from ..formats.misdirected import raise_explained
 from ..formats.safetensors.checksums import FileSums
 from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
-from ..formats.safetensors.loader import LoaderConfig, SafetensorsItemLoader
-from ..formats.safetensors.scan import ScanConfig, scan_metadata
+from ..formats.safetensors.loader import SafetensorsItemLoader, SafetensorsLoaderConfig
+from ..formats.safetensors.scan import SafetensorsScanConfig, scan_metadata
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
 from ..strategies.metadata_sharing import share_object
@@ -56,7 +57,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
     """Read safetensors checkpoints with ``dcp.load`` from a local path or any fsspec URL.
 
     Args:
-        url: a ``.safetensors`` file, a ``*.index.json`` file, or a directory (local path, ``file://``,
+        path: a ``.safetensors`` file, a ``*.index.json`` file, or a directory (local path, ``file://``,
             ``memory://``, ``s3://bucket/key``, anything fsspec resolves).
         storage_options: passed to the fsspec filesystem (credentials, endpoint, ...).
         transport_config: concurrency, coalescing, in-flight and retry settings.
@@ -76,14 +77,15 @@ class SafetensorsReader(BoundLocation, StorageReader):
             naming the URL, the byte range and the key. Files without checksums load unchecked, with a warning.
     """
 
+    @renamed_keyword("url", "path")
     def __init__(
         self,
-        url: str | os.PathLike[str],
+        path: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
         *,
         transport_config: TransportConfig | None = None,
-        scan_config: ScanConfig | None = None,
-        loader_config: LoaderConfig | None = None,
+        scan_config: SafetensorsScanConfig | None = None,
+        loader_config: SafetensorsLoaderConfig | None = None,
         transport: Transport | None = None,
         process_group: dist.ProcessGroup | None = None,
         coordinator_rank: int = 0,
@@ -99,8 +101,8 @@ class SafetensorsReader(BoundLocation, StorageReader):
         self._sums: dict[str, FileSums] = {}  # under verify: each file's header checksums, read with the metadata
         self._stored: MetadataItems | None = None
         self.transport_config = transport_config
-        self.scan_config = scan_config or ScanConfig()
-        self.loader_config = loader_config or LoaderConfig()
+        self.scan_config = scan_config or SafetensorsScanConfig()
+        self.loader_config = loader_config or SafetensorsLoaderConfig()
         self.process_group = process_group
         self.coordinator_rank = coordinator_rank
         self.broadcast_metadata = broadcast_metadata
@@ -108,7 +110,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         self._given_transport = transport
         self.storage_data: dict[Any, Any] = {}
         self.load_id = uuid.uuid4().hex
-        self._open(url)
+        self._open(path)
 
     def _open(self, url: str | os.PathLike[str]) -> None:
         super()._open(url)

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..deprecation import renamed_keyword
 from ..errors import DcpStorageError
 from ..formats.paths import EXTRA_STATE_FILE, LOCK_FILE, check_prefix, index_name, single_name
 from ..formats.safetensors.encode import tensor_bytes
@@ -85,7 +86,7 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
     """Save a DCP state dict as Hugging Face safetensors on a local path or any fsspec URL.
 
     Args:
-        url: output directory (local path or fsspec URL such as ``s3://bucket/model``).
+        path: output directory (local path or fsspec URL such as ``s3://bucket/model``).
         storage_options: passed to the fsspec filesystem.
         max_shard_size: data bytes per file, an int or a string like ``"500MB"``/``"5GB"`` (powers of 10)
             or ``"2GiB"`` (powers of 2). Everything fits: one ``{prefix}.safetensors``. Otherwise:
@@ -139,9 +140,10 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
     _process_local = ("process_group",)
     process_group: dist.ProcessGroup | None = None
 
+    @renamed_keyword("url", "path")
     def __init__(
         self,
-        url: str | os.PathLike[str],
+        path: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
         *,
         max_shard_size: int | str = "5GB",
@@ -172,7 +174,7 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
         self.use_collectives = True
         self.save_id = uuid.uuid4().hex
         self._planned: SavePlanResult | None = None
-        self._open(url)
+        self._open(path)
 
     # ------------------------------------------------------------------------------------ set-up
     def _path(self, name: str) -> str:

@@ -45,7 +45,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShapeMisma
 from ..formats.byte_items import VettedBytes
 from ..formats.misdirected import raise_explained
 from ..formats.tensor_reads import SliceRead, plan_slice_read, read_slices
-from ..formats.torch_save import ArchiveConfig, TorchSaveArchive
+from ..formats.torch_save import TorchSaveArchive, TorchSaveArchiveConfig
 from ..planners.key_check import check_planned_keys, enforce_for, rules_of
 from ..strategies.coordinator_served import CoordinatorServedReader
 from ..strategies.dcp_call import running_planner
@@ -96,7 +96,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         *,
         process_group: Any = None,
         transport_config: TransportConfig | None = None,
-        archive_config: ArchiveConfig | None = None,
+        archive_config: TorchSaveArchiveConfig | None = None,
         delivery_config: DeliveryConfig | None = None,
         transport: Transport | None = None,
         trust: bool = False,
@@ -113,7 +113,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         self.storage_options = dict(storage_options or {})
         self.process_group = process_group
         self.transport_config = transport_config
-        self.archive_config = archive_config or ArchiveConfig()
+        self.archive_config = archive_config or TorchSaveArchiveConfig()
         self.delivery_config = delivery_config or DeliveryConfig()
         self.verify = verify
         self._given_transport = transport

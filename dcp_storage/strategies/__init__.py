@@ -16,7 +16,16 @@
 
 from .broadcasting import Broadcasting
 from .metadata_sharing import share_object
+from .read_once_plan import ReadOnceConfig
 from .read_strategy import ReadStrategies, ReadStrategy
 from .slice_delivery import DeliveryConfig, DeliveryStats
 
-__all__ = ["Broadcasting", "DeliveryConfig", "DeliveryStats", "ReadStrategies", "ReadStrategy", "share_object"]
+__all__ = [
+    "Broadcasting",
+    "DeliveryConfig",
+    "DeliveryStats",
+    "ReadOnceConfig",
+    "ReadStrategies",
+    "ReadStrategy",
+    "share_object",
+]

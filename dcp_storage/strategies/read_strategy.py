@@ -43,7 +43,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
+from .. import registry
 from ..errors import CorruptCheckpointError
+from ..registry import PluginNotFoundError
 from ..transports.factory import READ_STRATEGY_OPTION  # the storage option naming a reader's strategy
 from .dcp_call import load_view
 from .read_once_exchange import run_exchange
@@ -220,16 +222,29 @@ class ReadStrategies:
 
     @staticmethod
     def named(name: str) -> ReadStrategy:
-        """The strategy called ``name`` (``"per_rank"``, ``"read_once"``, ``"per_host"``) with its defaults."""
+        """The strategy called ``name`` with its defaults: ``"per_rank"``, ``"read_once"``, ``"per_host"``, or
+        a plugin's, registered under the ``dcp_storage.strategies`` entry-point group (a ``ReadStrategy``, or
+        a class or factory that makes one)."""
         factories: dict[str, Callable[[], ReadStrategy]] = {
             "per_rank": ReadStrategies.per_rank,
             "read_once": ReadStrategies.read_once,
             "per_host": ReadStrategies.per_host,
         }
         factory = factories.get(name) if isinstance(name, str) else None
-        if factory is None:
-            raise ValueError(f"unknown read strategy {name!r}; choose one of {', '.join(factories)}")
-        return factory()
+        if factory is not None:
+            return factory()
+        try:
+            return registry.instance(
+                "strategies",
+                name,
+                lambda found: isinstance(found, ReadStrategy),
+                "a read strategy must be a ReadStrategy",
+            )
+        except PluginNotFoundError:
+            raise ValueError(
+                f"unknown read strategy {name!r}; choose one of {', '.join(factories)}, or the name of a read "
+                "strategy registered under the dcp_storage.strategies entry-point group"
+            ) from None
 
 
 def choose_read_strategy(given: ReadStrategy | str | None, option: Any, is_local: bool) -> ReadStrategy:

@@ -6,6 +6,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ..opening import open_reader
+from ..storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
+from ..strategies import Broadcasting
+
 __all__ = ["every_reader", "write_every_format"]
 
 
@@ -18,8 +22,6 @@ def write_every_format(root: str, state: dict[str, Any]) -> dict[str, str]:
     """
     import torch
     import torch.distributed.checkpoint as dcp
-
-    from ..storage import FsspecWriter, SafetensorsWriter
 
     paths = {
         "dcp": f"{root}/dcp",
@@ -40,9 +42,6 @@ def write_every_format(root: str, state: dict[str, Any]) -> dict[str, str]:
 def every_reader(paths: dict[str, str]) -> dict[str, Callable[[], Any]]:
     """A factory of a fresh reader for each case, by name, over :func:`write_every_format`'s ``paths``: every
     reader class, ``Broadcasting`` around each, and what ``open_reader`` picks for each format."""
-    from ..opening import open_reader
-    from ..storage import BroadcastingTorchSaveReader, FsspecReader, SafetensorsReader
-    from ..strategies import Broadcasting
 
     return {
         "FsspecReader": lambda: FsspecReader(paths["dcp"]),

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from ...deprecation import renamed_attributes
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import RecordVerifier, batches_by_bytes
 from ...transports import RangeRequest, Transport
@@ -38,6 +39,7 @@ from ..byte_items import deliver_byte_item
 from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
+from .record_entry import RecordEntry
 from .record_zip import check_record_zip
 from .seekable import SeekableTransform
 from .torch_record import (
@@ -49,14 +51,14 @@ from .torch_record import (
 )
 from .verified_in_place import load_verified_in_place
 
-__all__ = ["DcpItemLoader", "ItemLoaderConfig"]
+__all__ = ["DcpItemLoader", "DcpLoaderConfig"]
 
 KiB = 1024
 MiB = 1024 * KiB
 
 
 @dataclass(frozen=True)
-class ItemLoaderConfig:
+class DcpLoaderConfig:
     """Knobs of :class:`DcpItemLoader` (see the module docstring).
 
     ``trust_byte_items``: non-tensor items (``BYTE_IO``: step counters, extra state, Python objects) are
@@ -79,17 +81,7 @@ class ItemLoaderConfig:
         if self.probe_bytes < 512:
             raise ValueError(f"probe_bytes must be >= 512, got {self.probe_bytes}")
         if self.small_item_bytes < 0 or self.staging_bytes < 1 or self.max_runs_per_item < 1:
-            raise ValueError("ItemLoaderConfig sizes must be positive")
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One saved record: ``(relative_path, offset, length)`` from the metadata's ``_StorageInfo``."""
-
-    relative_path: str
-    offset: int
-    length: int
-    transforms: tuple[str, ...] = ()
+            raise ValueError("DcpLoaderConfig sizes must be positive")
 
 
 class DcpItemLoader:
@@ -101,7 +93,7 @@ class DcpItemLoader:
         transport: Transport,
         root: str,
         storage_data: dict[Any, Any],
-        config: ItemLoaderConfig | None = None,
+        config: DcpLoaderConfig | None = None,
         extension_registry: ExtensionRegistry | None = None,
         verifier: RecordVerifier | None = None,
         *,
@@ -111,7 +103,7 @@ class DcpItemLoader:
         self.transport = transport
         self.root = root
         self.storage_data = storage_data
-        self.config = config or ItemLoaderConfig()
+        self.config = config or DcpLoaderConfig()
         # torch's default extensions, the caller's, and extension plugins (looked up when a descriptor needs one)
         self.transforms = ExtensionResolver(transport, root, extension_registry)
         self.metadata = metadata  # chunk sizes: tells a partial read of a framed item from a whole one
@@ -123,7 +115,7 @@ class DcpItemLoader:
         self._sizes: dict[str, int] = {}  # file sizes seen by this loader (load() may run once per round)
 
     # ---------------------------------------------------------------------------------------- helpers
-    def _entry(self, item: ReadItem) -> _Entry:
+    def _entry(self, item: ReadItem) -> RecordEntry:
         try:
             info = self.storage_data[item.storage_index]
         except KeyError:
@@ -131,24 +123,26 @@ class DcpItemLoader:
                 f"{self.transport.url(self.root)}: metadata has no storage entry for {item.storage_index}"
             ) from None
         transforms = tuple(getattr(info, "transform_descriptors", None) or ())
-        return _Entry(info.relative_path, int(info.offset), int(info.length), transforms)
+        return RecordEntry(info.relative_path, int(info.offset), int(info.length), transforms)
 
-    def _path(self, entry: _Entry) -> str:
+    def _path(self, entry: RecordEntry) -> str:
         if entry.relative_path.startswith("/") or ".." in entry.relative_path.split("/"):
             raise CorruptCheckpointError(
                 f"{self.transport.url(self.root)}: storage entry {entry.relative_path!r} escapes the checkpoint"
             )
         return self.transport.join(self.root, entry.relative_path)
 
-    def _where(self, entry: _Entry) -> str:
+    def _where(self, entry: RecordEntry) -> str:
         return f"{self.transport.url(self._path(entry))} [{entry.offset}, {entry.offset + entry.length})"
 
-    def _untransform(self, entry: _Entry, raw: memoryview, key: str) -> bytes | memoryview:
+    def _untransform(self, entry: RecordEntry, raw: memoryview, key: str) -> bytes | memoryview:
         if not entry.transforms:
             return raw
         return self.transforms.untransform(entry.transforms, raw, self._where(entry), key)
 
-    def _framed_jobs(self, items: Sequence[ReadItem], entries: dict[int, _Entry]) -> list[tuple[ReadItem, FramedItem]]:
+    def _framed_jobs(
+        self, items: Sequence[ReadItem], entries: dict[int, RecordEntry]
+    ) -> list[tuple[ReadItem, FramedItem]]:
         """Tensor items stored through one seekable transform that this rank needs only part of.
 
         They are read frame by frame (:mod:`.framed_items`); whole-chunk reads, checked (``verifier``) reads
@@ -156,7 +150,7 @@ class DcpItemLoader:
         """
         if self.verifier is not None:
             return []
-        groups: dict[_Entry, list[ReadItem]] = {}
+        groups: dict[RecordEntry, list[ReadItem]] = {}
         for item in items:
             entry = entries[id(item)]
             framable = len(entry.transforms) == 1 and entry.length > self.config.small_item_bytes
@@ -179,8 +173,9 @@ class DcpItemLoader:
         if self.verifier is not None:
             # Whole tensors: read into their destinations and hashed there. The rest: whole records,
             # checked before decoding, in batches of at most staging_bytes (memory stays bounded).
+            self._planner = planner  # the in-place path resolves destinations through it
             items = load_verified_in_place(self, self.verifier, items, planner)
-            by_entry: dict[_Entry, list[ReadItem]] = {}
+            by_entry: dict[RecordEntry, list[ReadItem]] = {}
             for item in items:
                 by_entry.setdefault(self._entry(item), []).append(item)
             for batch in batches_by_bytes(by_entry.items(), lambda kv: kv[0].length, self.config.staging_bytes):
@@ -196,8 +191,8 @@ class DcpItemLoader:
             framed_ids = {id(i) for i, _ in framed}
             items = [i for i in items if id(i) not in framed_ids]
         keys = {entries[id(i)]: i.storage_index.fqn for i in items}  # names items in decode errors
-        whole: dict[_Entry, memoryview | None] = {}
-        probe: dict[_Entry, int] = {}
+        whole: dict[RecordEntry, memoryview | None] = {}
+        probe: dict[RecordEntry, int] = {}
         for item in items:
             entry = entries[id(item)]
             small = entry.length <= max(self.config.small_item_bytes, self.config.probe_bytes)
@@ -205,8 +200,8 @@ class DcpItemLoader:
                 whole[entry] = None
             else:
                 probe[entry] = self.config.probe_bytes
-        records: dict[_Entry, TensorRecord] = {}
-        decoded: dict[_Entry, torch.Tensor] = {}
+        records: dict[RecordEntry, TensorRecord] = {}
+        decoded: dict[RecordEntry, torch.Tensor] = {}
         self._fetch_whole(whole)
         self._probe_headers(probe, whole, records)
         self._fetch_whole(whole)  # records the probe could not slice
@@ -247,7 +242,7 @@ class DcpItemLoader:
             loader = FramedItemLoader(self.transport, self.config.probe_bytes, self.config.staging_bytes)
             loader.load(framed, self._destination, planner.commit_tensor)
 
-    def _fetch_whole(self, whole: dict[_Entry, memoryview | None]) -> None:
+    def _fetch_whole(self, whole: dict[RecordEntry, memoryview | None]) -> None:
         todo = [e for e, v in whole.items() if v is None]
         if not todo:
             return
@@ -258,7 +253,7 @@ class DcpItemLoader:
                 self.verifier.check(entry.relative_path, entry.offset, entry.length, buf)
             whole[entry] = buf
 
-    def _check_sizes(self, entries: Sequence[_Entry]) -> None:
+    def _check_sizes(self, entries: Sequence[RecordEntry]) -> None:
         """Name a missing or short data file up front instead of failing mid-read.
 
         Local files too (a ``stat`` each): a ranged read fetches only a record's header and the slice's
@@ -279,10 +274,10 @@ class DcpItemLoader:
 
     def _probe_headers(
         self,
-        probe: dict[_Entry, int],
-        whole: dict[_Entry, memoryview | None],
-        records: dict[_Entry, TensorRecord],
-        headers: dict[_Entry, memoryview] | None = None,
+        probe: dict[RecordEntry, int],
+        whole: dict[RecordEntry, memoryview | None],
+        records: dict[RecordEntry, TensorRecord],
+        headers: dict[RecordEntry, memoryview] | None = None,
     ) -> None:
         """Parse the first ``probe[entry]`` bytes of each record into ``records`` (reading more where the
         header is longer); records that cannot be sliced go to ``whole``. ``headers``, if given, receives
@@ -324,7 +319,7 @@ class DcpItemLoader:
             )
         return dest
 
-    def _deliver_decoded(self, item: ReadItem, entry: _Entry, tensor: torch.Tensor, planner: LoadPlanner) -> None:
+    def _deliver_decoded(self, item: ReadItem, entry: RecordEntry, tensor: torch.Tensor, planner: LoadPlanner) -> None:
         shape, offsets, lengths = tuple(tensor.shape), tuple(item.storage_offsets), tuple(item.lengths)
         if len(offsets) != len(shape) or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
             raise CorruptCheckpointError(  # metadata pointing at another tensor's record
@@ -338,7 +333,7 @@ class DcpItemLoader:
         dest.copy_(src)
         planner.commit_tensor(item, dest)
 
-    def _plan_ranged(self, item: ReadItem, entry: _Entry, rec: TensorRecord) -> SliceRead:
+    def _plan_ranged(self, item: ReadItem, entry: RecordEntry, rec: TensorRecord) -> SliceRead:
         stored = StoredTensor(
             self._path(entry),
             entry.offset + rec.data_start,
@@ -375,3 +370,7 @@ def _tensor_from_bytes(data: memoryview, rec: TensorRecord) -> torch.Tensor:
         raw = memoryview(bytearray(raw))
     flat = torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype)
     return flat.as_strided(rec.shape, rec.stride, rec.storage_offset)
+
+
+# the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
+__getattr__ = renamed_attributes(__name__, {"ItemLoaderConfig": "DcpLoaderConfig"}, globals())

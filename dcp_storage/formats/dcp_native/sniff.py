@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from ...errors import DcpStorageError
 from ..paths import DATA_SUFFIX
+from ..safetensors.layout import looks_like_safetensors
 from ..spec import HEAD_BYTES, Probe
 from .metadata_io import METADATA_FILE, read_metadata_file
 
@@ -62,7 +63,6 @@ def _kind_from_metadata(probe: Probe) -> str:
 
 def dcp_data_kind(probe: Probe) -> str | None:
     """``NATIVE`` or ``SAFETENSORS`` for a directory holding ``.metadata``; ``None`` for anything else."""
-    from ..safetensors.layout import looks_like_safetensors
 
     if not probe.is_dir or METADATA_FILE not in probe.names:
         return None

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..spec import FormatSpec, Probe, trust_byte_items
+from ..spec import FormatSpec, Probe
 from .convert_out import TARGET
 from .describe import describe_dcp
 from .sniff import NATIVE, dcp_data_kind
@@ -18,26 +16,10 @@ def _sniff(probe: Probe) -> int | None:
     return 100 if dcp_data_kind(probe) == NATIVE else None
 
 
-def _reader(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
-    from ...storage import FsspecReader
-    from .item_loader import ItemLoaderConfig
-
-    trust_byte_items(options, ItemLoaderConfig)
-    return FsspecReader(url, storage_options, **options)
-
-
-def _writer(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
-    from ...storage import FsspecWriter
-
-    return FsspecWriter(url, storage_options, **options)
-
-
 FORMAT = FormatSpec(
     name="dcp",
     version="1",
     sniff=_sniff,
-    open_reader=_reader,
-    open_writer=_writer,
     description="torch.distributed.checkpoint native layout: .metadata + __R_N.distcp",
     reader="dcp_storage.FsspecReader(url)",
     describe=describe_dcp,

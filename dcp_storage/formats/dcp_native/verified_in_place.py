@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
@@ -29,11 +29,33 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...errors import DcpStorageError
 from ...integrity.read_verify import RecordVerifier
 from ...tensor_buffers import writable_bytes
-from ...transports import RangeRequest
+from ...transports import RangeRequest, Transport
+from .record_entry import RecordEntry
 from .torch_record import TensorRecord
 
-if TYPE_CHECKING:
-    from .item_loader import DcpItemLoader, _Entry
+
+class InPlaceLoader(Protocol):
+    """What the in-place path uses of the item loader (:class:`~.item_loader.DcpItemLoader`), which calls it
+    from ``load`` with its planner set: the record each item lives in, its path, the header round, and the
+    destination tensor the planner resolves."""
+
+    transport: Transport
+    config: Any  # the loader's DcpLoaderConfig: small_item_bytes, probe_bytes
+
+    def _entry(self, item: ReadItem) -> RecordEntry: ...
+
+    def _path(self, entry: RecordEntry) -> str: ...
+
+    def _probe_headers(
+        self,
+        probe: dict[RecordEntry, int],
+        whole: dict[RecordEntry, memoryview | None],
+        records: dict[RecordEntry, TensorRecord],
+        headers: dict[RecordEntry, memoryview] | None = None,
+    ) -> None: ...
+
+    def _destination(self, item: ReadItem) -> torch.Tensor: ...
+
 
 __all__ = ["load_verified_in_place"]
 
@@ -41,14 +63,14 @@ __all__ = ["load_verified_in_place"]
 @dataclass
 class _Job:
     item: ReadItem
-    entry: _Entry
+    entry: RecordEntry
     header: memoryview
     record: TensorRecord
     dest: torch.Tensor | None = None
 
 
 def load_verified_in_place(
-    loader: DcpItemLoader, verifier: RecordVerifier, items: Sequence[ReadItem], planner: LoadPlanner
+    loader: InPlaceLoader, verifier: RecordVerifier, items: Sequence[ReadItem], planner: LoadPlanner
 ) -> list[ReadItem]:
     """Load, check and commit the items that can be read in place; return the others, untouched.
 
@@ -59,7 +81,7 @@ def load_verified_in_place(
     """
     if not loader.transport.is_local:
         return list(items)
-    by_entry: dict[_Entry, list[ReadItem]] = {}
+    by_entry: dict[RecordEntry, list[ReadItem]] = {}
     for item in items:
         by_entry.setdefault(loader._entry(item), []).append(item)
     candidates = {
@@ -73,7 +95,7 @@ def load_verified_in_place(
     }
     jobs = _probe(loader, candidates)
     for job in jobs:
-        job.dest = _direct_destination(loader, job, planner)
+        job.dest = _direct_destination(loader, job)
     jobs = [j for j in jobs if j.dest is not None]
     if not jobs:
         return list(items)
@@ -96,16 +118,16 @@ def load_verified_in_place(
     return [i for i in items if id(i) not in done]
 
 
-def _probe(loader: DcpItemLoader, candidates: dict[_Entry, ReadItem]) -> list[_Job]:
+def _probe(loader: InPlaceLoader, candidates: dict[RecordEntry, ReadItem]) -> list[_Job]:
     """Parse each candidate record's header (the loader's header round); keep those that parse.
 
     Records the header round cannot slice stay with the general path; if any header is damaged, all
     candidates do: it fetches each record whole and checks its checksum before decoding it, so the damage
     is reported as a checksum mismatch naming the file and key.
     """
-    whole: dict[_Entry, memoryview | None] = {}
-    records: dict[_Entry, TensorRecord] = {}
-    headers: dict[_Entry, memoryview] = {}
+    whole: dict[RecordEntry, memoryview | None] = {}
+    records: dict[RecordEntry, TensorRecord] = {}
+    headers: dict[RecordEntry, memoryview] = {}
     try:
         loader._probe_headers(dict.fromkeys(candidates, loader.config.probe_bytes), whole, records, headers)
     except DcpStorageError:
@@ -113,13 +135,12 @@ def _probe(loader: DcpItemLoader, candidates: dict[_Entry, ReadItem]) -> list[_J
     return [_Job(candidates[e], e, headers[e], records[e]) for e in candidates if e in headers and e not in whole]
 
 
-def _direct_destination(loader: DcpItemLoader, job: _Job, planner: LoadPlanner) -> torch.Tensor | None:
+def _direct_destination(loader: InPlaceLoader, job: _Job) -> torch.Tensor | None:
     """The destination tensor when the record's elements can land in it as they are stored, else ``None``."""
     rec, item = job.record, job.item
     whole = rec.is_row_major and rec.storage_offset == 0 and tuple(rec.shape) == tuple(item.lengths)
     if not whole or rec.storage_nbytes != rec.itemsize * math.prod(rec.shape):
         return None
-    loader._planner = planner
     dest = loader._destination(item)
     if dest.device.type != "cpu" or dest.dtype != rec.dtype or not dest.is_contiguous():
         return None

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from ...deprecation import renamed_attributes
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import batches_by_bytes
 from ...tensor_buffers import writable_bytes
@@ -35,13 +36,13 @@ from .checksums import FileSums, require_checksummed
 from .layout import resolve
 from .metadata import StoredBytes, StoredChunk
 
-__all__ = ["LoaderConfig", "SafetensorsItemLoader"]
+__all__ = ["SafetensorsLoaderConfig", "SafetensorsItemLoader"]
 
 MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class LoaderConfig:
+class SafetensorsLoaderConfig:
     """``staging_bytes``: most staging memory held at once; ``max_runs_per_item``: slices with more byte
     runs than this read their bounding range instead.
 
@@ -58,7 +59,7 @@ class LoaderConfig:
 
     def __post_init__(self) -> None:
         if self.staging_bytes < 1 or self.max_runs_per_item < 1:
-            raise ValueError("LoaderConfig sizes must be positive")
+            raise ValueError("SafetensorsLoaderConfig sizes must be positive")
 
 
 class SafetensorsItemLoader:
@@ -69,14 +70,14 @@ class SafetensorsItemLoader:
         transport: Transport,
         root: str,
         storage_data: Mapping[Any, Any],
-        config: LoaderConfig | None = None,
+        config: SafetensorsLoaderConfig | None = None,
         verify: bool = False,
         known_sums: Mapping[str, FileSums] | None = None,
     ) -> None:
         self.transport = transport
         self.root = root
         self.storage_data = storage_data
-        self.config = config or LoaderConfig()
+        self.config = config or SafetensorsLoaderConfig()
         self.verify = verify
         self._known = dict(known_sums or {})  # file -> its header's checksums, read with the metadata
         self._sums: dict[str, FileSums] = {}
@@ -231,3 +232,7 @@ class SafetensorsItemLoader:
             url = self.transport.url(self._path(entry.file))
             where = f"{url} [{entry.offset}, {entry.offset + entry.length}) (item {item.storage_index.fqn!r})"
             deliver_byte_item(planner, item, buf, where, trust=self.config.trust_byte_items)  # type: ignore[arg-type]
+
+
+# the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
+__getattr__ = renamed_attributes(__name__, {"LoaderConfig": "SafetensorsLoaderConfig"}, globals())

@@ -14,26 +14,27 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ...deprecation import renamed_attributes
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...transports import RangeRequest, Transport
 from .header import LENGTH_BYTES, SafetensorsHeader, header_length, parse_header
 from .layout import Layout, resolve
 from .metadata import Blob, build_metadata
 
-__all__ = ["ScanConfig", "blobs_of", "read_headers", "scan_metadata"]
+__all__ = ["SafetensorsScanConfig", "blobs_of", "read_headers", "scan_metadata"]
 
 KiB = 1024
 
 
 @dataclass(frozen=True)
-class ScanConfig:
+class SafetensorsScanConfig:
     """``probe_bytes``: how much of each blob the first header request fetches."""
 
     probe_bytes: int = 64 * KiB
 
     def __post_init__(self) -> None:
         if self.probe_bytes < LENGTH_BYTES + 2:
-            raise ValueError(f"ScanConfig.probe_bytes must be >= {LENGTH_BYTES + 2}, got {self.probe_bytes}")
+            raise ValueError(f"SafetensorsScanConfig.probe_bytes must be >= {LENGTH_BYTES + 2}, got {self.probe_bytes}")
 
 
 def blobs_of(layout: Layout) -> list[Blob]:
@@ -82,12 +83,12 @@ def read_headers(
     transport: Transport,
     layout: Layout,
     blobs: Sequence[Blob],
-    config: ScanConfig | None = None,
+    config: SafetensorsScanConfig | None = None,
     raw: dict[Blob, bytes] | None = None,
 ) -> tuple[dict[Blob, SafetensorsHeader], dict[str, str]]:
     """Every blob's parsed header, and the URL of each file (for messages). ``raw``, if given, receives each
     blob's header bytes (length prefix and JSON), for callers that check its digest without reading it again."""
-    config = config or ScanConfig()
+    config = config or SafetensorsScanConfig()
     files = sorted({b.file for b in blobs})
     paths = {f: resolve(transport, layout.root, f) for f in files}
     urls = {f: transport.url(p) for f, p in paths.items()}
@@ -133,7 +134,7 @@ def read_headers(
 def scan_metadata(
     transport: Transport,
     layout: Layout,
-    config: ScanConfig | None = None,
+    config: SafetensorsScanConfig | None = None,
     found: dict[Blob, tuple[SafetensorsHeader, bytes, str]] | None = None,
 ) -> Metadata:
     """Read every header ``layout`` needs and build its DCP ``Metadata`` (with the storage map).
@@ -145,3 +146,7 @@ def scan_metadata(
     if found is not None and raw is not None:
         found.update({b: (headers[b], raw[b], urls[b.file]) for b in headers})
     return build_metadata(layout, headers, urls)
+
+
+# the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
+__getattr__ = renamed_attributes(__name__, {"ScanConfig": "SafetensorsScanConfig"}, globals())

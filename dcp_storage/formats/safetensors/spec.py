@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..dcp_native.sniff import SAFETENSORS, dcp_data_kind
 from ..paths import INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
-from ..spec import HEAD_BYTES, FormatSpec, Probe, trust_byte_items
+from ..spec import HEAD_BYTES, FormatSpec, Probe
 from .convert_out import TARGET
 from .describe import describe_safetensors
 from .layout import looks_like_safetensors
@@ -28,32 +27,14 @@ def _sniff(probe: Probe) -> int | None:
     if tensors:
         return 80 if looks_like_safetensors(probe.head_of(tensors[0], HEAD_BYTES), _UNKNOWN_SIZE) else None
     if METADATA_FILE in names:  # FileSystemWriter(serialization_format=SAFETENSORS): .distcp files are safetensors
-        from ..dcp_native.sniff import SAFETENSORS, dcp_data_kind
-
         return 100 if dcp_data_kind(probe) == SAFETENSORS else None
     return None
-
-
-def _reader(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
-    from ...storage import SafetensorsReader
-    from .loader import LoaderConfig
-
-    trust_byte_items(options, LoaderConfig)
-    return SafetensorsReader(url, storage_options, **options)
-
-
-def _writer(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
-    from ...storage import SafetensorsWriter
-
-    return SafetensorsWriter(url, storage_options, **options)
 
 
 FORMAT = FormatSpec(
     name="safetensors",
     version="1",
     sniff=_sniff,
-    open_reader=_reader,
-    open_writer=_writer,
     description="safetensors: a file, a directory, an HF model.safetensors.index.json, torch's DCP layouts",
     reader="dcp_storage.SafetensorsReader(url)",
     describe=describe_safetensors,

@@ -7,14 +7,18 @@
   with such a file (the hooks of :data:`.spec.FORMAT`).
 """
 
-from .archive import ArchiveConfig, TorchSaveArchive, UnsupportedFormatError, flatten_tree
+from ...deprecation import renamed_attributes
+from .archive import TorchSaveArchive, TorchSaveArchiveConfig, UnsupportedFormatError, flatten_tree
 from .pickle_tree import TensorDescriptor, decode_data_pkl
 
 __all__ = [
-    "ArchiveConfig",
+    "TorchSaveArchiveConfig",
     "TensorDescriptor",
     "TorchSaveArchive",
     "UnsupportedFormatError",
     "decode_data_pkl",
     "flatten_tree",
 ]
+
+# the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
+__getattr__ = renamed_attributes(__name__, {"ArchiveConfig": "TorchSaveArchiveConfig"}, globals())

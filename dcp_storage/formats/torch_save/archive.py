@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ...deprecation import renamed_attributes
 from ...errors import CorruptCheckpointError, DcpStorageError
 from ...tensor_buffers import writable_bytes
 from ...transports import Transport
@@ -36,7 +37,7 @@ from .pickle_tree import LegacyNeedsMoreBytes, TensorDescriptor, decode_data_pkl
 from .zip_index import STORED, NotAZipError, ZipIndex, data_starts, read_entry, read_zip_index
 from .zip_layout import check_crc
 
-__all__ = ["ArchiveConfig", "TorchSaveArchive", "UnsupportedFormatError", "flatten_tree"]
+__all__ = ["TorchSaveArchiveConfig", "TorchSaveArchive", "UnsupportedFormatError", "flatten_tree"]
 
 MiB = 1024 * 1024
 
@@ -46,7 +47,7 @@ class UnsupportedFormatError(DcpStorageError, ValueError):
 
 
 @dataclass(frozen=True)
-class ArchiveConfig:
+class TorchSaveArchiveConfig:
     """Limits on what :meth:`TorchSaveArchive.open` reads before any tensor data."""
 
     max_pickle_bytes: int = 512 * MiB  # data.pkl larger than this is refused
@@ -54,7 +55,7 @@ class ArchiveConfig:
 
     def __post_init__(self) -> None:
         if self.max_pickle_bytes < 1 or self.legacy_scan_bytes < 1:
-            raise ValueError("ArchiveConfig limits must be positive")
+            raise ValueError("TorchSaveArchiveConfig limits must be positive")
 
 
 class TorchSaveArchive:
@@ -83,13 +84,13 @@ class TorchSaveArchive:
     # ------------------------------------------------------------------------------------- opening
     @classmethod
     def open(
-        cls, transport: Transport, path: str, config: ArchiveConfig | None = None, *, trust: bool = False
+        cls, transport: Transport, path: str, config: TorchSaveArchiveConfig | None = None, *, trust: bool = False
     ) -> TorchSaveArchive:
         """Index the archive at ``path``; raises our errors, each naming the file, for anything else.
 
         ``trust``: decode ``data.pkl`` as ``torch.load(weights_only=False)`` would (see :mod:`.pickle_tree`).
         """
-        config = config or ArchiveConfig()
+        config = config or TorchSaveArchiveConfig()
         try:
             index = read_zip_index(transport, path)
         except NotAZipError as exc:
@@ -295,7 +296,7 @@ def _archive_prefix(index: ZipIndex) -> str:
     return candidates[0]
 
 
-def _scan_legacy_file(transport: Transport, path: str, url: str, config: ArchiveConfig) -> None:
+def _scan_legacy_file(transport: Transport, path: str, url: str, config: TorchSaveArchiveConfig) -> None:
     """Refuse a legacy file whose pickles name a forbidden global (else it is refused as unsupported)."""
     size = transport.size(path)
     n = min(size, 1 * MiB)
@@ -311,7 +312,9 @@ def _scan_legacy_file(transport: Transport, path: str, url: str, config: Archive
         return
 
 
-def _refuse_not_zip(transport: Transport, path: str, exc: NotAZipError, config: ArchiveConfig, trust: bool) -> None:
+def _refuse_not_zip(
+    transport: Transport, path: str, exc: NotAZipError, config: TorchSaveArchiveConfig, trust: bool
+) -> None:
     """Raise the most useful error for a file without a zip end record (for a trusted one, never "unsafe")."""
     url = transport.url(path)
     if not exc.head:
@@ -333,3 +336,7 @@ def _refuse_not_zip(transport: Transport, path: str, exc: NotAZipError, config: 
         f"{url}: not a torch.save archive (no zip end record; first bytes {exc.head[:16]!r}); the file is corrupt "
         "or in another format"
     ) from None
+
+
+# the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
+__getattr__ = renamed_attributes(__name__, {"ArchiveConfig": "TorchSaveArchiveConfig"}, globals())

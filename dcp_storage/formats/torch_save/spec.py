@@ -7,7 +7,6 @@ builds metadata from the state dict (``dcp_storage.DynamicMetaLoadPlanner``), as
 from __future__ import annotations
 
 import struct
-from typing import Any
 
 from ..spec import FormatSpec, Probe
 from .convert_out import TARGET
@@ -43,18 +42,10 @@ def _sniff(probe: Probe) -> int | None:
     return None
 
 
-def _reader(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
-    from ...storage import BroadcastingTorchSaveReader
-
-    return BroadcastingTorchSaveReader(url, storage_options=storage_options, **options)
-
-
 FORMAT = FormatSpec(
     name="torch_save",
     version="1",
     sniff=_sniff,
-    open_reader=_reader,
-    open_writer=None,
     description="a single torch.save file (zip format); legacy pickles are recognised and refused",
     reader="dcp_storage.BroadcastingTorchSaveReader(url)",
     describe=describe_torch_save,

@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from dcp_storage import FsspecReader, FsspecWriter
+from dcp_storage.testing.models import build_model, fsdp2_shard, reference_state_dict
+
 SEED = 2024
 SHAPE = {"vocab": 512, "dim": 64, "hidden": 256, "layers": 2}  # ~0.4 MB of fp32 in 11 tensors
 
@@ -19,9 +22,6 @@ SHAPE = {"vocab": 512, "dim": 64, "hidden": 256, "layers": 2}  # ~0.4 MB of fp32
 def save_fsdp2(rank: int, world: int, url: str, options: dict[str, Any]) -> dict[str, Any]:
     """``dcp.save`` an FSDP2-sharded model (Shard(0) DTensors) plus a step counter (a BYTE_IO item)."""
     import torch.distributed.checkpoint as dcp
-
-    from dcp_storage import FsspecWriter
-    from dcp_storage.testing.models import build_model, fsdp2_shard
 
     torch.set_num_threads(1)
     model = fsdp2_shard(build_model(SEED, **SHAPE))
@@ -36,9 +36,6 @@ def load_resharded(rank: int, world: int, url: str, options: dict[str, Any]) -> 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from dcp_storage import FsspecReader
-    from dcp_storage.testing.models import reference_state_dict
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))

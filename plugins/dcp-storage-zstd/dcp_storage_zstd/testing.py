@@ -75,7 +75,7 @@ def load_resharded(
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from dcp_storage import FsspecReader
-    from dcp_storage.plugin_api import ItemLoaderConfig
+    from dcp_storage.plugin_api import DcpLoaderConfig
     from dcp_storage.testing.models import reference_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -87,7 +87,7 @@ def load_resharded(
         k: distribute_tensor(torch.full_like(v, float("nan")), mesh, [Shard(0)], src_data_rank=None)
         for k, v in reference.items()
     }
-    config = ItemLoaderConfig() if small_item_bytes is None else ItemLoaderConfig(small_item_bytes=small_item_bytes)
+    config = DcpLoaderConfig() if small_item_bytes is None else DcpLoaderConfig(small_item_bytes=small_item_bytes)
     reader = FsspecReader(path, loader_config=config)
     dist.barrier()
     start = time.perf_counter()

@@ -1,0 +1,133 @@
+"""The public surface is even: one first parameter across the storage classes, the configs the readers take
+exported under one scheme, old names still working with a ``DeprecationWarning``, and every registry kind
+consumed by an API that takes a plugin's name (``strategies``: ``prefix_strategy=``/``read_strategy=``;
+``planners``: ``load_full_state_dict(planner=...)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+import dcp_storage
+from dcp_storage import registry
+from dcp_storage.fsdp.loading import _planner
+from dcp_storage.strategies.read_strategy import ReadStrategies, choose_read_strategy
+
+STORAGE_CLASSES = ("FsspecReader", "FsspecWriter", "SafetensorsReader", "SafetensorsWriter")
+# the configs the storage classes take (keyword -> exported class), all importable from ``dcp_storage``
+CONFIGS = {
+    "transport_config": "TransportConfig",
+    "loader_config": ("DcpLoaderConfig", "SafetensorsLoaderConfig"),
+    "scan_config": "SafetensorsScanConfig",
+    "archive_config": "TorchSaveArchiveConfig",
+    "delivery_config": "DeliveryConfig",
+}
+
+
+@pytest.mark.parametrize("name", STORAGE_CLASSES)
+def test_storage_classes_take_path_then_storage_options(name: str) -> None:
+    params = list(inspect.signature(getattr(dcp_storage, name)).parameters)
+    assert params[:2] == ["path", "storage_options"], params
+
+
+def test_the_torch_save_reader_keeps_torchs_signature() -> None:
+    """A drop-in for torch's ``BroadcastingTorchSaveReader(checkpoint_id, coordinator_rank)``: same order."""
+    params = list(inspect.signature(dcp_storage.BroadcastingTorchSaveReader).parameters)
+    assert params[:3] == ["checkpoint_id", "coordinator_rank", "storage_options"], params
+
+
+@pytest.mark.parametrize("name", ["SafetensorsReader", "SafetensorsWriter"])
+def test_the_old_url_keyword_warns_and_still_works(tmp_path, name: str) -> None:
+    from safetensors.torch import save_file
+
+    target = tmp_path / "model.safetensors" if name == "SafetensorsReader" else tmp_path / "out"
+    if name == "SafetensorsReader":
+        save_file({"w": torch.zeros(2)}, str(target))
+    cls = getattr(dcp_storage, name)
+    with pytest.warns(DeprecationWarning, match=r"url= is deprecated; pass path="):
+        old = cls(url=str(target))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = cls(path=str(target))
+        positional = cls(str(target))
+    assert old.path == new.path == positional.path
+    with pytest.raises(TypeError, match="pass path= only"):
+        cls(url=str(target), path=str(target))
+
+
+def test_the_readers_configs_are_exported_under_one_scheme() -> None:
+    classes = [
+        getattr(dcp_storage, name)
+        for names in CONFIGS.values()
+        for name in (names if isinstance(names, tuple) else (names,))
+    ]
+    for cls in classes:
+        assert cls.__name__ in dcp_storage.__all__ and cls.__name__.endswith("Config"), cls
+        assert dataclasses.is_dataclass(cls)
+    # every *_config keyword a storage class takes is annotated with one of them
+    for name in [*STORAGE_CLASSES, "BroadcastingTorchSaveReader"]:
+        for param, p in inspect.signature(getattr(dcp_storage, name)).parameters.items():
+            if param.endswith("_config"):
+                assert any(cls.__name__ in str(p.annotation) for cls in classes), (name, param, p.annotation)
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new"),
+    [
+        ("dcp_storage.formats.dcp_native.item_loader", "ItemLoaderConfig", "DcpLoaderConfig"),
+        ("dcp_storage.formats.safetensors.loader", "LoaderConfig", "SafetensorsLoaderConfig"),
+        ("dcp_storage.formats.safetensors.scan", "ScanConfig", "SafetensorsScanConfig"),
+        ("dcp_storage.formats.torch_save.archive", "ArchiveConfig", "TorchSaveArchiveConfig"),
+        ("dcp_storage.formats.torch_save", "ArchiveConfig", "TorchSaveArchiveConfig"),
+        ("dcp_storage.plugin_api", "ItemLoaderConfig", "DcpLoaderConfig"),
+        ("dcp_storage", "share_object", "share_object"),
+    ],
+)
+def test_old_names_warn_and_resolve_to_the_new_ones(module: str, old: str, new: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=old):
+        value = getattr(mod, old)
+    home = dcp_storage.plugin_api if new == "share_object" else dcp_storage
+    assert value is getattr(home, new)
+    assert old not in getattr(mod, "__all__", ())
+
+
+def test_share_object_is_plugin_plumbing_not_a_top_level_name() -> None:
+    assert "share_object" not in dcp_storage.__all__
+    assert "share_object" in dcp_storage.plugin_api.__all__
+
+
+class _Strategy(ReadStrategies.per_rank().__class__):  # a plugin's read strategy: any ReadStrategy
+    pass
+
+
+def test_a_read_strategy_plugin_is_chosen_by_name() -> None:
+    with registry.registered("strategies", "test-read", _Strategy):
+        assert isinstance(ReadStrategies.named("test-read"), _Strategy)
+        assert isinstance(choose_read_strategy(None, "test-read", is_local=True), _Strategy)  # the storage option
+    with registry.registered("strategies", "test-prefix", dcp_storage.HexPrefixStrategy):
+        with pytest.raises(
+            TypeError, match=r"must be a ReadStrategy, got HexPrefixStrategy \(registered as 'test-prefix'\)"
+        ):
+            ReadStrategies.named("test-prefix")
+    with pytest.raises(ValueError, match="unknown read strategy 'nope'; choose one of per_rank, read_once, per_host"):
+        ReadStrategies.named("nope")
+
+
+def test_a_planner_plugin_is_chosen_by_name() -> None:
+    with registry.registered("planners", "test-planner", DefaultLoadPlanner):
+        assert isinstance(_planner("test-planner"), DefaultLoadPlanner)
+    with registry.registered("planners", "test-not-a-planner", dict):
+        with pytest.raises(TypeError, match=r"planner must be a torch LoadPlanner, got dict"):
+            _planner("test-not-a-planner")
+    with pytest.raises(registry.PluginNotFoundError, match="no planners plugin named 'nope'"):
+        _planner("nope")
+    given = DefaultLoadPlanner()
+    assert _planner(given) is given and _planner(None) is None
