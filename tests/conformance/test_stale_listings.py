@@ -1,0 +1,31 @@
+"""Whole-file reads with a limit read the file as it is now, not as a cached listing last saw it.
+
+fsspec filesystems cache listings by default (adlfs answers ``size`` from them), and a checkpoint directory
+is listed before its ``.metadata`` or index is read. Another process may write or rewrite the file in
+between (a save finishing on another rank, an overwrite): the read must return its current bytes, never a
+prefix cut at a stale size, and never a non-library error for a file the listing did not have yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dcp_storage.transports import FsspecTransport
+
+
+@pytest.mark.parametrize("backend", ["az", "gs"])
+def test_a_file_rewritten_or_created_after_a_listing_reads_whole(backend: str, request: pytest.FixtureRequest) -> None:
+    server: Any = request.getfixturevalue("azurite_server" if backend == "az" else "gcs_server")
+    url, options = server.new_location("ckpt", skip_instance_cache=True)  # listings cache on, as users have it
+    reader, root = FsspecTransport.from_url(url, options)
+    writer, _ = FsspecTransport.from_url(url, dict(options))  # another process: its own filesystem and cache
+    with reader, writer:
+        grown, late = reader.join(root, ".metadata"), reader.join(root, "model.safetensors.index.json")
+        writer.write_file(grown, b"a" * 100)
+        assert reader.listdir(root) == [".metadata"]  # the listing (and its sizes) is cached now
+        writer.write_file(grown, b"b" * 200)
+        writer.write_file(late, b"c" * 10)
+        assert reader.read_file(grown, max_bytes=1_000) == b"b" * 200
+        assert reader.read_file(late, max_bytes=1_000) == b"c" * 10
