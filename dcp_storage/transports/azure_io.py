@@ -100,7 +100,10 @@ def azure_read(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     """
     if max_bytes is None:
         return sync(fs.loop, _download, fs, path, None, None)[0]
-    size = int(fs.info(path, refresh=True)["size"])
+    info = fs.info(path, refresh=True)
+    if info.get("type") != "file" or info.get("size") is None:  # a prefix of other blobs: no blob by that name
+        raise FileNotFoundError(errno.ENOENT, "no blob (a directory of other blobs)", path)
+    size = int(info["size"])
     if size > max_bytes:
         raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)
     if size == 0:
