@@ -18,10 +18,12 @@ from dcp_storage.transports import FsspecTransport
 
 from .conftest import Location
 
+_SERVERS = {"az": "azurite_server", "gs": "gcs_server", "s3": "moto_server"}
 
-@pytest.mark.parametrize("backend", ["az", "gs"])
+
+@pytest.mark.parametrize("backend", sorted(_SERVERS))
 def test_a_file_rewritten_or_created_after_a_listing_reads_whole(backend: str, request: pytest.FixtureRequest) -> None:
-    server: Any = request.getfixturevalue("azurite_server" if backend == "az" else "gcs_server")
+    server: Any = request.getfixturevalue(_SERVERS[backend])
     url, options = server.new_location("ckpt", skip_instance_cache=True)  # listings cache on, as users have it
     reader, root = FsspecTransport.from_url(url, options)
     writer, _ = FsspecTransport.from_url(url, dict(options))  # another process: its own filesystem and cache
