@@ -55,6 +55,7 @@ from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import Transport, TransportConfig
 from ..transports.buckets import prepare_output
 from ..transports.budget import ByteBudget
+from ..transports.s3_upload import upload_memory
 from .claim import ClaimingWriter, lock_name, refuse_existing
 from .fsspec_reader import _is_fsspec_url
 from .location import BoundLocation
@@ -212,7 +213,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
             # What the file costs in memory while in flight: its buffer (or its upload's parts) and, measured
             # on moto and s3rver, about twice that again in the HTTP stack (copies of what the socket has not
             # taken yet): peak RSS was 3x the budget when it counted the buffer once, 1.7-1.9x when twice.
-            held = 3 * min(size, (parts + 1) * part_size) if not local else 0
+            held = 3 * upload_memory(size, part_size, parts) if not local else 0
             budget.acquire(held)
             try:
                 return self._write_file(name, items, planner, in_memory=not local and size <= part_size)

@@ -68,7 +68,8 @@ def check_each_answer(pipeline_response: Any, whole: bool = False) -> None:
         check_range_answer(*asked, response.status_code, response.headers.get("Content-Range"), size)
 
 
-async def _download(fs: Any, path: str, start: int | None, end: int | None) -> bytes:
+async def _download(fs: Any, path: str, start: int | None, end: int | None) -> tuple[bytes, int]:
+    """The bytes, and the blob's whole size when they were served (from the answer's ``Content-Range``)."""
     from azure.core.exceptions import ResourceNotFoundError  # adlfs depends on it; fs is adlfs's here
 
     whole = start is None or end is None
@@ -85,24 +86,32 @@ async def _download(fs: Any, path: str, start: int | None, end: int | None) -> b
             )
         except ResourceNotFoundError as exc:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from exc
-        return bytes(await stream.readall())
+        return bytes(await stream.readall()), int(stream.properties.size)
 
 
 def azure_read(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     """The whole blob at ``path`` (``.metadata``, an index file); a ``200`` the SDK cannot read is refused.
 
-    With ``max_bytes``: the blob's size comes first (its properties); a larger blob raises
-    :class:`~dcp_storage.errors.FileTooLargeError` with none of it read, and a blob that grew since is read
-    only up to the size seen (an exact, checked range), so nothing unbounded is ever allocated.
+    With ``max_bytes``: the blob's size comes first, from its properties (not from a listing adlfs cached:
+    the blob may have been rewritten since); a larger blob raises
+    :class:`~dcp_storage.errors.FileTooLargeError` with none of it read. Then exactly that many bytes are
+    read (an exact, checked range), so nothing unbounded is ever allocated; a blob rewritten in between
+    (the answer names another size) raises a range mismatch, retried, never a prefix taken for the whole.
     """
     if max_bytes is None:
-        return bytes(sync(fs.loop, _download, fs, path, None, None))
-    size = int(fs.size(path))
+        return sync(fs.loop, _download, fs, path, None, None)[0]
+    info = fs.info(path, refresh=True)
+    if info.get("type") != "file" or info.get("size") is None:  # a prefix of other blobs: no blob by that name
+        raise FileNotFoundError(errno.ENOENT, "no blob (a directory of other blobs)", path)
+    size = int(info["size"])
     if size > max_bytes:
         raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)
     if size == 0:
         return b""
-    return bytes(sync(fs.loop, _download, fs, path, 0, min(size, max_bytes + 1)))
+    data, now = sync(fs.loop, _download, fs, path, 0, size)
+    if now != size:
+        raise range_mismatch(0, size, f"bytes of a blob now {now} bytes long (rewritten while read)")
+    return data
 
 
 def azure_read_range(fs: Any, path: str, start: int, end: int) -> bytes:
@@ -110,4 +119,4 @@ def azure_read_range(fs: Any, path: str, start: int, end: int) -> bytes:
 
     The caller checks the body's length.
     """
-    return bytes(sync(fs.loop, _download, fs, path, start, end))
+    return sync(fs.loop, _download, fs, path, start, end)[0]

@@ -180,7 +180,7 @@ class FsspecTransport:
     @property
     def parts_in_flight(self) -> int:
         """Multipart parts one upload keeps in flight: a quarter of the in-flight budget (at least one), so a
-        few files can upload at once within it; memory per upload is this plus one, times ``part_size``."""
+        few files can upload at once within it; memory per upload: :func:`~.s3_upload.upload_memory`."""
         return max(1, min(8, self.config.max_inflight_bytes // self.config.part_size // 4))
 
     def executor(self) -> ThreadPoolExecutor:

@@ -31,6 +31,7 @@ from typing import IO, Any
 
 from fsspec import asyn
 
+from .http_io import read_prefix
 from .range_check import read_range_body
 
 __all__ = [
@@ -48,7 +49,6 @@ __all__ = [
 
 _CONTENT_TYPE = "application/octet-stream"
 _ERROR_BODY_MAX = 64 * 1024  # of an error answer, enough for GCS's JSON message
-_PIECE = 1024 * 1024  # read size of a bounded whole-object read
 
 
 def _single_attempt(fs: Any) -> Any:
@@ -96,13 +96,7 @@ async def _get_prefix(fs: Any, path: str, limit: int) -> bytearray:
     async with fs.session.get(fs.url(path), params=params, headers=headers, timeout=fs.requests_timeout) as r:
         if r.status >= 400:
             validate_response(r.status, await r.content.read(_ERROR_BODY_MAX), path)
-        out = bytearray()
-        while len(out) < limit:
-            piece = await r.content.read(min(_PIECE, limit - len(out)))
-            if not piece:
-                break
-            out += piece
-        return out
+        return await read_prefix(r.content, limit)
 
 
 async def _get_range(fs: Any, path: str, start: int, end: int) -> bytes:

@@ -6,6 +6,10 @@ caller cannot tell. :func:`http_read_range` makes the same request on fsspec's o
 client options (``headers``, auth, ...) and its error mapping (404 is ``FileNotFoundError``, other errors
 aiohttp's ``ClientResponseError`` with the status), and checks status, ``Content-Range`` and length before
 reading the body (:mod:`.range_check`). Retries stay with the transport's retry layer.
+
+For the same reason a whole (small) file read with a limit (:func:`http_read`) is one streamed ``GET``
+that stops after ``limit + 1`` bytes: ``cat_file`` reads whole whatever body comes back, so a server that
+gives no size, or ignores ``Range`` and sends ``200`` with a huge body, would otherwise be held whole.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from fsspec.asyn import sync
 
 from .range_check import read_range_body
 
-__all__ = ["http_read_range", "is_http"]
+__all__ = ["http_read", "http_read_range", "is_http", "read_prefix"]
 
+_PIECE = 1024 * 1024  # read size of a bounded whole-file read
 _HOOKS = ("set_session", "encode_url", "kwargs", "loop", "_raise_not_found_for_status")
 
 
@@ -39,3 +44,29 @@ async def _get_range(fs: Any, url: str, start: int, end: int) -> bytes:
 def http_read_range(fs: Any, url: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of ``url``: exactly those, or :class:`~.range_check.RangeMismatchError`."""
     return bytes(sync(fs.loop, _get_range, fs, url, start, end))
+
+
+async def read_prefix(stream: Any, limit: int) -> bytearray:
+    """The first ``limit`` bytes of an aiohttp body ``stream`` (all of it when shorter); the rest is not read."""
+    out = bytearray()
+    while len(out) < limit:
+        piece = await stream.read(min(_PIECE, limit - len(out)))
+        if not piece:
+            break
+        out += piece
+    return out
+
+
+async def _get_prefix(fs: Any, url: str, limit: int) -> bytearray:
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), **fs.kwargs) as response:
+        fs._raise_not_found_for_status(response, url)
+        return await read_prefix(response.content, limit)
+
+
+def http_read(fs: Any, url: str, max_bytes: int | None = None) -> bytes:
+    """The whole body at ``url``; with ``max_bytes``, at most ``max_bytes + 1`` bytes of it (the caller
+    refuses a result that long), streamed, whatever size the server claims or withholds."""
+    if max_bytes is None:
+        return fs.cat_file(url)  # type: ignore[no-any-return]
+    return bytes(sync(fs.loop, _get_prefix, fs, url, max_bytes + 1))

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import FileTooLargeError
 from .azure_io import azure_read, azure_read_range, is_azure
 from .gcs_io import gcs_read, gcs_read_range, is_gcs
-from .http_io import http_read_range, is_http
+from .http_io import http_read, http_read_range, is_http
 
 __all__ = ["RangeReader", "buffered_range_reader", "whole_file_reader"]
 
@@ -52,10 +52,10 @@ def _cat_whole(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
 
 def whole_file_reader(fs: Any) -> Callable[..., bytes]:
     """``read(path, max_bytes=None) -> bytes`` of a whole (small) file on ``fs``, s3fs aside (see
-    :mod:`.s3_stream`). With ``max_bytes`` it raises :class:`~dcp_storage.errors.FileTooLargeError` for a
-    file the store says is larger, and otherwise returns at most ``max_bytes + 1`` bytes, having allocated
-    no more than that (the caller refuses a result that long)."""
-    for matches, read in ((is_gcs, gcs_read), (is_azure, azure_read)):
+    :mod:`.s3_stream`; HTTP is streamed, see :mod:`.http_io`). With ``max_bytes`` it raises
+    :class:`~dcp_storage.errors.FileTooLargeError` for a file the store says is larger, and otherwise returns
+    at most ``max_bytes + 1`` bytes, having allocated no more than that (the caller refuses a result that long)."""
+    for matches, read in ((is_gcs, gcs_read), (is_azure, azure_read), (is_http, http_read)):
         if matches(fs):
             return functools.partial(read, fs)
     return functools.partial(_cat_whole, fs)

@@ -6,15 +6,16 @@ connection during a save loses the whole file. :class:`S3AtomicUpload` keeps eac
 has acknowledged them, so each request (create, every part, complete, or the single PUT) is retried on
 its own by the transport's retry layer. An upload that finally fails is aborted; nothing becomes visible.
 
-Parts go up concurrently when the caller gives an executor: up to ``max_pending`` parts are in flight
-while the writer fills the next one, so serialising and uploading overlap and memory stays at
-``(max_pending + 1) * part_size``. Each part's bytes are the buffer they were gathered in (handed over,
+Parts go up concurrently when the caller gives an executor: up to ``max_pending * part_size`` bytes of
+parts are in flight (at least one part) while the writer fills the next one, so serialising and uploading
+overlap and memory stays at ``max_pending * part_size`` plus the part being filled
+(:func:`upload_memory`). Each part's bytes are the buffer they were gathered in (handed over,
 never copied again).
 
 S3 allows 10,000 parts per upload. So that a small ``part_size`` (more parts in flight within the same
 memory) does not also cap the object's size, the part size doubles after every 1,000 parts
 (:func:`part_size_at`): from 16 MiB, the first 15.6 GiB go in 16 MiB parts and 10,000 parts reach S3's
-5 TiB object limit; only objects beyond 15.6 GiB pay more memory per part.
+5 TiB object limit; only objects beyond 15.6 GiB pay more memory, for the larger part being filled.
 
 Requests go to s3fs's botocore client directly (:func:`~dcp_storage.transports.s3_stream.s3_call`), with
 the credentials, endpoint and ``s3_additional_kwargs`` of the filesystem.
@@ -34,7 +35,7 @@ from typing import Any, TypeVar
 from ..errors import TransportError
 from .s3_stream import s3_call
 
-__all__ = ["MAX_PARTS", "Runner", "S3AtomicUpload", "part_size_at", "put_object"]
+__all__ = ["MAX_PARTS", "Runner", "S3AtomicUpload", "part_size_at", "put_object", "upload_memory"]
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -52,6 +53,18 @@ def part_size_at(number: int, base: int) -> int:
     """The size of part ``number`` (1-based) of an upload that starts at ``base``: doubled every 1,000 parts,
     at most S3's 5 GiB."""
     return min(base << ((number - 1) // _PARTS_PER_SIZE), _MAX_PART)
+
+
+def upload_memory(size: int, base: int, max_pending: int) -> int:
+    """The most bytes an upload of a ``size``-byte object holds: parts in flight, and the part being filled
+    (the largest one it reaches: parts grow past ``base`` only beyond 1,000 parts)."""
+    done, number = 0, 1
+    while True:
+        part = part_size_at(number, base)
+        if size <= done + _PARTS_PER_SIZE * part or part == _MAX_PART:
+            return min(size, max_pending * base + part)
+        done += _PARTS_PER_SIZE * part
+        number += _PARTS_PER_SIZE
 
 
 def put_object(fs: Any, path: str, data: bytes | bytearray | memoryview, runner: Runner) -> None:
@@ -87,7 +100,7 @@ class S3AtomicUpload:
         self._run = runner
         self._executor = executor
         self._max_pending = max(1, max_pending)
-        self._pending: deque[Future[None]] = deque()
+        self._pending: deque[tuple[int, Future[None]]] = deque()  # (bytes, upload) of parts in flight
         self._buffer = bytearray()
         self._upload_id: str | None = None
         self._parts: dict[int, dict[str, Any]] = {}
@@ -134,7 +147,7 @@ class S3AtomicUpload:
         return out
 
     def _send(self, body: bytearray) -> None:
-        """Upload ``body`` as the next part: now, or on the executor once fewer than ``max_pending`` are out."""
+        """Upload ``body`` as the next part: now, or on the executor once the parts out leave room for it."""
         if self._upload_id is None:
             created = self._call("create_multipart_upload", "start multipart upload of")
             self._upload_id = str(created["UploadId"])
@@ -147,9 +160,12 @@ class S3AtomicUpload:
         if self._executor is None:
             self._upload_part(self._numbers, body)
             return
-        while len(self._pending) >= self._max_pending:
-            self._pending.popleft().result()  # the oldest part's failure, if any, ends the upload here
-        self._pending.append(self._executor.submit(self._upload_part, self._numbers, body))
+        # Bytes, not parts, are bounded: parts that doubled leave fewer in flight (at least one), so memory
+        # stays within ``max_pending * part_size`` (what the writer's budget counts) as the object grows.
+        limit = self._max_pending * self.part_size
+        while self._pending and sum(n for n, _ in self._pending) + len(body) > limit:
+            self._pending.popleft()[1].result()  # the oldest part's failure, if any, ends the upload here
+        self._pending.append((len(body), self._executor.submit(self._upload_part, self._numbers, body)))
 
     def _upload_part(self, number: int, body: bytearray) -> None:
         out = self._call(
@@ -170,7 +186,7 @@ class S3AtomicUpload:
         first: BaseException | None = None
         while self._pending:
             try:
-                self._pending.popleft().result()
+                self._pending.popleft()[1].result()
             except BaseException as exc:  # noqa: BLE001 - re-raised below, once nothing runs any more
                 first = first or exc
         if first is not None:

@@ -19,11 +19,11 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
-from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, TransportError
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, FileTooLargeError, TransportError
 from dcp_storage.transports import FsspecTransport, RangeRequest, RetryPolicy, TransportConfig
 
 MiB = 1024 * 1024
@@ -614,7 +614,16 @@ class _BlobHandler(BaseHTTPRequestHandler):
 
 @contextlib.contextmanager
 def blob_server(blob: bytes, mode: str = "503", fail_first: int = 0) -> Iterator[_BlobServer]:
-    server = _BlobServer(blob, mode, fail_first)
+    with serving(_BlobServer(blob, mode, fail_first)) as server:
+        yield server
+
+
+S = TypeVar("S", bound=ThreadingHTTPServer)
+
+
+@contextlib.contextmanager
+def serving(server: S) -> Iterator[S]:
+    """Run ``server`` on a thread for the block."""
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
@@ -703,3 +712,63 @@ def test_http_range_past_end_is_corrupt_not_retried() -> None:
                     t.read_ranges([RangeRequest(path, start, end)])
                 assert server.url in str(info.value)
         assert t.counters.retries == 0
+
+
+# ------------------------------------------------------------------ HTTP whole-file reads with a limit
+# ``read_file(path, max_bytes=...)`` holds at most ``max_bytes + 1`` bytes of a hostile ``.metadata`` or index
+# file: a server that gives no size, or ignores ``Range`` and sends 200 with a huge body, included.
+
+HUGE = 32 * 1024 * 1024  # what the server streams, whatever was asked
+LIMIT = 1_000
+
+
+class _HugeServer(ThreadingHTTPServer):
+    """Serves ``/blob``: ``HEAD`` claims ``head_size`` (or no size), ``GET`` ignores ``Range`` and sends 200."""
+
+    daemon_threads = True
+
+    def __init__(self, head_size: int | None, with_length: bool) -> None:
+        super().__init__(("127.0.0.1", 0), _HugeHandler)
+        self.head_size = head_size
+        self.with_length = with_length
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/blob"
+
+
+class _HugeHandler(BaseHTTPRequestHandler):
+    server: _HugeServer
+    protocol_version = "HTTP/1.0"  # without Content-Length the body ends with the connection
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+        pass
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        if self.server.head_size is not None:
+            self.send_header("Content-Length", str(self.server.head_size))
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        self.send_response(200)  # Range ignored
+        if self.server.with_length:
+            self.send_header("Content-Length", str(HUGE))
+        self.end_headers()
+        piece = bytes(1024 * 1024)
+        with contextlib.suppress(OSError):  # the client may stop reading and close
+            for _ in range(HUGE // len(piece)):
+                self.wfile.write(piece)
+
+
+@pytest.mark.parametrize(
+    ("head_size", "with_length"),
+    [(None, False), (None, True), (100, False), (100, True)],
+    ids=["no-size-chunked", "no-size-then-huge-length", "small-head-chunked", "small-head-huge-length"],
+)
+def test_http_whole_read_with_a_limit_holds_no_more_than_the_limit(head_size: int | None, with_length: bool) -> None:
+    with serving(_HugeServer(head_size, with_length)) as server:
+        t, path = _http_transport(server.url)
+        with t, pytest.raises(FileTooLargeError, match="blob"):
+            t.read_file(path, max_bytes=LIMIT)
+        assert t.counters.bytes_read <= LIMIT + 1

@@ -8,7 +8,10 @@ and upload 5 MiB parts (the S3 minimum) to moto.
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -67,3 +70,52 @@ def test_more_parts_than_s3_allows_fails_and_leaves_nothing(
         upload.commit()
     upload.abort()
     assert not fs.exists(path)
+
+
+def test_parts_in_flight_hold_no_more_bytes_once_parts_grow(
+    s3_url: S3Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_pending`` bounds the bytes of parts in flight (``max_pending * part_size``), not their count: parts
+    that doubled must not double the upload's memory (the writer's budget counts ``part_size`` per part)."""
+    monkeypatch.setattr(s3_upload, "_PARTS_PER_SIZE", 2)
+    fs = S3FileSystem(**s3_url.storage_options)
+    path = s3_url.url.removeprefix("s3://") + "/bounded"
+    lock = threading.Lock()
+    flying, peak = 0, 0
+
+    def run(fn: Callable[[], Any], what: str) -> Any:
+        nonlocal flying, peak
+        size = int(what.split("(", 1)[1].split(" ", 1)[0]) if what.startswith("upload part") else 0
+        with lock:
+            flying += size
+            peak = max(peak, flying)
+        try:
+            time.sleep(0.05 if size else 0)  # a slow link: parts pile up to the limit
+            return fn()
+        finally:
+            with lock:
+                flying -= size
+
+    data = random.Random(4).randbytes(60 * MiB)  # parts of 5, 5, 10, 10, 20 and 10 MiB
+    with ThreadPoolExecutor(8) as pool:
+        upload = S3AtomicUpload(fs, path, 5 * MiB, run, pool, max_pending=2)
+        for pos in range(0, len(data), MiB):
+            upload.write(data[pos : pos + MiB])
+        upload.commit()
+    assert fs.cat_file(path) == data
+    assert peak <= 20 * MiB, peak  # max_pending * part_size (10 MiB), or one part larger than that alone
+
+
+def test_upload_memory_counts_the_larger_part_being_filled() -> None:
+    """What the writer's budget counts per object in flight: past 1,000 parts the part being filled is
+    larger than ``part_size`` (a 100 GiB object at 16 MiB fills 64 MiB parts), and is counted as such."""
+    base, pending = 16 * MiB, 8
+    for size in (0, 1, base, 9 * base, 1000 * base, 1000 * base + 1, 100 * 1024**3, 6 * 1024**4):
+        done, number, largest = 0, 0, 0
+        while done < size and number < s3_upload.MAX_PARTS:  # the parts of the object, one by one
+            number += 1
+            largest = part_size_at(number, base)
+            done += largest
+        expected = min(size, pending * base + max(largest, base))
+        assert s3_upload.upload_memory(size, base, pending) == expected, size
+    assert s3_upload.upload_memory(100 * 1024**3, base, pending) == pending * base + 64 * MiB
