@@ -11,8 +11,8 @@ from typing import Any
 
 from ..errors import DcpStorageError
 from ..formats.completeness import find_leftovers
-from ..transports.factory import open_transport
 from ..formats.reports import VerifyReport
+from ..transports.factory import open_transport
 from .uploads import list_pending_uploads
 
 __all__ = ["check_leftovers"]

@@ -45,7 +45,7 @@ from ..formats.safetensors.loader import SafetensorsItemLoader, SafetensorsLoade
 from ..formats.safetensors.scan import SafetensorsScanConfig, scan_metadata
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
-from ..strategies.metadata_sharing import share_object
+from ..strategies.metadata_sharing import share_within_load
 from ..strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from ..transports import Transport, TransportConfig
 from .location import BoundLocation
@@ -148,8 +148,9 @@ class SafetensorsReader(BoundLocation, StorageReader):
             # dcp.load asks for per-rank metadata only after the global read failed; there is none here.
             raise CheckpointNotFoundError(f"{self.path}: safetensors checkpoints have no per-rank metadata")
         if self.broadcast_metadata:
-            # The coordinator scans; its result or its error reaches every rank (see share_object).
-            shared = share_object(self._scan, group=self.process_group, src_rank=self.coordinator_rank)
+            # Inside a distributed dcp.load the coordinator scans and its result or its error reaches every rank;
+            # called on one rank outside a load (to look at keys), it scans alone (see share_within_load).
+            shared = share_within_load(self._scan, group=self.process_group, src_rank=self.coordinator_rank)
         else:
             shared = self._scan()
         self.root, metadata, self._sums = shared

@@ -48,8 +48,11 @@ class TransportConfig:
             raise ValueError("TransportConfig byte limits must be >= 1")
         if self.coalesce_gap is not None and self.coalesce_gap < 0:
             raise ValueError(f"TransportConfig.coalesce_gap must be >= 0, got {self.coalesce_gap}")
-        if self.part_size < 5 * MiB:
-            raise ValueError("TransportConfig.part_size must be >= 5 MiB (the S3 minimum part size)")
+        if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
+            raise ValueError(
+                f"TransportConfig.part_size must be between 5 MiB and 5 GiB (S3's smallest and largest part), "
+                f"got {self.part_size}"
+            )
 
 
 def resolve_config(config: TransportConfig, is_local: bool) -> TransportConfig:

@@ -47,7 +47,9 @@ def _cat_whole(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
         return fs.cat_file(path, start=0, end=max_bytes + 1)  # type: ignore[no-any-return]
     if int(size) > max_bytes:
         raise FileTooLargeError(fs.unstrip_protocol(path), int(size), max_bytes)
-    return fs.cat_file(path, start=0, end=int(size) + 1)  # type: ignore[no-any-return]
+    # Up to the limit, not the size seen: a size from a cached listing may be stale, and a file that grew
+    # must come back whole (or past the limit, and refused), never cut to its old size.
+    return fs.cat_file(path, start=0, end=max_bytes + 1)  # type: ignore[no-any-return]
 
 
 def whole_file_reader(fs: Any) -> Callable[..., bytes]:

@@ -510,6 +510,7 @@ def test_transport_config_validation() -> None:
         {"max_request_bytes": 0},
         {"coalesce_gap": -1},
         {"part_size": 5 * MiB - 1},
+        {"part_size": 5 * 1024 * MiB + 1},  # past S3's largest part
     ):
         with pytest.raises(ValueError):
             TransportConfig(**kwargs)
