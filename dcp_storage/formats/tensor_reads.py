@@ -15,24 +15,22 @@ transport would fetch after coalescing the runs, without a request object per ru
 On a local disk a slice of many runs (a ``Shard(1)`` slice: one run per row) skips the request machinery:
 runs under 1 MiB are copied out of a memory map with one strided ``copy_`` (:func:`_copy_from_map`),
 longer ones are read by a tight loop of ``preadv`` calls (:func:`_copy_mapped`); either way only the
-slice's own bytes are copied.
+slice's own bytes are copied. Both are the transport's (the optional
+:class:`~dcp_storage.transports.LocalRunReads` protocol, :mod:`dcp_storage.transports.local_runs`).
 """
 
 from __future__ import annotations
 
 import math
-import mmap
-import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CorruptCheckpointError, ShapeMismatchError
+from ..errors import ShapeMismatchError
 from ..tensor_buffers import host_buffer, writable_bytes
-from ..transports import LocalFileAccess, RangeRequest, Transport
-from ..transports.local_io import LocalFiles
+from ..transports import LocalFileAccess, LocalRunReads, RangeRequest, RunsRead, Transport
+from ..transports.local_runs import LocalRuns
 from .slices import count_runs, is_row_major, row_major_runs, slice_runs
 
 __all__ = ["SliceRead", "StoredTensor", "dense_gap_of", "plan_slice_read", "read_slices"]
@@ -232,32 +230,19 @@ def _copy_mapped(transport: Transport, works: list[SliceRead]) -> None:
     One ``preadv`` per run straight into the destination (or staging) memory: no per-run request
     objects, no coalescing (gaps are never read). Measured here on a ``Shard(1)`` reshard: about 3 GB/s
     per thread, against about 2 GB/s for a strided copy out of a fresh memory map (page-fault bound).
-    Runs are split into chunks spread over the transport's worker threads (``preadv`` drops the GIL).
+    The transport spreads the runs over its worker threads (:meth:`~.LocalRunReads.read_runs`).
     """
-    jobs = []
-    futures: list[Future[None]] = []
-    files = _local_files(transport)
-    try:
-        for work in works:
-            stored, offsets = work.mapped  # type: ignore[misc]
-            fd = files.fd(stored.path, stored.where)
-            target = work.staging if work.staging is not None else work.dest
-            item = stored.itemsize
-            starts, run_bytes = slice_runs(
-                stored.shape, offsets, work.lengths, item, stored.data_offset + stored.storage_offset * item
-            )
-            view = writable_bytes(target)
-            for lo in range(0, len(starts), _RUNS_PER_JOB):
-                jobs.append((fd, stored.where, starts[lo : lo + _RUNS_PER_JOB], run_bytes, view, lo))
-            transport.counters.add(requests=len(starts), bytes_read=len(starts) * run_bytes)
-            work.mapped = None
-        pool = transport.executor()
-        futures = [pool.submit(_pread_runs, *job) for job in jobs]
-        for future in futures:
-            future.result()
-    finally:
-        wait(futures)  # no job may still read a descriptor closed below
-        files.close()
+    reads = []
+    for work in works:
+        stored, offsets = work.mapped  # type: ignore[misc]
+        target = work.staging if work.staging is not None else work.dest
+        item = stored.itemsize
+        starts, run_bytes = slice_runs(
+            stored.shape, offsets, work.lengths, item, stored.data_offset + stored.storage_offset * item
+        )
+        reads.append(RunsRead(stored.path, starts, run_bytes, writable_bytes(target), stored.where))
+        work.mapped = None
+    _run_reads(transport).read_runs(reads)
 
 
 def _copy_from_map(transport: Transport, works: list[SliceRead]) -> None:
@@ -270,67 +255,36 @@ def _copy_from_map(transport: Transport, works: list[SliceRead]) -> None:
     closed right after its copy, so mapped page-cache pages never add up in a rank's RSS beyond the
     largest tensor. Maps are private and never written.
     """
-    files = _local_files(transport)
-    try:
-        for work in works:
-            stored, offsets = work.mapped  # type: ignore[misc]
-            fd = files.fd(stored.path, stored.where)
-            item = stored.itemsize
-            base = stored.data_offset + stored.storage_offset * item
-            extent = base + (sum((s - 1) * st for s, st in zip(stored.shape, stored.stride)) + 1) * item
-            size = os.fstat(fd).st_size
-            if extent > size:
-                raise CorruptCheckpointError(
-                    f"{stored.where}: the tensor's data ends at byte {extent} but the file has {size} (truncated?)"
-                )
-            start = base - base % mmap.ALLOCATIONGRANULARITY
-            mm = mmap.mmap(fd, extent - start, offset=start, access=mmap.ACCESS_COPY)
-            try:
-                region = torch.frombuffer(mm, dtype=torch.uint8)
-                # In bytes: inside the file the data need not be aligned to the element size.
-                src = region.as_strided(
-                    (*stored.shape[:-1], stored.shape[-1] * item),
-                    (*(st * item for st in stored.stride[:-1]), 1),
-                    base - start,
-                )
-                for dim, (off, length) in enumerate(zip(offsets, work.lengths)):
-                    scale = item if dim == len(offsets) - 1 else 1
-                    src = src.narrow(dim, off * scale, length * scale)
-                target = work.staging if work.staging is not None else work.dest
-                target.view(torch.uint8).view(src.shape).copy_(src)
-                nbytes = src.numel()
-                del src, region
-            finally:
-                try:
-                    mm.close()
-                except BufferError:  # a view is still alive: the map closes when it is collected
-                    pass
-            transport.counters.add(requests=1, bytes_read=nbytes)
-            work.mapped = None
-    finally:
-        files.close()
+    runs = _run_reads(transport)
+    for work in works:
+        stored, offsets = work.mapped  # type: ignore[misc]
+        item = stored.itemsize
+        base = stored.data_offset + stored.storage_offset * item
+        extent = base + (sum((s - 1) * st for s, st in zip(stored.shape, stored.stride)) + 1) * item
+        with runs.map_region(stored.path, base, extent, stored.where) as (mm, at):
+            region = torch.frombuffer(mm, dtype=torch.uint8)
+            # In bytes: inside the file the data need not be aligned to the element size.
+            src = region.as_strided(
+                (*stored.shape[:-1], stored.shape[-1] * item), (*(st * item for st in stored.stride[:-1]), 1), at
+            )
+            for dim, (off, length) in enumerate(zip(offsets, work.lengths)):
+                scale = item if dim == len(offsets) - 1 else 1
+                src = src.narrow(dim, off * scale, length * scale)
+            target = work.staging if work.staging is not None else work.dest
+            target.view(torch.uint8).view(src.shape).copy_(src)
+            nbytes = src.numel()
+            del src, region
+        transport.counters.add(requests=1, bytes_read=nbytes)
+        work.mapped = None
 
 
-def _local_files(transport: Transport) -> LocalFiles:
-    """The local descriptors behind the fast paths above (planned only for ``is_local`` transports)."""
-    if not isinstance(transport, LocalFileAccess):
-        raise TypeError(f"{type(transport).__name__} is local but has no local_files(): see LocalFileAccess")
-    return transport.local_files()
+def _run_reads(transport: Transport) -> LocalRunReads:
+    """The local fast path of ``transport``: its own methods, or :class:`LocalRuns` over its ``local_files()``."""
+    if isinstance(transport, LocalRunReads):
+        return transport
+    if isinstance(transport, LocalFileAccess):
+        return LocalRuns(transport)
+    raise TypeError(f"{type(transport).__name__} is local but has no local_files(): see LocalFileAccess")
 
 
 _MAP_BELOW_RUN_BYTES = 1 << 20  # runs shorter than this are copied from a map, longer ones pread
-
-
-_RUNS_PER_JOB = 4096
-
-
-def _pread_runs(fd: int, where: str, starts: list[int], run_bytes: int, view: memoryview, first: int) -> None:
-    pread = os.preadv
-    pos = first * run_bytes
-    for start in starts:
-        got = pread(fd, [view[pos : pos + run_bytes]], start)
-        if got != run_bytes:
-            raise CorruptCheckpointError(
-                f"{where}: short read at byte {start} ({got} of {run_bytes} bytes; truncated file?)"
-            )
-        pos += run_bytes

@@ -2,7 +2,9 @@
 
 A save claims its location by creating a small object that must not exist yet
 (:mod:`dcp_storage.storage.claim`). Checking first and writing second is not enough: two writers both see
-"absent" and both write. Each store has an atomic primitive, used here:
+"absent" and both write. Each store has an atomic primitive, which its transport's ``create_new`` uses
+(the primitives of the local disk and S3 are here, GCS's in :mod:`.gcs_io`, fsspec's in
+:meth:`.FsspecTransport._put_if_absent`):
 
 * local disk: ``open(O_CREAT | O_EXCL)``, then the bytes. No ``fsync``: every process sees the file at
   once, and a claim only has to outlive its save's process, not the machine (after a power loss no save
@@ -18,7 +20,7 @@ A save claims its location by creating a small object that must not exist yet
   limit, stated in the README).
 
 A request retried after a lost response (the store created the object, the answer never arrived) sees its
-own object and would report "exists": :func:`create_new` then compares the stored bytes with its own (the
+own object and would report "exists": :meth:`~.FsspecTransport.create_new` then compares (:func:`holds`) the stored bytes with its own (the
 callers' bytes carry a random save id), so a lost response does not turn a winner into a loser.
 """
 
@@ -26,40 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from typing import Any
 
-from fsspec.implementations.memory import MemoryFileSystem
+from .s3_stream import s3_call
 
-from .gcs_io import gcs_create
-from .s3_stream import can_stream, s3_call
+__all__ = ["create_local", "holds", "s3_put_if_absent"]
 
-__all__ = ["create_new", "holds"]
-
-_MEMORY_LOCK = threading.Lock()
 _OWN_CHECK_LIMIT = 64 * 1024  # a claim is a few hundred bytes: a larger object is not ours, and is not read
 
 
-def create_new(transport: Any, path: str, data: bytes) -> bool:
-    """Create ``path`` holding ``data`` if nothing is there; ``True`` if this call created it.
-
-    ``False`` means another writer's object is at ``path`` (its bytes differ from ``data``). Transient
-    failures are retried under the transport's policy; other errors are raised. Counted as one request;
-    the bytes are not added to ``bytes_written``, which sums the bytes a checkpoint keeps (a claim is
-    removed when its save commits).
-    """
-    transport.counters.add(requests=1)
-    if transport.is_local:
-        return _create_local(path, data)
-    url = transport.url(path)
-    try:
-        transport._retry(lambda: _put_if_absent(transport, path, data), lambda: f"create {url} if absent")
-    except FileExistsError:
-        return holds(transport, path, data)
-    return True
-
-
-def _create_local(path: str, data: bytes) -> bool:
+def create_local(path: str, data: bytes) -> bool:
+    """``O_CREAT | O_EXCL``, then the bytes: ``True`` if this call created ``path``."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     try:
@@ -79,25 +58,16 @@ def _create_local(path: str, data: bytes) -> bool:
     return True
 
 
-def _put_if_absent(transport: Any, path: str, data: bytes) -> None:
-    """One conditional write; ``FileExistsError`` if an object is at ``path``."""
-    fs = transport.fs
-    if can_stream(fs):
-        bucket, key, _ = fs.split_path(path)
-        try:
-            s3_call(fs, "put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-        except OSError as exc:
-            if _precondition_failed(exc):
-                raise FileExistsError(f"{transport.url(path)} exists") from exc
-            raise
-        fs.invalidate_cache(path)
-    elif transport._gcs:
-        gcs_create(fs, path, data)
-    elif isinstance(fs, MemoryFileSystem):
-        with _MEMORY_LOCK:
-            fs.pipe_file(path, data, mode="create")
-    else:
-        fs.pipe_file(path, data, mode="create")
+def s3_put_if_absent(fs: Any, path: str, data: bytes, url: str) -> None:
+    """One conditional ``PutObject``; ``FileExistsError`` if an object is at ``path``."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        s3_call(fs, "put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+    except OSError as exc:
+        if _precondition_failed(exc):
+            raise FileExistsError(f"{url} exists") from exc
+        raise
+    fs.invalidate_cache(path)
 
 
 def _precondition_failed(exc: BaseException) -> bool:

@@ -4,8 +4,13 @@ A transport plugin registers under the ``dcp_storage.transports`` entry-point gr
 scheme it serves (``myblob = "my_pkg:MyBlobTransport"`` makes ``myblob://...`` URLs use it) or under a name
 users select with the ``transport`` storage option (``{"transport": "obstore", ...}``). A registered
 transport is a class with ``from_url(url, storage_options, config) -> (transport, path)`` whose instances
-keep the :class:`~dcp_storage.transports.protocol.Transport` protocol. Everything else goes through fsspec,
-which has its own registry of schemes (``s3``, ``gs``, ``az``, ``memory``, ...).
+keep the :class:`~dcp_storage.transports.protocol.Transport` protocol. Everything else gets a built-in
+transport: fsspec resolves the URL's scheme to its filesystem (its own registry of schemes: ``s3``, ``gs``,
+``az``, ``memory``, ...; chained URLs included), and the transport class serving that filesystem is chosen
+(:func:`~.fsspec_transport.transport_class_for`): :class:`~.local_transport.LocalTransport`,
+:class:`~.s3_transport.S3Transport`, :class:`~.gcs_transport.GcsTransport`,
+:class:`~.azure_transport.AzureTransport`, :class:`~.http_transport.HttpTransport`, or
+:class:`~.fsspec_transport.FsspecTransport` for any other filesystem.
 
 This is the only place a transport is built from a URL: everything else calls :func:`open_transport`
 (or :func:`bind_transport`), so a transport plugin selected by ``storage_options`` serves every entry point.
@@ -17,9 +22,14 @@ import os
 from typing import Any
 
 from .. import registry
+from .azure_transport import AzureTransport
 from .config import TransportConfig
 from .fsspec_transport import FsspecTransport
+from .gcs_transport import GcsTransport
+from .http_transport import HttpTransport
+from .local_transport import LocalTransport
 from .protocol import Transport
+from .s3_transport import S3Transport
 
 __all__ = ["READ_STRATEGY_OPTION", "TRANSPORT_OPTION", "bind_transport", "open_transport"]
 
@@ -28,6 +38,9 @@ TRANSPORT_OPTION = "transport"
 # filesystem's: dropped here so that any entry point given a reader's storage options can open a transport.
 READ_STRATEGY_OPTION = "read_strategy"
 BUILTIN = "fsspec"
+# The built-in backends, registered with FsspecTransport when their modules load (named so that none is
+# dropped as an unused import): the class serving a URL's filesystem is one of these, or FsspecTransport.
+BUILTIN_BACKENDS = (LocalTransport, S3Transport, GcsTransport, AzureTransport, HttpTransport)
 
 
 def open_transport(
@@ -45,7 +58,7 @@ def open_transport(
         if scheme != BUILTIN and any(p.name == scheme for p in registry.list("transports")):
             chosen = scheme
     if chosen is None or chosen == BUILTIN:
-        return FsspecTransport.from_url(url, options, config)
+        return FsspecTransport.from_url(url, options, config)  # the backend serving the URL's filesystem
     factory = registry.get("transports", chosen)
     return factory.from_url(url, options, config)
 

@@ -1,116 +1,93 @@
-"""The fsspec transport: bytes in and out of any fsspec URL, concurrent, retried, atomic.
+"""The fsspec transports' common base, which is also the transport of any fsspec filesystem without its own.
 
-It knows nothing about tensors. Formats ask it for byte ranges and for atomic file writes; it turns a URL
-plus ``storage_options`` into an fsspec filesystem and adds what fsspec lacks for checkpoints:
+Transports know nothing about tensors: formats ask them for byte ranges and atomic file writes. Over an
+fsspec filesystem they add what fsspec lacks for checkpoints: concurrent ranged reads with coalescing of
+near ranges and a cap on bytes in flight; retries with backoff and jitter on transient errors (5xx,
+throttling, resets, truncation); atomic commits (a local temp file, ``fsync`` and ``rename``; on an object
+store one PUT or a completed multipart upload, aborted on failure); counters of requests, bytes, retries.
 
-* concurrent ranged reads with coalescing of near ranges and a cap on bytes in flight;
-* retries with exponential backoff and jitter on transient errors (5xx, throttling, resets, truncation);
-* atomic commit: on a local disk a temp file, ``fsync`` and ``rename``; on an object store a single PUT or
-  a completed multipart upload (aborted on failure), never a rename and never an ``fsync``;
-* counters of requests, bytes and retries.
+:class:`FsspecTransport` holds what every store shares (configuration, counters, worker threads, retries,
+the range runner, atomic-write bookkeeping) and reaches the store through one-call hooks (``_exists``,
+``_size``, ``_read_whole``, ``_read_range``, ``_put``, ...) made of plain fsspec calls. Each store with
+calls of its own subclasses it in its own module: local disk (:mod:`.local_transport`), S3
+(:mod:`.s3_transport`), GCS (:mod:`.gcs_transport`), Azure (:mod:`.azure_transport`), HTTP
+(:mod:`.http_transport`). :func:`transport_class_for` picks the class serving the filesystem a URL's scheme
+resolves to, for :meth:`FsspecTransport.from_url` (which the factory calls) and for ``FsspecTransport(fs)``
+(:mod:`.backends`): code written against the single class of earlier versions, subclasses included,
+still gets each store's behaviour.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import os
 import posixpath
-import shutil
-import uuid
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any
+from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, FileTooLargeError
 from .access import access_errors
-from .config import MiB, TransportConfig, resolve_config
+from .backends import backend_for, class_to_build
+from .config import TransportConfig, resolve_config
 from .counters import TransportCounters
-from .exclusive import create_new
-from .gcs_io import GcsAtomicUpload, gcs_delete, gcs_exists, gcs_list_names, gcs_put, gcs_size, is_gcs
-from .local_io import LocalFiles, preadv_exact, read_whole, start_writeback
-from .local_open import Confinement, stat_regular
+from .exclusive import holds
+from .local_io import fsync_dir as _fsync_dir  # noqa: F401 - imported from here by storage.safetensors_writer
+from .local_open import Confinement
 from .range_check import RangeMismatchError
-from .range_readers import buffered_range_reader, whole_file_reader
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import TruncatedReadError, call_with_retry, single_layer_client_options
-from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size
-from .s3_stream import ScatterSink, can_stream, read_object, stream_range
-from .s3_upload import S3AtomicUpload, put_object
 from .worker_pool import WorkerPool
+from .writers import CountingWriter, abandon
 
-__all__ = ["FsspecTransport", "TransportConfig"]
-
-
-class _CountingWriter:
-    """File wrapper that counts bytes written (and forwards everything else)."""
-
-    def __init__(self, raw: IO[bytes], counters: TransportCounters) -> None:
-        self._raw = raw
-        self._counters = counters
-        self.written = 0
-
-    def write(self, data: Any) -> int:
-        n = memoryview(data).nbytes  # fsspec files return len(data): elements, not bytes, for typed views
-        self._raw.write(data)
-        self.written += n
-        self._counters.add(bytes_written=n)
-        return n
-
-    def tell(self) -> int:
-        return self.written
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def writable(self) -> bool:
-        return True
+__all__ = ["FsspecTransport", "TransportConfig", "transport_class_for"]
 
 
-class _LocalWriter(_CountingWriter):
-    """A local temp file's writer that starts writeback of every ``WRITEBACK_BYTES`` written
-    (:func:`~dcp_storage.transports.local_io.start_writeback`); the commit still ``fsync``s."""
+def transport_class_for(fs: fsspec.AbstractFileSystem) -> type[FsspecTransport]:
+    """The built-in transport class serving ``fs``: its backend's, or :class:`FsspecTransport` for any other."""
+    return backend_for(fs) or FsspecTransport
 
-    WRITEBACK_BYTES = 32 * MiB
 
-    def __init__(self, raw: Any, counters: TransportCounters) -> None:
-        super().__init__(raw, counters)
-        self._synced = 0
+_MEMORY_LOCK = threading.Lock()  # memory:// checks, then writes: the lock makes create-if-absent atomic
 
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        step = self.WRITEBACK_BYTES
-        for pos in range(0, max(view.nbytes, 1), step):  # a big tensor: writeback starts after each piece
-            super().write(view[pos : pos + step])
-            if self.written - self._synced >= step:
-                self._raw.flush()
-                start_writeback(self._raw.fileno(), self._synced, self.written - self._synced)
-                self._synced = self.written
-        return view.nbytes
+
+def _restore(cls: type[FsspecTransport], state: dict[str, Any]) -> FsspecTransport:
+    transport = cls.__new__(cls, state["fs"])
+    transport.__setstate__(state)
+    return transport
 
 
 class FsspecTransport:
-    """Bytes-only access to one fsspec filesystem.
+    """Bytes-only access to one fsspec filesystem (the :class:`~.protocol.Transport` protocol).
 
-    Build it with :meth:`from_url`. Paths passed to its methods are paths of that filesystem (what
-    ``fsspec.core.url_to_fs`` returns), joined with :meth:`join`.
-    On a local disk it reads only regular files inside their checkpoint (``confinement``, :mod:`.local_open`).
+    Build it with :meth:`from_url` (through :func:`~.factory.open_transport`). Paths passed to its methods
+    are paths of that filesystem (what ``fsspec.core.url_to_fs`` returns), joined with :meth:`join`.
     """
+
+    is_local = False
+
+    @staticmethod
+    def serves(fs: fsspec.AbstractFileSystem) -> bool:
+        """Whether this class is the transport for ``fs`` (each backend says; the base serves any)."""
+        return True
+
+    def __new__(cls, fs: fsspec.AbstractFileSystem | None = None, *args: Any, **kwargs: Any) -> FsspecTransport:
+        """``FsspecTransport(fs)`` builds the backend class serving ``fs``; a subclass written outside this
+        package is combined with that backend (its own methods win); a backend class is built as named."""
+        return super().__new__(cls if fs is None else class_to_build(cls, fs, FsspecTransport))
 
     def __init__(
         self, fs: fsspec.AbstractFileSystem, config: TransportConfig | None = None, *, scheme: str | None = None,
         confinement: Confinement | None = None,
     ) -> None:  # fmt: skip
         self.fs = fs
-        self.is_local = isinstance(fs, LocalFileSystem)
         self.confinement = confinement if self.is_local else None
-        self._gcs = is_gcs(fs)  # gcsfs: requests made one attempt at a time (gcs_io), under our retries
         # The scheme the caller wrote, if ``fs`` answers to several (adlfs: abfs, az, abfss), so that errors
         # name the URL the user gave (``az://...``), not the filesystem's first alias.
         aliases = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
@@ -129,6 +106,10 @@ class FsspecTransport:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._workers = WorkerPool(self.config.max_workers, "dcp-storage-io")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Rebuilt by class (a combined class by the subclass it was made for), then :meth:`__setstate__`."""
+        return _restore, (vars(type(self)).get("_declared", type(self)), self.__getstate__())
 
     # ----------------------------------------------------------------------------------------- building
     @classmethod
@@ -156,16 +137,12 @@ class FsspecTransport:
 
     def url(self, path: str) -> str:
         """A human-readable URL for error messages."""
-        if self.is_local:
-            return path
         url = self.fs.unstrip_protocol(path)
         if self._scheme is not None and "://" in url:
             url = f"{self._scheme}://{url.split('://', 1)[1]}"
         return url
 
     def join(self, root: str, *names: str) -> str:
-        if self.is_local:
-            return os.path.join(root, *names)
         return posixpath.join(root.rstrip("/"), *names)
 
     def close(self) -> None:
@@ -192,99 +169,95 @@ class FsspecTransport:
         return self.fs._strip_protocol(os.fspath(url))
 
     def reconfigured(self, config: TransportConfig) -> FsspecTransport:
-        """A transport on the same filesystem, confinement and counters, with ``config``."""
-        other = FsspecTransport(self.fs, config, scheme=self._scheme, confinement=self.confinement)
+        """A transport of the same class on the same filesystem, confinement and counters, with ``config``."""
+        other = type(self)(self.fs, config, scheme=self._scheme, confinement=self.confinement)
         other.counters = self.counters
         return other
 
-    def local_files(self) -> LocalFiles:
-        """Descriptors of this checkpoint's local files (regular files inside it only); ``close`` them."""
-        if not self.is_local:
-            raise TypeError(f"{self.url('')}: local_files() on a transport that is not local")
-        return LocalFiles(self.confinement)
-
-    def _retry(self, fn: Any, describe: Any) -> Any:
+    def _retry(self, fn: Callable[[], Any], describe: Callable[[], str]) -> Any:
         with access_errors(describe):  # credential and permission failures: StorageAccessError naming the call
             return call_with_retry(fn, self.config.retry, describe, on_retry=lambda _e: self.counters.add(retries=1))
 
     def _runner(self, path: str) -> Any:
-        """``runner(fn, what)`` for the S3 upload helpers: ``fn`` retried, errors naming ``what`` and the URL."""
+        """``runner(fn, what)`` for the upload helpers: ``fn`` retried, errors naming ``what`` and the URL."""
         return lambda fn, what: self._retry(fn, lambda: f"{what} {self.url(path)}")
 
-    # ------------------------------------------------------------------------------------ queries
-    def exists(self, path: str) -> bool:
-        if self.is_local:
-            return os.path.exists(path)
-        check = (lambda: s3_exists(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.exists(path))
-        if self._gcs:
-            check = functools.partial(gcs_exists, self.fs, path)
-        return bool(self._retry(check, lambda: f"exists {self.url(path)}"))
+    # ------------------------------------------------------------------ one-call hooks (one attempt each)
+    def _exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
 
-    def size(self, path: str) -> int:
-        """Size of the file at ``path``; :class:`CheckpointNotFoundError` if it does not exist (on a local
-        disk, :class:`CorruptCheckpointError` if it is no regular file or lies outside the checkpoint)."""
+    def _size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def _delete(self, path: str) -> None:
+        self.fs.rm_file(path)
+
+    def _list_names(self, path: str) -> list[str]:
+        self.fs.invalidate_cache(path)
         try:
-            if self.is_local:
-                return stat_regular(path, self.confinement).st_size
-            stat = (lambda: s3_size(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.size(path))
-            if self._gcs:
-                stat = functools.partial(gcs_size, self.fs, path)
-            return int(self._retry(stat, lambda: f"size of {self.url(path)}"))
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
-
-    def makedirs(self, path: str) -> None:
-        if self.is_local:
-            os.makedirs(path, exist_ok=True)
-        else:
-            self._retry(lambda: self.fs.makedirs(path, exist_ok=True), lambda: f"makedirs {self.url(path)}")
-
-    def remove(self, path: str) -> None:
-        """Delete one file if it exists."""
-        if self.is_local:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            return
-        with contextlib.suppress(FileNotFoundError):
-            delete = (lambda: s3_delete(self.fs, path)) if can_stream(self.fs) else (lambda: self.fs.rm_file(path))
-            if self._gcs:
-                delete = functools.partial(gcs_delete, self.fs, path)
-            self._retry(delete, lambda: f"delete {self.url(path)}")
-
-    def remove_tree(self, path: str) -> None:
-        """Delete every file under ``path``; nothing if there is none."""
-        if self.is_local:
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(path)
-            return
-        with contextlib.suppress(FileNotFoundError):
-            self._retry(lambda: self.fs.rm(path, recursive=True), lambda: f"delete {self.url(path)}")
-
-    def listdir(self, path: str) -> list[str]:
-        """Names (not paths) of the files directly under ``path``; empty if it does not exist."""
-        if self.is_local:
-            try:
-                names = os.listdir(path)
-            except (FileNotFoundError, NotADirectoryError):
-                return []
-            # Hide in-progress atomic writes (see _open_atomic_local).
-            return sorted(n for n in names if not (n.startswith(".") and n.endswith(".tmp")))
-        if can_stream(self.fs):
-            return self._retry(lambda: s3_list_names(self.fs, path), lambda: f"list {self.url(path)}")
-        if self._gcs:
-            return self._retry(lambda: gcs_list_names(self.fs, path), lambda: f"list {self.url(path)}")
-
-        def ls() -> list[str]:
-            self.fs.invalidate_cache(path)
-            return list(self.fs.ls(path, detail=False))
-
-        try:
-            entries = self._retry(ls, lambda: f"list {self.url(path)}")
+            entries = list(self.fs.ls(path, detail=False))
         except (FileNotFoundError, NotADirectoryError):
             return []
         if len(entries) == 1 and entries[0].rstrip("/") == path.rstrip("/"):
             return []  # fsspec lists a file as itself
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    def _read_whole(self, path: str, max_bytes: int | None) -> bytes:
+        """A whole file; with ``max_bytes`` the size comes first (nothing is read of a larger file), then no more
+        than that size plus one byte, so a file that grew meanwhile is not read whole either."""
+        if max_bytes is None:
+            return bytes(self.fs.cat_file(path))
+        size = self.fs.size(path)
+        if size is None:  # a store that does not say (an HTTP server without Content-Length): a bounded range
+            return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
+        if int(size) > max_bytes:
+            raise FileTooLargeError(self.url(path), int(size), max_bytes)
+        return bytes(self.fs.cat_file(path, start=0, end=int(size) + 1))
+
+    def _read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``; the caller checks the length (backends also check status and headers)."""
+        return bytes(self.fs.cat_file(path, start=start, end=end))
+
+    def _put(self, path: str, data: bytes, nbytes: int) -> None:
+        self.fs.pipe_file(path, data)
+
+    def _put_if_absent(self, path: str, data: bytes) -> None:
+        """One conditional write; ``FileExistsError`` if an object is at ``path``. fsspec's ``mode="create"``:
+        atomic where the filesystem implements it (adlfs sends ``If-None-Match: *``); ``memory://`` checks,
+        then writes, under a process-wide lock (its store lives in the process)."""
+        if isinstance(self.fs, MemoryFileSystem):
+            with _MEMORY_LOCK:
+                self.fs.pipe_file(path, data, mode="create")
+        else:
+            self.fs.pipe_file(path, data, mode="create")
+
+    # ------------------------------------------------------------------------------------ queries
+    def exists(self, path: str) -> bool:
+        return bool(self._retry(lambda: self._exists(path), lambda: f"exists {self.url(path)}"))
+
+    def size(self, path: str) -> int:
+        """Size of the file at ``path``; :class:`CheckpointNotFoundError` if it does not exist."""
+        try:
+            return int(self._retry(lambda: self._size(path), lambda: f"size of {self.url(path)}"))
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
+
+    def makedirs(self, path: str) -> None:
+        self._retry(lambda: self.fs.makedirs(path, exist_ok=True), lambda: f"makedirs {self.url(path)}")
+
+    def remove(self, path: str) -> None:
+        """Delete one file if it exists."""
+        with contextlib.suppress(FileNotFoundError):
+            self._retry(lambda: self._delete(path), lambda: f"delete {self.url(path)}")
+
+    def remove_tree(self, path: str) -> None:
+        """Delete every file under ``path``; nothing if there is none."""
+        with contextlib.suppress(FileNotFoundError):
+            self._retry(lambda: self.fs.rm(path, recursive=True), lambda: f"delete {self.url(path)}")
+
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) of the files directly under ``path``; empty if it does not exist."""
+        return list(self._retry(lambda: self._list_names(path), lambda: f"list {self.url(path)}"))
 
     # ------------------------------------------------------------------------------------ reading
     def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
@@ -293,19 +266,14 @@ class FsspecTransport:
         other fsspec filesystems; GCS streams the body and stops there)."""
 
         def fetch() -> bytes:
-            if self.is_local:
-                data = read_whole(path, self.confinement, max_bytes)
-            elif can_stream(self.fs):
-                data = read_object(self.fs, path, max_bytes)
-            else:
-                data = whole_file_reader(self.fs)(path, max_bytes)
+            data = self._read_whole(path, max_bytes)
             self.counters.add(requests=1, bytes_read=len(data))
             if max_bytes is not None and len(data) > max_bytes:
                 raise FileTooLargeError(self.url(path), None, max_bytes)
             return data
 
         try:
-            return self._retry(fetch, lambda: f"read {self.url(path)}")
+            return self._retry(fetch, lambda: f"read {self.url(path)}")  # type: ignore[no-any-return]
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
 
@@ -322,35 +290,11 @@ class FsspecTransport:
         """
         cfg = self.config
         groups = plan_fetches(requests, cfg.coalesce_gap, cfg.max_request_bytes)
-        if not self.is_local:
-            return RangeRun(
-                requests, groups, self._fetch_group_remote, self.executor(), cfg.max_inflight_bytes
-            ).execute()
-        files = LocalFiles(self.confinement)
-        try:
+        return RangeRun(requests, groups, self._fetch_group, self.executor(), cfg.max_inflight_bytes).execute()
 
-            def fetch(group: FetchGroup, views: list[memoryview]) -> None:
-                self._fetch_group_local(files.fd(group.path), group, views)
-
-            return RangeRun(requests, groups, fetch, self.executor(), cfg.max_inflight_bytes).execute()
-        finally:
-            files.close()  # execute() returns only once no fetch runs any more
-
-    def _fetch_group_local(self, fd: int, group: FetchGroup, views: list[memoryview]) -> None:
-        buffers: list[memoryview] = []
-        position = group.start
-        for seg, view in zip(group.segments, views):
-            if seg.start > position:
-                buffers.append(memoryview(bytearray(seg.start - position)))
-            buffers.append(view)
-            position = seg.end
-        calls = preadv_exact(fd, group.path, buffers, group.start)
-        self.counters.add(requests=calls, bytes_read=group.length)
-
-    def _fetch_group_remote(self, group: FetchGroup, views: list[memoryview]) -> None:
+    def _fetch_group(self, group: FetchGroup, views: list[memoryview]) -> None:
         pieces = [(seg.start - group.start, seg.end - group.start, view) for seg, view in zip(group.segments, views)]
-        stream = can_stream(self.fs)
-        fetch = self._streaming_fetch(group, ScatterSink(pieces)) if stream else self._buffered_fetch(group, pieces)
+        fetch = self._group_fetch(group, pieces)
 
         def checked() -> None:  # a short body, or other bytes than asked: retried, unless the object is short
             try:
@@ -374,39 +318,17 @@ class FsspecTransport:
         error = TruncatedReadError if got < group.length else RangeMismatchError  # longer: not the range asked
         return error(f"{self.url(group.path)}: got {got} of {group.length} bytes for [{group.start}, {group.end})")
 
-    def _buffered_fetch(self, group: FetchGroup, pieces: list[tuple[int, int, memoryview]]) -> Any:
-        read = buffered_range_reader(self.fs)  # status and Content-Range checked where the client exposes them
+    def _group_fetch(self, group: FetchGroup, pieces: list[tuple[int, int, memoryview]]) -> Callable[[], None]:
+        """One attempt at a fetch group: the whole range buffered, then scattered into ``pieces``."""
 
         def fetch() -> None:
-            data = read(group.path, group.start, group.end)
+            data = self._read_range(group.path, group.start, group.end)
             self.counters.add(requests=1, bytes_read=len(data))
             if len(data) != group.length:
                 raise self._short_read(group, len(data))
             src = memoryview(data)
             for lo, hi, view in pieces:
                 view[:] = src[lo:hi]
-
-        return fetch
-
-    def _streaming_fetch(self, group: FetchGroup, sink: ScatterSink) -> Any:
-        done = 0  # bytes already in place: a retry after a cut-off body resumes from here
-
-        def fetch() -> None:
-            nonlocal done
-            base = done
-            sink.reset()
-
-            def emit(offset: int, chunk: memoryview) -> None:
-                nonlocal done
-                sink.write(base + offset, chunk)
-                done = base + offset + len(chunk)
-
-            try:
-                stream_range(self.fs, group.path, group.start + base, group.end, emit)
-            finally:
-                self.counters.add(requests=1, bytes_read=done - base)
-            if done != group.length:
-                raise self._short_read(group, done)
 
         return fetch
 
@@ -424,22 +346,11 @@ class FsspecTransport:
 
     # ------------------------------------------------------------------------------------ writing
     def write_file(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        """Atomically write a whole small file (metadata, markers): one PUT, or temp+fsync+rename."""
+        """Atomically write a whole small file (metadata, markers): one PUT."""
         nbytes = memoryview(data).nbytes
-        if self.is_local:
-            with self.open_atomic(path) as f:
-                f.write(data)
-            return
-        if can_stream(self.fs):
-            put_object(self.fs, path, data, self._runner(path))
-            self.counters.add(requests=1, bytes_written=nbytes)
-            return
 
         def put() -> None:
-            if self._gcs:
-                gcs_put(self.fs, path, bytes(data), nbytes)
-            else:
-                self.fs.pipe_file(path, bytes(data))
+            self._put(path, bytes(data), nbytes)
             self.counters.add(requests=1, bytes_written=nbytes)
 
         self._retry(put, lambda: f"write {self.url(path)} ({nbytes} bytes)")
@@ -447,135 +358,52 @@ class FsspecTransport:
     def create_new(self, path: str, data: bytes) -> bool:
         """Write the small file ``path`` only if nothing is there, atomically: ``True`` if this call created it.
 
-        Each store's create-if-absent primitive (see :mod:`~dcp_storage.transports.exclusive`): of two
-        concurrent callers exactly one gets ``True``.
+        Each store's create-if-absent primitive (``_put_if_absent``; see :mod:`.exclusive`): of two
+        concurrent callers exactly one gets ``True``. A request retried after a lost response sees its own
+        object, so "exists" is checked against ``data`` (which carries a random save id). Counted as one
+        request; the bytes are not added to ``bytes_written`` (a claim is removed when its save commits).
         """
-        return create_new(self, path, data)
+        self.counters.add(requests=1)
+        try:
+            self._retry(lambda: self._put_if_absent(path, data), lambda: f"create {self.url(path)} if absent")
+        except FileExistsError:
+            return holds(self, path, data)
+        return True
 
     @contextlib.contextmanager
-    def open_atomic(self, path: str) -> Iterator[_CountingWriter]:
+    def open_atomic(self, path: str) -> Iterator[CountingWriter]:
         """Open ``path`` for writing such that it appears whole or not at all.
 
-        Local: a temp file beside it, ``fsync``, then ``os.replace`` (and the directory is synced).
-        Object store: the client's buffered writer, which commits by a single PUT or by completing a
-        multipart upload on close; on error the upload is aborted, so nothing becomes visible. On GCS
-        (gcsfs) one media upload at close, sent from memory or a local spill file and retried as a whole
-        (:mod:`~dcp_storage.transports.gcs_io`), and on error never sent; on Azure (adlfs) staged blocks committed as one block list at close, and on error never
-        committed (uncommitted blocks are invisible, and the service drops them).
+        Here: the client's buffered writer, which commits by a single PUT or by completing a multipart
+        upload on close; on error the upload is aborted, so nothing becomes visible (on Azure, adlfs's
+        staged blocks are never committed, and the service drops them). Backends with their own uploads
+        (local disk, S3, GCS) say how they commit in ``_open_atomic``.
         """
-        if self.is_local:
-            yield from self._open_atomic_local(path)
-        else:
-            yield from self._open_atomic_remote(path)
+        yield from self._open_atomic(path)
 
-    def _open_atomic_local(self, path: str) -> Iterator[_CountingWriter]:
-        directory = os.path.dirname(path) or "."
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-        raw = open(tmp, "wb")  # noqa: SIM115 - closed in both branches below
-        writer = _LocalWriter(raw, self.counters)
-        try:
-            yield writer
-            raw.flush()
-            os.fsync(raw.fileno())
-            raw.close()
-            os.replace(tmp, path)
-            self.counters.add(requests=1)
-            _fsync_dir(directory)
-        except BaseException:
-            raw.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-            raise
-
-    def _open_atomic_remote(self, path: str) -> Iterator[_CountingWriter]:
+    def _open_atomic(self, path: str) -> Iterator[CountingWriter]:
         if isinstance(self.fs, MemoryFileSystem):
             # memory:// files are visible from open() on and never discarded: buffer, then one put.
-            yield from self._open_atomic_buffered(path)
-            return
-        if can_stream(self.fs):
-            yield from self._open_atomic_s3(path)
-            return
-        if self._gcs:
-            yield from self._open_atomic_gcs(path)
+            buffer = io.BytesIO()
+            yield CountingWriter(buffer, self.counters)
+            data = buffer.getvalue()
+            self._retry(lambda: self.fs.pipe_file(path, data), lambda: f"write {self.url(path)} ({len(data)} bytes)")
+            self.counters.add(requests=1)
             return
         describe = lambda: f"write {self.url(path)}"  # noqa: E731
         with access_errors(describe):
             raw = self.fs.open(path, "wb", block_size=self.config.part_size)
-        writer = _CountingWriter(raw, self.counters)
+        writer = CountingWriter(raw, self.counters)
         try:
             yield writer
         except BaseException:
-            _abandon(raw)
+            abandon(raw)
             raise
         try:
             with access_errors(describe):
                 raw.close()  # commits: the single PUT, or completing the multipart upload
         except BaseException:
-            _abandon(raw)
+            abandon(raw)
             raise
         parts = max(1, -(-writer.written // self.config.part_size))
         self.counters.add(requests=parts if parts == 1 else parts + 2)
-
-    def _open_atomic_s3(self, path: str) -> Iterator[_CountingWriter]:
-        """S3: every request of the upload retried on its own; aborted if it finally fails."""
-        upload = S3AtomicUpload(
-            self.fs, path, self.config.part_size, self._runner(path), self.executor(), self.parts_in_flight
-        )
-        writer = _CountingWriter(upload, self.counters)  # type: ignore[arg-type]
-        try:
-            yield writer
-            upload.commit()
-        except BaseException as exc:
-            upload.abandon(exc)
-            if upload.failure is not None and upload.failure is not exc:
-                raise upload.failure  # ours, not what a serializer in between made of it
-            raise
-        finally:
-            self.counters.add(requests=upload.requests)
-
-    def _open_atomic_gcs(self, path: str) -> Iterator[_CountingWriter]:
-        """GCS: one media upload at close, retried as a whole (see :mod:`.gcs_io`); nothing sent on error."""
-        upload = GcsAtomicUpload(self.fs, path, self.config.part_size, self._runner(path))
-        writer = _CountingWriter(upload, self.counters)  # type: ignore[arg-type]
-        try:
-            yield writer
-            upload.commit()
-        finally:
-            upload.abandon()
-            self.counters.add(requests=upload.requests)
-
-    def _open_atomic_buffered(self, path: str) -> Iterator[_CountingWriter]:
-        buffer = io.BytesIO()
-        yield _CountingWriter(buffer, self.counters)
-        data = buffer.getvalue()
-        self._retry(lambda: self.fs.pipe_file(path, data), lambda: f"write {self.url(path)} ({len(data)} bytes)")
-        self.counters.add(requests=1)
-
-
-def _abandon(raw: Any) -> None:
-    """Give up an object-store upload: abort it, and keep its finalizer from committing it.
-
-    ``discard`` aborts a multipart upload; marking the file closed stops ``__del__`` from flushing the
-    buffer (s3fs's would raise on the discarded buffer; other filesystems would commit a partial file).
-    """
-    discard = getattr(raw, "discard", None)
-    if callable(discard):
-        with contextlib.suppress(Exception):
-            discard()
-    with contextlib.suppress(Exception):
-        raw.closed = True
-
-
-def _fsync_dir(directory: str) -> None:
-    """Persist a rename: fsync the directory entry (POSIX only; a no-op where unsupported)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

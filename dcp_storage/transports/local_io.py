@@ -15,7 +15,7 @@ from collections.abc import Callable
 from ..errors import CorruptCheckpointError, FileTooLargeError
 from .local_open import Confinement, open_regular
 
-__all__ = ["LocalFiles", "preadv_exact", "read_whole"]
+__all__ = ["LocalFiles", "fsync_dir", "preadv_exact", "read_whole"]
 
 _IOV_MAX = min(getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024, 1024)
 
@@ -122,3 +122,17 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """
     if _SYNC_RANGE is not None:
         _SYNC_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def fsync_dir(directory: str) -> None:
+    """Persist a rename: fsync the directory entry (POSIX only; a no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -9,6 +9,7 @@ factory; :mod:`dcp_storage.testing.conformance` checks that it keeps the contrac
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
@@ -17,9 +18,10 @@ from typing import Any, Protocol, runtime_checkable
 from .config import TransportConfig
 from .counters import TransportCounters
 from .local_io import LocalFiles
+from .local_runs import RunsRead
 from .ranges import RangeRequest
 
-__all__ = ["AtomicWriter", "LocalFileAccess", "Transport"]
+__all__ = ["AtomicWriter", "LocalFileAccess", "LocalRunReads", "Transport"]
 
 
 @runtime_checkable
@@ -160,4 +162,24 @@ class LocalFileAccess(Protocol):
 
     def local_files(self) -> LocalFiles:
         """Read-only descriptors of the checkpoint's regular files, opened on first use; ``close()`` them."""
+        ...
+
+
+@runtime_checkable
+class LocalRunReads(Protocol):
+    """The local strided-copy fast path as a transport's own methods (optional; :mod:`.local_runs`).
+
+    A ``Shard(1)`` slice of a local file is thousands of equal byte runs; the core reads them with these
+    instead of one range request each. A transport with only :class:`LocalFileAccess` gets the same path
+    from :class:`~.local_runs.LocalRuns` over its ``local_files()``.
+    """
+
+    def read_runs(self, reads: Sequence[RunsRead]) -> None:
+        """Fill each ``read.into`` with its runs (one ``preadv`` per run, on :meth:`Transport.executor`)."""
+        ...
+
+    def map_region(
+        self, path: str, start: int, end: int, where: str = ""
+    ) -> AbstractContextManager[tuple[mmap.mmap, int]]:
+        """A private read-only map of bytes ``[start, end)`` of ``path``: ``(map, offset of start in it)``."""
         ...

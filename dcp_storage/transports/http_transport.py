@@ -1,0 +1,28 @@
+"""The HTTP transport (fsspec's HTTP filesystem): read-only checkpoints served over ``http(s)://``.
+
+fsspec's ranged read returns only the body; the one here checks the answer's status and
+``Content-Range`` against the range asked for (:mod:`.http_io`, :mod:`.range_check`), so a server that
+ignores ``Range`` and sends the whole file is caught, not sliced wrongly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends import builtin_backend
+from .fsspec_transport import FsspecTransport
+from .http_io import http_read_range, is_http
+
+__all__ = ["HttpTransport"]
+
+
+@builtin_backend
+class HttpTransport(FsspecTransport):
+    """Files served over HTTP(S) (``http://``, ``https://``)."""
+
+    @staticmethod
+    def serves(fs: Any) -> bool:
+        return is_http(fs)
+
+    def _read_range(self, path: str, start: int, end: int) -> bytes:
+        return http_read_range(self.fs, path, start, end)

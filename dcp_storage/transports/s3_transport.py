@@ -1,0 +1,99 @@
+"""The S3 transport (s3fs): requests made on s3fs's client one attempt at a time, under our retries.
+
+Queries, deletes and listings are single API calls (:mod:`.s3_queries`). Ranged reads stream the body
+straight into the destination buffers (:class:`~.s3_stream.ScatterSink`), check the answer's status and
+``Content-Range`` (:mod:`.range_check`), and resume after a cut-off body from the first byte still
+missing. Whole-file reads learn the size first, so a file over ``max_bytes`` is refused unread. Writes
+are one ``PutObject`` or a multipart upload whose every request is retried on its own and which is
+aborted if it finally fails (:mod:`.s3_upload`); create-if-absent is a ``PutObject`` with
+``If-None-Match: *`` (:mod:`.exclusive`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .backends import builtin_backend
+from .exclusive import s3_put_if_absent
+from .fsspec_transport import FsspecTransport
+from .ranges import FetchGroup
+from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size
+from .s3_stream import ScatterSink, can_stream, read_object, stream_range
+from .s3_upload import S3AtomicUpload, put_object
+from .writers import CountingWriter
+
+__all__ = ["S3Transport"]
+
+
+@builtin_backend
+class S3Transport(FsspecTransport):
+    """Objects in S3 or an S3-compatible store (``s3://``, ``s3a://``)."""
+
+    @staticmethod
+    def serves(fs: Any) -> bool:
+        return can_stream(fs)
+
+    def _exists(self, path: str) -> bool:
+        return s3_exists(self.fs, path)
+
+    def _size(self, path: str) -> int:
+        return s3_size(self.fs, path)
+
+    def _delete(self, path: str) -> None:
+        s3_delete(self.fs, path)
+
+    def _list_names(self, path: str) -> list[str]:
+        return s3_list_names(self.fs, path)
+
+    def _read_whole(self, path: str, max_bytes: int | None) -> bytes:
+        return read_object(self.fs, path, max_bytes)
+
+    def _put_if_absent(self, path: str, data: bytes) -> None:
+        s3_put_if_absent(self.fs, path, data, self.url(path))
+
+    def _group_fetch(self, group: FetchGroup, pieces: list[tuple[int, int, memoryview]]) -> Callable[[], None]:
+        """One attempt at a fetch group, streamed into ``pieces``; a retry resumes after the bytes in place."""
+        sink = ScatterSink(pieces)
+        done = 0
+
+        def fetch() -> None:
+            nonlocal done
+            base = done
+            sink.reset()
+
+            def emit(offset: int, chunk: memoryview) -> None:
+                nonlocal done
+                sink.write(base + offset, chunk)
+                done = base + offset + len(chunk)
+
+            try:
+                stream_range(self.fs, group.path, group.start + base, group.end, emit)
+            finally:
+                self.counters.add(requests=1, bytes_read=done - base)
+            if done != group.length:
+                raise self._short_read(group, done)
+
+        return fetch
+
+    def write_file(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """One ``PutObject``, retried."""
+        put_object(self.fs, path, data, self._runner(path))
+        self.counters.add(requests=1, bytes_written=memoryview(data).nbytes)
+
+    def _open_atomic(self, path: str) -> Iterator[CountingWriter]:
+        """Every request of the upload retried on its own; aborted if it finally fails."""
+        upload = S3AtomicUpload(
+            self.fs, path, self.config.part_size, self._runner(path), self.executor(), self.parts_in_flight
+        )
+        writer = CountingWriter(upload, self.counters)  # type: ignore[arg-type]
+        try:
+            yield writer
+            upload.commit()
+        except BaseException as exc:
+            upload.abandon(exc)
+            if upload.failure is not None and upload.failure is not exc:
+                raise upload.failure  # ours, not what a serializer in between made of it
+            raise
+        finally:
+            self.counters.add(requests=upload.requests)
