@@ -4,9 +4,29 @@ Plugins (``plugins/*``, the ``dcp-storage plugin new`` template, third-party pac
 only, so that the core can move its modules without breaking them; ``tests/registry/test_plugin_imports.py``
 checks the in-tree ones. Everything here is kept stable:
 
-* transports: the :class:`Transport` protocol and its building blocks (range planning, the range runner,
-  retries, the worker pool, the scatter sink, counters, config), and :func:`open_transport` to build on
-  another transport;
+* transports: the :class:`Transport` protocol (and the optional :class:`LocalFileAccess` and
+  :class:`LocalRunReads` of a local-disk transport), :func:`open_transport` to build on another transport,
+  and the building blocks the built-in transports are made of, so a transport for another store does not
+  rewrite them:
+
+  - :func:`plan_fetches` (-> :class:`FetchGroup` s): coalesce :class:`RangeRequest` s closer than
+    ``config.coalesce_gap``, split ones over ``config.max_request_bytes``: one store request per group;
+  - :class:`RangeRun`: run the groups on an executor within ``config.max_inflight_bytes``, fill each
+    request's buffer, call ``on_complete``, raise the first failure once no fetch runs
+    (``read_ranges`` returns its ``execute()``);
+  - :func:`call_with_retry`, :class:`RetryPolicy`, :func:`is_transient`: retry one request under
+    ``config.retry`` (backoff, jitter, deadline), and what counts as transient;
+  - :class:`TruncatedReadError`, :class:`RangeMismatchError`, :func:`range_mismatch`: a short body
+    (retried, resumed from the first missing byte) and an answer that is not the range asked for
+    (check status and ``Content-Range``);
+  - :class:`WorkerPool`: the transport's threads (``executor()``), made on first use, dropped when pickled;
+  - :class:`ScatterSink`: copy a streamed body into a group's destination views as it arrives (no
+    whole-range buffer), resumable after a cut-off body;
+  - :class:`TransportCounters`, :class:`TransportConfig`, :func:`resolve_config`: the counters every
+    transport keeps, and the knobs with their ``None`` fields filled for a local or a remote store;
+  - :func:`holds`: ``create_new``'s check that an "exists" answer is its own write whose response was lost;
+  - :class:`LocalRuns`, :class:`RunsRead`: the local strided-copy fast path over ``local_files()``.
+
 * formats and extensions: :class:`FormatSpec`, :class:`Probe`, and the seekable-transform pieces a
   compressing extension needs, and :class:`DcpLoaderConfig` (the reader's ranged-read threshold its tests tune);
 * a format's tool hooks: the reports ``describe``/``check`` fill in (:class:`CheckpointInfo` and its rows,
@@ -52,8 +72,10 @@ from .registry import PluginError, PluginImportError, PluginNotFoundError, get, 
 from .transports import (
     AtomicWriter,
     LocalFileAccess,
+    LocalRunReads,
     RangeRequest,
     RetryPolicy,
+    RunsRead,
     Transport,
     TransportConfig,
     TransportCounters,
@@ -62,6 +84,7 @@ from .transports import (
 from .transports.config import resolve_config
 from .transports.exclusive import holds
 from .transports.factory import open_transport
+from .transports.local_runs import LocalRuns
 from .transports.range_check import RangeMismatchError, range_mismatch
 from .transports.range_run import RangeRun
 from .transports.ranges import FetchGroup, plan_fetches
@@ -138,6 +161,8 @@ __all__ = [
     "FrameIndex",
     "IncompleteCheckpointError",
     "LocalFileAccess",
+    "LocalRunReads",
+    "LocalRuns",
     "NeedMoreTail",
     "NonTensorStateError",
     "OutTensor",
@@ -150,6 +175,7 @@ __all__ = [
     "RangeRequest",
     "RangeRun",
     "RetryPolicy",
+    "RunsRead",
     "ScatterSink",
     "SeekableTransform",
     "ShapeMismatchError",
