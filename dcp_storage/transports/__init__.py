@@ -15,7 +15,7 @@ from .gcs_transport import GcsTransport
 from .http_transport import HttpTransport
 from .local_runs import RunsRead
 from .local_transport import LocalTransport
-from .protocol import AtomicWriter, LocalFileAccess, LocalRunReads, Transport
+from .protocol import AtomicWriter, LocalFileAccess, LocalRunReads, MultipartUploads, Transport
 from .ranges import RangeRequest
 from .retry import RetryPolicy, is_transient
 from .s3_transport import S3Transport
@@ -31,6 +31,7 @@ __all__ = [
     "LocalFileAccess",
     "LocalRunReads",
     "LocalTransport",
+    "MultipartUploads",
     "RangeRequest",
     "RetryPolicy",
     "RunsRead",

@@ -20,8 +20,9 @@ A save claims its location by creating a small object that must not exist yet
   limit, stated in the README).
 
 A request retried after a lost response (the store created the object, the answer never arrived) sees its
-own object and would report "exists": :meth:`~.FsspecTransport.create_new` then compares (:func:`holds`) the stored bytes with its own (the
-callers' bytes carry a random save id), so a lost response does not turn a winner into a loser.
+own object and would report "exists": ``create_new`` then compares the stored bytes with its own
+(:func:`holds`; the callers' bytes carry a random save id), so a lost response does not turn a winner
+into a loser.
 """
 
 from __future__ import annotations

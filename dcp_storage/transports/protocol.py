@@ -20,8 +20,9 @@ from .counters import TransportCounters
 from .local_io import LocalFiles
 from .local_runs import RunsRead
 from .ranges import RangeRequest
+from .s3_pending import PendingUpload
 
-__all__ = ["AtomicWriter", "LocalFileAccess", "LocalRunReads", "Transport"]
+__all__ = ["AtomicWriter", "LocalFileAccess", "LocalRunReads", "MultipartUploads", "Transport"]
 
 
 @runtime_checkable
@@ -182,4 +183,21 @@ class LocalRunReads(Protocol):
         self, path: str, start: int, end: int, where: str = ""
     ) -> AbstractContextManager[tuple[mmap.mmap, int]]:
         """A private read-only map of bytes ``[start, end)`` of ``path``: ``(map, offset of start in it)``."""
+        ...
+
+
+@runtime_checkable
+class MultipartUploads(Protocol):
+    """What a store with multipart uploads adds (optional): the uploads a killed writer left behind.
+
+    ``verify`` lists them and ``verify --cleanup`` aborts the stale ones
+    (:mod:`dcp_storage.inspection.uploads`); a transport without it has none to list.
+    """
+
+    def pending_uploads(self, path: str) -> list[PendingUpload]:
+        """Every in-progress multipart upload of ``path`` or of an object under ``path/``."""
+        ...
+
+    def abort_upload(self, path: str, upload: PendingUpload) -> bool:
+        """Abort ``upload`` (found under ``path``); ``False`` if it is gone meanwhile."""
         ...

@@ -6,7 +6,8 @@ straight into the destination buffers (:class:`~.s3_stream.ScatterSink`), check 
 missing. Whole-file reads learn the size first, so a file over ``max_bytes`` is refused unread. Writes
 are one ``PutObject`` or a multipart upload whose every request is retried on its own and which is
 aborted if it finally fails (:mod:`.s3_upload`); create-if-absent is a ``PutObject`` with
-``If-None-Match: *`` (:mod:`.exclusive`).
+``If-None-Match: *`` (:mod:`.exclusive`). Multipart uploads a killed writer left can be listed and
+aborted (:mod:`.s3_pending`, the optional :class:`~.protocol.MultipartUploads`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .backends import builtin_backend
 from .exclusive import s3_put_if_absent
 from .fsspec_transport import FsspecTransport
 from .ranges import FetchGroup
+from .s3_pending import PendingUpload, abort_pending, list_pending
 from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size
 from .s3_stream import ScatterSink, can_stream, read_object, stream_range
 from .s3_upload import S3AtomicUpload, put_object
@@ -33,6 +35,14 @@ class S3Transport(FsspecTransport):
     @staticmethod
     def serves(fs: Any) -> bool:
         return can_stream(fs)
+
+    def pending_uploads(self, path: str) -> list[PendingUpload]:
+        """In-progress multipart uploads of ``path`` or under it (:mod:`.s3_pending`)."""
+        return list_pending(self.fs, path)
+
+    def abort_upload(self, path: str, upload: PendingUpload) -> bool:
+        """Abort one of :meth:`pending_uploads`; ``False`` if it is gone meanwhile."""
+        return abort_pending(self.fs, path, upload)
 
     def _exists(self, path: str) -> bool:
         return s3_exists(self.fs, path)
