@@ -21,6 +21,7 @@ slice's own bytes are copied. Both are the transport's (the optional
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import torch
 from ..errors import ShapeMismatchError
 from ..tensor_buffers import host_buffer, writable_bytes
 from ..transports import LocalFileAccess, LocalRunReads, RangeRequest, RunsRead, Transport
-from ..transports.local_runs import LocalRuns
+from ..transports.local_runs import LocalRuns, Region
 from .slices import count_runs, is_row_major, row_major_runs, slice_runs
 
 __all__ = ["SliceRead", "StoredTensor", "dense_gap_of", "plan_slice_read", "read_slices"]
@@ -255,13 +256,16 @@ def _copy_from_map(transport: Transport, works: list[SliceRead]) -> None:
     closed right after its copy, so mapped page-cache pages never add up in a rank's RSS beyond the
     largest tensor. Maps are private and never written.
     """
-    runs = _run_reads(transport)
+    regions = []
     for work in works:
-        stored, offsets = work.mapped  # type: ignore[misc]
-        item = stored.itemsize
-        base = stored.data_offset + stored.storage_offset * item
-        extent = base + (sum((s - 1) * st for s, st in zip(stored.shape, stored.stride)) + 1) * item
-        with runs.map_region(stored.path, base, extent, stored.where) as (mm, at):
+        stored = work.mapped[0]  # type: ignore[index]
+        base = stored.data_offset + stored.storage_offset * stored.itemsize
+        extent = base + (sum((s - 1) * st for s, st in zip(stored.shape, stored.stride)) + 1) * stored.itemsize
+        regions.append(Region(stored.path, base, extent, stored.where))
+    with contextlib.closing(_run_reads(transport).map_regions(regions)) as maps:
+        for work, (mm, at) in zip(works, maps):
+            stored, offsets = work.mapped  # type: ignore[misc]
+            item = stored.itemsize
             region = torch.frombuffer(mm, dtype=torch.uint8)
             # In bytes: inside the file the data need not be aligned to the element size.
             src = region.as_strided(
@@ -274,8 +278,8 @@ def _copy_from_map(transport: Transport, works: list[SliceRead]) -> None:
             target.view(torch.uint8).view(src.shape).copy_(src)
             nbytes = src.numel()
             del src, region
-        transport.counters.add(requests=1, bytes_read=nbytes)
-        work.mapped = None
+            transport.counters.add(requests=1, bytes_read=nbytes)
+            work.mapped = None
 
 
 def _run_reads(transport: Transport) -> LocalRunReads:

@@ -5,7 +5,7 @@ runs. Through :meth:`~.protocol.Transport.read_ranges` each would be a request o
 they are cheaper read directly. :class:`LocalRuns` offers the two ways (the core picks per slice,
 :mod:`dcp_storage.formats.tensor_reads`): :meth:`~LocalRuns.read_runs`, a tight loop of ``preadv`` calls
 per run spread over the transport's worker threads (``preadv`` drops the GIL), for runs of a MiB or more;
-and :meth:`~LocalRuns.map_region`, a private read-only memory map of the span, for many tiny runs copied
+and :meth:`~LocalRuns.map_regions`, private read-only memory maps of each span, for many tiny runs copied
 out with one strided copy. Bytes only: the caller lays its tensor over the map.
 
 It works over any transport with :class:`~.protocol.LocalFileAccess` (regular files inside the checkpoint
@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["LocalRuns", "RunsRead"]
+__all__ = ["LocalRuns", "Region", "RunsRead"]
 
 _RUNS_PER_JOB = 4096
 
@@ -39,6 +39,16 @@ class RunsRead:
     run_bytes: int
     into: memoryview
     where: str = ""  # how errors name it ("/ckpt/__0_0.distcp (tensor 'w')"); the path if empty
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes ``[start, end)`` of the local file ``path``, to be mapped."""
+
+    path: str
+    start: int
+    end: int
+    where: str = ""
 
 
 class LocalRuns:
@@ -68,28 +78,30 @@ class LocalRuns:
             wait(futures)  # no job may still read a descriptor closed below
             files.close()
 
-    @contextlib.contextmanager
-    def map_region(self, path: str, start: int, end: int, where: str = "") -> Iterator[tuple[mmap.mmap, int]]:
-        """A private, never-written map of bytes ``[start, end)`` of ``path``: ``(map, offset of start in it)``.
+    def map_regions(self, regions: Sequence[Region]) -> Iterator[tuple[mmap.mmap, int]]:
+        """Private, never-written maps of each region in turn: ``(map, offset of region.start in it)``.
 
-        A file shorter than ``end`` raises :class:`CorruptCheckpointError`. The map is closed on exit (or,
-        while a view of it is still alive, when that view is collected). The caller counts what it copies.
+        Each map is closed when the next is asked for (or, while a view of it is still alive, when that view
+        is collected); close the iterator (``contextlib.closing``) to close the last. A file shorter than
+        ``region.end`` raises :class:`CorruptCheckpointError`. The caller counts what it copies.
         """
         files = self._transport.local_files()
         try:
-            fd = files.fd(path, where or None)
-            size = os.fstat(fd).st_size
-            if end > size:
-                raise CorruptCheckpointError(
-                    f"{where or path}: the data ends at byte {end} but the file has {size} (truncated?)"
-                )
-            aligned = start - start % mmap.ALLOCATIONGRANULARITY
-            mm = mmap.mmap(fd, end - aligned, offset=aligned, access=mmap.ACCESS_COPY)
-            try:
-                yield mm, start - aligned
-            finally:
-                with contextlib.suppress(BufferError):  # a view is still alive: closed when it is collected
-                    mm.close()
+            for region in regions:
+                fd = files.fd(region.path, region.where or None)
+                size = os.fstat(fd).st_size
+                if region.end > size:
+                    raise CorruptCheckpointError(
+                        f"{region.where or region.path}: the data ends at byte {region.end} but the file has "
+                        f"{size} (truncated?)"
+                    )
+                aligned = region.start - region.start % mmap.ALLOCATIONGRANULARITY
+                mm = mmap.mmap(fd, region.end - aligned, offset=aligned, access=mmap.ACCESS_COPY)
+                try:
+                    yield mm, region.start - aligned
+                finally:
+                    with contextlib.suppress(BufferError):  # a view is still alive: closed when it is collected
+                        mm.close()
         finally:
             files.close()
 

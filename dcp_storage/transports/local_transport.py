@@ -16,7 +16,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -28,7 +27,7 @@ from .exclusive import create_local
 from .fsspec_transport import FsspecTransport
 from .local_io import LocalFiles, fsync_dir, preadv_exact, read_whole, start_writeback
 from .local_open import stat_regular
-from .local_runs import LocalRuns, RunsRead
+from .local_runs import LocalRuns, Region, RunsRead
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .writers import CountingWriter
@@ -82,11 +81,9 @@ class LocalTransport(FsspecTransport):
         """Equal-length byte runs straight into memory, one ``preadv`` each (see :mod:`.local_runs`)."""
         LocalRuns(self).read_runs(reads)
 
-    def map_region(
-        self, path: str, start: int, end: int, where: str = ""
-    ) -> AbstractContextManager[tuple[mmap.mmap, int]]:
-        """A private read-only map of bytes ``[start, end)`` of ``path`` (see :mod:`.local_runs`)."""
-        return LocalRuns(self).map_region(path, start, end, where)
+    def map_regions(self, regions: Sequence[Region]) -> Iterator[tuple[mmap.mmap, int]]:
+        """Private read-only maps of each region in turn (see :mod:`.local_runs`)."""
+        return LocalRuns(self).map_regions(regions)
 
     # ------------------------------------------------------------------------------------ queries
     def exists(self, path: str) -> bool:

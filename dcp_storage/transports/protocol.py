@@ -10,7 +10,7 @@ factory; :mod:`dcp_storage.testing.conformance` checks that it keeps the contrac
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 from .config import TransportConfig
 from .counters import TransportCounters
 from .local_io import LocalFiles
-from .local_runs import RunsRead
+from .local_runs import Region, RunsRead
 from .ranges import RangeRequest
 from .s3_pending import PendingUpload
 
@@ -179,10 +179,8 @@ class LocalRunReads(Protocol):
         """Fill each ``read.into`` with its runs (one ``preadv`` per run, on :meth:`Transport.executor`)."""
         ...
 
-    def map_region(
-        self, path: str, start: int, end: int, where: str = ""
-    ) -> AbstractContextManager[tuple[mmap.mmap, int]]:
-        """A private read-only map of bytes ``[start, end)`` of ``path``: ``(map, offset of start in it)``."""
+    def map_regions(self, regions: Sequence[Region]) -> Iterator[tuple[mmap.mmap, int]]:
+        """Private read-only maps of each region in turn: ``(map, offset of region.start in it)``."""
         ...
 
 

@@ -25,7 +25,7 @@ from dcp_storage.transports import (
     TransportConfig,
 )
 from dcp_storage.transports.factory import open_transport
-from dcp_storage.transports.local_runs import LocalRuns
+from dcp_storage.transports.local_runs import LocalRuns, Region
 
 PACKAGE = Path(dcp_storage.__file__).parent
 
@@ -133,17 +133,21 @@ def test_read_runs_past_the_end_names_the_tensor(tmp_path: Path) -> None:
     transport.close()
 
 
-def test_map_region_maps_the_span_and_refuses_a_short_file(tmp_path: Path) -> None:
+def test_map_regions_map_each_span_and_refuse_a_short_file(tmp_path: Path) -> None:
     transport, path, data = _file(tmp_path)
-    with transport.map_region(path, 70000 % 4096, 4000) as (mm, at):
-        assert mm[at : at + 10] == data[70000 % 4096 : 70000 % 4096 + 10]
-    with pytest.raises(CorruptCheckpointError, match=r"ends at byte 5000 but the file has 4096"):
-        with transport.map_region(path, 100, 5000, "t"):
-            pass
+    maps = transport.map_regions([Region(path, 1000, 4000), Region(path, 7, 9)])
+    mm, at = next(maps)
+    assert mm[at : at + 3000] == data[1000:4000]
+    mm2, at2 = next(maps)
+    assert mm.closed and mm2[at2 : at2 + 2] == data[7:9]  # the previous map is closed once the next is asked
+    maps.close()
+    assert mm2.closed
+    with pytest.raises(CorruptCheckpointError, match=r"t: the data ends at byte 5000 but the file has 4096"):
+        next(transport.map_regions([Region(path, 100, 5000, "t")]))
     transport.close()
 
 
-@pytest.mark.parametrize("method", ["read_runs", "map_region"])
+@pytest.mark.parametrize("method", ["read_runs", "map_regions"])
 def test_the_fast_path_reads_no_file_outside_the_checkpoint(tmp_path: Path, method: str) -> None:
     """Attack: a checkpoint whose data file is a symlink to a file outside it (or a FIFO, which would hang)."""
     transport, path, _ = _file(tmp_path)
@@ -156,8 +160,7 @@ def test_the_fast_path_reads_no_file_outside_the_checkpoint(tmp_path: Path, meth
             if method == "read_runs":
                 transport.read_runs([RunsRead(bad, [0], 16, memoryview(bytearray(16)))])
             else:
-                with transport.map_region(bad, 0, 16):
-                    pass
+                next(transport.map_regions([Region(bad, 0, 16)]))
     with pytest.raises(CheckpointNotFoundError):
         transport.read_runs([RunsRead(path + ".gone", [0], 16, memoryview(bytearray(16)))])
     transport.close()
