@@ -9,15 +9,13 @@ filesystems its ``serves(fs)`` accepts; a filesystem no backend serves gets
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:  # the backends subclass it: the base module imports this one
-    from .fsspec_transport import FsspecTransport
+from typing import Any, TypeVar
 
 __all__ = ["backend_for", "builtin_backend", "class_to_build"]
 
-_BACKENDS: list[type[FsspecTransport]] = []
-_T = TypeVar("_T", bound="type[FsspecTransport]")
+# Classes are typed ``type`` here: this module imports nothing of the base (which imports it).
+_BACKENDS: list[type] = []
+_T = TypeVar("_T", bound=type)
 
 
 def builtin_backend(cls: _T) -> _T:
@@ -26,12 +24,12 @@ def builtin_backend(cls: _T) -> _T:
     return cls
 
 
-def backend_for(fs: Any) -> type[FsspecTransport] | None:
+def backend_for(fs: Any) -> Any:
     """The registered class serving ``fs``; ``None`` if none does (the base class serves it)."""
     return next((cls for cls in _BACKENDS if cls.serves(fs)), None)
 
 
-def class_to_build(cls: type[FsspecTransport], fs: Any, base: type[FsspecTransport]) -> type[FsspecTransport]:
+def class_to_build(cls: type, fs: Any, base: type) -> type:
     """The class ``cls(fs, ...)`` builds: the backend serving ``fs`` for ``base`` itself; a backend class (or a
     subclass of one) as named; any other subclass of ``base`` combined with the backend (its methods first)."""
     backend = backend_for(fs) or base
@@ -43,7 +41,7 @@ def class_to_build(cls: type[FsspecTransport], fs: Any, base: type[FsspecTranspo
 
 
 @functools.cache
-def _combined(declared: type[FsspecTransport], backend: type[FsspecTransport]) -> type[FsspecTransport]:
+def _combined(declared: type, backend: type) -> type:
     """``declared`` on ``backend``; pickled as ``declared`` (see ``FsspecTransport.__reduce__``)."""
     namespace = {"__module__": declared.__module__, "__qualname__": declared.__qualname__, "_declared": declared}
     return type(declared.__name__, (declared, backend), namespace)
