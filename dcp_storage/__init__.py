@@ -58,8 +58,8 @@ _EXPORTS = {
         "RoundRobinPrefixStrategy",
     ),
     ".strategies": ("Broadcasting", "DeliveryConfig", "ReadOnceConfig", "ReadStrategies"),
-    # ``Transport`` is the protocol to depend on; ``FsspecTransport`` (the built-in implementation) stays exported
-    # for existing callers, but code should open transports with ``transports.factory.open_transport``.
+    # ``Transport`` is the protocol to depend on; ``FsspecTransport`` (the built-in transports' common base, which
+    # builds the backend's class) stays exported for existing callers; open transports with ``open_transport``.
     ".transports": ("FsspecTransport", "RetryPolicy", "Transport", "TransportConfig"),
 }
 _LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
