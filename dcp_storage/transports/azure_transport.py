@@ -10,8 +10,6 @@ on error: uncommitted blocks are invisible, and the service drops them). The URL
 
 from __future__ import annotations
 
-from typing import Any
-
 from .azure_io import azure_read, azure_read_range, is_azure
 from .backends import builtin_backend
 from .fsspec_transport import FsspecTransport
@@ -23,9 +21,7 @@ __all__ = ["AzureTransport"]
 class AzureTransport(FsspecTransport):
     """Blobs in Azure Storage or azurite (``az://``, ``abfs://``, ``abfss://``)."""
 
-    @staticmethod
-    def serves(fs: Any) -> bool:
-        return is_azure(fs)
+    serves = staticmethod(is_azure)  # the filesystems this class is the transport of
 
     def _read_whole(self, path: str, max_bytes: int | None) -> bytes:
         return azure_read(self.fs, path, max_bytes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, TypeVar
 
-__all__ = ["backend_for", "builtin_backend", "class_to_build"]
+__all__ = ["backend_for", "builtin_backend", "class_to_build", "restore"]
 
 # Classes are typed ``type`` here: this module imports nothing of the base (which imports it).
 _BACKENDS: list[type] = []
@@ -45,3 +45,10 @@ def _combined(declared: type, backend: type) -> type:
     """``declared`` on ``backend``; pickled as ``declared`` (see ``FsspecTransport.__reduce__``)."""
     namespace = {"__module__": declared.__module__, "__qualname__": declared.__qualname__, "_declared": declared}
     return type(declared.__name__, (declared, backend), namespace)
+
+
+def restore(cls: type, state: dict[str, Any]) -> Any:
+    """Unpickle a transport of class ``cls`` (its ``__reduce__``): built for ``state["fs"]``, then its state."""
+    transport = cls.__new__(cls, state["fs"])  # type: ignore[call-arg]
+    transport.__setstate__(state)
+    return transport

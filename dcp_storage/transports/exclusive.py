@@ -3,8 +3,7 @@
 A save claims its location by creating a small object that must not exist yet
 (:mod:`dcp_storage.storage.claim`). Checking first and writing second is not enough: two writers both see
 "absent" and both write. Each store has an atomic primitive, which its transport's ``create_new`` uses
-(the primitives of the local disk and S3 are here, GCS's in :mod:`.gcs_io`, fsspec's in
-:meth:`.FsspecTransport._put_if_absent`):
+(GCS's is in :mod:`.gcs_io`, the others here):
 
 * local disk: ``open(O_CREAT | O_EXCL)``, then the bytes. No ``fsync``: every process sees the file at
   once, and a claim only has to outlive its save's process, not the machine (after a power loss no save
@@ -29,11 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any
+
+from fsspec.implementations.memory import MemoryFileSystem
 
 from .s3_stream import s3_call
 
-__all__ = ["create_local", "holds", "s3_put_if_absent"]
+__all__ = ["create_local", "fsspec_put_if_absent", "holds", "s3_put_if_absent"]
+
+_MEMORY_LOCK = threading.Lock()
 
 _OWN_CHECK_LIMIT = 64 * 1024  # a claim is a few hundred bytes: a larger object is not ours, and is not read
 
@@ -69,6 +73,15 @@ def s3_put_if_absent(fs: Any, path: str, data: bytes, url: str) -> None:
             raise FileExistsError(f"{url} exists") from exc
         raise
     fs.invalidate_cache(path)
+
+
+def fsspec_put_if_absent(fs: Any, path: str, data: bytes) -> None:
+    """fsspec's ``pipe_file(mode="create")``; ``memory://`` under the process-wide lock."""
+    if isinstance(fs, MemoryFileSystem):
+        with _MEMORY_LOCK:
+            fs.pipe_file(path, data, mode="create")
+    else:
+        fs.pipe_file(path, data, mode="create")
 
 
 def _precondition_failed(exc: BaseException) -> bool:

@@ -23,7 +23,6 @@ import contextlib
 import io
 import os
 import posixpath
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,10 +32,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, FileTooLargeError
 from .access import access_errors
-from .backends import backend_for, class_to_build
+from .backends import backend_for, class_to_build, restore
 from .config import TransportConfig, resolve_config
 from .counters import TransportCounters
-from .exclusive import holds
+from .exclusive import fsspec_put_if_absent, holds
 from .local_io import fsync_dir as _fsync_dir  # noqa: F401 - imported from here by storage.safetensors_writer
 from .local_open import Confinement
 from .range_check import RangeMismatchError
@@ -52,15 +51,6 @@ __all__ = ["FsspecTransport", "TransportConfig", "transport_class_for"]
 def transport_class_for(fs: fsspec.AbstractFileSystem) -> type[FsspecTransport]:
     """The built-in transport class serving ``fs``: its backend's, or :class:`FsspecTransport` for any other."""
     return backend_for(fs) or FsspecTransport
-
-
-_MEMORY_LOCK = threading.Lock()  # memory:// checks, then writes: the lock makes create-if-absent atomic
-
-
-def _restore(cls: type[FsspecTransport], state: dict[str, Any]) -> FsspecTransport:
-    transport = cls.__new__(cls, state["fs"])
-    transport.__setstate__(state)
-    return transport
 
 
 class FsspecTransport:
@@ -109,7 +99,7 @@ class FsspecTransport:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Rebuilt by class (a combined class by the subclass it was made for), then :meth:`__setstate__`."""
-        return _restore, (vars(type(self)).get("_declared", type(self)), self.__getstate__())
+        return restore, (vars(type(self)).get("_declared", type(self)), self.__getstate__())
 
     # ----------------------------------------------------------------------------------------- building
     @classmethod
@@ -222,14 +212,8 @@ class FsspecTransport:
         self.fs.pipe_file(path, data)
 
     def _put_if_absent(self, path: str, data: bytes) -> None:
-        """One conditional write; ``FileExistsError`` if an object is at ``path``. fsspec's ``mode="create"``:
-        atomic where the filesystem implements it (adlfs sends ``If-None-Match: *``); ``memory://`` checks,
-        then writes, under a process-wide lock (its store lives in the process)."""
-        if isinstance(self.fs, MemoryFileSystem):
-            with _MEMORY_LOCK:
-                self.fs.pipe_file(path, data, mode="create")
-        else:
-            self.fs.pipe_file(path, data, mode="create")
+        """One conditional write; ``FileExistsError`` if an object is at ``path`` (see :mod:`.exclusive`)."""
+        fsspec_put_if_absent(self.fs, path, data)
 
     # ------------------------------------------------------------------------------------ queries
     def exists(self, path: str) -> bool:

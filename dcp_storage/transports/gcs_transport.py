@@ -8,7 +8,6 @@ error; create-if-absent is an upload with ``ifGenerationMatch=0``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from .backends import builtin_backend
 from .fsspec_transport import FsspecTransport
@@ -33,9 +32,7 @@ __all__ = ["GcsTransport"]
 class GcsTransport(FsspecTransport):
     """Objects in Google Cloud Storage or fake-gcs-server (``gs://``, ``gcs://``)."""
 
-    @staticmethod
-    def serves(fs: Any) -> bool:
-        return is_gcs(fs)
+    serves = staticmethod(is_gcs)  # the filesystems this class is the transport of
 
     def _exists(self, path: str) -> bool:
         return gcs_exists(self.fs, path)

@@ -7,8 +7,6 @@ ignores ``Range`` and sends the whole file is caught, not sliced wrongly.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .backends import builtin_backend
 from .fsspec_transport import FsspecTransport
 from .http_io import http_read_range, is_http
@@ -20,9 +18,7 @@ __all__ = ["HttpTransport"]
 class HttpTransport(FsspecTransport):
     """Files served over HTTP(S) (``http://``, ``https://``)."""
 
-    @staticmethod
-    def serves(fs: Any) -> bool:
-        return is_http(fs)
+    serves = staticmethod(is_http)  # the filesystems this class is the transport of
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         return http_read_range(self.fs, path, start, end)

@@ -13,7 +13,6 @@ aborted (:mod:`.s3_pending`, the optional :class:`~.protocol.MultipartUploads`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from .backends import builtin_backend
 from .exclusive import s3_put_if_absent
@@ -32,9 +31,7 @@ __all__ = ["S3Transport"]
 class S3Transport(FsspecTransport):
     """Objects in S3 or an S3-compatible store (``s3://``, ``s3a://``)."""
 
-    @staticmethod
-    def serves(fs: Any) -> bool:
-        return can_stream(fs)
+    serves = staticmethod(can_stream)  # the filesystems this class is the transport of
 
     def pending_uploads(self, path: str) -> list[PendingUpload]:
         """In-progress multipart uploads of ``path`` or under it (:mod:`.s3_pending`)."""
