@@ -2,14 +2,15 @@
 
 fsspec's ranged read returns only the body; the one here checks the answer's status and
 ``Content-Range`` against the range asked for (:mod:`.http_io`, :mod:`.range_check`), so a server that
-ignores ``Range`` and sends the whole file is caught, not sliced wrongly.
+ignores ``Range`` and sends the whole file is caught, not sliced wrongly. A whole-file read with a limit
+is streamed and stops after ``limit + 1`` bytes, so a server that gives no size is never held whole.
 """
 
 from __future__ import annotations
 
 from .backends import builtin_backend
 from .fsspec_transport import FsspecTransport
-from .http_io import http_read_range, is_http
+from .http_io import http_read, http_read_range, is_http
 
 __all__ = ["HttpTransport"]
 
@@ -19,6 +20,10 @@ class HttpTransport(FsspecTransport):
     """Files served over HTTP(S) (``http://``, ``https://``)."""
 
     serves = staticmethod(is_http)  # the filesystems this class is the transport of
+
+    def _read_whole(self, path: str, max_bytes: int | None) -> bytes:
+        """One streamed ``GET`` stopped after ``max_bytes + 1`` bytes, whatever size the server claims or withholds."""
+        return http_read(self.fs, path, max_bytes)
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         return http_read_range(self.fs, path, start, end)
