@@ -193,16 +193,15 @@ class FsspecTransport:
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
     def _read_whole(self, path: str, max_bytes: int | None) -> bytes:
-        """A whole file; with ``max_bytes`` the size comes first (nothing is read of a larger file), then no more
-        than that size plus one byte, so a file that grew meanwhile is not read whole either."""
+        """A whole file; with ``max_bytes`` the size comes first (nothing is read of a larger file), then at most
+        ``max_bytes + 1`` bytes: up to the limit, not the size seen, which a cached listing may have made stale
+        (a file that grew comes back whole, or past the limit and refused, never cut to its old size)."""
         if max_bytes is None:
             return bytes(self.fs.cat_file(path))
-        size = self.fs.size(path)
-        if size is None:  # a store that does not say (an HTTP server without Content-Length): a bounded range
-            return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
-        if int(size) > max_bytes:
+        size = self.fs.size(path)  # None: a store that does not say (an HTTP server without Content-Length)
+        if size is not None and int(size) > max_bytes:
             raise FileTooLargeError(self.url(path), int(size), max_bytes)
-        return bytes(self.fs.cat_file(path, start=0, end=int(size) + 1))
+        return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; the caller checks the length (backends also check status and headers)."""
