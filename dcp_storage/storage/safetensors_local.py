@@ -29,7 +29,7 @@ from ..formats.safetensors.encode import as_memoryview, pwrite_all
 from ..formats.safetensors.write_plan import ChunkWrite, PieceKey, RankWrites, SavePlanResult, fill_header
 from ..integrity.checksums import checksum
 from ..transports import Transport
-from ..transports.fsspec_transport import _fsync_dir
+from ..transports.local_io import fsync_dir
 
 __all__ = ["commit_files", "create_temp_files", "fill_headers", "pwrite_chunks", "temp_path"]
 
@@ -120,4 +120,4 @@ def commit_files(transport: Transport, root: str, planned: SavePlanResult, save_
     for f in planned.files:
         os.replace(temp_path(transport, root, f.name, save_id), transport.join(root, f.name))
         transport.counters.add(requests=1)
-    _fsync_dir(root)
+    fsync_dir(root)

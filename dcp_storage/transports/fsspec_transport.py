@@ -36,7 +36,6 @@ from .backends import backend_for, class_to_build, restore
 from .config import TransportConfig, resolve_config
 from .counters import TransportCounters
 from .exclusive import fsspec_put_if_absent, holds
-from .local_io import fsync_dir as _fsync_dir  # noqa: F401 - imported from here by storage.safetensors_writer
 from .local_open import Confinement
 from .range_check import RangeMismatchError
 from .range_run import RangeRun
