@@ -45,7 +45,7 @@ from ..formats.safetensors.loader import SafetensorsItemLoader, SafetensorsLoade
 from ..formats.safetensors.scan import SafetensorsScanConfig, scan_metadata
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
-from ..strategies.metadata_sharing import share_within_load
+from ..strategies.metadata_sharing import share_object
 from ..strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from ..transports import Transport, TransportConfig
 from .location import BoundLocation
@@ -69,7 +69,9 @@ class SafetensorsReader(BoundLocation, StorageReader):
         coordinator_rank: the rank, within ``process_group``, that reads the headers.
         broadcast_metadata: ``False``: every caller reads the headers itself, never sharing them. Not needed
             for ``dcp.load(..., no_dist=True)`` (on one rank or on all), which the reader detects: each
-            caller then reads the headers itself anyway (see :mod:`dcp_storage.strategies.dcp_call`).
+            caller then reads the headers itself anyway (see :mod:`dcp_storage.strategies.dcp_call`). It is
+            needed to call ``read_metadata()`` on one rank alone while a process group is up (outside
+            ``dcp.load``, to look at keys): with sharing on, every rank of the group must call it.
         read_strategy: who fetches stored bytes that several ranks need (see :class:`FsspecReader`).
         verify: check every tensor this rank reads against the digests ``SafetensorsWriter`` recorded in
             the file's header (and the header against its own digest). Each tensor touched is fetched whole
@@ -148,9 +150,8 @@ class SafetensorsReader(BoundLocation, StorageReader):
             # dcp.load asks for per-rank metadata only after the global read failed; there is none here.
             raise CheckpointNotFoundError(f"{self.path}: safetensors checkpoints have no per-rank metadata")
         if self.broadcast_metadata:
-            # Inside a distributed dcp.load the coordinator scans and its result or its error reaches every rank;
-            # called on one rank outside a load (to look at keys), it scans alone (see share_within_load).
-            shared = share_within_load(self._scan, group=self.process_group, src_rank=self.coordinator_rank)
+            # The coordinator scans; its result or its error reaches every rank (see share_object).
+            shared = share_object(self._scan, group=self.process_group, src_rank=self.coordinator_rank)
         else:
             shared = self._scan()
         self.root, metadata, self._sums = shared
