@@ -34,7 +34,7 @@ from ...integrity.manifest import MANIFEST_FILE
 from ...transports.buckets import make_output_root
 from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
 from ..paths import DATA_SUFFIX
-from ..safetensors.write_plan import TensorSpec, pack_files
+from ..safetensors.convert_out import pack_by_bytes
 from .manifest_io import build_manifest
 from .metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
 
@@ -42,11 +42,7 @@ __all__ = ["TARGET", "write_dcp"]
 
 
 def _groups(tensors: Sequence[OutTensor], max_shard_size: int | None) -> list[list[OutTensor]]:
-    if max_shard_size is None:
-        return [list(tensors)]
-    by_key = {t.key: t for t in tensors}
-    specs = [TensorSpec(t.key, "U8", (t.nbytes,), 1) for t in tensors]
-    return [[by_key[s.fqn] for s in group] for group in pack_files(specs, max_shard_size)]
+    return [list(tensors)] if max_shard_size is None else pack_by_bytes(tensors, max_shard_size)
 
 
 def write_dcp(

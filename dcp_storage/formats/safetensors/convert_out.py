@@ -28,10 +28,31 @@ from .encode import (
 )
 from .write_plan import TensorSpec, index_name, pack_files, parse_size, shard_name, single_name
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "TARGET", "hf_index_json", "refuse_unstorable", "write_safetensors"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "TARGET",
+    "hf_index_json",
+    "pack_by_bytes",
+    "refuse_unstorable",
+    "shard_size",
+    "write_safetensors",
+]
 
 HEADER_METADATA = {"format": "pt"}
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default, for directory outputs
+
+
+def shard_size(options: WriteOptions) -> int:
+    """The bytes per output file the options ask for, else save_pretrained's default."""
+    return options.max_shard_size if options.max_shard_size is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
+
+
+def pack_by_bytes(tensors: Sequence[OutTensor], max_shard_size: int) -> list[list[OutTensor]]:
+    """``tensors`` in files of at most ``max_shard_size`` bytes (a larger tensor alone), packed as
+    save_pretrained packs shards, for formats whose files hold any dtype (counted by bytes only)."""
+    by_key = {t.key: t for t in tensors}
+    specs = [TensorSpec(t.key, "U8", (t.nbytes,), 1) for t in tensors]
+    return [[by_key[s.fqn] for s in group] for group in pack_files(specs, max_shard_size)]
 
 
 def refuse_unstorable(tensors: Sequence[OutTensor], values: Sequence[OutValue], options: WriteOptions) -> None:
@@ -140,8 +161,7 @@ def _write(
     fetch: Fetch,
     options: WriteOptions,
 ) -> tuple[str, list[str]]:
-    shard = options.max_shard_size if options.max_shard_size is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
-    path = write_safetensors(dest, tensors, fetch, single_file=options.single_file, max_shard_size=shard)
+    path = write_safetensors(dest, tensors, fetch, single_file=options.single_file, max_shard_size=shard_size(options))
     return path, [v.key for v in values]  # refuse_unstorable let them through: drop_non_tensors
 
 

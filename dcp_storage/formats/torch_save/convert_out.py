@@ -28,8 +28,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from ...errors import CheckpointExistsError, NonTensorStateError
 from ...transports.buckets import make_output_root
 from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
-from ..safetensors.convert_out import DEFAULT_MAX_SHARD_SIZE, hf_index_json
-from ..safetensors.write_plan import TensorSpec, pack_files, parse_size
+from ..safetensors.convert_out import hf_index_json, pack_by_bytes, shard_size
 
 __all__ = ["TARGET", "build_tree", "write_torch_save"]
 
@@ -153,12 +152,6 @@ def build_tree(tensors: Sequence[OutTensor], values: Sequence[OutValue], fetch: 
     return tree
 
 
-def _flat_shards(tensors: Sequence[OutTensor], max_shard_size: int) -> list[list[OutTensor]]:
-    by_key = {t.key: t for t in tensors}
-    specs = [TensorSpec(t.key, "U8", (t.nbytes,), 1) for t in tensors]
-    return [[by_key[s.fqn] for s in group] for group in pack_files(specs, max_shard_size)]
-
-
 def write_torch_save(
     dest: WriteDestination,
     tensors: Sequence[OutTensor],
@@ -176,7 +169,7 @@ def write_torch_save(
     if single_file:
         groups = [list(tensors)]
     else:
-        groups = _flat_shards(tensors, max_shard_size)
+        groups = pack_by_bytes(tensors, max_shard_size)
     sharded = len(groups) > 1
     if sharded and values and not drop_non_tensors:
         raise NonTensorStateError(
@@ -237,14 +230,13 @@ def _write(
     fetch: Fetch,
     options: WriteOptions,
 ) -> tuple[str, list[str]]:
-    shard = options.max_shard_size if options.max_shard_size is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
     return write_torch_save(
         dest,
         tensors,
         values,
         fetch,
         single_file=options.single_file,
-        max_shard_size=shard,
+        max_shard_size=shard_size(options),
         drop_non_tensors=options.drop_non_tensors,
     )
 
