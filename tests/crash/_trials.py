@@ -6,7 +6,8 @@ One trial:
    the killed save uses ``overwrite=True``; otherwise the target is a fresh path.
 2. A 2-rank gloo save of state ``NEW_SEED`` starts (real processes, see ``_launcher``); after a random
    delay drawn from the save's measured duration (85 % of draws before its measured commit, the rest
-   after it, up to 1.15 x its duration) one rank (drawn too) gets SIGKILL. The other is SIGKILLed too if
+   after it, up to 1.15 x its duration; the measure is the fastest of the recent uninterrupted saves,
+   trials included) one rank (drawn too) gets SIGKILL. The other is SIGKILLed too if
    it has not failed on its own within a short grace, as a launcher would.
 3. The target must then be exactly one of: the complete old checkpoint, bit-exact (the kill came before
    the save retired it); the complete new one, bit-exact (the kill came after the commit); or refused by
@@ -56,6 +57,10 @@ PRE_COMMIT_SHARE = 0.85
 DELAY_SPAN = 1.15
 KILL_GRACE_S = 2.0
 S3_LOAD_EVERY = 5
+# The kill aim follows the machine: the commit estimate is the fastest of the last RECENT_SAVES saves
+# observed (the set-up saves, then every trial save that reached its commit). A CI machine's speed drifts
+# within a run; one cold or slow set-up save used to push most kills past the commit.
+RECENT_SAVES = 4
 
 BEFORE_DATA = "before any data"
 MID_DATA = "mid data"
@@ -167,6 +172,7 @@ class CrashTrials:
         self.other = location.url("other")
         self.duration = 0.0
         self.commit = 0.0  # seconds from a save's start to its commit (finish returned on the coordinator)
+        self._observed: collections.deque[tuple[float, float]] = collections.deque(maxlen=RECENT_SAVES)
         self.data_files = 0
         self._other_snapshot: dict[str, Any] | None = None
 
@@ -202,29 +208,32 @@ class CrashTrials:
 
     # ------------------------------------------------------------------------------------ set-up
     def measure(self) -> float:
-        """Three uninterrupted 2-rank saves: the first (the *other* checkpoint) warms up, and the faster of two
-        more, each to a fresh path, sets the span. Fresh paths are the fastest saves a trial makes (an
-        overwrite also retires the old files), so kills drawn within the span land before a save ends; a
-        slow outlier would push most kills past it."""
-        timings = []
+        """Three uninterrupted 2-rank saves: the first (the *other* checkpoint) warms up, and two more, each to a
+        fresh path, give the first aim. Fresh paths are the fastest saves a trial makes (an overwrite also
+        retires the old files), so kills drawn within the span land before a save ends. Trials refine the
+        aim (:meth:`_observe`)."""
         for attempt in range(3):
             url = self.other if attempt == 0 else self.loc.url(f"measure{attempt}")
             job, signals = self._launch(url, OTHER_SEED, True, f"measure{attempt}")
             status = job.wait()
             assert status == [0, 0], f"uninterrupted save failed: {status}"
-            duration = max(float(Path(signals, f"rank{r}.json").read_text()) for r in (0, 1))
-            started = float(Path(signals, "rank0.start").read_text().split()[1])
-            timings.append((duration, float(Path(signals, "committed").read_text()) - started))
+            timing = _save_timing(signals)
+            assert timing is not None, f"uninterrupted save left no timing in {signals}"
             if attempt:
+                self._observe(timing)
                 self.loc.remove(url)
-        self.duration, self.commit = min(timings[1:])
         self.data_files = sum(n.endswith(".distcp") for n in self.loc.snapshot(self.other))
         assert self.data_files >= 4, self.loc.snapshot(self.other)
         self.assert_loads(self.other, OTHER_SEED, "the previous checkpoint")
         self._other_snapshot = self.loc.snapshot(self.other)
+        return self.duration
+
+    def _observe(self, timing: tuple[float, float]) -> None:
+        """Take one save's (duration, commit) into the aim: the fastest of the recent ones."""
+        self._observed.append(timing)
+        self.duration, self.commit = min(self._observed)
         self.tally.save_duration = self.duration
         self.tally.commit = self.commit
-        return self.duration
 
     # ------------------------------------------------------------------------------------ one trial
     def _kill_at_random(self, job: Any, signals: str) -> bool:
@@ -275,6 +284,10 @@ class CrashTrials:
         after = self.loc.snapshot(target)
         phase = self._phase(before, after, same_path, killed)
         self.tally.phases[phase] += 1
+        if phase in (AFTER_COMMIT, MISSED):
+            timing = _save_timing(signals)
+            if timing is not None:  # both ranks reached the end: this save is one more observation
+                self._observe(timing)
         if phase in (AFTER_COMMIT, MISSED, OLD_INTACT):
             expected = OLD_SEED if phase == OLD_INTACT else NEW_SEED
             self._check_complete(target, expected, phase)
@@ -356,3 +369,15 @@ class CrashTrials:
         stale = {n for n in referenced if n in after and n not in rewritten}
         assert not stale, f"the new .metadata references files the save did not write: {sorted(stale)}"
         assert not [n for n in after if n.endswith(".tmp")], f"temp files left after overwrite: {sorted(after)}"
+
+
+def _save_timing(signals: str) -> tuple[float, float] | None:
+    """(seconds the save took on its slower rank, seconds from rank 0's start to the commit) of a save
+    whose ranks both marked their end, else ``None``."""
+    done = [Path(signals, f"rank{r}.done") for r in (0, 1)]
+    committed = Path(signals, "committed")
+    if not committed.exists() or not all(p.exists() for p in done):
+        return None
+    duration = max(float(p.read_text()) for p in done)
+    started = float(Path(signals, "rank0.start").read_text().split()[1])
+    return duration, float(committed.read_text()) - started
