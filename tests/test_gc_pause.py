@@ -55,3 +55,32 @@ def test_describe_and_metadata_decode_pause_and_restore(tmp_path, monkeypatch: p
     assert [t.key for t in info.tensors] == ["w"]
     assert seen == [False]
     assert gc.isenabled()
+
+
+def test_overlapping_pauses_in_two_threads_keep_it_off_until_the_last_ends() -> None:
+    """Thread A pauses, thread B pauses, A ends: B still decodes, so the collector must stay off."""
+    import threading
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    during_b: list[bool] = []
+
+    def first() -> None:
+        with gc_paused():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def second() -> None:
+        a_in.wait(10)
+        with gc_paused():
+            b_in.set()
+            a_out.wait(10)
+            during_b.append(gc.isenabled())
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert during_b == [False]
+    assert gc.isenabled()
