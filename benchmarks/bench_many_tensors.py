@@ -16,6 +16,10 @@ Phases, each in a fresh interpreter so time and peak memory (``VmHWM``) do not m
   ``set_up_planner``/``create_local_plan``/``create_global_plan``/``finish_plan`` of torch's
   ``DefaultLoadPlanner`` and the reader's ``set_up_storage_reader``/``prepare_*_plan``, into a state dict of
   matching tensors (built before the clock starts; its memory is reported apart);
+* ``plan_ours``: the same with this library's drop-in planner (``RemappingLoadPlanner()``, which plans
+  with the cyclic collector paused);
+* ``plan_torch``: the same with torch's own ``FileSystemReader`` and ``DefaultLoadPlanner`` (no guard on
+  the ``.metadata`` pickle: the reference);
 * ``plan_read_once``: the read-once strategy's global planning for 4 DDP ranks (4 x N items);
 * ``describe``: :func:`dcp_storage.describe`;
 * ``inspect``: ``dcp-storage inspect`` (its table printed to /dev/null).
@@ -41,7 +45,7 @@ if REPO not in sys.path:
     sys.path.insert(1, REPO)
 
 PER_TENSOR = 16  # fp32 elements
-PHASES = ("plan", "plan_read_once", "describe", "inspect")
+PHASES = ("plan", "plan_ours", "plan_torch", "plan_read_once", "describe", "inspect")
 
 
 def build(n: int, files: int) -> str:
@@ -123,7 +127,7 @@ def phase(name: str, root: str, n: int) -> dict[str, float]:
 
     extra: dict[str, float] = {}
     setup: dict[str, object] = {}
-    if name in ("plan", "plan_read_once"):
+    if name.startswith("plan"):
         before = _rss_kib()
         block = torch.zeros(n, PER_TENSOR)  # one allocation; the state dict holds views of its rows
         setup["sd"] = {f"layers.{i // 8}.p{i % 8}.weight": block[i] for i in range(n)}
@@ -139,10 +143,20 @@ def phase(name: str, root: str, n: int) -> dict[str, float]:
     _reset_peak()
     base = _rss_kib()
     start, cpu = time.perf_counter(), time.process_time()
-    if name == "plan":
-        reader = FsspecReader(root)
+    if name in ("plan", "plan_ours", "plan_torch"):
+        if name == "plan_torch":
+            from torch.distributed.checkpoint import FileSystemReader
+
+            reader = FileSystemReader(root)
+        else:
+            reader = FsspecReader(root)
         md = reader.read_metadata()
-        planner = DefaultLoadPlanner()
+        if name == "plan_ours":
+            from dcp_storage.planners import RemappingLoadPlanner
+
+            planner = RemappingLoadPlanner()
+        else:
+            planner = DefaultLoadPlanner()
         planner.set_up_planner(setup["sd"], md, True)
         reader.set_up_storage_reader(md, True)
         local = reader.prepare_local_plan(planner.create_local_plan())

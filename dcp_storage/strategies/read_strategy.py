@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from .. import registry
 from ..errors import CorruptCheckpointError
+from ..gc_pause import gc_paused
 from ..registry import PluginNotFoundError
 from ..transports.factory import READ_STRATEGY_OPTION  # the storage option naming a reader's strategy
 from .dcp_call import load_view
@@ -153,7 +154,8 @@ class _ReadOnce:
         ]
         if not view.distributed or view.world == 1 or len(plans) != view.world:
             return plans  # alone, or torch's per-rank fallback planning one rank's plan at a time
-        return plan_read_once(plans, stored, self.config, hosts if self.host_key is not None else None)
+        with gc_paused():  # millions of small acyclic objects at scale; collections would walk them all again
+            return plan_read_once(plans, stored, self.config, hosts if self.host_key is not None else None)
 
     def read(self, plan: LoadPlan, planner: LoadPlanner, read_items: ReadItems, stored: StoredItems) -> None:
         exchange = plan.storage_data
