@@ -25,6 +25,7 @@ _EXPORTS = {
         "DcpStorageError",
         "FileTooLargeError",
         "IncompleteCheckpointError",
+        "LocationMismatchError",
         "NonTensorStateError",
         "ShapeMismatchError",
         "StorageAccessError",
@@ -34,6 +35,7 @@ _EXPORTS = {
         "UnsupportedDtypeError",
         "UnsupportedKeyError",
         "WrongFormatError",
+        "WrongPathTypeError",
     ),
     # The configs the readers take, one scheme: format-specific ones start with their format's name.
     ".formats.dcp_native.item_loader": ("DcpLoaderConfig",),
@@ -97,6 +99,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         DcpStorageError,
         FileTooLargeError,
         IncompleteCheckpointError,
+        LocationMismatchError,
         NonTensorStateError,
         ShapeMismatchError,
         StorageAccessError,
@@ -106,6 +109,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         UnsupportedDtypeError,
         UnsupportedKeyError,
         WrongFormatError,
+        WrongPathTypeError,
     )
     from .formats.dcp_native.item_loader import DcpLoaderConfig
     from .formats.safetensors.loader import SafetensorsLoaderConfig
@@ -149,6 +153,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "KeyMap",
     "KeyRules",
+    "LocationMismatchError",
     "NonTensorStateError",
     "PrefixStrategy",
     "ReadOnceConfig",
@@ -172,6 +177,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "UnsupportedKeyError",
     "WrongFormatError",
+    "WrongPathTypeError",
     "__version__",
     "convert",
     "dcp_to_torch_save",

@@ -23,6 +23,7 @@ __all__ = [
     "DcpStorageError",
     "FileTooLargeError",
     "IncompleteCheckpointError",
+    "LocationMismatchError",
     "NonTensorStateError",
     "ShapeMismatchError",
     "StorageAccessError",
@@ -34,6 +35,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "UnsupportedKeyError",
     "WrongFormatError",
+    "WrongPathTypeError",
 ]
 
 
@@ -116,6 +118,17 @@ class BucketNotFoundError(CheckpointNotFoundError):
 
 class CheckpointExistsError(DcpStorageError, FileExistsError):
     """A save would clobber an existing checkpoint and ``overwrite=False`` was asked for."""
+
+
+class WrongPathTypeError(DcpStorageError, FileExistsError):
+    """Something that is no part of a checkpoint sits where a save must write: a file where the checkpoint
+    directory (or one above it) goes, a directory where a file of the checkpoint or its lock goes. Nothing is
+    removed on the user's behalf; the message names the path and says to remove it or save elsewhere."""
+
+
+class LocationMismatchError(DcpStorageError, ValueError):
+    """The ranks of one ``dcp.load`` were given different checkpoints: the coordinator read one checkpoint's
+    metadata, and this rank would read another's data with it (a silent mix). The message names both."""
 
 
 class CorruptCheckpointError(DcpStorageError, ValueError):

@@ -63,8 +63,19 @@ def open_reader(
     ``format`` names a registered format (``"dcp"``, ``"safetensors"``, ``"torch_save"``, or a plugin's);
     without it the format is detected.
     """
+    _check_format_name("open_reader", format)
     spec = registry.get("formats", format) if format is not None else detect_format(url, storage_options)
     return reader_of(spec, url, storage_options, **options)
+
+
+def _check_format_name(api: str, format: object) -> None:
+    """``open_reader(url, opts)`` passes the options as ``format`` (the second argument): say so, instead of
+    the registry's ``TypeError: unhashable type: 'dict'``."""
+    if format is not None and not isinstance(format, str):
+        raise TypeError(
+            f"{api}: format must be a format name such as 'dcp' or 'safetensors', got a {type(format).__name__}; "
+            f"pass storage options by name: {api}(url, storage_options=...)"
+        )
 
 
 def reader_of(
@@ -82,6 +93,7 @@ def open_writer(
     url: str | os.PathLike[str], format: str = "dcp", storage_options: dict[str, Any] | None = None, **options: Any
 ) -> Any:
     """A DCP ``StorageWriter`` for ``url`` in ``format`` (``"dcp"`` or ``"safetensors"``, or a plugin's)."""
+    _check_format_name("open_writer", format)
     spec = registry.get("formats", format)
     if spec.open_writer is None:
         raise UnknownFormatError(

@@ -42,6 +42,7 @@ from typing import Any
 from ..errors import CheckpointExistsError
 from ..formats.paths import LOCK_FILE
 from ..integrity.provenance import writer_descriptor
+from ..transports.local_transport import directory_in_the_way
 
 __all__ = ["LOCK_FILE", "Claim", "ClaimingWriter", "claim_location", "lock_name", "refuse_existing"]
 
@@ -102,6 +103,8 @@ def claim_location(
     exists; nothing is written then, and the lock is not left behind.
     """
     markers = list(markers)
+    if getattr(transport, "is_local", False) and os.path.isdir(lock_path) and not os.path.islink(lock_path):
+        raise directory_in_the_way(transport.url(lock_path))  # no save made it: neither waiting nor overwrite helps
     token = _token(save_id)
     claim = Claim(transport, lock_path, token)
     if overwrite:

@@ -42,7 +42,7 @@ from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 from ..formats.misdirected import raise_explained
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
-from ..strategies.metadata_sharing import share_within_load
+from ..strategies.metadata_sharing import reader_location, share_within_load
 from ..strategies.read_strategy import (
     READ_STRATEGY_OPTION,
     MetadataItems,
@@ -125,7 +125,7 @@ class FsspecReader(BoundLocation, StorageReader):
         if rank is not None:  # torch's fallback after the global read failed: this rank's own file
             metadata = self._read_metadata_file(f"__{rank}{METADATA_FILE}")
         else:
-            metadata, manifest = share_within_load(self._read_per_load_files)
+            metadata, manifest = share_within_load(self._read_per_load_files, location=reader_location(self))
             self._manifest = manifest[0] if manifest else _UNREAD
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

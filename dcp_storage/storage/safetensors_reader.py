@@ -45,7 +45,7 @@ from ..formats.safetensors.loader import SafetensorsItemLoader, SafetensorsLoade
 from ..formats.safetensors.scan import SafetensorsScanConfig, scan_metadata
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
-from ..strategies.metadata_sharing import share_object
+from ..strategies.metadata_sharing import reader_location, share_object
 from ..strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from ..transports import Transport, TransportConfig
 from .location import BoundLocation
@@ -151,7 +151,9 @@ class SafetensorsReader(BoundLocation, StorageReader):
             raise CheckpointNotFoundError(f"{self.path}: safetensors checkpoints have no per-rank metadata")
         if self.broadcast_metadata:
             # The coordinator scans; its result or its error reaches every rank (see share_object).
-            shared = share_object(self._scan, group=self.process_group, src_rank=self.coordinator_rank)
+            shared = share_object(
+                self._scan, group=self.process_group, src_rank=self.coordinator_rank, location=reader_location(self)
+            )
         else:
             shared = self._scan()
         self.root, metadata, self._sums = shared

@@ -50,7 +50,7 @@ from ..planners.key_check import check_planned_keys, enforce_for, rules_of
 from ..strategies.coordinator_served import CoordinatorServedReader
 from ..strategies.dcp_call import running_planner
 from ..strategies.group import GroupView
-from ..strategies.metadata_sharing import share_object
+from ..strategies.metadata_sharing import reader_location, share_object
 from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order
 from ..tensor_buffers import host_buffer
 from ..transports import Transport, TransportConfig
@@ -170,7 +170,9 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         def build() -> Metadata:
             return self._open_archive().metadata()
 
-        self._metadata = share_object(build, group=self.process_group, src_rank=self.coordinator_rank)
+        self._metadata = share_object(
+            build, group=self.process_group, src_rank=self.coordinator_rank, location=reader_location(self)
+        )
         return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -52,7 +52,7 @@ from ..tensor_buffers import host_buffer
 from .coordinator_served import CoordinatorServedReader
 from .dcp_call import running_planner, working_alone
 from .group import GroupView
-from .metadata_sharing import share_object
+from .metadata_sharing import reader_location, share_object
 from .slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, item_key
 
 __all__ = ["Broadcasting"]
@@ -116,7 +116,9 @@ class Broadcasting(CoordinatorServedReader):
             with working_alone():
                 return self.reader.read_metadata()
 
-        self._metadata = share_object(read, group=self.process_group, src_rank=self.coordinator_rank)
+        self._metadata = share_object(
+            read, group=self.process_group, src_rank=self.coordinator_rank, location=reader_location(self.reader)
+        )
         return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -10,26 +10,33 @@ Errors cross ranks as (class, message, simple attributes) rather than as pickled
 :class:`~dcp_storage.errors.DcpStorageError` subclass of this package is rebuilt as the same class with
 the same message; any other error becomes a :class:`~dcp_storage.errors.DcpStorageError` whose message
 names the original class. The source rank re-raises its original exception.
+
+A reader passes ``location``, the checkpoint it was given (:func:`reader_location`): the source rank sends
+its own with the value, and a rank given another checkpoint raises
+:class:`~dcp_storage.errors.LocationMismatchError` naming both, instead of reading its own checkpoint's data
+through the coordinator's metadata (or, with a read strategy that exchanges slices, handing other ranks
+bytes of another checkpoint): a silent mix of two checkpoints. DCP gathers that error to every rank.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import DcpStorageError
+from ..errors import DcpStorageError, LocationMismatchError
 from .dcp_call import current_call, load_group, works_alone
 from .group import group_view
 
-__all__ = ["decode_error", "encode_error", "share_object", "share_within_load"]
+__all__ = ["decode_error", "encode_error", "reader_location", "share_object", "share_within_load"]
 
 T = TypeVar("T")
 _SIMPLE = (str, int, float, bool, type(None))
 
 
-def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -> T:
+def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0, location: str | None = None) -> T:
     """Run ``fn`` on ``src_rank`` (a rank of ``group``) and return its result on every rank.
 
     ``group=None``: the process group of the running ``dcp.load``, if any, else the default group.
@@ -37,7 +44,9 @@ def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -
     Collective: every rank of ``group`` must call it. Without a process group (or at world size 1), and
     while this process works alone (inside ``dcp.load(..., no_dist=True)``, see :mod:`.dcp_call`), it
     just calls ``fn``. If ``fn`` raises, every rank raises (see the module docstring for which class).
-    The result must be picklable; if it is not, that too is raised on every rank.
+    The result must be picklable; if it is not, that too is raised on every rank. ``location``: the
+    checkpoint this rank was given; a rank whose location differs from ``src_rank``'s raises
+    :class:`~dcp_storage.errors.LocationMismatchError` (module docstring).
     """
     if works_alone():
         return fn()
@@ -53,7 +62,7 @@ def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -
     if view.rank == src_rank:
         try:
             value = fn()
-            payload = pickle.dumps(("ok", value), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(("ok", (value, location)), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
             error = exc
             payload = pickle.dumps(("error", encode_error(exc, view.rank)), protocol=pickle.HIGHEST_PROTOCOL)
@@ -68,10 +77,31 @@ def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -
     kind, body = pickle.loads(box[0])  # bytes from our own peer rank, not from storage
     if kind == "error":
         raise decode_error(body)
-    return body
+    value, source_location = body
+    if location is not None and source_location is not None and source_location != location:
+        raise LocationMismatchError(
+            f"rank {view.rank} was given the checkpoint {location}, but rank {src_rank}, which reads the metadata "
+            f"for all ranks, was given {source_location}: every rank of one dcp.load must load the same checkpoint "
+            "(pass the same path or checkpoint_id on every rank)"
+        )
+    return value  # type: ignore[no-any-return]
 
 
-def share_within_load(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0) -> T:
+def reader_location(reader: Any) -> str | None:
+    """The checkpoint ``reader`` was given (its ``path`` or ``checkpoint_id``; a wrapped reader's, for one that
+    wraps another as ``reader.reader``), in a form ranks can compare: a local path made absolute, a URL
+    without a trailing ``/``. ``None`` when the reader does not say (then nothing is compared)."""
+    inner = getattr(reader, "reader", None)
+    if inner is not None and inner is not reader:
+        return reader_location(inner)
+    given = getattr(reader, "path", None) or getattr(reader, "checkpoint_id", None)
+    if not isinstance(given, (str, os.PathLike)):
+        return None
+    text = os.fspath(given)
+    return text.rstrip("/") if "://" in text else os.path.abspath(text)
+
+
+def share_within_load(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0, location: str | None = None) -> T:
     """:func:`share_object` while a distributed ``dcp.load`` runs (every rank of its group calls the reader
     step that calls this); anywhere else ``fn()`` on this process alone.
 
@@ -82,7 +112,7 @@ def share_within_load(fn: Callable[[], T], *, group: Any = None, src_rank: int =
     """
     if current_call() is None:
         return fn()
-    return share_object(fn, group=group, src_rank=src_rank)
+    return share_object(fn, group=group, src_rank=src_rank, location=location)
 
 
 def encode_error(exc: BaseException, rank: int) -> dict[str, Any]:

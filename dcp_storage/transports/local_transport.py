@@ -20,7 +20,7 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, WrongPathTypeError
 from .backends import builtin_backend
 from .config import MiB
 from .exclusive import create_local
@@ -32,7 +32,7 @@ from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .writers import CountingWriter
 
-__all__ = ["LocalTransport"]
+__all__ = ["LocalTransport", "directory_in_the_way"]
 
 
 class LocalWriter(CountingWriter):
@@ -99,11 +99,21 @@ class LocalTransport(FsspecTransport):
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:  # a file where a directory must be, or above it
+            raise WrongPathTypeError(
+                f"{self.url(path)}: a file is in the way (at this path or above it) where the checkpoint's "
+                "directory must be; a checkpoint is a directory: remove the file or save to another path"
+            ) from exc
 
     def remove(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.remove(path)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError as exc:
+            raise directory_in_the_way(self.url(path)) from exc
 
     def remove_tree(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -169,7 +179,10 @@ class LocalTransport(FsspecTransport):
             raw.flush()
             os.fsync(raw.fileno())
             raw.close()
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except IsADirectoryError as exc:
+                raise directory_in_the_way(self.url(path)) from exc
             self.counters.add(requests=1)
             fsync_dir(directory)
         except BaseException:
@@ -177,3 +190,11 @@ class LocalTransport(FsspecTransport):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
             raise
+
+
+def directory_in_the_way(url: str) -> WrongPathTypeError:
+    """A directory where a save must write or remove a file: never removed on the user's behalf."""
+    return WrongPathTypeError(
+        f"{url}: a directory where a file of the checkpoint belongs; nothing of a save is a directory here: "
+        "remove it yourself (a save never deletes directories) or save to another path"
+    )

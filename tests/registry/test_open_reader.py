@@ -87,3 +87,13 @@ def test_detects_torch_save_files(tmp_path: Path) -> None:
     assert looks_like_legacy_torch_pickle((tmp_path / "legacy.pt").read_bytes()[:64])
     with pytest.raises(UnknownFormatError, match="read-only"):
         open_writer(str(tmp_path / "out.pt"), "torch_save")
+
+
+def test_storage_options_passed_as_the_format_are_named(tmp_path: Path) -> None:
+    """``open_reader(url, opts)`` puts the options in ``format``: the error says so (before: the registry's
+    bare ``TypeError: unhashable type: 'dict'``)."""
+    options = {"anon": True}
+    for opener in (open_reader, open_writer):
+        with pytest.raises(TypeError, match=r"storage_options=\.\.\.") as info:
+            opener(str(tmp_path), options)  # type: ignore[arg-type]
+        assert opener.__name__ in str(info.value) and "got a dict" in str(info.value)
