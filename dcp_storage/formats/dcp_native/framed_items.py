@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
 from ...transports import RangeRequest, Transport
+from .record_match import saved_chunk
 from .seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
 from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, load_tensor_record, parse_tensor_record
 
@@ -45,13 +46,7 @@ def needs_whole_chunk(item: ReadItem, metadata: Metadata | None) -> bool:
     md = metadata.state_dict_metadata.get(item.storage_index.fqn)
     if not isinstance(md, TensorStorageMetadata):
         return True
-    offsets = tuple(item.storage_index.offset or ())
-    hint = item.storage_index.index
-    chunks = md.chunks
-    if hint is not None and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == offsets:
-        chunk = chunks[hint]
-    else:
-        chunk = next((c for c in chunks if tuple(c.offsets) == offsets), None)
+    chunk = saved_chunk(metadata, item.storage_index)
     if chunk is None:
         return False
     return all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == tuple(chunk.sizes)

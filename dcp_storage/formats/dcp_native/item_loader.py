@@ -40,6 +40,7 @@ from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_rea
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
 from .record_entry import RecordEntry
+from .record_match import check_record_matches
 from .record_zip import check_record_zip
 from .seekable import SeekableTransform
 from .torch_record import (
@@ -321,6 +322,7 @@ class DcpItemLoader:
 
     def _deliver_decoded(self, item: ReadItem, entry: RecordEntry, tensor: torch.Tensor, planner: LoadPlanner) -> None:
         shape, offsets, lengths = tuple(tensor.shape), tuple(item.storage_offsets), tuple(item.lengths)
+        check_record_matches(self.metadata, item.storage_index, shape, tensor.dtype, self._where(entry))
         if len(offsets) != len(shape) or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
             raise CorruptCheckpointError(  # metadata pointing at another tensor's record
                 f"{self._where(entry)}: the record holds a tensor of shape {list(shape)} but the metadata reads the "
@@ -334,6 +336,7 @@ class DcpItemLoader:
         planner.commit_tensor(item, dest)
 
     def _plan_ranged(self, item: ReadItem, entry: RecordEntry, rec: TensorRecord) -> SliceRead:
+        check_record_matches(self.metadata, item.storage_index, tuple(rec.shape), rec.dtype, self._where(entry))
         stored = StoredTensor(
             self._path(entry),
             entry.offset + rec.data_start,

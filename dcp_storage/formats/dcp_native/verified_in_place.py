@@ -31,6 +31,7 @@ from ...integrity.read_verify import RecordVerifier
 from ...tensor_buffers import writable_bytes
 from ...transports import RangeRequest, Transport
 from .record_entry import RecordEntry
+from .record_match import check_record_matches
 from .torch_record import TensorRecord
 
 
@@ -41,6 +42,9 @@ class InPlaceLoader(Protocol):
 
     transport: Transport
     config: Any  # the loader's DcpLoaderConfig: small_item_bytes, probe_bytes
+    metadata: Any  # the checkpoint's Metadata (or None): each record must hold the chunk it names
+
+    def _where(self, entry: RecordEntry) -> str: ...
 
     def _entry(self, item: ReadItem) -> RecordEntry: ...
 
@@ -138,6 +142,7 @@ def _probe(loader: InPlaceLoader, candidates: dict[RecordEntry, ReadItem]) -> li
 def _direct_destination(loader: InPlaceLoader, job: _Job) -> torch.Tensor | None:
     """The destination tensor when the record's elements can land in it as they are stored, else ``None``."""
     rec, item = job.record, job.item
+    check_record_matches(loader.metadata, item.storage_index, tuple(rec.shape), rec.dtype, loader._where(job.entry))
     whole = rec.is_row_major and rec.storage_offset == 0 and tuple(rec.shape) == tuple(item.lengths)
     if not whole or rec.storage_nbytes != rec.itemsize * math.prod(rec.shape):
         return None

@@ -1,0 +1,49 @@
+"""Whether a decoded DCP record is the chunk the metadata says it is.
+
+torch's ``FileSystemWriter`` saves each chunk as one record holding exactly that chunk, so the record's
+shape is the chunk's ``sizes`` and its dtype the tensor's. A record that disagrees (a ``.metadata`` edited
+or mixed with another save's records) would otherwise be narrowed to the slice asked for and loaded as
+if nothing were wrong: torch's reader does so. The safetensors layouts check the same agreement when they
+build the metadata (``formats/safetensors/metadata.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+
+from ...errors import CorruptCheckpointError
+
+__all__ = ["check_record_matches", "saved_chunk"]
+
+
+def saved_chunk(metadata: Metadata | None, index: Any) -> ChunkStorageMetadata | None:
+    """The chunk of the metadata that ``index`` (a ``MetadataIndex``) names; ``None`` when it names none."""
+    if metadata is None:
+        return None
+    md = metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    offsets, hint, chunks = tuple(index.offset or ()), index.index, md.chunks
+    if hint is not None and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == offsets:
+        return chunks[hint]
+    return next((c for c in chunks if tuple(c.offsets) == offsets), None)
+
+
+def check_record_matches(
+    metadata: Metadata | None, index: Any, shape: tuple[int, ...], dtype: torch.dtype, where: str
+) -> None:
+    """Raise :class:`CorruptCheckpointError` unless the record at ``where`` holds the chunk ``index`` names."""
+    chunk = saved_chunk(metadata, index)
+    if chunk is None:
+        return  # no metadata to compare with (the planner already refused unknown keys)
+    md = metadata.state_dict_metadata[index.fqn]  # type: ignore[union-attr]
+    want_dtype = md.properties.dtype
+    if tuple(shape) != tuple(chunk.sizes) or dtype != want_dtype:
+        raise CorruptCheckpointError(
+            f"{where}: the record holds {dtype} {list(shape)} but .metadata says chunk "
+            f"{list(chunk.offsets)} of {index.fqn!r} is {want_dtype} {list(chunk.sizes)}; the metadata and the "
+            "data files do not belong together (re-save the checkpoint, or restore its original .metadata)"
+        )
