@@ -85,6 +85,9 @@ class _StorageType:
         self.name = name
         self.dtype = dtype
 
+    def __repr__(self) -> str:  # errors quote persistent ids: the class name, never an object address
+        return f"torch.{self.name}"
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # a storage class called from the pickle
         raise UnsafeCheckpointError("", f"torch.{self.name}", "storage constructor called outside a persistent id")
 
@@ -186,6 +189,11 @@ class _Decoder:
         if seen.nbytes != ref.nbytes:
             raise CorruptCheckpointError(
                 f"{self.where}: storage {key!r} is referenced with sizes {seen.nbytes} and {ref.nbytes}"
+            )
+        if seen.dtype != ref.dtype and None not in (seen.dtype, ref.dtype):  # torch.load keeps the first
+            raise CorruptCheckpointError(
+                f"{self.where}: storage {key!r} is referenced as {seen.dtype} and as {ref.dtype}; torch.save "
+                "writes one dtype per storage (the file was edited or is damaged)"
             )
         return ref
 
