@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
 from ...transports import RangeRequest, Transport
-from .record_match import saved_chunk
+from .record_match import check_record_matches, saved_chunk
 from .seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
 from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, load_tensor_record, parse_tensor_record
 
@@ -157,11 +157,20 @@ class FramedItemLoader:
         jobs: Sequence[tuple[ReadItem, FramedItem]],
         destination: Callable[[ReadItem], torch.Tensor],
         commit: Callable[[ReadItem, torch.Tensor], None],
+        metadata: Metadata | None = None,
     ) -> None:
-        """Bring each ``(read_item, framed_item)`` slice into ``destination(read_item)``, then ``commit`` it."""
+        """Bring each ``(read_item, framed_item)`` slice into ``destination(read_item)``, then ``commit`` it.
+
+        With ``metadata``, each record must hold the chunk it names (dtype and shape), as on the other read
+        paths (:mod:`.record_match`); checked once its header is parsed, before any slice is copied.
+        """
         items = list({id(f): f for _, f in jobs}.values())
         self._read_indexes(items)
         self._read_headers(items)
+        for read_item, f in jobs:
+            held = f.whole if f.whole is not None else f.record
+            if held is not None:
+                check_record_matches(metadata, read_item.storage_index, tuple(held.shape), held.dtype, f.name())
         pending = {id(f): 0 for f in items}
         for _, f in jobs:
             pending[id(f)] += 1

@@ -241,7 +241,7 @@ class DcpItemLoader:
         self._run_ranged(ranged, planner)
         if framed:
             loader = FramedItemLoader(self.transport, self.config.probe_bytes, self.config.staging_bytes)
-            loader.load(framed, self._destination, planner.commit_tensor)
+            loader.load(framed, self._destination, planner.commit_tensor, self.metadata)
 
     def _fetch_whole(self, whole: dict[RecordEntry, memoryview | None]) -> None:
         todo = [e for e, v in whole.items() if v is None]

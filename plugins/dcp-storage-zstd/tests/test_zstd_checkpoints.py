@@ -189,6 +189,23 @@ def test_partial_read_casts_dtype(tmp_path: Path) -> None:
     assert torch.equal(got, sd["w_bf16"][10:30].float())
 
 
+@pytest.mark.parametrize("lie", ["dtype", "shape"])
+def test_partial_read_of_a_record_that_is_not_its_chunk_is_refused(tmp_path: Path, lie: str) -> None:
+    """The frame-by-frame path checks the record against .metadata as the other read paths do: a .metadata
+    saying int32 for a float32 record (same element size), or fewer rows than the record holds, is refused."""
+    save(tmp_path)
+    md = metadata(tmp_path)
+    item = md.state_dict_metadata["w_fp32"]
+    if lie == "dtype":
+        item.properties.dtype = torch.int32
+    else:
+        item.size = torch.Size([200, 1024])
+        item.chunks[0].sizes = torch.Size([200, 1024])
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CorruptCheckpointError, match=r"__0_\d\.distcp.*'w_fp32'.*do not belong together"):
+        read_slice(tmp_path, "w_fp32", [128, 0], [64, 1024], torch.int32 if lie == "dtype" else torch.float32)
+
+
 def test_whole_chunk_reads_skip_the_index(tmp_path: Path) -> None:
     sd = save(tmp_path)
     got, bytes_read = read_slice(tmp_path, "w_bf16", [0, 0], [512, 1024], torch.bfloat16)
