@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from ..formats.safetensors.write_plan import parse_size
 from ..formats.spec import FormatSpec
 from ..transports.factory import open_transport
 from .plan import Destination, OutTensor, OutValue, WrittenFile, parse_dtype
-from .source import TensorSource
+from .source import TensorSource, byte_batches
 from .targets import infer_target, resolve_target
 
 __all__ = ["ConvertResult", "TargetError", "convert", "infer_target"]
@@ -76,6 +76,12 @@ class _Fetch:
 
     def tensor(self, out: OutTensor) -> torch.Tensor:
         return self.source.read_tensor(out.src, out.dtype)
+
+    def tensors(self, outs: Sequence[OutTensor]) -> Iterator[tuple[OutTensor, torch.Tensor]]:
+        for batch in byte_batches(outs):
+            got = self.source.read_tensors([(out.src, out.dtype) for out in batch])
+            for out in batch:
+                yield out, got.pop(out.src)  # popped: the writer's ``del`` frees it
 
     def value_bytes(self, out: OutValue) -> bytes:
         return self.source.read_value_bytes(out.src)

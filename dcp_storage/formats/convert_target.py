@@ -12,7 +12,7 @@ registry by name, knowing no format itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,9 +67,16 @@ class WrittenFile:
 
 
 class Fetch(Protocol):
-    """What a writer asks for while it streams (implemented by the engine)."""
+    """What a writer asks for while it streams (implemented by the engine).
+
+    ``tensors(outs)`` yields ``(out, tensor)`` in the order given, read in batches (of up to 16 MiB, one
+    reader plan each): a writer that knows the order it writes in should use it, since many small tensors
+    asked for one by one each cost a round trip through the reader. ``tensor(out)`` reads one.
+    """
 
     def tensor(self, out: OutTensor) -> torch.Tensor: ...
+
+    def tensors(self, outs: Sequence[OutTensor]) -> Iterator[tuple[OutTensor, torch.Tensor]]: ...
 
     def value_bytes(self, out: OutValue) -> bytes: ...
 

@@ -2,7 +2,8 @@
 
 The checks are the format's own (its spec's ``check`` and ``deep_check`` hooks, in ``formats/<name>/``):
 shallow ones read metadata, headers and file sizes only. ``deep=True`` then reads every tensor and value
-through the format's reader, one at a time (memory near the largest tensor), and runs the format's deep
+through the format's reader, tensors in batches of up to 16 MiB (memory near the largest tensor or 16 MiB;
+a batch that fails is read again one tensor at a time, so each problem names its tensor), and runs the format's deep
 checks (recorded checksums, CRCs). A format without a ``check`` hook is checked by loading its reader's
 metadata. Checkpoints written by dcp-storage carry a checksum of every record; without them the report
 says so.
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..conversion.memory import MemoryReleaser
-from ..conversion.source import TensorSource
+from ..conversion.source import SourceTensor, TensorSource, byte_batches
 from ..formats.detection import registered_formats
 from ..formats.reports import VerifyReport, error_text
 from ..formats.spec import FormatSpec
@@ -48,22 +49,35 @@ def _deep_read(
     with source:
         if on_start is not None:
             on_start(source.tensor_bytes)
-        for fqn, info in source.tensors.items():
+        for batch in byte_batches(source.tensors.values()):
             try:
-                tensor = source.read_tensor(fqn)
-                del tensor
-                releaser.freed(info.nbytes)
-                read += 1
-            except Exception as exc:  # noqa: BLE001 - one problem per tensor
-                report.problems.append(f"tensor {fqn!r}: {error_text(exc)}")
+                source.read_tensors([(info.fqn, None) for info in batch])  # dropped at once: only read
+                read += len(batch)
+            except Exception:  # noqa: BLE001 - read that batch again one by one, to name each problem
+                read += _read_one_by_one(report, source, batch)
+            releaser.freed(sum(info.nbytes for info in batch))
             if progress is not None:
-                progress(info.nbytes)
+                for info in batch:
+                    progress(info.nbytes)
         for fqn in source.values:
             try:
                 source.read_value(fqn)
             except Exception as exc:  # noqa: BLE001 - one problem per value
                 report.problems.append(f"value {fqn!r}: {error_text(exc)}")
     report.checked["tensors_read"] = read
+
+
+def _read_one_by_one(report: VerifyReport, source: TensorSource, batch: list[SourceTensor]) -> int:
+    """Read each tensor of a batch that failed alone, recording one problem per failing tensor; returns
+    how many were read."""
+    read = 0
+    for info in batch:
+        try:
+            source.read_tensor(info.fqn)
+            read += 1
+        except Exception as exc:  # noqa: BLE001 - one problem per tensor
+            report.problems.append(f"tensor {info.fqn!r}: {error_text(exc)}")
+    return read
 
 
 def _format_by_name(url: str) -> FormatSpec | None:

@@ -214,3 +214,21 @@ def test_a_manifest_cannot_make_an_install_hint_a_command(ckpt: Path, tmp_path: 
 def test_a_valid_install_hint_says_where_the_name_came_from(ckpt: Path, tmp_path: Path) -> None:
     with pytest.raises(UnknownFormatError, match=r"pip install dcp-storage-tiled \(a name read from the checkpoint"):
         open_reader(_unknown_format_copy(ckpt, tmp_path, "dcp-storage-tiled"))
+
+
+def test_deep_verify_names_every_unreadable_tensor_of_a_batch(ckpt: Path, tmp_path: Path) -> None:
+    """Tensors are read in batches; a batch with two unreadable records (their zip headers broken) is read
+    again one by one, so the report names both tensors and still counts the intact ones as read."""
+    work = tmp_path / "two"
+    shutil.copytree(ckpt, work)
+    records = {key: (name, offset) for name, offset, _, key in dcp_records(work)}
+    damaged = ["model.embed", "model.b1"]
+    for key in damaged:
+        name, offset = records[key]
+        data = bytearray((work / name).read_bytes())
+        data[offset : offset + 4] = b"JUNK"  # the record's local zip header
+        (work / name).write_bytes(data)
+    report = verify(work, deep=True)
+    tensor_problems = [p for p in report.problems if p.startswith("tensor ")]
+    assert sorted(p.split("'")[1] for p in tensor_problems) == sorted(damaged), report.problems
+    assert report.checked["tensors_read"] == 2  # model.w1 and model.ids

@@ -86,8 +86,7 @@ def write_dcp(
                 records.append((name, offset, length, digest))
                 storage[MetadataIndex(value.key)] = _StorageInfo(name, offset, length)
                 state[value.key] = BytesStorageMetadata()
-            for out in group:
-                tensor = fetch.tensor(out)
+            for out, tensor in fetch.tensors(group):
                 stream.begin()
                 torch.save(tensor, stream)  # type: ignore[arg-type]
                 offset, length, digest = stream.end()

@@ -133,12 +133,10 @@ def write_safetensors(
         header = encode_header(entries, HEADER_METADATA)
         with transport.open_atomic(transport.join(root, name)) as stream:
             stream.write(header)
-            for s in ordered:
-                out = by_key[s.fqn]
-                tensor = fetch.tensor(out)
+            for out, tensor in fetch.tensors([by_key[s.fqn] for s in ordered]):
                 stream.write(as_memoryview(tensor_bytes(tensor)))
                 del tensor
-                weight_map[s.fqn] = name
+                weight_map[out.key] = name
                 dest.advance(out.nbytes)
             size = stream.tell()
         dest.record(name, size)
