@@ -242,11 +242,11 @@ class CrashTrials:
             delay = self.rng.uniform(0.0, self.commit)
         else:
             delay = self.rng.uniform(self.commit, DELAY_SPAN * self.duration)
-        start_file = Path(signals, f"rank{victim}.start")
+        start_file = Path(signals, "rank0.start")  # the commit was measured from rank 0's start
         deadline = time.monotonic() + 60
         while not start_file.exists():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {victim} never started its save")
+                raise TimeoutError("rank 0 never started its save")
             time.sleep(0.0005)
         started = float(start_file.read_text().split()[1])
         pause = started + delay - time.time()
