@@ -21,10 +21,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.errors import TransportError
-from dcp_storage.storage import FsspecReader
+from dcp_storage.storage import FsspecReader, SafetensorsWriter
+from dcp_storage.testing.distributed import run_ranks
 from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
 from dcp_storage.transports import RetryPolicy, TransportConfig
 
+from . import _stall_ranks
 from .test_gcs_faults import gcs_proxy, gcs_server  # noqa: F401 - fixtures used by name below
 from .test_s3_faults import sample_state, save_dcp, unwrap
 
@@ -105,3 +107,25 @@ def test_a_stalled_read_fails_at_the_deadline_naming_the_url(stalled: Stalled, m
     # torch's load reads a rank-local metadata file after a failed .metadata: two operations in a row
     limit = (2 if "metadata" in target else 1) * DEADLINE + SLACK
     assert took < limit, f"{mode} on {target}: failed after {took:.1f}s, deadline {DEADLINE}s"
+
+
+@pytest.mark.parametrize("kind", ["dcp", "safetensors"])
+def test_a_stall_on_one_rank_fails_every_rank_at_the_deadline(kind: str, moto_server: Any, saved: Any) -> None:
+    """Two gloo ranks; only rank 1's requests go through the stalling proxy. Both raise, naming the URL."""
+    bucket, _url, state = saved
+    direct = moto_server.storage_options(skip_instance_cache=True, config_kwargs={"read_timeout": STALL})
+    url = f"s3://{bucket}/{kind}"
+    if kind == "safetensors":
+        dcp.save(state, storage_writer=SafetensorsWriter(url, direct, overwrite=True), no_dist=True)
+    else:
+        url = _url
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        stalling = dict(direct, client_kwargs={"endpoint_url": proxy.url})
+        proxy.set_rules([FaultRule("stall_body", method="GET", path=r"\.(distcp|safetensors)$", delay=STALL)])
+        began = time.monotonic()
+        results = run_ranks(_stall_ranks.load_and_time, 2, kind, url, [direct, stalling], state, CONFIG, timeout=60)
+        took = time.monotonic() - began
+    for rank, (text, seconds) in enumerate(results):
+        assert f"deadline, {DEADLINE:g}s" in text and f"{bucket}/" in text, f"rank {rank}: {text}"
+        assert seconds < DEADLINE + SLACK, f"rank {rank} failed after {seconds:.1f}s"
+    assert took < 30, took  # start-up of two processes included
