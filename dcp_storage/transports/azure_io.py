@@ -19,9 +19,8 @@ import functools
 import os
 from typing import Any
 
-from fsspec.asyn import sync
-
 from ..errors import FileTooLargeError
+from .deadline import bounded_sync
 from .range_check import check_range_answer, describe_answer, range_mismatch
 
 __all__ = ["azure_read", "azure_read_range", "check_each_answer", "is_azure"]
@@ -99,7 +98,7 @@ def azure_read(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     (the answer names another size) raises a range mismatch, retried, never a prefix taken for the whole.
     """
     if max_bytes is None:
-        return sync(fs.loop, _download, fs, path, None, None)[0]
+        return bounded_sync(fs.loop, _download, fs, path, None, None)[0]
     info = fs.info(path, refresh=True)
     if info.get("type") != "file" or info.get("size") is None:  # a prefix of other blobs: no blob by that name
         raise FileNotFoundError(errno.ENOENT, "no blob (a directory of other blobs)", path)
@@ -108,7 +107,7 @@ def azure_read(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
         raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)
     if size == 0:
         return b""
-    data, now = sync(fs.loop, _download, fs, path, 0, size)
+    data, now = bounded_sync(fs.loop, _download, fs, path, 0, size)
     if now != size:
         raise range_mismatch(0, size, f"bytes of a blob now {now} bytes long (rewritten while read)")
     return data
@@ -119,4 +118,4 @@ def azure_read_range(fs: Any, path: str, start: int, end: int) -> bytes:
 
     The caller checks the body's length.
     """
-    return sync(fs.loop, _download, fs, path, start, end)[0]
+    return bounded_sync(fs.loop, _download, fs, path, start, end)[0]

@@ -29,8 +29,7 @@ import tempfile
 import uuid
 from typing import IO, Any
 
-from fsspec import asyn
-
+from .deadline import bounded_sync
 from .http_io import read_prefix
 from .range_check import read_range_body
 
@@ -65,7 +64,7 @@ def is_gcs(fs: Any) -> bool:
 
 def gcs_call(fs: Any, method: str, path: str, *args: Any, **kwargs: Any) -> tuple[int, Any, bytes]:
     """One JSON-API request, no retries: ``(status, headers, body)``; errors as gcsfs maps them."""
-    status, headers, _info, contents = asyn.sync(fs.loop, _single_attempt(fs), fs, method, path, *args, **kwargs)
+    status, headers, _info, contents = bounded_sync(fs.loop, _single_attempt(fs), fs, method, path, *args, **kwargs)
     return status, headers, contents
 
 
@@ -80,7 +79,7 @@ def gcs_read(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     if max_bytes is None:
         _, _, body = gcs_call(fs, "GET", fs.url(path))
         return body
-    return bytes(asyn.sync(fs.loop, _get_prefix, fs, path, max_bytes + 1))
+    return bytes(bounded_sync(fs.loop, _get_prefix, fs, path, max_bytes + 1))
 
 
 async def _get_prefix(fs: Any, path: str, limit: int) -> bytearray:
@@ -118,7 +117,7 @@ def gcs_read_range(fs: Any, path: str, start: int, end: int) -> bytes:
     :func:`gcs_call`; it is not :func:`gcs_call` because gcsfs reads the whole body before returning, and the
     status and ``Content-Range`` must be checked before that (a ``200`` may carry a whole large object).
     """
-    return bytes(asyn.sync(fs.loop, _get_range, fs, path, start, end))
+    return bytes(bounded_sync(fs.loop, _get_range, fs, path, start, end))
 
 
 def _metadata(fs: Any, path: str) -> dict[str, Any]:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsspec.asyn import sync
-
+from .deadline import bounded_sync
 from .range_check import read_range_body
 
 __all__ = ["http_read", "http_read_range", "is_http", "read_prefix"]
@@ -43,7 +42,7 @@ async def _get_range(fs: Any, url: str, start: int, end: int) -> bytes:
 
 def http_read_range(fs: Any, url: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of ``url``: exactly those, or :class:`~.range_check.RangeMismatchError`."""
-    return bytes(sync(fs.loop, _get_range, fs, url, start, end))
+    return bytes(bounded_sync(fs.loop, _get_range, fs, url, start, end))
 
 
 async def read_prefix(stream: Any, limit: int) -> bytearray:
@@ -69,4 +68,4 @@ def http_read(fs: Any, url: str, max_bytes: int | None = None) -> bytes:
     refuses a result that long), streamed, whatever size the server claims or withholds."""
     if max_bytes is None:
         return fs.cat_file(url)  # type: ignore[no-any-return]
-    return bytes(sync(fs.loop, _get_prefix, fs, url, max_bytes + 1))
+    return bytes(bounded_sync(fs.loop, _get_prefix, fs, url, max_bytes + 1))

@@ -34,7 +34,10 @@ Stacked retry layers multiply: botocore (5 attempts by default) under s3fs (5 on
 The deadline is checked after every failed attempt: the operation gives up when the backoff sleep plus the
 longest attempt so far would end past it, so a permanent fault surfaces before the deadline as long as
 attempts take about as long as earlier ones. An attempt in flight is bounded by the client's timeouts
-(botocore ``connect_timeout``/``read_timeout``, gcsfs ``requests_timeout``), not by the deadline.
+(botocore ``connect_timeout``/``read_timeout``, gcsfs ``requests_timeout``) and by the deadline itself: the
+requests the transports run on fsspec's event loop (S3, GCS, HTTP, Azure reads) are cancelled when it passes
+(:mod:`.deadline`), so a server that stalls before its headers or in mid-body fails the operation at its
+deadline, naming the URL, whatever the client's socket timeouts are.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import DcpStorageError, TransportError
+from .deadline import operation_deadline
 
 __all__ = ["RetryPolicy", "TruncatedReadError", "call_with_retry", "is_transient", "single_layer_client_options"]
 
@@ -206,6 +210,16 @@ def call_with_retry(
     The final error is a :class:`TransportError` chained to the last failure; permanent errors and our
     own project errors propagate unchanged so callers can still catch ``FileNotFoundError``.
     """
+    with operation_deadline(policy.deadline):  # bounds each attempt in flight too (see .deadline)
+        return _retry_loop(fn, policy, describe, on_retry)
+
+
+def _retry_loop(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    describe: Callable[[], str],
+    on_retry: Callable[[BaseException], None] | None,
+) -> T:
     started = time.monotonic()
     attempt = 0
     longest = 0.0  # the longest attempt so far: the best guess of how long the next one takes

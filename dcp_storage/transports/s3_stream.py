@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fsspec.asyn import sync
-
 from ..errors import FileTooLargeError
+from .deadline import bounded_sync
 from .range_check import check_range_answer
 
 __all__ = ["ScatterSink", "can_stream", "read_object", "s3_call", "stream_range"]
@@ -54,7 +53,7 @@ async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
 
 def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
     """Blocking :func:`_call`: ``s3_call(fs, "put_object", Bucket=..., Key=..., Body=...)``."""
-    return sync(fs.loop, _call, fs, method, **kwargs)
+    return bounded_sync(fs.loop, _call, fs, method, **kwargs)
 
 
 class ScatterSink:
@@ -123,7 +122,7 @@ def stream_range(fs: Any, path: str, start: int, end: int, emit: Callable[[int, 
     Fewer than ``end - start`` bytes means the body was cut short; the caller decides whether to resume. An
     answer with other bytes than asked raises :class:`~.range_check.RangeMismatchError` before any ``emit``.
     """
-    return int(sync(fs.loop, _get_range, fs, path, start, end, emit))
+    return int(bounded_sync(fs.loop, _get_range, fs, path, start, end, emit))
 
 
 async def _get_object(fs: Any, path: str, max_bytes: int | None) -> bytes:
@@ -147,4 +146,4 @@ async def _get_object(fs: Any, path: str, max_bytes: int | None) -> bytes:
 def read_object(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     """GET a whole (small) object: ``.metadata``, an index file; at most ``max_bytes + 1`` bytes of it, and
     none when the response says it is larger (:class:`~dcp_storage.errors.FileTooLargeError`)."""
-    return bytes(sync(fs.loop, _get_object, fs, path, max_bytes))
+    return bytes(bounded_sync(fs.loop, _get_object, fs, path, max_bytes))

@@ -19,6 +19,12 @@ do none of that. :class:`FaultProxy` listens on ``127.0.0.1`` (port 0, read back
     Forwarded; the response is held back for ``delay`` seconds (a client with a shorter read timeout gives
     up; the upstream acted on the request either way).
 
+and one that only a deadline ends (:data:`STALL_MODES`):
+
+``stall_body``
+    Forwarded; the client gets the upstream's headers and half of the body, then nothing for ``delay``
+    seconds on a connection that stays open (then a reset). No socket error comes in the meantime.
+
 and one refusal no retry gets past (:data:`PERMANENT_MODES`):
 
 ``forbidden_403``
@@ -61,13 +67,23 @@ returns a consistent snapshot.
 
 from .link import LinkModel, Pacer
 from .proxy import FaultProxy, FaultProxyError
-from .rules import ALL_FAULT_MODES, FAULT_MODES, PERMANENT_MODES, RANGE_FAULT_MODES, FaultCounters, FaultMode, FaultRule
+from .rules import (
+    ALL_FAULT_MODES,
+    FAULT_MODES,
+    PERMANENT_MODES,
+    RANGE_FAULT_MODES,
+    STALL_MODES,
+    FaultCounters,
+    FaultMode,
+    FaultRule,
+)
 
 __all__ = [
     "ALL_FAULT_MODES",
     "FAULT_MODES",
     "PERMANENT_MODES",
     "RANGE_FAULT_MODES",
+    "STALL_MODES",
     "FaultCounters",
     "FaultMode",
     "FaultProxy",

@@ -274,8 +274,9 @@ class FaultProxy(StartStop):
         if self.link is not None:
             await self.link.first_byte()
         has_body = response_has_body(method, status)
-        if mode == "truncate":
-            await self._truncate(up_reader, writer, response, has_body)
+        if mode in ("truncate", "stall_body"):
+            stall = rule.delay if rule is not None and mode == "stall_body" else 0.0
+            await self._truncate(up_reader, writer, response, has_body, stall=stall)
             return False
         self._count(down=len(response.raw))
         writer.write(response.raw)
@@ -313,9 +314,15 @@ class FaultProxy(StartStop):
         return None if self.link is None else self.link.pacer()
 
     async def _truncate(
-        self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: Head, has_body: bool
+        self,
+        up_reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        response: Head,
+        has_body: bool,
+        stall: float = 0.0,
     ) -> None:
-        """Headers and half the body (half the head when there is no body), then a reset."""
+        """Headers and half the body (half the head when there is no body), then a reset; with ``stall``,
+        that many seconds of silence on the open connection first (``stall_body``)."""
         length = response.get("content-length")
         chunked = response.has_token("transfer-encoding", "chunked")
         if has_body and length is not None and int(length) > 1:
@@ -340,5 +347,5 @@ class FaultProxy(StartStop):
             writer.write(response.raw[:moved])
         await writer.drain()
         self._count(down=moved)
-        await asyncio.sleep(_TRUNCATE_GRACE)
+        await asyncio.sleep(stall or _TRUNCATE_GRACE)
         reset(writer)

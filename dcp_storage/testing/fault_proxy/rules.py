@@ -13,6 +13,7 @@ __all__ = [
     "FAULT_MODES",
     "PERMANENT_MODES",
     "RANGE_FAULT_MODES",
+    "STALL_MODES",
     "ByteRange",
     "FaultCounters",
     "FaultMode",
@@ -32,6 +33,7 @@ FaultMode = Literal[
     "shift_range",
     "short_range",
     "forbidden_403",
+    "stall_body",
 ]
 # Faults of the transport: every request can meet them, and a retry of the same request may succeed.
 FAULT_MODES: tuple[FaultMode, ...] = ("slowdown_503", "error_500", "reset", "truncate", "slow")
@@ -39,7 +41,10 @@ FAULT_MODES: tuple[FaultMode, ...] = ("slowdown_503", "error_500", "reset", "tru
 RANGE_FAULT_MODES: tuple[FaultMode, ...] = ("ignore_range", "shift_range", "short_range")
 # Refusals no retry can get past (a 403 for credentials without the permission); every request can meet them.
 PERMANENT_MODES: tuple[FaultMode, ...] = ("forbidden_403",)
-ALL_FAULT_MODES: tuple[FaultMode, ...] = FAULT_MODES + RANGE_FAULT_MODES + PERMANENT_MODES
+# A server that sends its headers and part of a body, then nothing more on a connection it keeps open: no
+# socket error ever comes, and only a deadline on the request ends it.
+STALL_MODES: tuple[FaultMode, ...] = ("stall_body",)
+ALL_FAULT_MODES: tuple[FaultMode, ...] = FAULT_MODES + RANGE_FAULT_MODES + PERMANENT_MODES + STALL_MODES
 
 # A request's ``Range: bytes=FIRST-LAST`` (LAST inclusive; ``None`` for ``bytes=FIRST-``).
 ByteRange = tuple[int, int | None]
@@ -89,7 +94,7 @@ class FaultRule:
     ``path`` and ``query`` (regular expressions searched in the URL-decoded path and in the raw query
     string). Every ``every``-th matching request (the ``every``-th, ``2*every``-th, ...) is faulted in
     ``mode``; ``every=1`` faults all of them. ``limit`` stops the rule after that many faults.
-    ``delay`` is the hold-back of ``slow``. A rule in one of the :data:`RANGE_FAULT_MODES` matches only
+    ``delay`` is the hold-back of ``slow`` and the silence of ``stall_body``. A rule in one of the :data:`RANGE_FAULT_MODES` matches only
     requests with a single-range ``Range`` or ``x-ms-range`` header (and, for ``short_range``, a range of 2
     bytes or more).
     """

@@ -1,0 +1,69 @@
+"""The deadline of the storage operation running on this thread, applied to each request in flight.
+
+:class:`~dcp_storage.transports.retry.RetryPolicy` ``deadline`` bounds a whole operation, retries included.
+Checking it between attempts is not enough: a server that stalls before its headers, or in the middle of a
+body, holds one attempt for as long as the client's own socket timeout (botocore's ``read_timeout``, 60 s
+by default, gcsfs's ``sock_read``), and a stall that trickles a byte now and then holds it forever. So
+:func:`~dcp_storage.transports.retry.call_with_retry` opens an :func:`operation_deadline` around its
+attempts, and every request the transports run on an fsspec event loop goes through :func:`bounded_sync`,
+which cancels the request when the operation's time is up and raises :class:`AttemptTimeoutError` (a
+``TimeoutError``: transient, so the retry layer then raises its ``TransportError`` naming the URL).
+
+Operations nest (a create-if-absent that reads back its own object): the inner one never outlives the outer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fsspec.asyn import FSTimeoutError, sync
+
+__all__ = ["AttemptTimeoutError", "bounded_sync", "operation_deadline", "remaining"]
+
+_local = threading.local()
+
+
+class AttemptTimeoutError(TimeoutError):
+    """A request was still unanswered (or its body unfinished) when its operation's deadline passed.
+
+    Internal signal, like a socket timeout: the retry layer gives up on it with a ``TransportError``.
+    """
+
+
+@contextlib.contextmanager
+def operation_deadline(seconds: float | None) -> Iterator[None]:
+    """Bound the requests made on this thread inside the block to ``seconds`` from now (``None``: no bound)."""
+    outer: float | None = getattr(_local, "ends", None)
+    ends = outer
+    if seconds is not None:
+        mine = time.monotonic() + seconds
+        ends = mine if outer is None else min(outer, mine)
+    _local.ends = ends
+    try:
+        yield
+    finally:
+        _local.ends = outer
+
+
+def remaining() -> float | None:
+    """Seconds left to the current operation's deadline on this thread (``None``: no deadline)."""
+    ends: float | None = getattr(_local, "ends", None)
+    return None if ends is None else ends - time.monotonic()
+
+
+def bounded_sync(loop: Any, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fsspec.asyn.sync(loop, func, *args, **kwargs)``, cancelled when the operation's deadline passes."""
+    left = remaining()
+    if left is not None and left <= 0:
+        raise AttemptTimeoutError("the operation's deadline passed before this request was sent")
+    try:
+        return sync(loop, func, *args, timeout=left, **kwargs)
+    except FSTimeoutError:
+        raise AttemptTimeoutError(
+            f"no complete answer within the {left:.1f}s left to the operation's deadline (a stalled server or "
+            "connection; RetryPolicy(deadline=...) sets it)"
+        ) from None
