@@ -30,6 +30,8 @@ SIGNALS = {
     "StandInRefusal": "an allow-listed stand-in refuses; the unpickler raises UnsafeCheckpointError naming the file",
     "TruncatedReadError": "a short body, retried by the transport (an OSError to the retry classifier)",
     "RangeMismatchError": "an answer for another range, retried by the transport (as above)",
+    "AttemptTimeoutError": "a request still running at its operation's deadline, cancelled; the retry layer "
+    "gives up with a TransportError naming the URL (raised only inside an operation's deadline)",
     "_NotCanonical": "a record pickle that is not torch's canonical layout: the generic unpickler takes it",
     "_DuplicateKey": "a duplicate JSON key, turned into CorruptCheckpointError naming the file by the header parser",
     "_PayloadPending": "a slice whose payload has not arrived yet: the delivery loop keeps draining",

@@ -385,9 +385,14 @@ class ObstoreTransport:
             def put() -> None:
                 spool.seek(0)
                 body: Any = spool if multipart else spool.read()
-                obstore.put(
-                    store, key, body, use_multipart=multipart, chunk_size=part, max_concurrency=UPLOAD_CONCURRENCY
-                )
+                try:
+                    obstore.put(
+                        store, key, body, use_multipart=multipart, chunk_size=part, max_concurrency=UPLOAD_CONCURRENCY
+                    )
+                except Exception as exc:
+                    if multipart and is_not_found(exc) and _completed(store, key, nbytes, part):
+                        return  # the completion's answer was lost and its retry met NoSuchUpload: it is written
+                    raise
 
             self._call(put, path, f"write ({nbytes} bytes)")
         self.counters.add(requests=_put_requests(nbytes, part))
@@ -438,3 +443,16 @@ def _obstore_retry(policy: RetryPolicy) -> dict[str, Any]:
     if policy.deadline is not None:
         retry["retry_timeout"] = datetime.timedelta(seconds=policy.deadline)
     return retry
+
+
+def _completed(store: S3Store, key: str, nbytes: int, part: int) -> bool:
+    """Whether ``key`` holds a completed multipart upload of ``nbytes`` in parts of ``part`` bytes: its size,
+    and the ``-N`` part count S3 appends to a multipart object's ETag. A ``CompleteMultipartUpload`` whose
+    answer is lost is retried, and the retry finds no such upload because the first one completed it."""
+    try:
+        meta = obstore.head(store, key)
+    except Exception:  # noqa: BLE001 - nothing there (or unreadable): the put's own error stands
+        return False
+    parts = -(-nbytes // part)
+    etag = str(meta.get("e_tag") or "").strip('"')
+    return int(meta.get("size", -1)) == nbytes and etag.endswith(f"-{parts}")

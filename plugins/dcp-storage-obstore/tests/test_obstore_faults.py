@@ -177,3 +177,21 @@ def test_truncated_create_multipart_answer_is_retried_and_the_save_finishes(
     assert torch.equal(loaded["big"].view(torch.uint8), state["big"].view(torch.uint8))
     # The first upload's id was cut off with the answer: it stays pending until a lifecycle rule removes it.
     assert len(_pending_uploads(moto_server, url)) <= 1
+
+
+def test_truncated_complete_multipart_answer_still_counts_as_written(
+    s3_url: Any, faults: FaultProxy, moto_server: Any
+) -> None:
+    """The store completed the upload but its answer was cut off: obstore retries the completion, the store
+    no longer knows the upload (NoSuchUpload, a not-found), yet the object is there, whole. The save must
+    see that, not fail with "no such file"."""
+    url, _ = s3_url
+    options = _options(s3_url, faults)
+    state = {"big": _state()["big"]}
+    faults.set_rules([FaultRule("truncate", method="POST", query=r"uploadId=", limit=1)])
+    _save(url, options, state, TOLERANT)
+    assert faults.counters().faults["truncate"] == 1
+    faults.clear_rules()
+    loaded, _reader = _load(url, options, state, TOLERANT)
+    assert torch.equal(loaded["big"].view(torch.uint8), state["big"].view(torch.uint8))
+    assert _pending_uploads(moto_server, url) == []
