@@ -12,6 +12,7 @@ The result keeps credentials out of ``repr`` so that neither a transport nor an 
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,9 @@ _CLIENT_KWARGS = {
 _SECRET_KEYS = frozenset({"secret_access_key", "session_token"})
 # One request may stream up to max_request_bytes; object_store's default 30 s whole-request timeout is
 # too short for a slow link, so the default here is generous (users override via obstore.client_options).
-_DEFAULT_CLIENT_OPTIONS = {"timeout": "300s", "connect_timeout": "10s"}
+# A request never outlives its operation's deadline, though: see S3Settings.store_kwargs.
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+_DEFAULT_CLIENT_OPTIONS = {"timeout": f"{DEFAULT_REQUEST_TIMEOUT_S:g}s", "connect_timeout": "10s"}
 
 
 class ObstoreOptionsError(DcpStorageError, ValueError):
@@ -62,9 +65,18 @@ class S3Settings:
     endpoint: str | None = None
     region: str | None = None
 
-    def store_kwargs(self, bucket: str) -> dict[str, Any]:
-        """Keyword arguments for ``obstore.store.S3Store`` (``retry_config`` is added by the caller)."""
-        return {"bucket": bucket, "config": dict(self.config), "client_options": dict(self.client_options)}
+    def store_kwargs(self, bucket: str, deadline: float | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``obstore.store.S3Store`` (``retry_config`` is added by the caller).
+
+        ``deadline`` is the retry policy's bound on a whole operation. Unless the user set a ``timeout`` of
+        their own, each request's whole-request timeout is the smaller of it and the default: a server that
+        holds back its headers or stops in mid-body raises no error, so without this one attempt lasted the
+        full default whatever the deadline said (the core bounds its fsspec requests the same way).
+        """
+        client_options = dict(self.client_options)
+        if deadline is not None and client_options.get("timeout") == _DEFAULT_CLIENT_OPTIONS["timeout"]:
+            client_options["timeout"] = datetime.timedelta(seconds=min(DEFAULT_REQUEST_TIMEOUT_S, deadline))
+        return {"bucket": bucket, "config": dict(self.config), "client_options": client_options}
 
     def public_config(self) -> dict[str, Any]:
         """The config with secret values masked, for logs and benchmark records."""

@@ -171,7 +171,7 @@ class ObstoreTransport:
             store = self._stores.get((bucket, uploads))
             if store is None:
                 retry = _obstore_retry(self.config.retry) if uploads else {"max_retries": 0}
-                store = S3Store(**self.settings.store_kwargs(bucket), retry_config=retry)
+                store = S3Store(**self.settings.store_kwargs(bucket, self.config.retry.deadline), retry_config=retry)
                 self._stores[(bucket, uploads)] = store
         return store, key
 

@@ -195,3 +195,27 @@ def test_truncated_complete_multipart_answer_still_counts_as_written(
     loaded, _reader = _load(url, options, state, TOLERANT)
     assert torch.equal(loaded["big"].view(torch.uint8), state["big"].view(torch.uint8))
     assert _pending_uploads(moto_server, url) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["slow", "stall_body"])
+def test_a_stalled_read_fails_at_the_deadline_with_the_default_client_timeout(
+    mode: str, s3_url: Any, faults: FaultProxy
+) -> None:
+    """A server that holds back its headers, or stops in mid-body, raises no error: the request lasts as long
+    as object_store's whole-request timeout, 300 s by default here. The policy's deadline bounds it when the
+    user set no timeout of their own."""
+    url, _ = s3_url
+    options = {k: v for k, v in _options(s3_url, faults).items() if k != "obstore"}  # default client options
+    state = _state()
+    _save(url, options, state, TOLERANT)
+    faults.set_rules([FaultRule(mode, method="GET", path=r"\.distcp$", delay=120.0)])  # type: ignore[arg-type]
+    started = time.monotonic()
+    with pytest.raises(CheckpointException) as info:
+        _load(url, options, state, IMPATIENT)
+    elapsed = time.monotonic() - started
+    faults.clear_rules()
+    inner = _inner(info.value)
+    assert isinstance(inner, TransportError), repr(inner)
+    assert re.search(rf"{re.escape(url)}/__\d_\d\.distcp .*gave up: deadline", str(inner)), str(inner)
+    assert elapsed < DEADLINE + SLACK, f"gave up after {elapsed:.1f}s, deadline {DEADLINE}s"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 
 from dcp_storage_obstore import ObstoreOptionsError, s3_settings
@@ -60,3 +62,12 @@ def test_unmappable_options_are_refused_by_name(options: dict, named: str) -> No
         s3_settings({"secret": "hush-hush", **options})
     assert "hush-hush" not in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_the_deadline_bounds_each_request_unless_the_user_set_a_timeout() -> None:
+    default = s3_settings({"endpoint_url": "http://127.0.0.1:9"})
+    assert default.store_kwargs("b")["client_options"]["timeout"] == "300s"
+    assert default.store_kwargs("b", deadline=2.5)["client_options"]["timeout"] == datetime.timedelta(seconds=2.5)
+    assert default.store_kwargs("b", deadline=900)["client_options"]["timeout"] == datetime.timedelta(seconds=300)
+    own = s3_settings({"obstore": {"client_options": {"timeout": "45s"}}})
+    assert own.store_kwargs("b", deadline=2.5)["client_options"]["timeout"] == "45s"
