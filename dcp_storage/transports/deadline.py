@@ -24,7 +24,7 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-__all__ = ["AttemptTimeoutError", "bounded_sync", "operation_deadline", "remaining"]
+__all__ = ["AttemptTimeoutError", "bounded_call", "bounded_sync", "operation_deadline", "remaining"]
 
 _local = threading.local()
 
@@ -87,3 +87,15 @@ def bounded_sync(loop: Any, func: Callable[..., Any], *args: Any, **kwargs: Any)
             f"no complete answer within the {left:.1f}s left to the operation's deadline (a stalled server or "
             "connection; RetryPolicy(deadline=...) sets it)"
         ) from None
+
+
+def bounded_call(fs: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``fs.<name>(*args, **kwargs)``; on an async fsspec filesystem, bounded like :func:`bounded_sync`.
+
+    fsspec's blocking methods wait on the event loop for as long as the request takes: a server that stalls
+    holds one attempt for the client's own timeouts (the Azure SDK's read timeout; aiohttp has none). The
+    coroutine behind the method (``_name``) is run through :func:`bounded_sync` instead.
+    """
+    if getattr(fs, "async_impl", False) and hasattr(fs, f"_{name}"):
+        return bounded_sync(fs.loop, getattr(fs, f"_{name}"), *args, **kwargs)
+    return getattr(fs, name)(*args, **kwargs)

@@ -35,6 +35,7 @@ from .access import access_errors
 from .backends import backend_for, class_to_build, restore
 from .config import TransportConfig, resolve_config
 from .counters import TransportCounters
+from .deadline import bounded_call
 from .exclusive import fsspec_put_if_absent, holds
 from .local_open import Confinement
 from .range_check import RangeMismatchError
@@ -173,18 +174,18 @@ class FsspecTransport:
 
     # ------------------------------------------------------------------ one-call hooks (one attempt each)
     def _exists(self, path: str) -> bool:
-        return bool(self.fs.exists(path))
+        return bool(bounded_call(self.fs, "exists", path))
 
     def _size(self, path: str) -> int:
-        return int(self.fs.size(path))
+        return int(bounded_call(self.fs, "size", path))
 
     def _delete(self, path: str) -> None:
-        self.fs.rm_file(path)
+        bounded_call(self.fs, "rm_file", path)
 
     def _list_names(self, path: str) -> list[str]:
         self.fs.invalidate_cache(path)
         try:
-            entries = list(self.fs.ls(path, detail=False))
+            entries = list(bounded_call(self.fs, "ls", path, detail=False))
         except (FileNotFoundError, NotADirectoryError):
             return []
         if len(entries) == 1 and entries[0].rstrip("/") == path.rstrip("/"):
@@ -196,22 +197,27 @@ class FsspecTransport:
         ``max_bytes + 1`` bytes: up to the limit, not the size seen, which a cached listing may have made stale
         (a file that grew comes back whole, or past the limit and refused, never cut to its old size)."""
         if max_bytes is None:
-            return bytes(self.fs.cat_file(path))
-        size = self.fs.size(path)  # None: a store that does not say (an HTTP server without Content-Length)
+            return bytes(bounded_call(self.fs, "cat_file", path))
+        size = bounded_call(
+            self.fs, "size", path
+        )  # None: a store that does not say (an HTTP server without Content-Length)
         if size is not None and int(size) > max_bytes:
             raise FileTooLargeError(self.url(path), int(size), max_bytes)
-        return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
+        return bytes(bounded_call(self.fs, "cat_file", path, start=0, end=max_bytes + 1))
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; the caller checks the length (backends also check status and headers)."""
-        return bytes(self.fs.cat_file(path, start=start, end=end))
+        return bytes(bounded_call(self.fs, "cat_file", path, start=start, end=end))
 
     def _put(self, path: str, data: bytes, nbytes: int) -> None:
-        self.fs.pipe_file(path, data)
+        bounded_call(self.fs, "pipe_file", path, data)
 
     def _put_if_absent(self, path: str, data: bytes) -> None:
         """One conditional write; ``FileExistsError`` if an object is at ``path`` (see :mod:`.exclusive`)."""
-        fsspec_put_if_absent(self.fs, path, data)
+        if isinstance(self.fs, MemoryFileSystem):
+            fsspec_put_if_absent(self.fs, path, data)
+        else:
+            bounded_call(self.fs, "pipe_file", path, data, mode="create")
 
     # ------------------------------------------------------------------------------------ queries
     def exists(self, path: str) -> bool:
@@ -225,7 +231,9 @@ class FsspecTransport:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
 
     def makedirs(self, path: str) -> None:
-        self._retry(lambda: self.fs.makedirs(path, exist_ok=True), lambda: f"makedirs {self.url(path)}")
+        self._retry(
+            lambda: bounded_call(self.fs, "makedirs", path, exist_ok=True), lambda: f"makedirs {self.url(path)}"
+        )
 
     def remove(self, path: str) -> None:
         """Delete one file if it exists."""
@@ -235,7 +243,7 @@ class FsspecTransport:
     def remove_tree(self, path: str) -> None:
         """Delete every file under ``path``; nothing if there is none."""
         with contextlib.suppress(FileNotFoundError):
-            self._retry(lambda: self.fs.rm(path, recursive=True), lambda: f"delete {self.url(path)}")
+            self._retry(lambda: bounded_call(self.fs, "rm", path, recursive=True), lambda: f"delete {self.url(path)}")
 
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the files directly under ``path``; empty if it does not exist."""
@@ -318,7 +326,7 @@ class FsspecTransport:
         """Raise :class:`CorruptCheckpointError` if the object at ``path`` is shorter than ``end`` bytes."""
         try:
             self.fs.invalidate_cache(path)
-            size = self.fs.size(path)
+            size = bounded_call(self.fs, "size", path)
         except Exception:  # noqa: BLE001 - size unknown: the caller's own error stands
             return
         if size is not None and size < end:

@@ -1,6 +1,8 @@
 """Fixtures for fault-injection tests: a :class:`FaultProxy` in front of the session's moto server.
 
 ``fault_proxy`` (module): the proxy, its rules cleared and its counters reset before each test.
+``azurite`` and ``az_proxy`` (package): one azurite for the package's tests (its start-up takes seconds),
+and a proxy in front of it.
 ``proxied_s3`` (function) and ``proxied_s3_module`` (module): ``(s3://bucket/ckpt, storage_options)``
 where the options reach moto *through the proxy*; the bucket is created and deleted on moto directly, so
 bucket admin never meets a fault.
@@ -14,13 +16,27 @@ from typing import Any
 
 import pytest
 
+from dcp_storage.testing.azurite import AzuriteError, AzuriteServer
 from dcp_storage.testing.fault_proxy import FaultProxy
 from dcp_storage.testing.s3_server import S3Location
+from dcp_storage.testing.serving import serving
 
 # botocore's socket read timeout in these tests: a "slow" fault (held back longer) makes the client time
 # out and retry; a healthy response from moto on a busy 2-core machine comes well within it.
 READ_TIMEOUT = 0.4
 SLOW_DELAY = 0.6
+
+
+@pytest.fixture(scope="package")
+def azurite() -> Iterator[AzuriteServer]:
+    with serving("azurite", AzuriteServer, (AzuriteError, OSError)) as server:
+        yield server
+
+
+@pytest.fixture(scope="package")
+def az_proxy(azurite: AzuriteServer) -> Iterator[FaultProxy]:
+    with FaultProxy(azurite.endpoint_url.rsplit("/", 1)[0]) as proxy:  # the account is in the path
+        yield proxy
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.errors import TransportError
 from dcp_storage.storage import FsspecReader, FsspecWriter
-from dcp_storage.testing.azurite import AzuriteError, AzuriteServer
 from dcp_storage.testing.fault_proxy import RANGE_FAULT_MODES, FaultProxy, FaultRule
-from dcp_storage.testing.serving import serving
 from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
 from dcp_storage.transports.factory import open_transport
 
@@ -59,18 +57,6 @@ class Store(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module")
-def azurite() -> Iterator[AzuriteServer]:
-    with serving("azurite", AzuriteServer, (AzuriteError, OSError)) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def az_proxy(azurite: AzuriteServer) -> Iterator[FaultProxy]:
-    with FaultProxy(azurite.endpoint_url.rsplit("/", 1)[0]) as proxy:  # the account is in the path
-        yield proxy
-
-
 def _store(request: pytest.FixtureRequest, backend: str) -> Iterator[Store]:
     if backend == "s3":
         location = request.getfixturevalue("proxied_s3_module")

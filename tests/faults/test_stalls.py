@@ -21,14 +21,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.errors import TransportError
-from dcp_storage.storage import FsspecReader, SafetensorsWriter
+from dcp_storage.storage import FsspecReader, FsspecWriter, SafetensorsWriter
 from dcp_storage.testing.distributed import run_ranks
 from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
 from dcp_storage.transports import RetryPolicy, TransportConfig
 
 from . import _stall_ranks
 from .test_gcs_faults import gcs_proxy, gcs_server  # noqa: F401 - fixtures used by name below
-from .test_s3_faults import sample_state, save_dcp, unwrap
+from .test_s3_faults import assert_bit_exact, sample_state, save_dcp, unwrap
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(120)]
 
@@ -129,3 +129,47 @@ def test_a_stall_on_one_rank_fails_every_rank_at_the_deadline(kind: str, moto_se
         assert f"deadline, {DEADLINE:g}s" in text and f"{bucket}/" in text, f"rank {rank}: {text}"
         assert seconds < DEADLINE + SLACK, f"rank {rank} failed after {seconds:.1f}s"
     assert took < 30, took  # start-up of two processes included
+
+
+@pytest.mark.parametrize(
+    ("method", "target"),
+    [
+        ("PUT", r"/\.dcp_storage\.lock$"),  # the save's claim: a create-if-absent upload
+        ("HEAD", r"/\.metadata$"),  # the save's look for a committed checkpoint
+        ("DELETE", r"/\.dcp_storage\.lock$"),  # the claim's removal after the commit: a warning, not a failure
+    ],
+)
+def test_a_stalled_azure_query_or_small_write_fails_at_the_deadline(
+    method: str, target: str, azurite: Any, az_proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """adlfs's own calls (exists, size, small uploads, deletes) ran through fsspec's ``sync`` with no bound:
+    a stalled answer held a save for the Azure SDK's read timeout (each of these took the test's 120 s). They
+    go through the deadline too."""
+    container = azurite.create_container(azurite.unique_container_name("stall"))
+    options = azurite.sas_storage_options(via=az_proxy.url, skip_instance_cache=True, use_listings_cache=False)
+    url = f"az://{container}/ckpt"
+    state = sample_state()
+    az_proxy.set_rules([FaultRule("slow", method=method, path=target, delay=STALL)])
+    began = time.monotonic()
+    try:
+        try:
+            dcp.save(state, storage_writer=FsspecWriter(url, options, transport_config=CONFIG), no_dist=True)
+            error: BaseException | None = None
+        except (CheckpointException, TransportError) as exc:
+            error = unwrap(exc)
+        took = time.monotonic() - began
+        az_proxy.clear_rules()
+        if method == "DELETE":  # committed; the lock left behind is reported
+            assert error is None, repr(error)
+            text = caplog.text
+            like = {k: v.clone().zero_() for k, v in state.items()}
+            dcp.load(like, storage_reader=FsspecReader(url, options, transport_config=CONFIG), no_dist=True)
+            assert_bit_exact(like, state)
+        else:
+            assert isinstance(error, TransportError), repr(error)
+            text = str(error)
+    finally:
+        az_proxy.clear_rules()
+        azurite.delete_container(container)
+    assert f"deadline, {DEADLINE:g}s" in text and f"{container}/ckpt/" in text, text
+    assert took < DEADLINE + SLACK, f"a stalled {method} held the save for {took:.1f}s"
