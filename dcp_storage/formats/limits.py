@@ -18,6 +18,8 @@ limit                          what                                           en
 :data:`INDEX` 256 MiB          ``model.safetensors.index.json``               ``DCP_STORAGE_MAX_INDEX_BYTES``
 safetensors header 100 MiB     the JSON header of a safetensors file          (fixed: the format's own)
 :data:`BROADCAST_BYTES` 64 MiB  bytes a view repeats beyond its storage        ``DCP_STORAGE_MAX_BROADCAST_BYTES``
+:data:`INFLATED` 64 MiB         what a stream extension may decode beyond      ``DCP_STORAGE_MAX_INFLATED_BYTES``
+                               the item's chunk size and 100x its stored size
 =============================  ============================================  ==========================
 
 Safetensors headers use the 100 MiB limit of the reference implementation
@@ -41,6 +43,7 @@ __all__ = [
     "INDEX",
     "MANIFEST",
     "MAX_BYTES",
+    "INFLATED",
     "MAX_INFLATION_RATIO",
     "METADATA",
     "ByteLimit",
@@ -48,6 +51,7 @@ __all__ = [
     "MAX_DIM",
     "check_view",
     "checked_nbytes",
+    "inflation_limit",
     "read_limited",
 ]
 
@@ -83,6 +87,7 @@ METADATA = ByteLimit("a DCP .metadata file", 1024 * MiB, "DCP_STORAGE_MAX_METADA
 MANIFEST = ByteLimit("a .dcp_storage.json manifest", 512 * MiB, "DCP_STORAGE_MAX_MANIFEST_BYTES")
 INDEX = ByteLimit("a safetensors index", 256 * MiB, "DCP_STORAGE_MAX_INDEX_BYTES")
 BROADCAST_BYTES = ByteLimit("a broadcast (overlapping) view", 64 * MiB, "DCP_STORAGE_MAX_BROADCAST_BYTES")
+INFLATED = ByteLimit("an item decoded by a stream extension", 64 * MiB, "DCP_STORAGE_MAX_INFLATED_BYTES")
 
 
 def read_limited(transport: Any, path: str, limit: ByteLimit) -> bytes:
@@ -165,3 +170,15 @@ def check_view(
 # 1032x (a run of one byte value), which is what a deflate bomb uses. Entries are also inflated into at
 # most their declared size, so an entry that lies about its size costs nothing more.
 MAX_INFLATION_RATIO = 100
+
+
+def inflation_limit(stored: int, expected: int = 0) -> int:
+    """The most bytes an item of ``stored`` bytes may decode to through a stream extension (compression).
+
+    A zstd frame of zeros inflates more than 30,000 times, so a ratio alone either refuses genuine tensors
+    of zeros or lets a few KB become gigabytes. ``expected``: what the metadata says the decoded item holds
+    (a tensor chunk's bytes plus its record's overhead; 0 when unknown, as for non-tensor values). The
+    limit is the larger of that and :data:`MAX_INFLATION_RATIO` times the stored bytes, plus
+    :data:`INFLATED` (``DCP_STORAGE_MAX_INFLATED_BYTES``).
+    """
+    return max(expected, stored * MAX_INFLATION_RATIO) + INFLATED.bytes
