@@ -49,6 +49,7 @@ __all__ = [
     "ByteLimit",
     "check_byte_range",
     "MAX_DIM",
+    "MAX_NDIM",
     "check_view",
     "checked_nbytes",
     "inflation_limit",
@@ -57,6 +58,9 @@ __all__ = [
 
 MAX_BYTES = 2**63 - 1
 MAX_DIM = 2**63 - 1  # one dimension of a shape: torch sizes are int64, even when another dimension is 0
+# Dimensions of one shape. torch has no limit, but no model has more than a handful, and the product of many
+# huge ones is quadratic to compute (80,000 factors of 2**62: 13 s) with more digits than Python prints.
+MAX_NDIM = 1024
 MiB = 1024 * 1024
 
 
@@ -107,6 +111,8 @@ def checked_nbytes(shape: Sequence[int], itemsize: int, where: str) -> int:
     """``prod(shape) * itemsize``, or :class:`CorruptCheckpointError` if a dimension is negative or the
     byte count cannot exist (more than ``2**63 - 1``). A dimension beyond int64 is refused even when another
     is 0 (the product is then 0, but torch cannot hold the shape)."""
+    if len(shape) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{where}: a shape of {len(shape)} dimensions (at most {MAX_NDIM})")
     if any(n < 0 for n in shape):
         raise CorruptCheckpointError(f"{where}: shape {list(shape)} has a negative dimension")
     if any(n > MAX_DIM for n in shape):
@@ -114,7 +120,7 @@ def checked_nbytes(shape: Sequence[int], itemsize: int, where: str) -> int:
     nbytes = math.prod(shape) * itemsize
     if nbytes > MAX_BYTES:
         raise CorruptCheckpointError(
-            f"{where}: shape {list(shape)} needs {nbytes} bytes, more than any file can hold (2**63 - 1); "
+            f"{where}: shape {list(shape)} needs more bytes than any file can hold (2**63 - 1); "
             "the checkpoint is corrupt or hostile"
         )
     return nbytes
