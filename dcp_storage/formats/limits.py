@@ -18,6 +18,8 @@ limit                          what                                           en
 :data:`INDEX` 256 MiB          ``model.safetensors.index.json``               ``DCP_STORAGE_MAX_INDEX_BYTES``
 safetensors header 100 MiB     the JSON header of a safetensors file          (fixed: the format's own)
 :data:`BROADCAST_BYTES` 64 MiB  bytes a view repeats beyond its storage        ``DCP_STORAGE_MAX_BROADCAST_BYTES``
+:data:`INFLATED` 64 MiB         what a stream extension may decode beyond      ``DCP_STORAGE_MAX_INFLATED_BYTES``
+                               the item's chunk size and 100x its stored size
 =============================  ============================================  ==========================
 
 Safetensors headers use the 100 MiB limit of the reference implementation
@@ -41,18 +43,24 @@ __all__ = [
     "INDEX",
     "MANIFEST",
     "MAX_BYTES",
+    "INFLATED",
     "MAX_INFLATION_RATIO",
     "METADATA",
     "ByteLimit",
     "check_byte_range",
     "MAX_DIM",
+    "MAX_NDIM",
     "check_view",
     "checked_nbytes",
+    "inflation_limit",
     "read_limited",
 ]
 
 MAX_BYTES = 2**63 - 1
 MAX_DIM = 2**63 - 1  # one dimension of a shape: torch sizes are int64, even when another dimension is 0
+# Dimensions of one shape. torch has no limit, but no model has more than a handful, and the product of many
+# huge ones is quadratic to compute (80,000 factors of 2**62: 13 s) with more digits than Python prints.
+MAX_NDIM = 1024
 MiB = 1024 * 1024
 
 
@@ -83,6 +91,7 @@ METADATA = ByteLimit("a DCP .metadata file", 1024 * MiB, "DCP_STORAGE_MAX_METADA
 MANIFEST = ByteLimit("a .dcp_storage.json manifest", 512 * MiB, "DCP_STORAGE_MAX_MANIFEST_BYTES")
 INDEX = ByteLimit("a safetensors index", 256 * MiB, "DCP_STORAGE_MAX_INDEX_BYTES")
 BROADCAST_BYTES = ByteLimit("a broadcast (overlapping) view", 64 * MiB, "DCP_STORAGE_MAX_BROADCAST_BYTES")
+INFLATED = ByteLimit("an item decoded by a stream extension", 64 * MiB, "DCP_STORAGE_MAX_INFLATED_BYTES")
 
 
 def read_limited(transport: Any, path: str, limit: ByteLimit) -> bytes:
@@ -102,6 +111,8 @@ def checked_nbytes(shape: Sequence[int], itemsize: int, where: str) -> int:
     """``prod(shape) * itemsize``, or :class:`CorruptCheckpointError` if a dimension is negative or the
     byte count cannot exist (more than ``2**63 - 1``). A dimension beyond int64 is refused even when another
     is 0 (the product is then 0, but torch cannot hold the shape)."""
+    if len(shape) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{where}: a shape of {len(shape)} dimensions (at most {MAX_NDIM})")
     if any(n < 0 for n in shape):
         raise CorruptCheckpointError(f"{where}: shape {list(shape)} has a negative dimension")
     if any(n > MAX_DIM for n in shape):
@@ -109,7 +120,7 @@ def checked_nbytes(shape: Sequence[int], itemsize: int, where: str) -> int:
     nbytes = math.prod(shape) * itemsize
     if nbytes > MAX_BYTES:
         raise CorruptCheckpointError(
-            f"{where}: shape {list(shape)} needs {nbytes} bytes, more than any file can hold (2**63 - 1); "
+            f"{where}: shape {list(shape)} needs more bytes than any file can hold (2**63 - 1); "
             "the checkpoint is corrupt or hostile"
         )
     return nbytes
@@ -165,3 +176,15 @@ def check_view(
 # 1032x (a run of one byte value), which is what a deflate bomb uses. Entries are also inflated into at
 # most their declared size, so an entry that lies about its size costs nothing more.
 MAX_INFLATION_RATIO = 100
+
+
+def inflation_limit(stored: int, expected: int = 0) -> int:
+    """The most bytes an item of ``stored`` bytes may decode to through a stream extension (compression).
+
+    A zstd frame of zeros inflates more than 30,000 times, so a ratio alone either refuses genuine tensors
+    of zeros or lets a few KB become gigabytes. ``expected``: what the metadata says the decoded item holds
+    (a tensor chunk's bytes plus its record's overhead; 0 when unknown, as for non-tensor values). The
+    limit is the larger of that and :data:`MAX_INFLATION_RATIO` times the stored bytes, plus
+    :data:`INFLATED` (``DCP_STORAGE_MAX_INFLATED_BYTES``).
+    """
+    return max(expected, stored * MAX_INFLATION_RATIO) + INFLATED.bytes

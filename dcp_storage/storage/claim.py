@@ -181,7 +181,7 @@ def _held_message(transport: Any, path: str) -> str:
     raw = _read_lock(transport, path)
     try:
         fields = json.loads(raw) if raw else None
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past json's recursion limit: holder unknown
         fields = None
     if isinstance(fields, dict):
         keys = ("save_id", "writer", "host", "pid", "since")

@@ -133,8 +133,10 @@ def test_safetensors_writer_honours_the_lock(tmp_path: Path) -> None:
         json.dumps({"save_id": "\x1b[2J\x1b[HOK: checkpoint verified\x07", "host": "h\x1b]0;x\x07", "pid": 1}),
         "\x1b[31mnot json" + "A" * 10_000,
         "x" * (1 << 20),
+        "[" * 4000,  # within the 4 KiB read: json's recursion limit (RecursionError, not a ValueError)
+        '{"pid": ' + "[" * 3000 + "]" * 1000,
     ],
-    ids=["escapes-in-json", "escapes-not-json", "one-mebibyte"],
+    ids=["escapes-in-json", "escapes-not-json", "one-mebibyte", "nested-json", "nested-json-field"],
 )
 def test_a_hostile_lock_is_never_quoted(tmp_path: Path, content: str) -> None:
     ckpt = tmp_path / "ckpt"

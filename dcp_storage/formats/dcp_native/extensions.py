@@ -26,8 +26,8 @@ from torch.distributed.checkpoint._extension import Extension, ExtensionRegistry
 from ... import registry as plugin_registry
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownExtensionError
 from ...integrity.manifest import MANIFEST_FILE, install_hint
-from ..limits import MANIFEST, read_limited
-from .framed_items import decode_whole
+from ..limits import INFLATED, MANIFEST, inflation_limit, read_limited
+from .framed_items import DecodesTooLarge, decode_whole
 from .seekable import SeekableTransform
 
 __all__ = ["MANIFEST_FILE", "ExtensionResolver", "PluginExtensionRegistry", "UnknownExtensionError"]
@@ -135,23 +135,42 @@ class ExtensionResolver:
         self._cache[descs] = out
         return out
 
-    def untransform(self, descriptors: Sequence[str], raw: memoryview, where: str, key: str) -> bytes | bytearray:
-        """The original bytes of a whole stored item (torch's ``transform_from`` chain)."""
+    def untransform(
+        self, descriptors: Sequence[str], raw: memoryview, where: str, key: str, expected: int = 0
+    ) -> bytes | bytearray:
+        """The original bytes of a whole stored item (torch's ``transform_from`` chain).
+
+        ``expected``: the bytes the metadata says the item decodes to (0: unknown). Decoding stops at
+        :func:`~dcp_storage.formats.limits.inflation_limit`: a decompression bomb is refused, naming the item,
+        before it is inflated.
+        """
         extensions = self.resolve(descriptors, where, key)
+        limit = inflation_limit(len(raw), expected)
         stream: Any = io.BytesIO(raw)
         try:
             if len(extensions) == 1 and isinstance(extensions[0], SeekableTransform):
                 pool = self._executor or self.transport.executor()
-                return decode_whole(extensions[0], raw, pool)  # frames decoded concurrently
-            for ext in extensions:
-                if isinstance(ext, StreamTransformExtension):
-                    stream = ext.transform_from(stream)
-            return stream.read()
+                out = decode_whole(extensions[0], raw, pool, limit)  # frames decoded concurrently
+            else:
+                for ext in extensions:
+                    if isinstance(ext, StreamTransformExtension):
+                        stream = ext.transform_from(stream)
+                out = stream.read(limit + 1)
+        except DecodesTooLarge:
+            out = None
         except Exception as exc:  # decoders raise their own types (zstd.ZstdError, ...); chained
             raise CorruptCheckpointError(
                 f"{where} (item {key!r}): stored bytes do not decode with {'+'.join(descriptors)}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        if out is None or len(out) > limit:
+            raise CorruptCheckpointError(
+                f"{where} (item {key!r}): its {len(raw)} stored bytes decode with {'+'.join(descriptors)} to more "
+                f"than {limit} bytes ({'the chunk size the metadata records and ' if expected else ''}100 times "
+                f"the stored size, plus {INFLATED.bytes}): a decompression bomb? If it is genuine, set "
+                f"{INFLATED.env} to a larger number of bytes"
+            )
+        return out
 
     # ------------------------------------------------------------------------------------ error text
     def _unknown(self, descriptor: str, where: str, key: str, detail: str | None) -> str:

@@ -35,7 +35,11 @@ from .record_match import check_record_matches, saved_chunk
 from .seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
 from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, load_tensor_record, parse_tensor_record
 
-__all__ = ["FramedItem", "FramedItemLoader", "decode_whole", "needs_whole_chunk"]
+__all__ = ["DecodesTooLarge", "FramedItem", "FramedItemLoader", "decode_whole", "needs_whole_chunk"]
+
+
+class DecodesTooLarge(ValueError):
+    """A whole item's frame index claims more decoded bytes than the caller allows (nothing was allocated)."""
 
 
 def needs_whole_chunk(item: ReadItem, metadata: Metadata | None) -> bool:
@@ -344,16 +348,21 @@ def _decoder(f: FramedItem, frame: Frame, target: memoryview) -> Callable[[memor
     return decode
 
 
-def decode_whole(transform: SeekableTransform, stored: memoryview, executor: Executor | None = None) -> bytearray:
+def decode_whole(
+    transform: SeekableTransform, stored: memoryview, executor: Executor | None = None, limit: int | None = None
+) -> bytearray:
     """All original bytes of a whole stored item, its frames decoded concurrently on ``executor``.
 
-    Raises ``ValueError`` (from the transform) for bytes that do not decode; callers name the item.
+    Raises ``ValueError`` (from the transform) for bytes that do not decode, :class:`DecodesTooLarge` when the
+    index claims more than ``limit`` decoded bytes (before anything is allocated); callers name the item.
     """
     stored = memoryview(stored).cast("B")
     try:
         index = transform.read_frame_index(stored, len(stored))
     except NeedMoreTail as more:
         raise ValueError(f"the frame index claims {more.needed} bytes of a {len(stored)}-byte item") from None
+    if limit is not None and index.raw_size > limit:
+        raise DecodesTooLarge(index.raw_size)
     out = bytearray(index.raw_size)
     view = memoryview(out)
     frames = [f for f in index.frames if f.raw_length]

@@ -22,6 +22,7 @@ slice are fetched and decoded (:mod:`.framed_items`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_rea
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
 from .record_entry import RecordEntry
-from .record_match import check_record_matches
+from .record_match import check_record_matches, saved_chunk
 from .record_zip import check_record_zip
 from .seekable import SeekableTransform
 from .torch_record import (
@@ -136,10 +137,15 @@ class DcpItemLoader:
     def _where(self, entry: RecordEntry) -> str:
         return f"{self.transport.url(self._path(entry))} [{entry.offset}, {entry.offset + entry.length})"
 
-    def _untransform(self, entry: RecordEntry, raw: memoryview, key: str) -> bytes | memoryview:
+    def _untransform(
+        self, entry: RecordEntry, raw: memoryview, key: str, item: ReadItem | None = None
+    ) -> bytes | memoryview:
+        """``raw`` decoded by the entry's stream extensions; ``item`` (a tensor's): bounds the decoded size by
+        its chunk's bytes in the metadata (a non-tensor value has no recorded size)."""
         if not entry.transforms:
             return raw
-        return self.transforms.untransform(entry.transforms, raw, self._where(entry), key)
+        expected = _record_bytes(self.metadata, item) if item is not None else 0
+        return self.transforms.untransform(entry.transforms, raw, self._where(entry), key, expected)
 
     def _framed_jobs(
         self, items: Sequence[ReadItem], entries: dict[int, RecordEntry]
@@ -192,6 +198,7 @@ class DcpItemLoader:
             framed_ids = {id(i) for i, _ in framed}
             items = [i for i in items if id(i) not in framed_ids]
         keys = {entries[id(i)]: i.storage_index.fqn for i in items}  # names items in decode errors
+        firsts = {entries[id(i)]: i for i in items}  # whose chunk bounds what a compressed record decodes to
         whole: dict[RecordEntry, memoryview | None] = {}
         probe: dict[RecordEntry, int] = {}
         for item in items:
@@ -211,7 +218,7 @@ class DcpItemLoader:
         for entry, raw in whole.items():
             if raw is None or entry in byte_entries:
                 continue
-            data = self._untransform(entry, raw, keys[entry])
+            data = self._untransform(entry, raw, keys[entry], firsts[entry])
             where = self._where(entry)
             if self.check_zips:  # our parser reads local headers only; the rest costs >5% on small records
                 check_record_zip(data, where)
@@ -362,6 +369,21 @@ class DcpItemLoader:
             planner.commit_tensor(work.key, work.dest)  # type: ignore[arg-type]
 
         read_slices(self.transport, works, commit, self.config.staging_bytes)
+
+
+# A torch.save record holds, besides the tensor's bytes, a few small zip entries (data.pkl, byteorder,
+# version, serialization id), their headers and the 64-byte alignment padding: about 1.5 KB.
+_RECORD_OVERHEAD = 64 * 1024
+
+
+def _record_bytes(metadata: Metadata | None, item: ReadItem) -> int:
+    """The most bytes the record of ``item``'s saved chunk can hold, from the metadata (0: it does not say)."""
+    chunk = saved_chunk(metadata, item.storage_index)
+    md = metadata.state_dict_metadata.get(item.storage_index.fqn) if metadata is not None else None
+    dtype = getattr(getattr(md, "properties", None), "dtype", None)
+    if chunk is None or not isinstance(dtype, torch.dtype):
+        return 0
+    return math.prod(chunk.sizes) * dtype.itemsize + _RECORD_OVERHEAD
 
 
 def _tensor_from_bytes(data: memoryview, rec: TensorRecord) -> torch.Tensor:

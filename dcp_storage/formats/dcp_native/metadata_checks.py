@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CorruptCheckpointError
-from ..limits import MAX_BYTES, MAX_DIM
+from ..limits import MAX_BYTES, MAX_DIM, MAX_NDIM
 from ..paths import check_relative
 from ..tiling import tiling_problem
 
@@ -48,6 +48,8 @@ def _int(value: Any) -> bool:
 
 def _dims(value: Any) -> list[int] | None:
     """``value`` as a list of int64 dimensions (a ``torch.Size``, list or tuple), else ``None``."""
+    if isinstance(value, (torch.Size, list, tuple)) and len(value) > MAX_NDIM:
+        return None
     if type(value) is torch.Size:  # ints only (fast path): the sign and int64's range to check
         return list(value) if not value or (min(value) >= 0 and max(value) <= MAX_DIM) else None
     if not isinstance(value, (torch.Size, list, tuple)) or not all(_int(v) and 0 <= v <= MAX_DIM for v in value):
@@ -64,9 +66,12 @@ def _tensor_problems(fqn: str, item: TensorStorageMetadata, storage: dict[Any, A
     if odd:
         return [f"tensor {fqn!r} has malformed properties ({', '.join(odd)})"]
     problems: list[str] = []
-    size = _dims(getattr(item, "size", None))
+    raw_size = getattr(item, "size", None)
+    size = _dims(raw_size)
     if size is None:
-        return [f"tensor {fqn!r} has size {getattr(item, 'size', None)!r}, not a list of non-negative integers"]
+        if isinstance(raw_size, (torch.Size, list, tuple)) and len(raw_size) > MAX_NDIM:
+            return [f"tensor {fqn!r} has a size of {len(raw_size)} dimensions (at most {MAX_NDIM})"]
+        return [f"tensor {fqn!r} has size {raw_size!r}, not a list of non-negative integers"]
     if math.prod(size) * dtype.itemsize > MAX_BYTES:
         return [f"tensor {fqn!r} of shape {size} ({dtype}) would need more than 2**63 - 1 bytes"]
     chunks = getattr(item, "chunks", None)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ...errors import CorruptCheckpointError
-from ..limits import MAX_DIM
+from ..limits import MAX_BYTES, MAX_DIM, MAX_NDIM
 from .dtypes import SAFETENSORS_TO_TORCH
 
 __all__ = [
@@ -164,6 +164,8 @@ def _entry(name: str, info: Any, data_size: int, where: str) -> TensorEntry:
         raise CorruptCheckpointError(
             f"{what}: unknown dtype {dtype_name!r} (known: {', '.join(sorted(SAFETENSORS_TO_TORCH))})"
         )
+    if isinstance(shape, list) and len(shape) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{what}: 'shape' has {len(shape)} dimensions (at most {MAX_NDIM})")
     if not _int_list(shape) or any(d > MAX_DIM for d in shape):
         raise CorruptCheckpointError(f"{what}: 'shape' must be a list of int64 dimensions >= 0, got {_short(shape)}")
     if not _int_list(offsets) or len(offsets) != 2:
@@ -174,6 +176,8 @@ def _entry(name: str, info: Any, data_size: int, where: str) -> TensorEntry:
     if end < begin:
         raise CorruptCheckpointError(f"{what}: data_offsets [{begin}, {end}) end before they begin")
     expected = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+    if expected > MAX_BYTES:  # its digits may be more than Python prints
+        raise CorruptCheckpointError(f"{what}: shape {_short(shape)} needs more than 2**63 - 1 bytes")
     if expected != end - begin:
         raise CorruptCheckpointError(
             f"{what}: shape {shape} of {dtype_name} needs {expected} bytes but data_offsets [{begin}, {end}) "

@@ -28,6 +28,7 @@ from ...deprecation import renamed_attributes
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import batches_by_bytes
 from ...tensor_buffers import writable_bytes
+from ...text import printable
 from ...transports import RangeRequest, Transport
 from ..byte_items import deliver_byte_item
 from ..paths import check_relative
@@ -130,7 +131,7 @@ class SafetensorsItemLoader:
                 require_checksummed(sums)
             else:
                 warnings.warn(
-                    f"{sums.url}: verify=True, but the file records no checksums (not written by dcp-storage's "
+                    f"{printable(sums.url)}: verify=True, but the file records no checksums (not written by dcp-storage's "
                     "SafetensorsWriter); loading it unchecked",
                     RuntimeWarning,
                     stacklevel=4,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import struct
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -369,3 +370,38 @@ def test_corrupt_frames_raise_our_error_ranged_path(tmp_path: Path, where: float
     with pytest.raises(CorruptCheckpointError) as info:
         read_slice(tmp_path, "w_bf16", [0, 0], [400, 1024], torch.bfloat16)
     assert "'w_bf16'" in str(info.value) and ".distcp" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------ bombs
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.mark.parametrize("fqn", ["step", "w_bf16"])
+def test_a_seek_table_claiming_gigabytes_is_refused_before_allocating(
+    tmp_path: Path, fqn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An item of ~100 stored bytes whose seek table claims 512 MiB of empty frames: refused from the
+    table alone (a non-tensor value: 100x its stored size plus DCP_STORAGE_MAX_INFLATED_BYTES; a tensor:
+    its chunk's bytes), nothing allocated for it."""
+    monkeypatch.setenv("DCP_STORAGE_MAX_INFLATED_BYTES", str(1 << 20))
+    sd = save(tmp_path, {"w_bf16": torch.ones(8, dtype=torch.bfloat16), "step": 7})
+    n, claimed = 8, 64 << 20
+    body = b"".join(struct.pack("<II", 0, claimed) for _ in range(n)) + struct.pack("<IBI", n, 0, 0x8F92EAB1)
+    table = struct.pack("<II", 0x184D2A5E, len(body)) + body
+    index, info = entry(tmp_path, fqn)
+    data_file = tmp_path / info.relative_path
+    offset = data_file.stat().st_size
+    data_file.write_bytes(data_file.read_bytes() + table)
+    md = metadata(tmp_path)
+    md.storage_data[index] = type(info)(info.relative_path, offset, len(table), info.transform_descriptors)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    (tmp_path / ".dcp_storage.json").unlink()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM
+    before = _kib("VmRSS")
+    err = _load_error(tmp_path, sd)
+    assert (_kib("VmHWM") - before) < 64 * 1024, "the claimed size was allocated"
+    assert isinstance(err, CorruptCheckpointError), repr(err)
+    assert "decompression bomb" in str(err) and f"'{fqn}'" in str(err) and ".distcp" in str(err), str(err)

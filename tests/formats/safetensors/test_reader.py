@@ -339,3 +339,19 @@ def test_a_coordinator_failure_reaches_every_rank(rank_reports: dict[int, list[d
         kind, message = report["error"]
         assert kind == "CheckpointNotFoundError", (rank, kind, message)
         assert "model-00002-of-00003.safetensors" in message and "model.safetensors.index.json" in message
+
+
+def test_the_unchecked_warning_escapes_a_shard_name_from_the_index(tmp_path: Path) -> None:
+    """The shard's file name comes from the index: its escape sequences are shown escaped, not run."""
+    import warnings
+
+    name = "shard\x1b]0;pwned\x07\x1b[2J\u202e.safetensors"
+    safetensors.torch.save_file({"a": torch.ones(3)}, str(tmp_path / name))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": name}}))
+    dest = {"a": torch.zeros(3)}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dcp.load(dest, storage_reader=SafetensorsReader(str(tmp_path), verify=True), no_dist=True)
+    assert torch.equal(dest["a"], torch.ones(3))
+    (text,) = [str(w.message) for w in seen if "records no checksums" in str(w.message)]
+    assert text.isprintable() and "\\x1b]0;pwned\\x07\\x1b[2J\\u202e" in text, text
