@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import FileTooLargeError
 from .deadline import bounded_sync
-from .range_check import check_range_answer, describe_answer, range_mismatch
+from .range_check import check_range_answer, describe_answer, is_encoded, range_mismatch
 
 __all__ = ["azure_read", "azure_read_range", "check_each_answer", "is_azure"]
 
@@ -60,11 +60,14 @@ def check_each_answer(pipeline_response: Any, whole: bool = False) -> None:
         return
     length = response.headers.get("Content-Length")
     size = int(length) if length else None
+    encoding = response.headers.get("Content-Encoding")
+    if is_encoded(encoding):  # the SDK hands on the encoded bytes as the blob's
+        raise range_mismatch(*asked, describe_answer(response.status_code, None, size, encoding))
     if response.status_code == 200:  # the SDK takes the object's size from Content-Range: it cannot use a 200
         got = f"{describe_answer(200, None, size)}; the Azure SDK reads only 206 answers to its ranged requests"
         raise range_mismatch(*asked, got)
     if not whole:
-        check_range_answer(*asked, response.status_code, response.headers.get("Content-Range"), size)
+        check_range_answer(*asked, response.status_code, response.headers.get("Content-Range"), size, encoding)
 
 
 async def _download(fs: Any, path: str, start: int | None, end: int | None) -> tuple[bytes, int]:

@@ -198,9 +198,8 @@ class FsspecTransport:
         (a file that grew comes back whole, or past the limit and refused, never cut to its old size)."""
         if max_bytes is None:
             return bytes(bounded_call(self.fs, "cat_file", path))
-        size = bounded_call(
-            self.fs, "size", path
-        )  # None: a store that does not say (an HTTP server without Content-Length)
+        # None: a store that does not say (an HTTP server without Content-Length)
+        size = bounded_call(self.fs, "size", path)
         if size is not None and int(size) > max_bytes:
             raise FileTooLargeError(self.url(path), int(size), max_bytes)
         return bytes(bounded_call(self.fs, "cat_file", path, start=0, end=max_bytes + 1))

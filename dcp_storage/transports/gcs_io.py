@@ -31,7 +31,7 @@ from typing import IO, Any
 
 from .deadline import bounded_sync
 from .http_io import read_prefix
-from .range_check import read_range_body
+from .range_check import IDENTITY, read_range_body
 
 __all__ = [
     "GcsAtomicUpload",
@@ -102,7 +102,7 @@ async def _get_range(fs: Any, path: str, start: int, end: int) -> bytes:
     from gcsfs.retry import validate_response  # gcsfs is optional; fs is a gcsfs filesystem here
 
     await fs._set_session()
-    headers = fs._get_headers({"Range": f"bytes={start}-{end - 1}"})
+    headers = fs._get_headers({"Range": f"bytes={start}-{end - 1}", **IDENTITY})
     params = fs._get_params({})  # userProject, for requester-pays buckets
     async with fs.session.get(fs.url(path), params=params, headers=headers, timeout=fs.requests_timeout) as r:
         if r.status >= 400:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .deadline import bounded_sync
-from .range_check import read_range_body
+from .range_check import IDENTITY, read_range_body
 
 __all__ = ["http_read", "http_read_range", "is_http", "read_prefix"]
 
@@ -34,6 +34,7 @@ async def _get_range(fs: Any, url: str, start: int, end: int) -> bytes:
     options = dict(fs.kwargs)
     headers = dict(options.pop("headers", None) or {})
     headers["Range"] = f"bytes={start}-{end - 1}"
+    headers.update(IDENTITY)
     session = await fs.set_session()
     async with session.get(fs.encode_url(url), headers=headers, **options) as response:
         fs._raise_not_found_for_status(response, url)

@@ -13,9 +13,10 @@ allows:
   :class:`Confinement`; symlinks that stay inside are fine.
 
 The containment check resolves the path and then opens the resolved path with ``O_NOFOLLOW``, so a final
-symlink swapped in after the check is refused. A directory above it swapped by a concurrent writer in the
-meantime is not caught: whoever can rename directories inside the checkpoint while it loads could as well
-have changed the bytes.
+symlink swapped in after the check is refused. A directory on the path swapped for a symlink out of the
+checkpoint in between (by whoever can rename entries inside it) would still be followed by ``open``; so the
+opened descriptor's own path (``/proc/self/fd/N``, where the system has it) is checked against the
+checkpoint again before a byte is read, and a descriptor that lies outside is closed and refused.
 """
 
 from __future__ import annotations
@@ -67,19 +68,38 @@ class Confinement:
     def check(self, path: str, where: str | None = None) -> str:
         """The resolved ``path``; :class:`CorruptCheckpointError` naming ``where`` (default ``path``) if it
         resolves outside its checkpoint."""
+        root = self._root_of(path, where)
+        real = os.path.realpath(path)
+        if not _under(real, root):
+            raise _outside(where or path, root)
+        return real
+
+    def _root_of(self, path: str, where: str | None) -> str:
         lexical = os.path.abspath(path)
         inside = [(d, r) for d, r in self._roots() if _under(lexical, d)]
         if not inside:
             raise CorruptCheckpointError(f"{where or path}: is in no checkpoint this transport was opened for")
-        _directory, root = max(inside, key=lambda dr: len(dr[0]))
-        real = os.path.realpath(path)
-        if not _under(real, root):
-            raise CorruptCheckpointError(
-                f"{where or path}: resolves outside the checkpoint directory {root} (a symlink, or a symlinked "
-                "directory, leading out of it); refusing to read it. Copy the file into the checkpoint instead of "
-                "linking it"
-            )
-        return real
+        return max(inside, key=lambda dr: len(dr[0]))[1]
+
+    def check_opened(self, path: str, fd: int, where: str | None = None) -> None:
+        """:class:`CorruptCheckpointError` if the file ``fd`` (opened for ``path``) lies outside its checkpoint:
+        a directory on the path was swapped for a link out after :meth:`check`. Where the system does not
+        name a descriptor's path (no ``/proc/self/fd``), :meth:`check` alone stands."""
+        try:
+            opened = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return
+        opened = opened.removesuffix(" (deleted)")  # unlinked since: its name at the time is what counts
+        root = self._root_of(path, where)
+        if not _under(opened, root):
+            raise _outside(where or path, root)
+
+
+def _outside(where: str, root: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: resolves outside the checkpoint directory {root} (a symlink, or a symlinked directory, leading "
+        "out of it); refusing to read it. Copy the file into the checkpoint instead of linking it"
+    )
 
 
 def _under(path: str, root: str) -> bool:
@@ -154,6 +174,8 @@ def open_regular(path: str, confinement: Confinement | None = None, where: str |
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _refuse(where, st.st_mode)
+        if confinement is not None:
+            confinement.check_opened(path, fd, where)
         if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
             raise CorruptCheckpointError(f"{where}: was replaced while being opened; refusing to read it")
     except BaseException:

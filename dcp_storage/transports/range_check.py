@@ -14,6 +14,14 @@ answer and the attempts. If the object itself is shorter than the range, that is
 A ``200`` is accepted only for a range that was the whole object: from byte 0, with a body exactly as long
 as the range (so the object ends where the caller expected it to).
 
+A ranged answer must be the stored bytes themselves: one with a ``Content-Encoding`` (other than
+``identity``) is refused, whatever its ``Content-Range``. A compressing cache may gzip a ``206``; aiohttp
+(HTTP, GCS) then decodes the body, so its length no longer says anything about what ``Content-Length``
+and ``Content-Range`` described, and botocore and object_store hand on the encoded bytes as they are
+(both took as many wrong bytes as the range asked for, without an error). Our HTTP and GCS range requests
+ask for ``Accept-Encoding: identity``. A body longer than its range (chunked, no ``Content-Length``) is
+refused as well, never cut to the range's length.
+
 What each backend checks (a ranged read is always ``[start, end)`` with ``end`` known):
 
 =================================  =========================================================================
@@ -43,7 +51,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["RangeMismatchError", "check_range_answer", "describe_answer", "range_mismatch", "read_range_body"]
+__all__ = [
+    "IDENTITY",
+    "RangeMismatchError",
+    "check_range_answer",
+    "describe_answer",
+    "is_encoded",
+    "range_mismatch",
+    "read_range_body",
+]
+
+IDENTITY = {"Accept-Encoding": "identity"}  # request headers of a ranged GET: the stored bytes, not an encoding
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _QUOTED_MAX = 80  # a Content-Range comes from the server: quoted with repr, and cut to this many characters
@@ -62,24 +80,43 @@ def range_mismatch(start: int, end: int, got: str) -> RangeMismatchError:
     return RangeMismatchError(f"asked for bytes [{start}, {end}), got {got}")
 
 
-def describe_answer(status: int | None, content_range: str | None, length: int | None) -> str:
+def describe_answer(
+    status: int | None, content_range: str | None, length: int | None, content_encoding: str | None = None
+) -> str:
     """``status 206, Content-Range 'bytes 1-10/99', 10 bytes``: what came back, for error messages."""
     parts = [f"status {status}" if status is not None else "no status"]
     if content_range is not None:
         parts.append(f"Content-Range {content_range[:_QUOTED_MAX]!r}")
     elif status == 200:
         parts.append("no Content-Range (Range ignored?)")
+    if is_encoded(content_encoding):
+        parts.append(f"Content-Encoding {content_encoding[:_QUOTED_MAX]!r} (not the stored bytes)")  # type: ignore[index]
     parts.append(f"{length} bytes" if length is not None else "length unknown")
     return ", ".join(parts)
 
 
-def check_range_answer(start: int, end: int, status: int | None, content_range: str | None, length: int | None) -> None:
+def is_encoded(content_encoding: str | None) -> bool:
+    """Whether a ``Content-Encoding`` header says the body is not the stored bytes as they are."""
+    return content_encoding is not None and content_encoding.strip().lower() not in ("", "identity")
+
+
+def check_range_answer(
+    start: int,
+    end: int,
+    status: int | None,
+    content_range: str | None,
+    length: int | None,
+    content_encoding: str | None = None,
+) -> None:
     """Raise :class:`RangeMismatchError` unless an answer to ``Range: bytes=start-(end-1)`` holds those bytes.
 
     ``length`` is the body's length as far as known before it is used (``Content-Length``, or the length of
     a body already read); ``None`` if unknown, and then the caller checks the bytes it got.
+    ``content_encoding`` is the answer's ``Content-Encoding``: any but ``identity`` is refused.
     """
     want = end - start
+    if is_encoded(content_encoding):
+        raise range_mismatch(start, end, describe_answer(status, content_range, length, content_encoding))
     if status == 206:
         match = _CONTENT_RANGE.fullmatch(content_range.strip()) if content_range is not None else None
         if (
@@ -103,7 +140,7 @@ async def read_range_body(response: Any, start: int, end: int) -> bytes:
     :class:`RangeMismatchError`.
     """
     status, length, content_range = response.status, response.content_length, response.headers.get("Content-Range")
-    check_range_answer(start, end, status, content_range, length)
+    check_range_answer(start, end, status, content_range, length, response.headers.get("Content-Encoding"))
     if length is not None:  # checked to be end - start: aiohttp reads no more, and raises if cut short
         return bytes(await response.read())
     body = await response.content.readexactly(end - start)  # no Content-Length (chunked): count, then

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import FileTooLargeError
 from .deadline import bounded_sync
-from .range_check import check_range_answer
+from .range_check import RangeMismatchError, check_range_answer, describe_answer, range_mismatch
 
 __all__ = ["ScatterSink", "can_stream", "read_object", "s3_call", "stream_range"]
 
@@ -96,21 +96,30 @@ async def _get_range(fs: Any, path: str, start: int, end: int, emit: Callable[[i
     want = end - start
     try:
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        check_range_answer(start, end, status, response.get("ContentRange"), response.get("ContentLength"))
+        content_range, length = response.get("ContentRange"), response.get("ContentLength")
+        check_range_answer(start, end, status, content_range, length, response.get("ContentEncoding"))
+
+        def longer() -> RangeMismatchError:  # no Content-Length (chunked), and more than the range came
+            return range_mismatch(start, end, f"a longer body ({describe_answer(status, content_range, None)})")
+
         content = getattr(getattr(body, "raw_stream", None), "content", None)
         if content is not None and hasattr(content, "readany"):
             while got < want:
                 chunk = await content.readany()
                 if not chunk:
                     break
-                view = memoryview(chunk)[: want - got]
-                emit(got, view)
-                got += len(view)
+                if len(chunk) > want - got:
+                    raise longer()
+                emit(got, memoryview(chunk))
+                got += len(chunk)
+            if got == want and length is None and await content.read(1):
+                raise longer()
         else:  # another HTTP backend: one read, still no second copy on our side
             data = await body.read()
-            view = memoryview(data)[:want]
-            emit(0, view)
-            got = len(view)
+            if len(data) > want:
+                raise longer()
+            emit(0, memoryview(data))
+            got = len(data)
     finally:
         body.close()
     return got

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.errors import TransportError
 from dcp_storage.storage import FsspecReader, FsspecWriter
-from dcp_storage.testing.fault_proxy import RANGE_FAULT_MODES, FaultProxy, FaultRule
+from dcp_storage.testing.fault_proxy import BODY_FAULT_MODES, RANGE_FAULT_MODES, FaultProxy, FaultRule
 from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
 from dcp_storage.transports.factory import open_transport
 
@@ -177,6 +177,38 @@ def test_a_200_to_a_range_that_was_the_whole_object_is_used(
     assert proxy.counters().faults["ignore_range"] == 1 and transport.counters.retries == 0
 
 
+# A 206 whose head names exactly the range asked for, with a body that is not those stored bytes: encoded
+# (gzip; its Content-Length padded to the range's length) or longer than the range (chunked, no length).
+# Before: the s3fs stream took the first bytes of either, aiohttp (HTTP, GCS) decoded the gzip into as many
+# wrong bytes, and the obstore plugin's stream cut the encoded body to the range's length: wrong bytes, no
+# error. A ranged answer must be the stored bytes themselves (no Content-Encoding) and end with the range.
+_BODY_ANSWER = {
+    "encoded_range": r"RangeMismatchError: asked for bytes \[{a}, {b}\), got status 206, .*Content-Encoding 'gzip'",
+    # adlfs: the Azure SDK reads the body itself, and the transport's length check names what it got
+    "long_range": r"RangeMismatchError: (asked for bytes \[{a}, {b}\), got a longer body|.*: got \d+ of {n} bytes)",
+}
+
+
+def assert_names_the_body_fault(message: str, mode: str, start: int, end: int, attempts: int) -> None:
+    head = re.search(rf"bytes \[{start}, {end}\) failed after {attempts} attempt\(s\)", message)
+    assert head is not None, message
+    assert re.search(_BODY_ANSWER[mode].format(a=start, b=end, n=end - start), message), message
+
+
+@pytest.mark.parametrize("mode", BODY_FAULT_MODES)
+@pytest.mark.parametrize(("start", "end"), [(1000, 5000), (0, 5000), (7, 8)])
+def test_a_ranged_answer_whose_body_is_not_the_stored_bytes_is_refused(
+    blob: tuple[Any, str], proxy: FaultProxy, store: Store, mode: str, start: int, end: int
+) -> None:
+    transport, path = blob
+    proxy.set_rules([FaultRule(mode)])  # type: ignore[arg-type]
+    with pytest.raises(TransportError) as info:
+        got = transport.read_range(path, start, end)
+        pytest.fail(f"{mode}: read {len(got)} bytes, equal to the stored ones: {bytes(got) == BLOB[start:end]}")
+    assert_names_the_body_fault(str(info.value), mode, start, end, attempts=3)
+    assert proxy.counters().faults[mode] == 3
+
+
 # ------------------------------------------------------------------------------------ dcp.load
 @pytest.mark.parametrize("mode", RANGE_FAULT_MODES)
 def test_load_fails_when_every_ranged_read_is_answered_wrongly(
@@ -247,6 +279,19 @@ def test_http_wrong_answer_is_retried_then_a_transport_error(http_url: str, faul
     with _http(http_url, FEW_ATTEMPTS) as transport, pytest.raises(TransportError) as info:
         transport.read_range(http_url, 1000, 5000)
     assert_names_the_wrong_answer(str(info.value), mode, http_url, attempts=3)
+    assert fault_proxy.counters().faults[mode] == 3
+
+
+@pytest.mark.parametrize("mode", BODY_FAULT_MODES)
+@pytest.mark.parametrize(("start", "end"), [(1000, 5000), (7, 8)])
+def test_http_ranged_answer_whose_body_is_not_the_stored_bytes_is_refused(
+    http_url: str, fault_proxy: FaultProxy, mode: str, start: int, end: int
+) -> None:
+    fault_proxy.set_rules([FaultRule(mode)])  # type: ignore[arg-type]
+    with _http(http_url, FEW_ATTEMPTS) as transport, pytest.raises(TransportError) as info:
+        got = transport.read_range(http_url, start, end)
+        pytest.fail(f"{mode}: read {len(got)} bytes, equal to the stored ones: {bytes(got) == BLOB[start:end]}")
+    assert_names_the_body_fault(str(info.value), mode, start, end, attempts=3)
     assert fault_proxy.counters().faults[mode] == 3
 
 

@@ -45,6 +45,18 @@ does, so reach it with a SAS (which signs the URL, not the headers).
 ``short_range``
     The first half of the range: a complete ``206`` with that ``Content-Range`` and ``Content-Length``.
 
+and two that keep the store's ``206`` head, its ``Content-Range`` naming exactly the range asked for, and
+change the body (:data:`BODY_FAULT_MODES`), as a compressing or broken cache in between may:
+
+``encoded_range``
+    The body gzip-encoded, with ``Content-Encoding: gzip``; when the range is long enough (about 40 bytes),
+    the encoding is padded (a gzip comment) to exactly the range's length, so ``Content-Length`` stays
+    what the range asks for, and it decodes to as many zero bytes, not the stored ones. A client that
+    decodes (aiohttp) or one that does not (botocore) then holds the right number of wrong bytes.
+``long_range``
+    ``Transfer-Encoding: chunked`` without ``Content-Length``, and 16 zero bytes before the range's bytes:
+    a body longer than its ``Content-Range``, whose first ``end - start`` bytes are not the range.
+
 Why a byte-level proxy rather than an HTTP framework: S3 SigV4 signs the ``Host`` header, so the client
 must talk to the proxy's address and the proxy must pass the head on untouched; and resets and truncated
 bodies need control of the socket that frameworks hide. Bodies are streamed in 64 KiB pieces, never
@@ -69,6 +81,7 @@ from .link import LinkModel, Pacer
 from .proxy import FaultProxy, FaultProxyError
 from .rules import (
     ALL_FAULT_MODES,
+    BODY_FAULT_MODES,
     FAULT_MODES,
     PERMANENT_MODES,
     RANGE_FAULT_MODES,
@@ -80,6 +93,7 @@ from .rules import (
 
 __all__ = [
     "ALL_FAULT_MODES",
+    "BODY_FAULT_MODES",
     "FAULT_MODES",
     "PERMANENT_MODES",
     "RANGE_FAULT_MODES",

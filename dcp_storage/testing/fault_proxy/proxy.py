@@ -12,7 +12,17 @@ from typing import Literal
 from .._server_process import StartStop
 from .bodies import ANSWERED_MODES, error_body
 from .link import LinkModel
-from .rules import RANGE_FAULT_MODES, FaultCounters, FaultRule, RuleBook, faulted_range, parse_range
+from .rewrite import rewritten
+from .rules import (
+    BODY_FAULT_MODES,
+    RANGE_FAULT_MODES,
+    FaultCounters,
+    FaultMode,
+    FaultRule,
+    RuleBook,
+    faulted_range,
+    parse_range,
+)
 from .wire import CHUNK, MAX_HEAD, Head, read_head, relay_body, reset, response_has_body
 
 __all__ = ["FaultProxy", "FaultProxyError"]
@@ -274,6 +284,9 @@ class FaultProxy(StartStop):
         if self.link is not None:
             await self.link.first_byte()
         has_body = response_has_body(method, status)
+        if mode in BODY_FAULT_MODES and has_body and status == 206:
+            await self._rewrite(up_reader, writer, response, mode)  # type: ignore[arg-type]
+            return False
         if mode in ("truncate", "stall_body"):
             stall = rule.delay if rule is not None and mode == "stall_body" else 0.0
             await self._truncate(up_reader, writer, response, has_body, stall=stall)
@@ -296,6 +309,27 @@ class FaultProxy(StartStop):
             or response.has_token("transfer-encoding", "chunked")
         )
         return not closes and delimited
+
+    async def _rewrite(
+        self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: Head, mode: FaultMode
+    ) -> None:
+        """The upstream's ``206`` head with another body (:mod:`.rewrite`), then the connection closed."""
+        body = bytearray()
+
+        class _Collect:
+            def write(self, data: bytes) -> None:
+                body.extend(data)
+
+            async def drain(self) -> None:
+                return None
+
+        await relay_body(up_reader, _Collect(), response, until_eof=True)  # type: ignore[arg-type]
+        if response.has_token("transfer-encoding", "chunked"):
+            raise ValueError("body fault modes need an upstream answer with Content-Length")
+        head, data = rewritten(mode, response.with_header("Connection", "close"), bytes(body))
+        self._count(down=len(head.raw) + len(data))
+        writer.write(head.raw + data)
+        await writer.drain()
 
     def _local_location(self, response: Head) -> Head:
         """``response`` with a ``Location`` under the upstream's URL moved to the proxy's (else unchanged)."""

@@ -12,6 +12,7 @@ __all__ = [
     "ALL_FAULT_MODES",
     "FAULT_MODES",
     "PERMANENT_MODES",
+    "BODY_FAULT_MODES",
     "RANGE_FAULT_MODES",
     "STALL_MODES",
     "ByteRange",
@@ -34,17 +35,24 @@ FaultMode = Literal[
     "short_range",
     "forbidden_403",
     "stall_body",
+    "encoded_range",
+    "long_range",
 ]
 # Faults of the transport: every request can meet them, and a retry of the same request may succeed.
 FAULT_MODES: tuple[FaultMode, ...] = ("slowdown_503", "error_500", "reset", "truncate", "slow")
 # Well-formed answers with other bytes than a ranged GET asked for; only requests with a range meet them.
 RANGE_FAULT_MODES: tuple[FaultMode, ...] = ("ignore_range", "shift_range", "short_range")
+# Answers to ranged GETs whose headers name the range asked for while the body is not those bytes as stored
+# (the body is rewritten, the request forwarded unchanged); only requests with a range meet them.
+BODY_FAULT_MODES: tuple[FaultMode, ...] = ("encoded_range", "long_range")
 # Refusals no retry can get past (a 403 for credentials without the permission); every request can meet them.
 PERMANENT_MODES: tuple[FaultMode, ...] = ("forbidden_403",)
 # A server that sends its headers and part of a body, then nothing more on a connection it keeps open: no
 # socket error ever comes, and only a deadline on the request ends it.
 STALL_MODES: tuple[FaultMode, ...] = ("stall_body",)
-ALL_FAULT_MODES: tuple[FaultMode, ...] = FAULT_MODES + RANGE_FAULT_MODES + PERMANENT_MODES + STALL_MODES
+ALL_FAULT_MODES: tuple[FaultMode, ...] = (
+    FAULT_MODES + RANGE_FAULT_MODES + PERMANENT_MODES + STALL_MODES + BODY_FAULT_MODES
+)
 
 # A request's ``Range: bytes=FIRST-LAST`` (LAST inclusive; ``None`` for ``bytes=FIRST-``).
 ByteRange = tuple[int, int | None]
@@ -78,7 +86,7 @@ def faulted_range(mode: FaultMode, first: int, last: int | None) -> str | None:
 
 def _range_eligible(mode: FaultMode, byte_range: ByteRange | None) -> bool:
     """Whether a request with ``byte_range`` can be faulted in ``mode`` (other modes: any request)."""
-    if mode not in RANGE_FAULT_MODES:
+    if mode not in RANGE_FAULT_MODES and mode not in BODY_FAULT_MODES:
         return True
     if byte_range is None:
         return False
@@ -94,8 +102,8 @@ class FaultRule:
     ``path`` and ``query`` (regular expressions searched in the URL-decoded path and in the raw query
     string). Every ``every``-th matching request (the ``every``-th, ``2*every``-th, ...) is faulted in
     ``mode``; ``every=1`` faults all of them. ``limit`` stops the rule after that many faults.
-    ``delay`` is the hold-back of ``slow`` and the silence of ``stall_body``. A rule in one of the :data:`RANGE_FAULT_MODES` matches only
-    requests with a single-range ``Range`` or ``x-ms-range`` header (and, for ``short_range``, a range of 2
+    ``delay`` is the hold-back of ``slow`` and the silence of ``stall_body``. A rule in one of the :data:`RANGE_FAULT_MODES`
+    or :data:`BODY_FAULT_MODES` matches only requests with a single-range ``Range`` or ``x-ms-range`` header (and, for ``short_range``, a range of 2
     bytes or more).
     """
 

@@ -11,7 +11,8 @@ copies each body chunk into the destination views as it arrives (so a body cut s
 last byte in place, and no whole-range buffer is ever held). Worker threads rather than an asyncio loop
 so that ``on_complete`` callbacks (which decode tensors) run in parallel, as with the fsspec transport.
 object_store checks that each answer is the range asked for (status ``206`` and ``Content-Range``); a
-mismatch is retried, and a ``200`` is taken only for a whole object (:func:`_get_range`).
+mismatch is retried, and a ``200`` is taken only for a whole object (:func:`_get_range`). An answer with a
+``Content-Encoding``, or a body longer than its range, is refused the same way.
 
 Retries: reads use a store with obstore's own retries off, so every retry goes through the policy and
 is counted; streamed uploads use a second store whose obstore retries follow the same policy (a part
@@ -287,9 +288,8 @@ class ObstoreTransport:
                 result = _get_range(store, key, group.start + base, group.end)
                 for chunk in result.stream(min_chunk_size=STREAM_CHUNK):
                     view = memoryview(chunk)
-                    room = group.length - base - got
-                    if len(view) > room:
-                        view = view[:room]
+                    if len(view) > group.length - base - got:  # never cut to the range: not its bytes
+                        raise range_mismatch(group.start + base, group.end, f"a longer body ({len(view)} bytes more)")
                     sink.write(base + got, view)
                     got += len(view)
                     done = base + got
@@ -407,7 +407,7 @@ def _get_range(store: S3Store, key: str, start: int, end: int) -> Any:
     ``end`` bytes long (its headers are checked before any byte of its body is read).
     """
     try:
-        return obstore.get(store, key, options={"range": (start, end)})
+        return _not_encoded(obstore.get(store, key, options={"range": (start, end)}), start, end, 206)
     except Exception as exc:
         if not is_range_mismatch(exc):
             raise
@@ -417,7 +417,16 @@ def _get_range(store: S3Store, key: str, start: int, end: int) -> Any:
     size = whole.meta["size"]
     if size != end:
         raise range_mismatch(0, end, f"status 200 (Range ignored) for an object of {size} bytes")
-    return whole
+    return _not_encoded(whole, start, end, 200)
+
+
+def _not_encoded(result: Any, start: int, end: int, status: int) -> Any:
+    """``result``, unless its answer had a ``Content-Encoding``: then not the stored bytes (a compressing cache
+    in between; object_store hands the encoded bytes on as the object's), a :class:`RangeMismatchError`."""
+    encoding = str((result.attributes or {}).get("Content-Encoding") or "").strip()
+    if encoding.lower() not in ("", "identity"):
+        raise range_mismatch(start, end, f"status {status}, Content-Encoding {encoding[:80]!r} (not the stored bytes)")
+    return result
 
 
 def _put_requests(nbytes: int, part_size: int) -> int:

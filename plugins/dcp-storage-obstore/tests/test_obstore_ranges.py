@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from dcp_storage.plugin_api import RetryPolicy, TransportError, open_transport
-from dcp_storage.testing.fault_proxy import RANGE_FAULT_MODES, FaultProxy, FaultRule
+from dcp_storage.testing.fault_proxy import BODY_FAULT_MODES, RANGE_FAULT_MODES, FaultProxy, FaultRule
 from test_obstore_faults import _config, _inner, _load, _options, _save
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -82,6 +82,31 @@ def test_a_200_to_a_range_that_was_the_whole_object_is_used(blob: tuple[Any, str
     faults.set_rules([FaultRule("ignore_range")])
     assert bytes(transport.read_range(path, 0, len(BLOB))) == BLOB
     assert faults.counters().faults["ignore_range"] == 1 and transport.counters.retries == 0
+
+
+# The proxy keeps the store's 206 head (its Content-Range the range asked for) and changes the body: gzip
+# with Content-Encoding (padded to the range's length), or a chunked body longer than the range. Before, the
+# stream was cut to the range's length: the gzip bytes were taken as the object's, without an error.
+_BODY_ANSWER = {
+    "encoded_range": r"got status 206, Content-Encoding 'gzip'",
+    "long_range": r"Content-Length Header missing|got a longer body",  # object_store wants a length
+}
+
+
+@pytest.mark.parametrize("mode", BODY_FAULT_MODES)
+@pytest.mark.parametrize(("start", "end"), [(1000, 5000), (0, 5000), (7, 8)])
+def test_a_ranged_answer_whose_body_is_not_the_stored_bytes_is_refused(
+    blob: tuple[Any, str], faults: FaultProxy, mode: str, start: int, end: int
+) -> None:
+    transport, path = blob
+    faults.set_rules([FaultRule(mode)])  # type: ignore[arg-type]
+    with pytest.raises(TransportError) as info:
+        got = transport.read_range(path, start, end)
+        pytest.fail(f"{mode}: read {len(got)} bytes, equal to the stored ones: {bytes(got) == BLOB[start:end]}")
+    message = str(info.value)
+    assert f"{transport.url(path)} bytes [{start}, {end})" in message, message
+    assert re.search(_BODY_ANSWER[mode], message), message
+    assert faults.counters().faults[mode] >= 1
 
 
 def _state() -> dict[str, torch.Tensor]:
