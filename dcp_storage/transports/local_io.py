@@ -80,6 +80,9 @@ class LocalFiles:
         self._fds.clear()
 
 
+_GROWTH_PIECE = 1024 * 1024  # what a file that grows while read_whole reads it is read on in
+
+
 def read_whole(path: str, confinement: Confinement | None, max_bytes: int | None) -> bytes:
     """A whole regular file (inside ``confinement``); one larger than ``max_bytes`` is refused before any of
     it is read, from its size, and a file that grows while it is read stops counting at ``max_bytes + 1``."""
@@ -89,7 +92,21 @@ def read_whole(path: str, confinement: Confinement | None, max_bytes: int | None
         if max_bytes is not None and size > max_bytes:
             raise FileTooLargeError(path, size, max_bytes)
         with open(fd, "rb", closefd=False) as f:  # noqa: PTH123 - a descriptor, not a path
-            return f.read(-1 if max_bytes is None else max_bytes + 1)
+            if max_bytes is None:
+                return f.read()
+            # read(n) allocates n bytes up front: ask for the size seen (+1 to notice growth), never the limit,
+            # which would reserve the whole limit (1 GiB for a .metadata) for every small file read
+            data = f.read(size + 1)
+            if len(data) <= size:
+                return data
+            parts, total = [data], len(data)  # it grew while being read: count on up to max_bytes + 1
+            while total <= max_bytes:
+                piece = f.read(min(_GROWTH_PIECE, max_bytes + 1 - total))
+                if not piece:
+                    break
+                parts.append(piece)
+                total += len(piece)
+            return b"".join(parts)
     finally:
         os.close(fd)
 

@@ -15,6 +15,7 @@ import random
 import sys
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -488,6 +489,22 @@ def test_local_truncated_file_error_names_file_and_sizes(local: tuple[FsspecTran
         t.read_ranges([RangeRequest(path, 50, 150)])
     msg = str(info.value)
     assert path in msg and "100" in msg and "150" in msg
+
+
+def test_local_whole_read_with_a_limit_allocates_the_file_not_the_limit(local: tuple[FsspecTransport, str]) -> None:
+    """A small ``.metadata`` read under the 1 GiB limit must not reserve 1 GiB (``read(n)`` allocates ``n``
+    up front: under strict overcommit or an address-space limit every load failed with MemoryError)."""
+    t, root = local
+    path = os.path.join(root, ".metadata")
+    Path(path).write_bytes(b"m" * 1000)
+    tracemalloc.start()
+    try:
+        data = t.read_file(path, max_bytes=1 << 30)
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert data == b"m" * 1000
+    assert peak < 1 << 20, f"reading a 1000-byte file under a 1 GiB limit peaked at {peak} traced bytes"
 
 
 def test_local_reads_use_few_syscalls(local: tuple[FsspecTransport, str]) -> None:
