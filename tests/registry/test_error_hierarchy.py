@@ -32,6 +32,8 @@ SIGNALS = {
     "RangeMismatchError": "an answer for another range, retried by the transport (as above)",
     "AttemptTimeoutError": "a request still running at its operation's deadline, cancelled; the retry layer "
     "gives up with a TransportError naming the URL (raised only inside an operation's deadline)",
+    "DecodesTooLarge": "a seek table claims more decoded bytes than allowed: the extension resolver raises "
+    "CorruptCheckpointError naming the item (framed_items.decode_whole to extensions.untransform)",
     "_NotCanonical": "a record pickle that is not torch's canonical layout: the generic unpickler takes it",
     "_DuplicateKey": "a duplicate JSON key, turned into CorruptCheckpointError naming the file by the header parser",
     "_PayloadPending": "a slice whose payload has not arrived yet: the delivery loop keeps draining",
