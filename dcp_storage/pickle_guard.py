@@ -17,6 +17,10 @@ call returned, persistent objects, scalars). It refuses, before anything is buil
 * ``BUILD`` with state that could set dunder attributes or slots (``(dict, slotstate)`` pairs, dicts
   with ``__x__`` keys, dicts that a call built) on an instance whose class has no ``__setstate__`` of
   its own to interpret it;
+* ``BUILD`` on an instance of a container subclass (``OrderedDict``) with a key that names a method of
+  the builtin containers (``items``, ``keys``, ``get``, ...): an instance attribute hides the method, so
+  ``d.items()`` returns what the stream chose while ``d[key]`` still sees the real entries (a
+  ``.metadata`` whose maps hide ``items`` passes every check that iterates them);
 * every length, memo index and frame that reaches past the end of the stream (so nothing is allocated
   for it), unknown opcodes, out-of-band buffers, and anything it cannot parse the way the C unpickler
   does (text pickles included): a stream is accepted only if the walk understood all of it.
@@ -41,6 +45,7 @@ this security boundary should read the rules and the loop that applies them in o
 from __future__ import annotations
 
 import codecs
+import collections
 import copyreg
 import enum
 import pickle
@@ -53,12 +58,34 @@ __all__ = ["MISSING", "guard_pickle"]
 
 MISSING = object()  # what ``resolve`` returns for a global outside the allow-list
 
-# -- tags. Fresh objects get unique tags >= _FRESH (even: no __setstate__ of their own, odd: one).
-_OTHER, _FACTORY, _FACTORY_SETSTATE, _RECONSTRUCTOR, _NONE, _PAIR, _TRIPLE, _TRIPLE_SETSTATE = range(8)
+# -- tags. Fresh objects get unique tags >= _FRESH, multiples of 4 plus: 0 (no __setstate__ of their own),
+# 1 (one), 2 (a container subclass without one: its instances inherit methods a plain key could hide).
+(
+    _OTHER,
+    _FACTORY,
+    _FACTORY_SETSTATE,
+    _RECONSTRUCTOR,
+    _NONE,
+    _PAIR,
+    _TRIPLE,
+    _TRIPLE_SETSTATE,
+    _FACTORY_CONTAINER,
+    _TRIPLE_CONTAINER,
+) = range(10)
 _FRESH = 16
-# Strings (candidates for STACK_GLOBAL) are negative: -1 - opcode position, and "__dunder__" ones a
-# further _DUNDER lower, so "is any key a dunder" is one C-speed min() over the keys.
+# Strings (candidates for STACK_GLOBAL) are negative: -1 - opcode position; "__dunder__" ones a further
+# _DUNDER lower and names of container methods (_SHADOW_NAMES) a further _SHADOW lower, so "is any key a
+# dunder" (or a method name) is one C-speed min() over the keys.
 _DUNDER = 1 << 62
+_SHADOW = 1 << 61
+_CONTAINERS = (dict, list, set, collections.deque)
+_SHADOW_NAMES = frozenset(
+    name.encode()
+    for cls in (*_CONTAINERS, collections.OrderedDict, collections.Counter, collections.defaultdict)
+    for name in dir(cls)
+    if not name.startswith("__")
+)
+_SHADOW_LENGTHS = frozenset(len(name) for name in _SHADOW_NAMES)
 
 # -- dispatch codes, roughly in order of frequency in real pickles (the loop tests them in this order)
 (
@@ -179,16 +206,19 @@ _TEXT_STRINGS = frozenset((pickle.STRING[0], pickle.UNICODE[0]))
 _BINSTRINGS = frozenset((pickle.SHORT_BINSTRING[0], pickle.BINSTRING[0]))  # str under the default encoding
 
 
-def _is_dunder_text(op: int, raw: bytes) -> bool:
-    """Whether a STRING (quoted, escaped) or UNICODE (raw-unicode-escape) line decodes to ``"__x__"``."""
+def _text_mark(op: int, raw: bytes) -> int:
+    """:data:`_DUNDER` if a STRING (quoted, escaped) or UNICODE (raw-unicode-escape) line decodes to
+    ``"__x__"``, :data:`_SHADOW` if to a container method's name, else 0."""
     try:
         if op == pickle.UNICODE[0]:
             text = raw.decode("raw_unicode_escape")
         else:
             text = codecs.escape_decode(raw.strip()[1:-1])[0].decode("latin-1")  # type: ignore[attr-defined]
     except (UnicodeDecodeError, ValueError):
-        return True  # the unpickler refuses it anyway; judging it a dunder is the safe side
-    return len(text) >= 4 and text.startswith("__") and text.endswith("__")
+        return _DUNDER  # the unpickler refuses it anyway; judging it a dunder is the safe side
+    if len(text) >= 4 and text.startswith("__") and text.endswith("__"):
+        return _DUNDER
+    return _SHADOW if text.encode("utf-8", "surrogatepass") in _SHADOW_NAMES else 0
 
 
 def _kind(obj: Any) -> int:
@@ -200,7 +230,9 @@ def _kind(obj: Any) -> int:
         return _OTHER  # functions and stand-ins may return shared objects; Enum(value) returns a member
     if type(obj).__call__ is not type.__call__:
         return _OTHER  # a metaclass that decides what a call returns
-    return _FACTORY_SETSTATE if getattr(obj, "__setstate__", None) is not None else _FACTORY
+    if getattr(obj, "__setstate__", None) is not None:
+        return _FACTORY_SETSTATE
+    return _FACTORY_CONTAINER if issubclass(obj, _CONTAINERS) and obj not in _CONTAINERS else _FACTORY
 
 
 class _Refused(Exception):
@@ -225,7 +257,8 @@ def guard_pickle(
         raise UnsafeCheckpointError(
             path,
             str(refused),
-            "a pickle may set state only on objects it created, dunder or slot state only through __setstate__",
+            "a pickle may set state only on objects it created, dunder or slot state only through __setstate__, "
+            "and no attribute that hides a container's method",
         ) from None
     except (IndexError, KeyError, ValueError, UnicodeDecodeError):
         raise pickle.UnpicklingError("malformed or truncated pickle") from None
@@ -240,6 +273,7 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
     memo: dict[int, int] = {}
     dicts: set[int] = set()  # fresh dicts built by DICT / EMPTY_DICT: every key they get is seen here
     dunder: set[int] = set()  # fresh objects that got a "__x__" key
+    shadowy: set[int] = set()  # fresh objects that got a key naming a container method
     kinds: dict[tuple[str, str], int] = {}
     fresh = _FRESH
     end = len(data)
@@ -256,13 +290,21 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
 
     def called(what: int) -> int:  # what a call of ``what`` returns (INST, OBJ, NEWOBJ_EX: rare)
         nonlocal fresh
-        fresh += 2
+        fresh += 4
+        if what == _FACTORY_CONTAINER:
+            return fresh + 2
         return fresh if what == _FACTORY else fresh + 1 if what == _FACTORY_SETSTATE else _OTHER
+
+    def marked(m: int, target: int) -> None:  # a key of mark ``m`` (a tag) was added to ``target``
+        if m <= -_DUNDER:
+            dunder.add(target)
+        elif m <= -_SHADOW:
+            shadowy.add(target)
 
     def string(tag: int) -> str | None:
         if tag >= 0:
             return None
-        at = -1 - (tag if tag > -_DUNDER else tag + _DUNDER)
+        at = -1 - (tag if tag > -_SHADOW else tag + _SHADOW if tag > -_DUNDER else tag + _DUNDER)
         w = width_of[data[at]]
         n = from_bytes(data[at + 1 : at + 1 + w], "little")
         return data[at + 1 + w : at + 1 + w + n].decode("utf-8", "surrogatepass")
@@ -301,26 +343,27 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             marks.append(len(stack))
         elif what == _NEWOBJ:
             del stack[-1]
-            fresh += 2
-            cls = stack[-1]
-            stack[-1] = fresh if cls == _FACTORY else fresh + 1 if cls == _FACTORY_SETSTATE else _OTHER
+            stack[-1] = called(stack[-1])
         elif what == _BUILD:
             state = stack.pop()
             target = stack[-1]
             if target < _FRESH and strict:
                 raise _Refused("BUILD on an object the stream did not create")
-            if strict and not target & 1 and state != _NONE and (state not in dicts or state in dunder):
-                raise _Refused("BUILD with dunder or slot state")  # only a class's own __setstate__ may
+            if strict and not target & 1 and state != _NONE:
+                if state not in dicts or state in dunder:
+                    raise _Refused("BUILD with dunder or slot state")  # only a class's own __setstate__ may
+                if target & 2 and state in shadowy:
+                    raise _Refused("BUILD with state that hides a method of a container")
         elif what == _SETITEMS or what == _APPENDS or what == _ADDITEMS:
             k = marks.pop()
             target = stack[k - 1] if k else _OTHER
             if target < _FRESH and strict:
                 raise _Refused(f"{pickle_name(op)} on an object the stream did not create")
-            if what == _SETITEMS and len(stack) > k and min(stack[k::2]) <= -_DUNDER:
-                dunder.add(target)
+            if what == _SETITEMS and len(stack) > k:
+                marked(min(stack[k::2]), target)
             del stack[k:]
         elif what == _EMPTY or what == _EMPTY_DICT:
-            fresh += 2
+            fresh += 4
             stack.append(fresh)
             if what == _EMPTY_DICT:
                 dicts.add(fresh)
@@ -328,13 +371,14 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             stack[-1] = _OTHER
         elif what == _REDUCE:
             args = stack.pop()
-            fresh += 2
             func = stack[-1]
             if func == _RECONSTRUCTOR:  # copyreg._reconstructor(cls, base, state): base.__new__(cls, state)
                 # new only when cls and base are plain classes: Enum.__new__ returns the shared member
-                stack[-1] = fresh + 1 if args == _TRIPLE_SETSTATE else fresh if args == _TRIPLE else _OTHER
+                fresh += 4
+                tag = fresh + 1 if args == _TRIPLE_SETSTATE else fresh if args == _TRIPLE else _OTHER
+                stack[-1] = fresh + 2 if args == _TRIPLE_CONTAINER else tag
             else:
-                stack[-1] = fresh if func == _FACTORY else fresh + 1 if func == _FACTORY_SETSTATE else _OTHER
+                stack[-1] = called(func)
         elif what == _TUPLE2:
             del stack[-1]
             stack[-1] = _PAIR
@@ -347,6 +391,8 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
                 raise pickle.UnpicklingError(f"a string of {n} bytes runs past the end of the stream")
             if n >= 4 and data[s] == 95 == data[s + 1] == data[pos - 1] == data[pos - 2]:  # "__x__"
                 stack.append(-_DUNDER - s + w)
+            elif n in _SHADOW_LENGTHS and data[s:pos] in _SHADOW_NAMES:
+                stack.append(-_SHADOW - s + w)
             else:
                 stack.append(-s + w)
         elif what == _BINPUT:
@@ -379,9 +425,11 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             pos += abs(w) + n
             if n < 0 or pos > end:
                 raise pickle.UnpicklingError(f"a length of {n} bytes runs past the end of the stream")
-            fresh += 2
+            fresh += 4
             if op in _BINSTRINGS and n >= 4 and data[pos - n : pos - n + 2] == b"__" == data[pos - 2 : pos]:
                 stack.append(-_DUNDER - pos)  # str on Python 3: a possible "__x__" key (never a global name)
+            elif op in _BINSTRINGS and n in _SHADOW_LENGTHS and data[pos - n : pos] in _SHADOW_NAMES:
+                stack.append(-_SHADOW - pos)
             else:
                 stack.append(fresh if what == _BYTEARRAY else _OTHER)
         elif what == _SETITEM:
@@ -389,8 +437,7 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             del stack[-2:]
             if stack[-1] < _FRESH and strict:
                 raise _Refused("SETITEM on an object the stream did not create")
-            if key <= -_DUNDER:
-                dunder.add(stack[-1])
+            marked(key, stack[-1])
         elif what == _APPEND:
             del stack[-1]
             if stack[-1] < _FRESH and strict:
@@ -399,14 +446,13 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             k = marks.pop()
             if what == _DICT and (len(stack) - k) & 1:
                 raise pickle.UnpicklingError("odd number of items for DICT")
-            keyed = what == _DICT and len(stack) > k and min(stack[k::2]) <= -_DUNDER
+            key = min(stack[k::2]) if what == _DICT and len(stack) > k else 0
             del stack[k:]
-            fresh += 2
+            fresh += 4
             stack.append(_OTHER if what == _FROZENSET else fresh)
             if what == _DICT:
                 dicts.add(fresh)
-                if keyed:
-                    dunder.add(fresh)
+                marked(key, fresh)
         elif what == _GLOBAL or what == _INST:
             first = line(pos)
             second = line(first + 1)
@@ -426,9 +472,9 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             stack[-1] = called(stack[-1])
         elif what == _LINE or what == _PERSID:
             nl = line(pos)
-            dunder_text = op in _TEXT_STRINGS and _is_dunder_text(op, data[pos:nl])
+            mark = _text_mark(op, data[pos:nl]) if op in _TEXT_STRINGS else 0
             pos = nl + 1
-            stack.append(-_DUNDER - pos if dunder_text else _OTHER)  # text strings can be "__x__" keys too
+            stack.append(-mark - pos if mark else _OTHER)  # text strings can be "__x__" or method-name keys too
         elif what == _BINPERSID:
             stack[-1] = _OTHER
         elif what == _POP:
@@ -461,11 +507,11 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
 def _triple(first: int, second: int) -> int:
     """A 3-tuple: ``(cls, base, state)`` for ``copyreg._reconstructor`` when ``cls`` and ``base`` are plain
     classes (whose ``__new__`` makes a new object; an enum class's returns an existing member)."""
-    if second not in (_FACTORY, _FACTORY_SETSTATE):
+    if second not in (_FACTORY, _FACTORY_SETSTATE, _FACTORY_CONTAINER):
         return _OTHER
     if first == _FACTORY_SETSTATE:
         return _TRIPLE_SETSTATE
-    return _TRIPLE if first == _FACTORY else _OTHER
+    return _TRIPLE if first == _FACTORY else _TRIPLE_CONTAINER if first == _FACTORY_CONTAINER else _OTHER
 
 
 def pickle_name(op: int) -> str:

@@ -246,3 +246,22 @@ def test_two_ranks_streaming_to_s3_record_checksums(s3_url: Any) -> None:
 
 def test_two_ranks_load_resharded_with_verify(dist_ckpt: Path) -> None:
     assert run_ranks(R.load_resharded_verified, 2, str(dist_ckpt), timeout=120.0) == [True, True]
+
+
+def test_a_checksum_list_of_millions_of_empty_pieces_is_refused_before_parsing() -> None:
+    """One real piece plus 10**6 zero-size ones still "covers" the tensor by volume: parsed, it held ~700 MB
+    of Python objects for a 31 MB header and ``verify --deep`` hashed every empty box (10 s)."""
+    import time
+
+    from dcp_storage.formats.safetensors.checksums import MAX_CHECKSUM_PIECES, FileSums
+
+    empty = "0" * 16
+    pieces = [[[0], [4], empty]] + [[[0], [0], empty]] * 1_000_000
+    value = json.dumps(pieces, separators=(",", ":"))
+    sums = FileSums("ckpt/model.safetensors", {ALGORITHM_KEY: "xxh3_64", CHECKSUM_PREFIX + "w": value})
+    start = time.perf_counter()
+    got = sums.pieces("w", (4,))
+    assert isinstance(got, str) and f"more than {MAX_CHECKSUM_PIECES} pieces" in got, got[:200]
+    assert time.perf_counter() - start < 0.5
+    fine = json.dumps([[[0], [2], empty], [[2], [2], empty]], separators=(",", ":"))
+    assert len(FileSums("x", {ALGORITHM_KEY: "xxh3_64", CHECKSUM_PREFIX + "w": fine}).pieces("w", (4,))) == 2

@@ -48,6 +48,7 @@ __all__ = [
     "CHECKSUM_PREFIX",
     "FORMAT_KEY",
     "HEADER_KEY",
+    "MAX_CHECKSUM_PIECES",
     "RESERVED_PREFIX",
     "WRITER_KEY",
     "FileSums",
@@ -116,11 +117,19 @@ def box_bytes(full: torch.Tensor, shape: Sequence[int], itemsize: int, piece: Pi
     return box.contiguous().reshape(-1)
 
 
+# One piece per chunk a writer wrote (a rank's shard of the tensor). A list is counted (two quotes per
+# digest) before it is parsed: a header of 100 MiB could otherwise list millions of zero-size pieces,
+# which pass the volume check and cost ~700 bytes of Python objects and one hash each.
+MAX_CHECKSUM_PIECES = 1 << 16
+
+
 def _pieces(value: str, algorithm: str, where: str) -> list[Piece] | str:
     """Parsed pieces of a metadata value, or a problem string."""
     width = digest_width(algorithm)
     if not value.startswith("["):
         return [Piece((), (), value)] if len(value) == width else f"digest {value!r} is not {width} hex digits"
+    if value.count('"') > 2 * MAX_CHECKSUM_PIECES:
+        return f"checksum list holds more than {MAX_CHECKSUM_PIECES} pieces (one per written chunk is expected)"
     try:
         doc = json.loads(value)
         pieces = [Piece(tuple(int(x) for x in o), tuple(int(x) for x in s), str(d)) for o, s, d in doc]
