@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,14 @@ from safetensors.torch import load_file
 from dcp_storage import SafetensorsReader, SafetensorsWriter, describe, verify
 from dcp_storage.cli import main as cli_main
 from dcp_storage.errors import DcpStorageError
-from dcp_storage.formats.safetensors.checksums import ALGORITHM_KEY, CHECKSUM_PREFIX, HEADER_KEY, WRITER_KEY
+from dcp_storage.formats.safetensors.checksums import (
+    ALGORITHM_KEY,
+    CHECKSUM_PREFIX,
+    HEADER_KEY,
+    MAX_CHECKSUM_PIECES,
+    WRITER_KEY,
+    FileSums,
+)
 from dcp_storage.integrity.manifest import MANIFEST_FILE, Manifest
 from dcp_storage.testing.distributed import run_ranks
 
@@ -251,10 +259,6 @@ def test_two_ranks_load_resharded_with_verify(dist_ckpt: Path) -> None:
 def test_a_checksum_list_of_millions_of_empty_pieces_is_refused_before_parsing() -> None:
     """One real piece plus 10**6 zero-size ones still "covers" the tensor by volume: parsed, it held ~700 MB
     of Python objects for a 31 MB header and ``verify --deep`` hashed every empty box (10 s)."""
-    import time
-
-    from dcp_storage.formats.safetensors.checksums import MAX_CHECKSUM_PIECES, FileSums
-
     empty = "0" * 16
     pieces = [[[0], [4], empty]] + [[[0], [0], empty]] * 1_000_000
     value = json.dumps(pieces, separators=(",", ":"))
@@ -265,3 +269,21 @@ def test_a_checksum_list_of_millions_of_empty_pieces_is_refused_before_parsing()
     assert time.perf_counter() - start < 0.5
     fine = json.dumps([[[0], [2], empty], [[2], [2], empty]], separators=(",", ":"))
     assert len(FileSums("x", {ALGORITHM_KEY: "xxh3_64", CHECKSUM_PREFIX + "w": fine}).pieces("w", (4,))) == 2
+
+
+@pytest.mark.parametrize(
+    ("pieces", "problem"),
+    [
+        ([[[0, 0], [2, 4]], [[0, 0], [2, 4]]], "overlap"),  # the same half twice: the other half unchecked
+        ([[[0, 0], [3, 4]], [[2, 0], [1, 4]]], "overlap"),  # volume matches, row 3 never hashed
+        ([[[0, 0], [2, 4]]], "hold 8 of its 16"),
+    ],
+)
+def test_checksum_pieces_must_tile_the_tensor(pieces: list[list[list[int]]], problem: str) -> None:
+    """Pieces whose volume matches the tensor while they overlap leave a region no digest covers: bytes there
+    could change without ``verify --deep`` noticing. They must tile the tensor exactly."""
+    value = json.dumps([[o, n, "0" * 16] for o, n in pieces], separators=(",", ":"))
+    got = FileSums("ckpt/model.safetensors", {ALGORITHM_KEY: "xxh3_64", CHECKSUM_PREFIX + "w": value}).pieces(
+        "w", (4, 4)
+    )
+    assert isinstance(got, str) and problem in got, got

@@ -41,6 +41,7 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ...integrity.checksums import checksum, digest_width, mismatch
+from ..tiling import tiling_problem
 from .header import LENGTH_BYTES, header_length, parse_header
 
 __all__ = [
@@ -213,15 +214,15 @@ class FileSums:
             return got
         shape = tuple(shape)
         got = [Piece((0,) * len(shape), shape, p.digest) if not p.sizes and not p.offsets else p for p in got]
-        volume = 0
         for p in got:
             if len(p.offsets) != len(shape) or len(p.sizes) != len(shape):
                 return f"checksum piece {list(p.offsets)}/{list(p.sizes)} does not match shape {list(shape)}"
             if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(p.offsets, p.sizes, shape)):
                 return f"checksum piece at {list(p.offsets)} of size {list(p.sizes)} lies outside {list(shape)}"
-            volume += math.prod(p.sizes)
-        if volume != math.prod(shape) and math.prod(shape) > 0:
-            return f"checksum pieces cover {volume} of {math.prod(shape)} elements"
+        if math.prod(shape) > 0:  # overlapping pieces whose volume matches would leave a region unchecked
+            problem = tiling_problem(shape, [(p.offsets, p.sizes) for p in got if math.prod(p.sizes)])
+            if problem is not None:
+                return "checksum pieces do not tile the tensor: " + problem.replace("chunk", "piece")
         return got
 
     def check_tensor(self, name: str, shape: Sequence[int], itemsize: int, full: torch.Tensor, span: str) -> str | None:
