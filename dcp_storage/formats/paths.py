@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
+import urllib.parse
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -89,23 +91,45 @@ LOCK_RE = re.compile(rf"^(__\d+)?{re.escape(LOCK_FILE)}$")  # see storage.claim.
 
 
 def check_relative(name: Any, where: str) -> str:
-    """``name`` if it is a plain relative path that stays under the checkpoint root, else an error."""
+    """``name`` if it is a plain relative path that stays under the checkpoint root, else an error.
+
+    The name is checked as it is and as what it may become further down (:func:`_read_as`): a URL library
+    decodes ``%2e%2e`` into ``..`` and resolves it (yarl, under fsspec's HTTP filesystem, requests
+    ``ckpt/%2e%2e/x`` as ``/x``), and NFKC folds fullwidth dots and solidus into ``..`` and ``/``.
+    """
     if not isinstance(name, str) or not name:
         raise CorruptCheckpointError(f"{where}: file name must be a non-empty string, got {name!r}")
-    parts = name.replace("\\", "/").split("/")
+    for form in _read_as(name):
+        _check_form(name, form, where)
+    return name
+
+
+def _read_as(name: str) -> list[str]:
+    """``name``, its percent-decodings (repeated: some stacks decode twice) and their NFKC forms."""
+    forms = [name]
+    while "%" in forms[-1] and len(forms) < 4:
+        decoded = urllib.parse.unquote(forms[-1])
+        if decoded == forms[-1]:
+            break
+        forms.append(decoded)
+    return list(dict.fromkeys([*forms, *(unicodedata.normalize("NFKC", f) for f in forms)]))
+
+
+def _check_form(name: str, form: str, where: str) -> None:
+    shown = repr(name) if form == name else f"{name!r} (read as {form!r} once decoded)"
+    parts = form.replace("\\", "/").split("/")
     if (
-        "://" in name
-        or name.startswith(("/", "\\", "~"))
-        or (len(name) > 1 and name[1] == ":")  # C:\..., or a scheme without //
+        "://" in form
+        or form.startswith(("/", "\\", "~"))
+        or (len(form) > 1 and form[1] == ":")  # C:\..., or a scheme without //
         or ".." in parts
-        or "\x00" in name
+        or "\x00" in form
     ):
         raise CorruptCheckpointError(
-            f"{where}: file name {name!r} escapes the checkpoint directory (absolute path, URL or '..'); refusing it"
+            f"{where}: file name {shown} escapes the checkpoint directory (absolute path, URL or '..'); refusing it"
         )
     if "" in parts or "." in parts:  # "x/", ".", "a//b", "a/./b": a directory, or a name no writer produces
         raise CorruptCheckpointError(
-            f"{where}: file name {name!r} is not a plain file name (an empty or '.' part, or a trailing '/': it names "
+            f"{where}: file name {shown} is not a plain file name (an empty or '.' part, or a trailing '/': it names "
             "a directory, or the checkpoint itself); refusing it"
         )
-    return name
