@@ -35,7 +35,7 @@ import re
 import socket
 import stat
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,17 +92,21 @@ def claim_location(
     *,
     save_id: str,
     overwrite: bool,
-    markers: Iterable[str],
+    markers: Iterable[str] | Callable[[], Iterable[str]],
     previous: Claim | None = None,
+    rivals: Callable[[], Iterable[str]] | None = None,
 ) -> Claim:
     """Take the lock at ``lock_path`` for the save ``save_id`` (module docstring: the protocol).
 
-    ``markers``: the commit markers whose presence means a checkpoint exists. ``previous``: a claim an
-    earlier attempt of the same writer took and never released (a failed save), which it may take back.
-    Raises :class:`CheckpointExistsError` (``overwrite=False``) if another save holds the lock or a marker
-    exists; nothing is written then, and the lock is not left behind.
+    ``markers``: the commit markers whose presence means a checkpoint exists, or a function listing them
+    (called after the lock is created, so a listing sees what any save that lost the race committed).
+    ``previous``: a claim an earlier attempt of the same writer took and never released (a failed save),
+    which it may take back. ``rivals``: lists the locks of saves of another kind that would write the same
+    files (a collective save and a rank-local one: ``.dcp_storage.lock`` against ``__{rank}.dcp_storage.lock``);
+    asked after this lock exists, so of two such saves at least one sees the other's lock.
+    Raises :class:`CheckpointExistsError` (``overwrite=False``) if another save holds the lock or a rival
+    lock, or a marker exists; nothing is written then, and the lock is not left behind.
     """
-    markers = list(markers)
     if getattr(transport, "is_local", False) and os.path.isdir(lock_path) and not os.path.islink(lock_path):
         raise directory_in_the_way(transport.url(lock_path))  # no save made it: neither waiting nor overwrite helps
     token = _token(save_id)
@@ -113,14 +117,21 @@ def claim_location(
             transport.write_file(lock_path, token)  # replaces whatever lock is there (a stale one, usually)
         return claim
     if not _create(transport, lock_path, token, previous):
-        refuse_existing(transport, markers)  # a committed save that could not remove its lock: say so
+        refuse_existing(transport, _listed(markers))  # a committed save that could not remove its lock: say so
         raise CheckpointExistsError(_held_message(transport, lock_path))
     try:
-        refuse_existing(transport, markers)
+        refuse_existing(transport, _listed(markers))
+        for rival in rivals() if rivals is not None else ():
+            if transport.exists(rival):
+                raise CheckpointExistsError(_held_message(transport, rival))
     except BaseException:
         claim.release()
         raise
     return claim
+
+
+def _listed(markers: Iterable[str] | Callable[[], Iterable[str]]) -> list[str]:
+    return list(markers() if callable(markers) else markers)
 
 
 def _token(save_id: str) -> bytes:
@@ -211,7 +222,12 @@ class ClaimingWriter:
     _claim: Claim | None = None
     _process_local: tuple[str, ...] = ("_claim",)  # a pickled copy (a checkpoint process) starts without one
 
-    def _take_claim(self, lock_path: str, markers: Iterable[str]) -> None:
+    def _take_claim(
+        self,
+        lock_path: str,
+        markers: Iterable[str] | Callable[[], Iterable[str]],
+        rivals: Callable[[], Iterable[str]] | None = None,
+    ) -> None:
         self._claim = claim_location(
             self.transport,
             lock_path,
@@ -219,6 +235,7 @@ class ClaimingWriter:
             overwrite=self.overwrite,
             markers=markers,
             previous=self._claim,
+            rivals=rivals,
         )
 
     def _release_claim(self) -> None:

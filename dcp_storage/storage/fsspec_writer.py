@@ -48,7 +48,7 @@ from ..formats.dcp_native.manifest_io import build_manifest
 from ..formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.dcp_native.transform_write import ItemEncoder
-from ..formats.paths import DATA_SUFFIX
+from ..formats.paths import DATA_SUFFIX, LOCK_RE, RANK_METADATA_RE
 from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter, check_algorithm
 from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
@@ -165,6 +165,24 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         """
         return list(dict.fromkeys([self._metadata_path(), self.transport.join(self.root, METADATA_FILE)]))
 
+    def _committed_markers(self) -> list[str]:
+        """The metadata files whose presence means a checkpoint this save would replace: the shadowing ones,
+        and for a collective save every rank-local save's ``__{rank}.metadata`` too (both kinds of save name
+        their data files ``__{rank}_{n}.distcp``: a collective save would rewrite the rank-local one's)."""
+        markers = self._shadowing_metadata_paths()
+        if not self._rank_local():
+            names = self.transport.listdir(self.root)
+            markers += [self.transport.join(self.root, n) for n in names if RANK_METADATA_RE.match(n)]
+        return markers
+
+    def _rival_locks(self) -> list[str]:
+        """The locks of running saves of the other kind, which write the same data file names: a rank-local
+        save's rival is a collective save's ``.dcp_storage.lock``, a collective save's any ``__{rank}`` lock."""
+        if self._rank_local():
+            return [self.transport.join(self.root, lock_name())]
+        names = self.transport.listdir(self.root)
+        return [self.transport.join(self.root, n) for n in names if LOCK_RE.match(n) and n != lock_name()]
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         checks_bucket = self.is_coordinator or not self.use_collectives  # rank-local saves: each rank on its own
         prepare_output(self.transport, self.root, coordinator=checks_bucket, create_bucket=self.create_bucket)
@@ -177,7 +195,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         local_rank = self.rank if self._rank_local() else None
         lock = lock_name(local_rank)
         markers = self._shadowing_metadata_paths()
-        self._take_claim(self.transport.join(self.root, lock), markers)
+        self._take_claim(self.transport.join(self.root, lock), self._committed_markers, self._rival_locks)
         ranks = [self.rank] if self._rank_local() else list(range(len(plans)))
         world = _world_size(len(plans), self._rank_local())
         directories = [rank_directory(self.prefix_strategy, rank, world) for rank in ranks]

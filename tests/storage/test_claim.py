@@ -187,6 +187,40 @@ def test_rank_local_overwrite_retires_only_its_own_rank(tmp_path: Path) -> None:
     assert "__0.dcp_storage.lock" not in names and same(load(ckpt), state(2))
 
 
+def test_a_collective_save_does_not_replace_a_rank_local_checkpoint(tmp_path: Path) -> None:
+    """A rank-local save commits ``__0.metadata`` over ``__0_0.distcp``; a collective ``overwrite=False`` save
+    to the same place wrote the same data file name (before: it succeeded, replacing the rank-local save's
+    bytes under its metadata)."""
+    ckpt = tmp_path / "ckpt"
+    dcp.save(state(1), storage_writer=FsspecWriter(ckpt), use_collectives=False)
+    before = {n: (ckpt / n).read_bytes() for n in os.listdir(ckpt)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(state(2), storage_writer=FsspecWriter(ckpt), no_dist=True)
+    assert "__0.metadata" in str(refused(info.value))
+    assert {n: (ckpt / n).read_bytes() for n in os.listdir(ckpt)} == before
+    assert same(load(ckpt), state(1))
+
+
+@pytest.mark.parametrize("first", ["rank-local", "collective"])
+def test_collective_and_rank_local_saves_exclude_each_other(tmp_path: Path, first: str) -> None:
+    """Each kind of save holds its own lock (``.dcp_storage.lock``, ``__0.dcp_storage.lock``), and both write
+    ``__0_0.distcp``: a save of the other kind started meanwhile is refused, naming the holder's lock
+    (before: both went on, and the data file of one was replaced under the other's metadata)."""
+    ckpt = tmp_path / "ckpt"
+    kinds = {"rank-local": {"use_collectives": False}, "collective": {"no_dist": True}}
+    held = "__0.dcp_storage.lock" if first == "rank-local" else LOCK_FILE
+    with pytest.raises((CheckpointException, AttributeError)):  # rank-local saves raise unwrapped
+        dcp.save(failing_state(), storage_writer=FsspecWriter(ckpt), **kinds[first])  # its lock stays: "running"
+    assert (ckpt / held).exists(), sorted(os.listdir(ckpt))
+    second = "collective" if first == "rank-local" else "rank-local"
+    before = sorted(os.listdir(ckpt))
+    with pytest.raises((CheckpointException, CheckpointExistsError)) as info:
+        dcp.save(state(2), storage_writer=FsspecWriter(ckpt), **kinds[second])
+    message = str(refused(info.value))
+    assert held in message and "another save holds" in message, message
+    assert sorted(os.listdir(ckpt)) == before
+
+
 def test_a_transport_without_create_new_is_warned_about(tmp_path: Path) -> None:
     """A third-party transport lacking the primitive: the lock is checked, then written, with a warning."""
 
