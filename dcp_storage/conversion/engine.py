@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,6 +21,8 @@ from ..errors import TargetError  # its old home: kept importable from here
 from ..formats.convert_target import ConvertTarget, WriteOptions
 from ..formats.safetensors.write_plan import parse_size
 from ..formats.spec import FormatSpec
+from ..storage.claim import claim_location, lock_name
+from ..transports.buckets import make_output_root
 from ..transports.factory import open_transport
 from .plan import Destination, OutTensor, OutValue, WrittenFile, parse_dtype
 from .source import TensorSource, byte_batches
@@ -124,13 +127,30 @@ def write_outputs(
     drop_non_tensors: bool,
     single_file: bool | None = None,
 ) -> tuple[str, list[str]]:
-    """Write through the format's target; returns (path to open, dropped value keys)."""
+    """Write through the format's target; returns (path to open, dropped value keys).
+
+    A directory output is claimed as a save claims its location (:mod:`dcp_storage.storage.claim`: the
+    lock ``.dcp_storage.lock``, created only if absent; ``overwrite=True`` takes any lock over), because a
+    conversion writes the file names a save of its format writes: a conversion into a location another
+    save holds is refused, and so is a save started while the conversion runs. The lock is removed when
+    the conversion ends, also when it fails (nothing retries it; its leftovers read as an interrupted save).
+    A single file is written by one atomic rename, and its directory is not claimed.
+    """
     spec, writer = target
     single = infer_target(dest.url) == writer.name if single_file is None else single_file
     options = WriteOptions(max_shard_size, drop_non_tensors, single and writer.single_file, spec.descriptor)
     if writer.refuse is not None:
         writer.refuse(tensors, values, options)
-    return writer.write(dest, tensors, values, fetch, options)
+    if options.single_file:
+        return writer.write(dest, tensors, values, fetch, options)
+    make_output_root(dest.transport, dest.path)  # a file in the way: WrongPathTypeError, before the lock
+    claim = claim_location(
+        dest.transport, dest.join(lock_name()), save_id=uuid.uuid4().hex, overwrite=dest.overwrite, markers=()
+    )
+    try:
+        return writer.write(dest, tensors, values, fetch, options)
+    finally:
+        claim.release()
 
 
 def convert(
