@@ -122,11 +122,16 @@ def _int_list(value: Any) -> bool:
     return isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value)
 
 
-def parse_header(header: bytes | bytearray | memoryview, data_size: int, where: str) -> SafetensorsHeader:
+def parse_header(
+    header: bytes | bytearray | memoryview, data_size: int, where: str, *, ends_the_file: bool = True
+) -> SafetensorsHeader:
     """Parse and validate the JSON header ``header`` (the ``N`` bytes after the length).
 
     ``data_size``: bytes in the data section (bytes after the header up to the end of the file); tensors
-    must lie inside it and may not overlap.
+    must lie inside it, may not overlap and, as the safetensors library requires, leave no byte between
+    them. ``ends_the_file``: the data section is the rest of the file, so its last byte must belong to a
+    tensor too; ``False`` for a blob inside a larger file (torch's DCP-safetensors layout, where the next
+    blob follows).
     """
     raw = bytes(header)
     try:
@@ -148,7 +153,7 @@ def parse_header(header: bytes | bytearray | memoryview, data_size: int, where: 
         raise CorruptCheckpointError(f"{where}: {METADATA_KEY!r} must map strings to strings")
 
     tensors = {name: _entry(name, info, data_size, where) for name, info in doc.items()}
-    _check_overlaps(tensors.values(), where)
+    _check_tiling(tensors.values(), data_size if ends_the_file else None, where)
     return SafetensorsHeader(len(raw), tensors, metadata)
 
 
@@ -191,7 +196,10 @@ def _entry(name: str, info: Any, data_size: int, where: str) -> TensorEntry:
     return TensorEntry(name, dtype_name, dtype, tuple(shape), begin, end)
 
 
-def _check_overlaps(entries: Any, where: str) -> None:
+def _check_tiling(entries: Any, data_size: int | None, where: str) -> None:
+    """Tensors (zero-size ones aside) cover the data section from its first byte, without overlap or gap,
+    up to ``data_size`` when it is given: bytes no tensor claims are read by no check (``verify`` included),
+    and the safetensors library refuses such a file."""
     spans = sorted((e for e in entries if e.nbytes > 0), key=lambda e: (e.begin, e.end))
     for prev, cur in itertools.pairwise(spans):
         if cur.begin < prev.end:
@@ -199,6 +207,20 @@ def _check_overlaps(entries: Any, where: str) -> None:
                 f"{where}: tensors {prev.name!r} [{prev.begin}, {prev.end}) and {cur.name!r} "
                 f"[{cur.begin}, {cur.end}) overlap"
             )
+        if cur.begin > prev.end:
+            _untiled(where, prev.end, cur.begin, f"between tensors {prev.name!r} and {cur.name!r}")
+    if spans and spans[0].begin > 0:
+        _untiled(where, 0, spans[0].begin, f"before tensor {spans[0].name!r}")
+    end = spans[-1].end if spans else 0
+    if data_size is not None and data_size > end:
+        _untiled(where, end, data_size, f"after tensor {spans[-1].name!r}" if spans else "and no tensor holds data")
+
+
+def _untiled(where: str, begin: int, end: int, place: str) -> None:
+    raise CorruptCheckpointError(
+        f"{where}: bytes [{begin}, {end}) of the data section belong to no tensor ({place}); a safetensors file's "
+        "tensors cover its data section exactly (the safetensors library refuses this file too)"
+    )
 
 
 def saved_offsets(header: SafetensorsHeader, where: str) -> dict[str, tuple[int, ...]]:

@@ -124,7 +124,13 @@ def read_headers(
             heads[blob] += bytes(buf)  # type: ignore[arg-type]
 
     headers = {
-        b: parse_header(memoryview(heads[b])[LENGTH_BYTES : needed[b]], avail[b] - needed[b], where(b)) for b in blobs
+        b: parse_header(
+            memoryview(heads[b])[LENGTH_BYTES : needed[b]],
+            avail[b] - needed[b],
+            where(b),
+            ends_the_file=layout.kind != "dcp",  # torch's DCP-safetensors: further blobs may follow in the file
+        )
+        for b in blobs
     }
     if raw is not None:
         raw.update({b: heads[b][: needed[b]] for b in blobs})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -15,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dcp_storage import SafetensorsReader
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
 from dcp_storage.formats.safetensors.header import (
     MAX_HEADER_BYTES,
@@ -23,6 +25,7 @@ from dcp_storage.formats.safetensors.header import (
     saved_offsets,
 )
 from dcp_storage.formats.safetensors.layout import check_relative, looks_like_safetensors, parse_index
+from dcp_storage.inspection.checks import verify
 from dcp_storage.testing.compare import raw_bytes
 
 from ._build import blob, entry, every_dtype_tensors
@@ -107,6 +110,14 @@ REJECTS: list[tuple[bytes, list[str]]] = [
         blob({"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 4, 12)}, bytes(12)),
         ["'a'", "'b'", "overlap"],
     ),
+    # The safetensors library refuses data bytes that belong to no tensor; so do we (gaps hide bytes no check reads).
+    (
+        blob({"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 12, 20)}, bytes(20)),
+        ["'a'", "'b'", "[8, 12)", "belong to no tensor"],
+    ),
+    (blob({"a": entry("F32", [1], 4, 8)}, bytes(8)), ["'a'", "[0, 4)", "belong to no tensor"]),
+    (blob({"a": entry("F32", [1], 0, 4)}, bytes(8)), ["'a'", "[4, 8)", "belong to no tensor"]),
+    (blob({"__metadata__": {"format": "pt"}}, bytes(4)), ["[0, 4)", "belong to no tensor"]),
     (blob({"__metadata__": {"k": 1}}), ["__metadata__"]),
     (blob({"__metadata__": [1]}), ["__metadata__"]),
 ]
@@ -252,3 +263,17 @@ def test_a_shape_of_many_huge_dimensions_is_refused_at_once(tail: list[int]) -> 
     assert time.monotonic() - start < 1.0
     assert WHERE in str(info.value) and "'a'" in str(info.value) and "dimensions" in str(info.value)
     assert len(str(info.value)) < 1000
+
+
+@pytest.mark.parametrize("data", [bytes(8) + b"hidden", b"hidden" + bytes(8)], ids=["trailing", "leading"])
+def test_a_file_with_bytes_outside_every_tensor_is_refused_by_the_reader_and_verify(
+    tmp_path: Path, data: bytes
+) -> None:
+    begin = 6 if data.startswith(b"hidden") else 0
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(blob({"w": entry("F32", [2], begin, begin + 8)}, data))
+    with pytest.raises(CorruptCheckpointError) as info:
+        SafetensorsReader(str(path)).read_metadata()
+    assert "model.safetensors" in str(info.value) and "belong to no tensor" in str(info.value)
+    report = verify(str(path), deep=True)
+    assert not report.ok and any("belong to no tensor" in p for p in report.problems), report.problems
