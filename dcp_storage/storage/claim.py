@@ -63,6 +63,19 @@ class Claim:
     transport: Any
     path: str
     token: bytes
+    took_over: bool = False  # overwrite=True found another save's lock there and replaced it
+
+    def lost(self) -> CheckpointExistsError | None:
+        """The error to raise if the lock no longer holds this save's token (another save took it over, or
+        removed it); ``None`` while this save still holds it. Checked just before a commit: a save whose
+        location was taken over must not commit over the save that took it."""
+        if _read_lock(self.transport, self.path) == self.token:
+            return None
+        return CheckpointExistsError(
+            f"{self.transport.url(self.path)}: another save took this location over while this one was writing "
+            f"({_holder(self.transport, self.path)}); this save was not committed. Save again with "
+            "overwrite=True to replace that save's checkpoint, or save to another path"
+        )
 
     def release(self) -> None:
         """Remove the lock, after the commit marker is written.
@@ -115,6 +128,7 @@ def claim_location(
         create = getattr(transport, "create_new", None)
         if create is None or not create(lock_path, token):
             transport.write_file(lock_path, token)  # replaces whatever lock is there (a stale one, usually)
+            return Claim(transport, lock_path, token, took_over=True)
         return claim
     if not _create(transport, lock_path, token, previous):
         refuse_existing(transport, _listed(markers))  # a committed save that could not remove its lock: say so
@@ -188,6 +202,15 @@ def _read_lock(transport: Any, path: str) -> bytes | None:
 
 
 def _held_message(transport: Any, path: str) -> str:
+    return (
+        f"{transport.url(path)}: another save holds this location ({_holder(transport, path)}); it is still "
+        "running, or it stopped before its commit. Wait for it, pass overwrite=True to replace whatever is there "
+        "(the lock included), or save to another path"
+    )
+
+
+def _holder(transport: Any, path: str) -> str:
+    """Who holds the lock at ``path``, as far as its bytes tell (printable characters only)."""
     holder = "its holder is unknown"
     raw = _read_lock(transport, path)
     try:
@@ -201,11 +224,7 @@ def _held_message(transport: Any, path: str) -> str:
             f"save {shown['save_id']} by {shown['writer']} on host {shown['host']}, pid {shown['pid']}, "
             f"since {shown['since']}"
         )
-    return (
-        f"{transport.url(path)}: another save holds this location ({holder}); it is still running, or it stopped "
-        "before its commit. Wait for it, pass overwrite=True to replace whatever is there (the lock included), "
-        "or save to another path"
-    )
+    return holder
 
 
 class ClaimingWriter:
@@ -237,6 +256,23 @@ class ClaimingWriter:
             previous=self._claim,
             rivals=rivals,
         )
+
+    def _claim_lost(self) -> CheckpointExistsError | None:
+        """Whether another save took this save's lock over meanwhile (:meth:`Claim.lost`); ``None`` on ranks
+        that hold no claim (only the coordinator does)."""
+        claim = self._claim
+        if claim is None:
+            return None
+        lost = claim.lost()
+        if lost is not None:
+            self._claim = None  # the lock is another save's now: never released or taken back by this writer
+        return lost
+
+    def _confirm_claim(self) -> None:
+        """Raise :class:`CheckpointExistsError` before a commit if another save took the lock over."""
+        lost = self._claim_lost()
+        if lost is not None:
+            raise lost
 
     def _release_claim(self) -> None:
         claim, self._claim = self._claim, None

@@ -200,7 +200,10 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         world = _world_size(len(plans), self._rank_local())
         directories = [rank_directory(self.prefix_strategy, rank, world) for rank in ranks]
         tag = ""
-        if self.overwrite and retire_dcp(self.transport, self.root, markers, local_rank, lock, directories):
+        took_over = self._claim is not None and self._claim.took_over  # another save may still write its files
+        if self.overwrite and (
+            retire_dcp(self.transport, self.root, markers, local_rank, lock, directories) or took_over
+        ):
             tag = f"{self.save_id[:_SAVE_TAG]}_"  # a location that held files: new names (module docstring)
         prefixes = [_StoragePrefix(f"{d}/__{r}_{tag}" if d else f"__{r}_{tag}") for d, r in zip(directories, ranks)]
         return [
@@ -299,6 +302,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         metadata.storage_meta = self.storage_meta()
         extensions = getattr(self, "extensions", None) or ()
         manifest = build_manifest(DCP_FORMAT.descriptor, storage_md, checksums, algorithms, extensions)
+        self._confirm_claim()  # another save took the location over: it commits, not this one
         self.transport.write_file(self._manifest_path(), manifest.to_json())  # before the commit marker
         self.transport.write_file(self._metadata_path(), dump_metadata(metadata))
         self._release_claim()

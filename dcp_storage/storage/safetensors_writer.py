@@ -280,6 +280,7 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
             if self.checksum_algorithm is not None:
                 all_digests = exchange_digests(view, rw, chunk_bytes, self.checksum_algorithm, early)
             if rw.rank == rw.coordinator:
+                early = early or self._claim_lost()  # taken over: upload nothing over the other save's files
                 source = ChunkSource(view, rw, chunk_bytes)
                 stream_files(self.transport, self.root, rw, self._planned, source, early, all_digests)
             else:
@@ -311,6 +312,7 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
         planned = self._planned
         if planned is None:
             raise DcpStorageError("SafetensorsWriter.finish called without prepare_global_plan on this writer")
+        self._confirm_claim()  # another save took the location over: it commits, not this one
         written = [wr.storage_data for rank in results for wr in rank]
         extra = {sd.fqn: sd.data for sd in written if isinstance(sd, _ExtraState)}
         if extra:

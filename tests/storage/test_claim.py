@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,37 @@ def test_a_commit_between_the_early_check_and_the_claim(tmp_path: Path) -> None:
     assert f"{ckpt}/.metadata: a checkpoint already exists here" in str(info.value), str(info.value)
     assert not (ckpt / LOCK_FILE).exists(), "the refused save left its lock behind"
     assert same(load(ckpt), state(2))
+
+
+@pytest.mark.parametrize(
+    "make, where",
+    [(FsspecWriter, "local"), (FsspecWriter, "memory"), (SafetensorsWriter, "memory")],
+    ids=["dcp-local", "dcp-memory", "safetensors-memory"],
+)
+def test_a_save_whose_lock_was_taken_over_does_not_commit(tmp_path: Path, make: Any, where: str) -> None:
+    """Save A (``overwrite=False``) holds the location; B (``overwrite=True``) takes the lock over and commits;
+    then A reaches its commit. Before: A committed over B, so B returned success and was lost (and with B
+    retiring A's files first, A's commit could name files B had removed). Now A finds another save's token
+    in its lock and raises ``CheckpointExistsError`` before its commit marker; B's checkpoint stays whole."""
+    ckpt = str(tmp_path / "ckpt") if where == "local" else f"memory://taken-over-{uuid.uuid4().hex}"
+    writer = make(ckpt)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"w": torch.arange(8.0)}, writer.storage_meta(), True)
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    plans, metadata = planner.create_global_plan([local])
+    plans = writer.prepare_global_plan(plans)  # A holds the lock
+
+    dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=make(ckpt, overwrite=True), no_dist=True)  # B
+
+    plan = planner.finish_plan(plans[0])
+    with pytest.raises(CheckpointExistsError) as info:  # SafetensorsWriter on a store: before its first upload
+        results = writer.write_data(plan, planner).wait()
+        writer.finish(metadata, [results])
+    assert "another save" in str(info.value) and "overwrite=True" in str(info.value), str(info.value)
+    dest = {"w": torch.zeros(8)}
+    dcp.load(dest, storage_reader=ds.open_reader(ckpt), no_dist=True)
+    assert torch.equal(dest["w"], torch.full((8,), 2.0))
 
 
 def test_a_failed_save_keeps_its_lock_until_its_writer_retries(tmp_path: Path) -> None:
