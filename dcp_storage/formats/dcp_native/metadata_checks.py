@@ -221,8 +221,48 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
         else:
             problems.append(f"{fqn!r} has metadata of type {type(item).__name__}")
     seen: dict[str, str | None] = {}
+    ranges: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, end, key) of every sound entry
     for index, info in storage.items():
-        problems += _storage_problems(index, info, state, path, seen)
+        found = _storage_problems(index, info, state, path, seen)
+        if found:
+            problems += found
+        elif info.length > 0:
+            ranges.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index.fqn))
+    shared = _shared_bytes(ranges)
+    if shared and not _safetensors_layout(state, storage):
+        problems += shared
+    return problems
+
+
+def _safetensors_layout(state: dict[str, Any], storage: dict[Any, Any]) -> bool:
+    """Whether this is torch's DCP-safetensors layout, whose storage entries of one file may overlap: a tensor
+    entry exactly its elements' bytes long (a native record adds a zip around them; as
+    :mod:`.sniff` tells the layouts apart)."""
+    for fqn, item in state.items():
+        if isinstance(item, TensorStorageMetadata):
+            for chunk in item.chunks:
+                info = storage.get(MetadataIndex(fqn, chunk.offsets))
+                nbytes = math.prod(chunk.sizes) * item.properties.dtype.itemsize
+                if info is not None and nbytes > 0 and info.length == nbytes and not info.transform_descriptors:
+                    return True
+    return False
+
+
+def _shared_bytes(ranges: dict[str, list[tuple[int, int, str]]]) -> list[str]:
+    """Entries whose byte ranges overlap in one file: no writer stores two items in the same bytes, and two
+    keys of one dtype and shape read from one record would load the same values silently. Writers append
+    records in order, so the sort is skipped when a file's entries already ascend."""
+    problems: list[str] = []
+    for rel, spans in ranges.items():
+        if any(spans[i][0] < spans[i - 1][0] for i in range(1, len(spans))):
+            spans = sorted(spans)
+        for (_begin, end, key), (begin, next_end, other) in zip(spans, spans[1:]):
+            if begin < end:
+                problems.append(
+                    f"storage entries for {key!r} and {other!r} overlap in {rel!r} (bytes [{begin}, "
+                    f"{min(end, next_end)}) are claimed twice); each item is stored in its own bytes"
+                )
+                break
     return problems
 
 
