@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from ..errors import CheckpointExistsError
 from ..formats.paths import temp_name
 from ..formats.safetensors.encode import as_memoryview, pwrite_all
 from ..formats.safetensors.write_plan import ChunkWrite, PieceKey, RankWrites, SavePlanResult, fill_header
@@ -62,6 +63,18 @@ def create_temp_files(transport: Transport, root: str, planned: SavePlanResult, 
         raise
 
 
+def _open_temp(transport: Transport, path: str) -> int:
+    """The temp file this save created in ``prepare_global_plan``, opened for writing."""
+    try:
+        return os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        raise CheckpointExistsError(
+            f"{transport.url(path)}: this save's temp file is gone: another save (overwrite=True) took this "
+            "location over and removed it while this one was writing; this save was not committed. Save again "
+            "with overwrite=True to replace that save's checkpoint, or save to another path"
+        ) from None
+
+
 def pwrite_chunks(
     transport: Transport,
     root: str,
@@ -86,7 +99,7 @@ def pwrite_chunks(
                 digests[index] = checksum(src, algorithm)
             fd = fds.get(cw.file)
             if fd is None:
-                fd = fds[cw.file] = os.open(temp_path(transport, root, rw.files[cw.file], rw.save_id), os.O_WRONLY)
+                fd = fds[cw.file] = _open_temp(transport, temp_path(transport, root, rw.files[cw.file], rw.save_id))
             n, length = 0, cw.runs.length
             for j, offset in enumerate(cw.runs.offsets()):
                 pwrite_all(fd, src[j * length : (j + 1) * length], cw.begin + offset)
@@ -106,7 +119,7 @@ def fill_headers(
     """Put every chunk's digest into its temp file's header (same length as planned), then ``fsync``."""
     for f in planned.files:
         header = fill_header(f, digests)
-        fd = os.open(temp_path(transport, root, f.name, save_id), os.O_WRONLY)
+        fd = _open_temp(transport, temp_path(transport, root, f.name, save_id))
         try:
             pwrite_all(fd, memoryview(header), 0)
             os.fsync(fd)

@@ -86,8 +86,8 @@ def test_a_commit_between_the_early_check_and_the_claim(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "make, where",
-    [(FsspecWriter, "local"), (FsspecWriter, "memory"), (SafetensorsWriter, "memory")],
-    ids=["dcp-local", "dcp-memory", "safetensors-memory"],
+    [(FsspecWriter, "local"), (FsspecWriter, "memory"), (SafetensorsWriter, "memory"), (SafetensorsWriter, "local")],
+    ids=["dcp-local", "dcp-memory", "safetensors-memory", "safetensors-local"],
 )
 def test_a_save_whose_lock_was_taken_over_does_not_commit(tmp_path: Path, make: Any, where: str) -> None:
     """Save A (``overwrite=False``) holds the location; B (``overwrite=True``) takes the lock over and commits;
@@ -106,7 +106,8 @@ def test_a_save_whose_lock_was_taken_over_does_not_commit(tmp_path: Path, make: 
     dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=make(ckpt, overwrite=True), no_dist=True)  # B
 
     plan = planner.finish_plan(plans[0])
-    with pytest.raises(CheckpointExistsError) as info:  # SafetensorsWriter on a store: before its first upload
+    # SafetensorsWriter: on a store before its first upload; locally B's retire removed A's temp files
+    with pytest.raises(CheckpointExistsError) as info:
         results = writer.write_data(plan, planner).wait()
         writer.finish(metadata, [results])
     assert "another save" in str(info.value) and "overwrite=True" in str(info.value), str(info.value)
