@@ -241,3 +241,45 @@ def test_cli_convert_on_s3(tmp_path: Path, s3_url, sources: dict[str, Path], ref
     assert_same_tensors(got, reference)
     buf = io.BytesIO(fs.cat_file(f"{url}/m.pt"))
     assert_same_tensors(flatten(torch.load(buf, weights_only=True)), reference)
+
+
+def test_torch_output_of_a_source_failing_midway_is_an_error_not_an_abort(tmp_path: Path) -> None:
+    """A source that fails after the ``torch.save`` archive was started (a data file truncated after its
+    first records) must raise our error and leave no output. Before, torch's zip writer, left holding the
+    abandoned output stream, wrote its end records into the closed file when it was freed: C++ terminate,
+    the whole process killed by SIGABRT (exit 134), also in a program that had caught the error."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_storage import FsspecWriter
+
+    src = tmp_path / "ckpt"
+    state = {f"t{i}": torch.full((64, 64), float(i)) for i in range(6)}
+    dcp.save(state, storage_writer=FsspecWriter(src, thread_count=1), no_dist=True)
+    (data,) = src.glob("*.distcp")
+    os.truncate(data, data.stat().st_size * 6 // 10)  # the first tensors stay readable
+
+    out = run_cli("convert", str(src), str(tmp_path / "out.pt"))
+    assert out.rc == 1, out
+    assert "CorruptCheckpointError" in out.stderr and "terminate" not in out.stderr, out
+    assert len(out.stderr.strip().splitlines()) == 1, out
+    for dst in ("api.pt", "api_dir"):  # in a program that catches the error and goes on
+        script = (
+            "import gc, dcp_storage as ds\n"
+            "try:\n"
+            f"    ds.convert({str(src)!r}, {str(tmp_path / dst)!r}, to='torch')\n"
+            "except ds.CorruptCheckpointError:\n"
+            "    pass\n"
+            "gc.collect()\n"
+            "print('alive')\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=120
+        )
+        assert proc.returncode == 0 and proc.stdout.strip() == "alive", proc
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["api_dir", "ckpt"] and not any(
+        (tmp_path / "api_dir").iterdir()
+    )

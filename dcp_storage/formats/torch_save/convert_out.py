@@ -115,18 +115,53 @@ def _zip_writer(stream: Any) -> Any:
         return torch._C.PyTorchFileWriter(stream)
 
 
+class _Detachable:
+    """The output stream as torch's zip writer sees it, cut off once the archive is given up.
+
+    ``PyTorchFileWriter`` writes its end records when it is freed if ``write_end_of_file`` was never
+    called. After a failure the output stream is abandoned (closed), and a write into it from the
+    writer's destructor is a C++ exception there: ``std::terminate``, the process killed by SIGABRT,
+    whenever the writer happens to be freed. Detached, writes are dropped.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream: Any = stream
+
+    def write(self, data: Any) -> int:
+        if self._stream is None:
+            return memoryview(data).nbytes
+        return self._stream.write(data)
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            self._stream.flush()
+
+    def detach(self) -> None:
+        self._stream = None
+
+
 def write_archive(stream: Any, tree: Any, on_tensor: Callable[[int], None] | None = None) -> None:
     """Write ``tree`` (a dict whose tensors may be :class:`TensorRef`) to ``stream`` as ``torch.save`` does."""
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     pickler.dump(tree)
     data = buf.getvalue()
-    zf = _zip_writer(stream)
+    out = _Detachable(stream)
+    zf = _zip_writer(out)
+    try:
+        _write_records(zf, data, pickler.storages, on_tensor)
+    except BaseException:
+        out.detach()  # the caller abandons ``stream``; the writer, freed later, must not touch it
+        del zf
+        raise
+
+
+def _write_records(zf: Any, data: bytes, storages: list[_Storage], on_tensor: Callable[[int], None] | None) -> None:
     zf.write_record("data.pkl", data, len(data))
     zf.write_record(".format_version", "1", 1)
     zf.write_record(".storage_alignment", str(STORAGE_ALIGNMENT), len(str(STORAGE_ALIGNMENT)))
     zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-    for storage in pickler.storages:
+    for storage in storages:
         tensor = storage.load().contiguous()
         untyped = tensor.untyped_storage()
         nbytes = tensor.numel() * tensor.element_size()
