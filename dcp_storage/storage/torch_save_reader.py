@@ -312,18 +312,23 @@ class _Server:
         self.sender = sender
         self.config = config
         self.stats = stats
-        self._values: dict[str, bytes] = {}
 
     def run(self) -> None:
         # Identical slices wanted by several ranks (replicated tensors, full loads) are read once.
         slices: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int, ReadItem]]] = {}
+        values: dict[str, list[tuple[int, int, ReadItem]]] = {}
         for rank, plan in enumerate(self.plans):
             for index, item in enumerate(canonical_order(plan.items)):
                 if item.type == LoadItemType.BYTE_IO:
-                    self._deliver_bytes(rank, index, item)
+                    values.setdefault(item.storage_index.fqn, []).append((rank, index, item))
                 else:
                     key = (item.storage_index.fqn, _global_offsets(item), tuple(int(n) for n in item.lengths))
                     slices.setdefault(key, []).append((rank, index, item))
+        for fqn, jobs in values.items():  # each value decoded once, for every rank that loads it, then dropped
+            data = self.archive.value_bytes(fqn)
+            for rank, index, item in jobs:
+                self._deliver_bytes(rank, index, item, data)
+            del data
         by_tensor: dict[str, list[tuple[tuple[int, ...], list[tuple[int, int, ReadItem]]]]] = {}
         for (fqn, offsets, _lengths), jobs in slices.items():
             by_tensor.setdefault(fqn, []).append((offsets, jobs))
@@ -348,11 +353,7 @@ class _Server:
         item = jobs[0][2]
         return math.prod(int(n) for n in item.lengths) * self.archive.tensors[item.storage_index.fqn].itemsize
 
-    def _deliver_bytes(self, rank: int, index: int, item: ReadItem) -> None:
-        fqn = item.storage_index.fqn
-        data = self._values.get(fqn)
-        if data is None:
-            data = self._values[fqn] = self.archive.value_bytes(fqn)
+    def _deliver_bytes(self, rank: int, index: int, item: ReadItem, data: bytes) -> None:
         if rank == self.view.rank:
             self.planner.load_bytes(item, VettedBytes(data))  # torch.save of an allow-list decode
             self.stats.bytes_local += len(data)

@@ -31,6 +31,7 @@ from ...deprecation import renamed_attributes
 from ...errors import CorruptCheckpointError, DcpStorageError
 from ...tensor_buffers import writable_bytes
 from ...transports import Transport
+from ..limits import BROADCAST_BYTES
 from ..slices import is_row_major
 from ..tensor_reads import StoredTensor, plan_slice_read, read_slices
 from .pickle_tree import LegacyNeedsMoreBytes, TensorDescriptor, decode_data_pkl, is_legacy_head, scan_legacy
@@ -80,6 +81,7 @@ class TorchSaveArchive:
         self.storages = storages  # storage key -> bytes, for every tensor anywhere in the tree
         self.tensors = {k: v for k, v in flat.items() if isinstance(v, TensorDescriptor)}
         self._starts: dict[str, int] | None = None
+        self._value_reads: dict[str, int] = {}  # value key -> storage bytes its tensors read (see value_bytes)
 
     # ------------------------------------------------------------------------------------- opening
     @classmethod
@@ -233,28 +235,70 @@ class TorchSaveArchive:
         The value was decoded by the allow-list (or, for a trusted file, as pickle decodes it); tensors nested
         in it, also in the attributes of objects, are read whole first.
         """
-        value = self._materialize(self.flat[fqn], fqn)
+        storages: dict[str, torch.Tensor] = {}
+        value = self._materialize(self.flat[fqn], fqn, storages)
+        self._value_reads[fqn] = sum(t.numel() for t in storages.values())
         buf = io.BytesIO()
         torch.save(value, buf)
         return buf.getvalue()
 
-    def _materialize(self, value: Any, fqn: str) -> Any:
+    def _materialize(self, value: Any, fqn: str, storages: dict[str, torch.Tensor]) -> Any:
+        """``value`` with its tensors read: each storage once (``storages``, by key), every tensor a view of
+        it, as ``torch.load`` gives. A value may name one storage any number of times for a few bytes of
+        pickle each; reading it per tensor would cost the storage's size each time."""
         if isinstance(value, TensorDescriptor):
-            return self.read_tensor(value, f"{self.url} (tensor in {fqn!r})")
+            return self._view(value, fqn, storages)
         if isinstance(value, dict):
             out = type(value)() if type(value) is not dict else {}
             for k, v in value.items():
-                out[k] = self._materialize(v, fqn)
+                out[k] = self._materialize(v, fqn, storages)
             return out
         if isinstance(value, list):
-            return [self._materialize(v, fqn) for v in value]
+            return [self._materialize(v, fqn, storages) for v in value]
         if isinstance(value, tuple) and not isinstance(value, torch.Size):
-            return tuple(self._materialize(v, fqn) for v in value)
+            return tuple(self._materialize(v, fqn, storages) for v in value)
         attrs = getattr(value, "__dict__", None)
         if isinstance(attrs, dict) and not isinstance(value, type):  # an argparse.Namespace, a config object
             for name, v in list(attrs.items()):
-                attrs[name] = self._materialize(v, fqn)
+                attrs[name] = self._materialize(v, fqn, storages)
         return value
+
+    def _check_value_budget(self, fqn: str, nbytes: int) -> None:
+        """Values may read, together, the file's storages once plus :data:`BROADCAST_BYTES`.
+
+        Each value is saved with its own copy of every storage it names, so N values naming one storage
+        (a few bytes of pickle each) would read and hold N copies: the same repetition a broadcast view
+        makes, bounded by the same limit."""
+        others = sum(n for key, n in self._value_reads.items() if key != fqn)
+        stored = sum(self.storages.values())
+        cap = BROADCAST_BYTES.bytes
+        if others + nbytes > stored + cap:
+            raise CorruptCheckpointError(
+                f"{self.url}: the tensors of value {fqn!r} and of the values before it repeat the file's "
+                f"{stored} stored bytes into {others + nbytes} bytes, more than {cap} bytes beyond what is stored "
+                f"(many values naming the same storage); refusing to expand them. If it is genuine, set "
+                f"{BROADCAST_BYTES.env} to a larger number of bytes"
+            )
+
+    def _view(self, desc: TensorDescriptor, fqn: str, storages: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Tensor ``desc`` as a view of its storage, read whole (and CRC-checked) the first time it is named."""
+        base = storages.get(desc.storage_key)
+        if base is None:
+            where = f"{self.url} (storage {desc.storage_key!r} of a tensor in {fqn!r})"
+            nbytes = desc.storage_nbytes
+            self._check_value_budget(fqn, nbytes + sum(t.numel() for t in storages.values()))
+            base = torch.empty(nbytes, dtype=torch.uint8)
+            stored = StoredTensor(
+                self.index.path, self._data_starts()[desc.storage_key], torch.uint8, (nbytes,), (1,), 0, where
+            )
+            work = plan_slice_read(None, stored, [0], [nbytes], base)
+            entry = self.index.entries[f"{self.prefix}data/{desc.storage_key}"]
+            if nbytes == entry.size > 0:  # torch.save's records are exactly their storage: checked always
+                work.check = lambda landed: check_crc(writable_bytes(landed), entry, where)
+            read_slices(self.transport, [work], lambda _w: None)
+            storages[desc.storage_key] = base
+        view = torch.empty(0, dtype=desc.dtype)
+        return view.set_(base.untyped_storage(), desc.storage_offset, desc.shape, desc.stride)
 
 
 def flatten_tree(tree: Mapping[str, Any], url: str = "") -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]]:

@@ -76,3 +76,58 @@ def test_a_malformed_storage_reference_names_its_class_not_an_address(tmp_path: 
     text = str(info.value)
     assert "model.pt" in text and "torch.FloatStorage" in text, text
     assert not re.search(r"0x[0-9a-f]{6,}", text), text
+
+
+def _views_of_one_storage() -> dict[str, Any]:
+    """Values (tuples: non-tensor items for DCP) holding many tensors over the storage of ``w`` (1 MiB),
+    as the same object, as distinct views, and as broadcast views: ``torch.load`` gives views of one
+    storage each time, so the file stays near 1 MiB."""
+    w = torch.arange(256 * 1024, dtype=torch.float32)
+    return {
+        "w": w,
+        "same": tuple([w] * 64),
+        "views": tuple(w[i * 1024 :] for i in range(64)),
+        "expanded": tuple(w[:1].expand(1 << 20) for _ in range(64)),
+    }
+
+
+def test_tensors_sharing_a_storage_in_a_value_are_read_once(tmp_path: Path) -> None:
+    """A value holding N tensors over one storage decodes to N views of one storage read, as ``torch.load``
+    gives. Before, each tensor was read and materialised on its own: a 1 MiB file whose tuple repeats one
+    tensor 10,000 times (a few bytes of pickle each) made ``value_bytes`` read and hold 10 GiB, on the
+    coordinator of ``BroadcastingTorchSaveReader`` and in ``convert``."""
+    from dcp_storage.formats.torch_save import TorchSaveArchive
+    from dcp_storage.transports.factory import bind_transport
+
+    state = _views_of_one_storage()
+    path = tmp_path / "views.pt"
+    torch.save(state, path)
+    assert path.stat().st_size < 2 << 20
+    transport, local = bind_transport(str(path), {}, None, None)
+    archive = TorchSaveArchive.open(transport, local)
+    for key in ("same", "views", "expanded"):
+        data = archive.value_bytes(key)
+        assert len(data) < 2 << 20, (key, len(data))  # one storage, not 64 tensors' bytes
+        got = torch.load(io.BytesIO(data), weights_only=True)
+        assert len(got) == 64 and all(torch.equal(a, b) for a, b in zip(got, state[key])), key
+        assert len({t.untyped_storage().data_ptr() for t in got}) == 1, key
+    assert transport.counters.snapshot()["bytes_read"] < 8 << 20
+
+
+def test_values_repeating_one_storage_are_bounded_like_broadcast_views(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each value is saved with its own copy of the storages it names, so N values naming one storage cost
+    N copies (in ``convert``, and on the coordinator of ``BroadcastingTorchSaveReader``). Together they may
+    repeat the file's stored bytes by at most ``DCP_STORAGE_MAX_BROADCAST_BYTES``, as one view may."""
+    import dcp_storage as ds
+
+    monkeypatch.setenv("DCP_STORAGE_MAX_BROADCAST_BYTES", str(4 << 20))
+    w = torch.ones(256 * 1024)  # 1 MiB
+    path = tmp_path / "values.pt"
+    torch.save({"w": w, **{f"v{i}": (w, i) for i in range(3)}}, path)
+    ds.torch_save_to_dcp(str(path), str(tmp_path / "ok"))  # 3 copies of 1 MiB: within 1 MiB + 4 MiB
+    torch.save({"w": w, **{f"v{i}": (w, i) for i in range(12)}}, path)
+    with pytest.raises(CorruptCheckpointError, match="DCP_STORAGE_MAX_BROADCAST_BYTES") as caught:
+        ds.torch_save_to_dcp(str(path), str(tmp_path / "bomb"))
+    assert str(path) in str(caught.value) and "'v" in str(caught.value)
