@@ -28,8 +28,8 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TransportE
 
 __all__ = ["Confinement", "open_regular", "stat_regular"]
 
-# Hugging Face's hub cache keeps files in ``<repo>/blobs/`` and links them from ``<repo>/snapshots/<rev>/``:
-# a checkpoint opened inside a snapshot may follow links up to its repository directory.
+# Hugging Face's hub cache keeps files in ``<repo>/blobs/`` and links them from ``<repo>/snapshots/<rev>/``
+# (and its subfolders): a checkpoint opened inside a snapshot may follow links up to its repository directory.
 _HUB_SNAPSHOTS = "snapshots"
 _HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 
@@ -107,13 +107,19 @@ def _under(path: str, root: str) -> bool:
 
 
 def _resolved_root(directory: str) -> str:
+    """The resolved ``directory``; inside a hub snapshot (``<repo>/snapshots/<rev>/``, or a subfolder of
+    one such as diffusers' ``unet/``), its repository ``<repo>``, whose ``blobs/`` the snapshot links into."""
     root = os.path.realpath(directory)
-    parent = os.path.dirname(root)
-    if os.path.basename(parent) == _HUB_SNAPSHOTS and os.path.basename(os.path.dirname(parent)).startswith(
-        _HUB_REPO_PREFIXES
-    ):
-        root = os.path.dirname(parent)
-    return root
+    here = root
+    while True:
+        parent = os.path.dirname(here)
+        if parent == here:
+            return root
+        if os.path.basename(parent) == _HUB_SNAPSHOTS and os.path.basename(os.path.dirname(parent)).startswith(
+            _HUB_REPO_PREFIXES
+        ):
+            return os.path.dirname(parent)
+        here = parent
 
 
 def _kind(mode: int) -> str:

@@ -273,6 +273,39 @@ def test_the_hugging_face_hub_cache_layout_loads(tmp_path: Path) -> None:
         describe(str(snap))
 
 
+def test_a_subfolder_of_a_hub_snapshot_loads_and_links_past_its_repository_are_refused(tmp_path: Path) -> None:
+    """diffusers-style repositories keep models in subfolders of a snapshot (``snapshots/<rev>/unet/``),
+    linked three levels up into ``blobs/``. Before, only a snapshot's own directory could reach its
+    repository, so a subfolder was refused as "outside the checkpoint"."""
+    from safetensors.torch import save_file
+
+    hub = tmp_path / "hub"
+    repo = hub / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    save_file({"w": torch.arange(64.0).reshape(8, 8)}, str(repo / "blobs" / "abc123"))
+    unet = repo / "snapshots" / "0123abcd" / "unet"
+    unet.mkdir(parents=True)
+    (unet / "model.safetensors").symlink_to(Path("..") / ".." / ".." / "blobs" / "abc123")
+    assert torch.equal(_loads(str(unet / "model.safetensors")), torch.arange(64.0).reshape(8, 8))
+    assert torch.equal(_loads(str(unet)), torch.arange(64.0).reshape(8, 8))
+    other = hub / "models--org--other"
+    (other / "blobs").mkdir(parents=True)
+    save_file({"w": torch.ones(8, 8)}, str(other / "blobs" / "def456"))
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file({"w": torch.ones(8, 8)}, str(outside))
+    for target in (Path("..") / ".." / ".." / ".." / "models--org--other" / "blobs" / "def456", outside):
+        (unet / "model.safetensors").unlink()
+        (unet / "model.safetensors").symlink_to(target)  # another repository, or past the hub: refused
+        with pytest.raises(DcpStorageError, match="outside the checkpoint"):
+            describe(str(unet / "model.safetensors"))
+    # a directory merely named "snapshots" deeper inside a snapshot does not widen anything
+    nested = repo / "snapshots" / "0123abcd" / "snapshots" / "x"
+    nested.mkdir(parents=True)
+    (nested / "model.safetensors").symlink_to(Path("..") / ".." / ".." / ".." / ".." / ".." / "elsewhere.safetensors")
+    with pytest.raises(DcpStorageError, match="outside the checkpoint"):
+        describe(str(nested / "model.safetensors"))
+
+
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "dir"])
 def test_a_missing_or_special_checkpoint_url_is_refused_at_once(tmp_path: Path, kind: str) -> None:
     target = tmp_path / "model.safetensors"
