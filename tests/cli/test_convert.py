@@ -283,3 +283,23 @@ def test_torch_output_of_a_source_failing_midway_is_an_error_not_an_abort(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["api_dir", "ckpt"] and not any(
         (tmp_path / "api_dir").iterdir()
     )
+
+
+def test_sharded_torch_output_of_a_failing_source_leaves_no_shard_that_opens(tmp_path: Path) -> None:
+    """Each ``pytorch_model-0000k-of-0000N.bin`` is a whole ``torch.save`` file that opens and verifies on
+    its own (unlike safetensors shards, refused without their index), so the shards written before a
+    source failed are removed. Before, they stayed: ``verify`` of one said OK, a load got part of the model."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_storage import CorruptCheckpointError, FsspecWriter, convert
+
+    src = tmp_path / "ckpt"
+    state = {f"t{i}": torch.full((512, 1024), float(i)) for i in range(8)}  # 2 MiB each
+    dcp.save(state, storage_writer=FsspecWriter(src, thread_count=1), no_dist=True)
+    (data,) = src.glob("*.distcp")
+    os.truncate(data, data.stat().st_size * 7 // 10)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        convert(str(src), str(tmp_path / "out"), to="torch", max_shard_size="5MB")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []

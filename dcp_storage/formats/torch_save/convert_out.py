@@ -16,6 +16,7 @@ Directory outputs with several shards follow ``save_pretrained``'s names (``pyto
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import pickle
 import sys
@@ -230,6 +231,41 @@ def write_torch_save(
 
     n = len(groups)
     weight_map: dict[str, str] = {}
+    written: list[str] = []
+    try:
+        _write_groups(dest, groups, values, fetch, single_file, prefix, root, weight_map, written)
+        if n > 1:
+            data = hf_index_json(sum(t.nbytes for t in tensors), {t.key: weight_map[t.key] for t in tensors})
+            transport.write_file(transport.join(root, index_name), data)
+            dest.record(index_name, len(data))
+    except BaseException:
+        # A shard is a whole torch.save file that opens on its own: none may outlive a failed set.
+        if n > 1:
+            for path in written:
+                with contextlib.suppress(Exception):
+                    transport.remove(path)
+        raise
+    dropped = [v.key for v in values] if sharded else []
+    if single_file:
+        return dest.path, dropped
+    return transport.join(root, index_name if n > 1 else single_name), dropped
+
+
+def _write_groups(
+    dest: WriteDestination,
+    groups: list[list[OutTensor]],
+    values: Sequence[OutValue],
+    fetch: Fetch,
+    single_file: bool,
+    prefix: str,
+    root: str,
+    weight_map: dict[str, str],
+    written: list[str],
+) -> None:
+    """Write each group as one ``torch.save`` file; ``written`` collects their paths as they are committed."""
+    transport = dest.transport
+    single_name = f"{prefix}.bin"
+    n = len(groups)
     for k, group in enumerate(groups):
         if single_file:
             path, name = dest.path, dest.parent_and_name()[1]
@@ -244,18 +280,10 @@ def write_torch_save(
         with transport.open_atomic(path) as stream:
             write_archive(stream, tree, dest.advance)
             size = stream.tell()
+        written.append(path)
         dest.record(name, size)
         for t in group:
             weight_map[t.key] = name
-    dropped = [v.key for v in values] if sharded else []
-    if single_file:
-        return dest.path, dropped
-    if n > 1:
-        data = hf_index_json(sum(t.nbytes for t in tensors), {t.key: weight_map[t.key] for t in tensors})
-        transport.write_file(transport.join(root, index_name), data)
-        dest.record(index_name, len(data))
-        return transport.join(root, index_name), dropped
-    return transport.join(root, single_name), dropped
 
 
 def _write(
