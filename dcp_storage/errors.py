@@ -171,7 +171,8 @@ class UnknownFormatError(DcpStorageError, ValueError):
 
 
 class TargetError(DcpStorageError, ValueError):
-    """A conversion's output format cannot be told from the arguments, or contradicts the destination's name."""
+    """A conversion's output format cannot be told from the arguments, or contradicts the destination's name;
+    or the output is the input itself (or, for a merge that removes its input, lies inside it)."""
 
 
 class UnknownExtensionError(DcpStorageError, LookupError):

@@ -213,7 +213,7 @@ def convert(
     src_opts = {**(storage_options or {}), **(src_storage_options or {})} or None
     dst_opts = {**(storage_options or {}), **(dst_storage_options or {})} or None
     if same_location(src, src_opts, dst, dst_opts):
-        raise ValueError(f"{dst!r} is the input itself; convert to another location")
+        raise TargetError(f"{dst!r} is the input itself; convert to another location")
     with TensorSource.open(src, src_opts, src_format, trust=trust) as source:
         tensors, values = plan_outputs(source, dtype=cast)
         return _run(

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TargetError
 from ..formats.dcp_native.metadata_io import METADATA_FILE
 from ..formats.safetensors.write_plan import parse_size
 from ..transports import Transport
@@ -146,7 +146,7 @@ def merge_fsdp_weights(
     finally:
         transport.close()
     if remove_checkpoint_dir and same_location(checkpoint_dir, storage_options, output_path, out_opts, inside=True):
-        raise ValueError(
+        raise TargetError(
             f"{output_path!r} lies inside {checkpoint_dir!r}, which remove_checkpoint_dir would delete; "
             "write the merged weights elsewhere"
         )

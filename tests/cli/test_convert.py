@@ -303,3 +303,17 @@ def test_sharded_torch_output_of_a_failing_source_leaves_no_shard_that_opens(tmp
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         convert(str(src), str(tmp_path / "out"), to="torch", max_shard_size="5MB")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+
+
+def test_an_output_that_is_the_input_is_refused_with_our_error(tmp_path: Path, sources: dict[str, Path]) -> None:
+    """Before, ``ValueError`` (outside the library's hierarchy, so ``except DcpStorageError`` missed it)."""
+    from dcp_storage import DcpStorageError, convert, merge_fsdp_weights
+    from dcp_storage.errors import TargetError
+
+    (tmp_path / "link").symlink_to(sources["dcp"], target_is_directory=True)
+    with pytest.raises(TargetError, match="is the input itself") as caught:
+        convert(str(sources["dcp"]), str(tmp_path / "link"), to="dcp", overwrite=True)
+    assert isinstance(caught.value, DcpStorageError)
+    with pytest.raises(TargetError, match="lies inside"):
+        merge_fsdp_weights(str(sources["dcp"]), str(tmp_path / "link" / "merged"), remove_checkpoint_dir=True)
+    assert (sources["dcp"] / ".metadata").is_file()
