@@ -341,6 +341,23 @@ def test_a_broadcast_view_past_the_limit_is_refused_and_the_limit_can_be_raised(
     assert describe(str(tmp_path / "model.pt")).tensors[0].shape == [2**10, 8]
 
 
+def test_broadcast_views_of_a_file_share_one_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each view stays within the limit, but N of them (a few bytes of pickle each) repeat the storage N
+    times: before, 10,000 views of 64 MiB each in a 1 MB file made ``convert`` write 640 GiB and
+    ``verify --deep`` read as much. Together they now share the limit one view has."""
+    base = torch.arange(8.0)
+    torch.save({f"w{i}": base.expand(2**9, 8) for i in range(4)}, tmp_path / "model.pt")  # 4 x 16 KiB
+    monkeypatch.setenv("DCP_STORAGE_MAX_BROADCAST_BYTES", str(32 * 1024))
+    with pytest.raises(CorruptCheckpointError, match="model.pt.*DCP_STORAGE_MAX_BROADCAST_BYTES"):
+        describe(str(tmp_path / "model.pt"))
+    monkeypatch.setenv("DCP_STORAGE_MAX_BROADCAST_BYTES", str(64 * 1024))
+    assert len(describe(str(tmp_path / "model.pt")).tensors) == 4
+    tied = torch.randn(64, 64)  # tied weights: full views of one storage repeat nothing beyond it
+    torch.save({"embed": tied, "head": tied, "again": tied}, tmp_path / "tied.pt")
+    monkeypatch.setenv("DCP_STORAGE_MAX_BROADCAST_BYTES", "0")
+    assert len(describe(str(tmp_path / "tied.pt")).tensors) == 3
+
+
 def _broadcast_record_checkpoint(path: Path, rows: int, parameter: bool = False) -> Any:
     """A DCP checkpoint whose ``w`` ([rows, 2**12] f32) is stored as one element broadcast (stride 0);
     ``parameter``: saved as an ``nn.Parameter`` (a pickle the record parser leaves to ``torch.load``)."""

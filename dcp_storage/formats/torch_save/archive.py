@@ -128,6 +128,7 @@ class TorchSaveArchive:
                     f"{url}: storage record {name!r} holds {entry.size} bytes, data.pkl needs {nbytes}"
                 )
         flat, mappings = flatten_tree(tree, url)
+        _check_repeats(flat, url)
         return cls(transport, index, prefix, tree, flat, mappings, storages)
 
     @property
@@ -299,6 +300,25 @@ class TorchSaveArchive:
             storages[desc.storage_key] = base
         view = torch.empty(0, dtype=desc.dtype)
         return view.set_(base.untyped_storage(), desc.storage_offset, desc.shape, desc.stride)
+
+
+def _check_repeats(flat: Mapping[str, Any], url: str) -> None:
+    """The broadcast views of a file together may repeat stored bytes by :data:`BROADCAST_BYTES`, as one may.
+
+    Each view was checked alone (:func:`~..limits.check_view`); N of them, a few bytes of pickle each, would
+    otherwise make ``convert`` write and ``verify --deep`` read N times the limit. Views that repeat nothing
+    (tied weights: full views of one storage) count nothing."""
+    cap = BROADCAST_BYTES.bytes
+    total = 0
+    for fqn, desc in flat.items():
+        if isinstance(desc, TensorDescriptor) and desc.nbytes > desc.storage_nbytes:
+            total += desc.nbytes - desc.storage_nbytes
+            if total > cap:
+                raise CorruptCheckpointError(
+                    f"{url}: its broadcast (overlapping) views, up to tensor {fqn!r}, repeat their stored bytes "
+                    f"into {total} bytes more than is stored, more than {cap} bytes; refusing to expand them. If "
+                    f"it is genuine, set {BROADCAST_BYTES.env} to a larger number of bytes"
+                )
 
 
 def flatten_tree(tree: Mapping[str, Any], url: str = "") -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]]:
