@@ -392,6 +392,43 @@ def _broadcast_record_checkpoint(path: Path, rows: int, parameter: bool = False)
     (path / ".metadata").write_bytes(pickle.dumps(md))
 
 
+def test_broadcast_records_of_a_dcp_checkpoint_share_one_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each record stays within the limit alone, but N of them (a few hundred bytes each) expand N times:
+    before, ``convert`` and ``verify --deep`` of 10,000 such records (a few MB) read and wrote 640 GiB.
+    From ``.metadata`` alone, records together may describe the limit beyond what they store."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from .corpus import _torch_save_bytes
+
+    path = _dcp_checkpoint(tmp_path / "ckpt")
+    (path / MANIFEST).unlink()
+    record = _torch_save_bytes(torch.zeros(1).expand(2, 2**12))  # 32 KiB described
+    (path / "evil.distcp").write_bytes(record * 4)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    size = torch.Size([2, 2**12])
+    for i in range(4):
+        md.state_dict_metadata[f"b{i}"] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), size, [ChunkStorageMetadata(torch.Size([0, 0]), size)]
+        )
+        md.storage_data[MetadataIndex(f"b{i}", torch.Size([0, 0]), 0)] = _StorageInfo(
+            "evil.distcp", i * len(record), len(record)
+        )
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    monkeypatch.setenv("DCP_STORAGE_MAX_BROADCAST_BYTES", str(64 * 1024))
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata.*DCP_STORAGE_MAX_BROADCAST_BYTES"):
+        describe(str(path))
+    monkeypatch.setenv("DCP_STORAGE_MAX_BROADCAST_BYTES", str(256 * 1024))
+    assert verify(str(path), deep=True).ok
+
+
 @pytest.mark.parametrize("parameter", [False, True])
 def test_a_dcp_record_that_broadcasts_is_refused_by_convert_verify_and_load(tmp_path: Path, parameter: bool) -> None:
     from dcp_storage import convert

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CorruptCheckpointError
-from ..limits import MAX_BYTES, MAX_DIM, MAX_NDIM
+from ..limits import BROADCAST_BYTES, MAX_BYTES, MAX_DIM, MAX_NDIM
 from ..paths import check_relative
 from ..tiling import tiling_problem
 
@@ -231,7 +231,39 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
     shared = _shared_bytes(ranges)
     if shared and not _safetensors_layout(state, storage):
         problems += shared
+    if not problems:
+        problems += _repeats(state, storage)
     return problems
+
+
+def _repeats(state: dict[str, Any], storage: dict[Any, Any]) -> list[str]:
+    """Records together may describe at most :data:`~..limits.BROADCAST_BYTES` more than they store.
+
+    A record holds its chunk's elements (plus a zip around them), so one shorter than its chunk describes a
+    broadcast view, each checked alone when decoded. N of them, a few hundred bytes each, would make
+    ``convert`` write and ``verify --deep`` read N times the limit. Items stored through an extension
+    (compression) have their own bound, per item, and are not counted."""
+    cap = BROADCAST_BYTES.bytes
+    described: dict[tuple[str, tuple[int, ...]], int] = {}
+    for fqn, item in state.items():
+        if isinstance(item, TensorStorageMetadata):
+            itemsize = item.properties.dtype.itemsize
+            for chunk in item.chunks:
+                described[(fqn, tuple(chunk.offsets))] = math.prod(chunk.sizes) * itemsize
+    total = 0
+    for index, info in storage.items():
+        if info.transform_descriptors:
+            continue
+        nbytes = described.get((index.fqn, tuple(index.offset or ())))
+        if nbytes is not None and nbytes > info.length:
+            total += nbytes - info.length
+            if total > cap:
+                return [
+                    f"its records, up to {index.fqn!r} in {info.relative_path!r}, describe {total} bytes more "
+                    f"than they store (broadcast views), more than {cap} bytes; refusing to expand them. If it is "
+                    f"genuine, set {BROADCAST_BYTES.env} to a larger number of bytes"
+                ]
+    return []
 
 
 def _safetensors_layout(state: dict[str, Any], storage: dict[Any, Any]) -> bool:
