@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fsspec.asyn import sync
+
 from ..errors import FileTooLargeError
 from .deadline import bounded_sync
 from .range_check import RangeMismatchError, check_range_answer, describe_answer, range_mismatch
@@ -51,8 +53,19 @@ async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
         raise translated from exc
 
 
+def _client_ready(fs: Any) -> None:
+    """Build s3fs's client (once per filesystem) before a request's deadline starts counting.
+
+    Building it is local work (botocore loads its service model and endpoint rules), not a request in flight;
+    inside the deadline it took a share of the first request's time, all of it on a busy machine.
+    """
+    if getattr(fs, "_s3", None) is None:
+        sync(fs.loop, fs.set_session)
+
+
 def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
     """Blocking :func:`_call`: ``s3_call(fs, "put_object", Bucket=..., Key=..., Body=...)``."""
+    _client_ready(fs)
     return bounded_sync(fs.loop, _call, fs, method, **kwargs)
 
 
@@ -131,6 +144,7 @@ def stream_range(fs: Any, path: str, start: int, end: int, emit: Callable[[int, 
     Fewer than ``end - start`` bytes means the body was cut short; the caller decides whether to resume. An
     answer with other bytes than asked raises :class:`~.range_check.RangeMismatchError` before any ``emit``.
     """
+    _client_ready(fs)
     return int(bounded_sync(fs.loop, _get_range, fs, path, start, end, emit))
 
 
@@ -155,4 +169,5 @@ async def _get_object(fs: Any, path: str, max_bytes: int | None) -> bytes:
 def read_object(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     """GET a whole (small) object: ``.metadata``, an index file; at most ``max_bytes + 1`` bytes of it, and
     none when the response says it is larger (:class:`~dcp_storage.errors.FileTooLargeError`)."""
+    _client_ready(fs)
     return bytes(bounded_sync(fs.loop, _get_object, fs, path, max_bytes))
