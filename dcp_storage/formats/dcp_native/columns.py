@@ -1,0 +1,277 @@
+"""A DCP ``.metadata`` as columns: arrays of shapes, chunk boxes and byte ranges, one string table.
+
+torch's ``Metadata`` object graph costs about 2 KB per tensor (six dataclass instances, each with its
+``__dict__``, and three ``torch.Size``), 2 GB at a million tensors, before any planning. These columns
+hold the same information in about 100 bytes per tensor plus its name, so that ``describe``, ``inspect``
+and this library's planners work on a million tensors in seconds and well under a gigabyte, building torch
+objects only for the entries a caller touches (:mod:`.lazy_metadata`).
+
+Columns describe *regular* metadata only: every state-dict entry a tensor (``TensorStorageMetadata``) or a
+value (``BytesStorageMetadata``), every chunk of a tensor with exactly one storage entry and every storage
+entry serving exactly one chunk or value. Anything else (and everything a check refuses) takes the general
+path: the guarded unpickler and :mod:`.metadata_checks`, which name each problem. So a column never needs to
+represent a malformed value; :func:`columns_from_metadata` returns ``None`` where the general path must
+decide.
+
+Layout (``N`` entries of ``state_dict_metadata``, in the file's order; ``C`` chunks in all; a value entry
+counts as one chunk of zero dimensions, so ``C >= N``):
+
+========================  ===========  ========================================================
+``names``                 ``list[str]``  the state-dict keys
+``is_bytes``              bool ``[N]``   ``BytesStorageMetadata`` entries
+``prop``                  int32 ``[N]``  row of ``properties`` (``-1`` for values)
+``properties``            list           distinct ``TensorProperties`` (compared by their five fields)
+``shape_at``              int64 ``[N+1]`` entry ``i``'s shape is ``dims[shape_at[i]:shape_at[i+1]]``
+``dims``                  int64
+``chunk_at``              int64 ``[N+1]`` entry ``i``'s chunks are ``chunk_at[i] .. chunk_at[i+1]-1``
+``chunk_offsets``         int64         chunk ``c``'s offsets: ``chunk_offsets[box_at[c]:box_at[c+1]]``
+``chunk_sizes``           int64         likewise its sizes (each chunk has its tensor's number of dims)
+``box_at``                int64 ``[C+1]``
+``file``                  int32 ``[C]``   row of ``files`` holding chunk ``c``'s record
+``byte_offset``           int64 ``[C]``   the record's ``_StorageInfo.offset``
+``byte_length``           int64 ``[C]``   its ``length``
+``transform``             int32 ``[C]``   row of ``transforms`` (``-1``: ``transform_descriptors`` is ``None``)
+``files``                 ``list[str]``  distinct ``relative_path`` values
+``transforms``            list          distinct ``transform_descriptors`` (tuples of str)
+``planner_data``, ``storage_meta``, ``version``: the ``Metadata`` fields as torch objects (small)
+========================  ===========  ========================================================
+
+Chunks keep the order of their tensor's ``chunks`` list. The storage entries' own order and their
+``MetadataIndex.index`` hints are not kept (torch compares and hashes a ``MetadataIndex`` by ``fqn`` and
+``offset`` only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+__all__ = ["MetadataColumns", "columns_from_metadata", "metadata_from_columns", "property_key"]
+
+_I32 = np.int32
+_I64 = np.int64
+
+
+def property_key(props: TensorProperties) -> tuple[Any, ...]:
+    """What makes two ``TensorProperties`` the same row of :attr:`MetadataColumns.properties`."""
+    return (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MetadataColumns:
+    """The columns of one ``.metadata`` (see the module's table)."""
+
+    names: list[str]
+    is_bytes: np.ndarray
+    prop: np.ndarray
+    properties: list[TensorProperties]
+    shape_at: np.ndarray
+    dims: np.ndarray
+    chunk_at: np.ndarray
+    chunk_offsets: np.ndarray
+    chunk_sizes: np.ndarray
+    box_at: np.ndarray
+    file: np.ndarray
+    byte_offset: np.ndarray
+    byte_length: np.ndarray
+    transform: np.ndarray
+    files: list[str]
+    transforms: list[tuple[str, ...]]
+    planner_data: Any = None
+    storage_meta: StorageMeta | None = None
+    version: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def chunk_count(self) -> int:
+        return int(self.chunk_at[-1]) if len(self.chunk_at) else 0
+
+    def shape(self, i: int) -> torch.Size:
+        return torch.Size(self.dims[self.shape_at[i] : self.shape_at[i + 1]].tolist())
+
+    def chunk_box(self, c: int) -> tuple[torch.Size, torch.Size]:
+        lo, hi = self.box_at[c], self.box_at[c + 1]
+        return torch.Size(self.chunk_offsets[lo:hi].tolist()), torch.Size(self.chunk_sizes[lo:hi].tolist())
+
+    def nbytes(self) -> int:
+        """Bytes held by the arrays (names, properties and the small fields not counted)."""
+        return sum(getattr(self, f.name).nbytes for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), np.ndarray))
+
+
+def _dims_of(value: Any) -> list[int] | None:
+    if not isinstance(value, (torch.Size, list, tuple)):
+        return None
+    out = list(value)
+    if not all(type(v) is int for v in out):
+        return None
+    return out
+
+
+def columns_from_metadata(md: Metadata) -> MetadataColumns | None:
+    """The columns of a decoded ``Metadata``; ``None`` where it is not regular (see the module docstring).
+
+    The reference for the native decoder (which builds the same columns from the pickle's bytes) and the
+    way a ``Metadata`` built in memory gets columns. Values are not range-checked here: that is the checks'
+    job (:mod:`.column_checks`).
+    """
+    state, storage = md.state_dict_metadata, md.storage_data
+    if type(state) is not dict or type(storage) is not dict:
+        return None
+    records: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or type(index.fqn) is not str or type(info).__name__ != "_StorageInfo":
+            return None
+        offset = None if index.offset is None else _dims_of(index.offset)
+        if index.offset is not None and offset is None:
+            return None
+        key = (index.fqn, None if offset is None else tuple(offset))
+        if key in records:
+            return None
+        records[key] = info
+    names: list[str] = []
+    is_bytes: list[bool] = []
+    prop: list[int] = []
+    properties: list[TensorProperties] = []
+    prop_rows: dict[tuple[Any, ...], int] = {}
+    shape_at, dims = [0], []
+    chunk_at, chunk_offsets, chunk_sizes, box_at = [0], [], [], [0]
+    file, byte_offset, byte_length, transform = [], [], [], []
+    files: list[str] = []
+    file_rows: dict[str, int] = {}
+    transforms: list[tuple[str, ...]] = []
+    transform_rows: dict[tuple[str, ...], int] = {}
+    used = 0
+
+    def add_record(info: Any) -> bool:
+        rel, off, length = info.relative_path, info.offset, info.length
+        descriptors = getattr(info, "transform_descriptors", None)
+        if type(rel) is not str or type(off) is not int or type(length) is not int:
+            return False
+        if descriptors is not None:
+            if not isinstance(descriptors, (list, tuple)) or not all(type(d) is str for d in descriptors):
+                return False
+            descriptors = tuple(descriptors)
+            transform.append(transform_rows.setdefault(descriptors, len(transform_rows)))
+            if len(transforms) < len(transform_rows):
+                transforms.append(descriptors)
+        else:
+            transform.append(-1)
+        file.append(file_rows.setdefault(rel, len(file_rows)))
+        if len(files) < len(file_rows):
+            files.append(rel)
+        byte_offset.append(off)
+        byte_length.append(length)
+        return True
+
+    for fqn, item in state.items():
+        if type(fqn) is not str:
+            return None
+        names.append(fqn)
+        if type(item) is BytesStorageMetadata:
+            info = records.get((fqn, None))
+            if info is None or not add_record(info):
+                return None
+            used += 1
+            is_bytes.append(True)
+            prop.append(-1)
+            shape_at.append(len(dims))
+            box_at.append(len(chunk_offsets))
+            chunk_at.append(chunk_at[-1] + 1)
+            continue
+        if type(item) is not TensorStorageMetadata or type(item.properties) is not TensorProperties:
+            return None
+        size = _dims_of(item.size)
+        if size is None or type(item.chunks) is not list:
+            return None
+        key = property_key(item.properties)
+        row = prop_rows.get(key)
+        if row is None:
+            row = prop_rows[key] = len(properties)
+            properties.append(item.properties)
+        is_bytes.append(False)
+        prop.append(row)
+        dims += size
+        shape_at.append(len(dims))
+        for chunk in item.chunks:
+            if type(chunk) is not ChunkStorageMetadata:
+                return None
+            offsets, sizes = _dims_of(chunk.offsets), _dims_of(chunk.sizes)
+            if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
+                return None
+            info = records.get((fqn, tuple(offsets)))
+            if info is None or not add_record(info):
+                return None
+            used += 1
+            chunk_offsets += offsets
+            chunk_sizes += sizes
+            box_at.append(len(chunk_offsets))
+        chunk_at.append(chunk_at[-1] + len(item.chunks))
+    if used != len(records):  # a storage entry serving no chunk, or two chunks at one offset
+        return None
+    return MetadataColumns(
+        names=names,
+        is_bytes=np.array(is_bytes, dtype=bool),
+        prop=np.array(prop, dtype=_I32),
+        properties=properties,
+        shape_at=np.array(shape_at, dtype=_I64),
+        dims=np.array(dims, dtype=_I64),
+        chunk_at=np.array(chunk_at, dtype=_I64),
+        chunk_offsets=np.array(chunk_offsets, dtype=_I64),
+        chunk_sizes=np.array(chunk_sizes, dtype=_I64),
+        box_at=np.array(box_at, dtype=_I64),
+        file=np.array(file, dtype=_I32),
+        byte_offset=np.array(byte_offset, dtype=_I64),
+        byte_length=np.array(byte_length, dtype=_I64),
+        transform=np.array(transform, dtype=_I32),
+        files=files,
+        transforms=transforms,
+        planner_data=md.planner_data,
+        storage_meta=md.storage_meta,
+        version=md.version,
+    )
+
+
+def metadata_from_columns(cols: MetadataColumns) -> Metadata:
+    """A plain torch ``Metadata`` holding every entry (for small checkpoints and for comparing in tests)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    state: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for i, fqn in enumerate(cols.names):
+        first, last = int(cols.chunk_at[i]), int(cols.chunk_at[i + 1])
+        if cols.is_bytes[i]:
+            state[fqn] = BytesStorageMetadata()
+            keys = [MetadataIndex(fqn)]
+        else:
+            chunks = [ChunkStorageMetadata(*cols.chunk_box(c)) for c in range(first, last)]
+            state[fqn] = TensorStorageMetadata(cols.properties[int(cols.prop[i])], cols.shape(i), chunks)
+            keys = [MetadataIndex(fqn, chunk.offsets, n) for n, chunk in enumerate(chunks)]
+        for c, key in zip(range(first, last), keys):
+            t = int(cols.transform[c])
+            storage[key] = _StorageInfo(
+                cols.files[int(cols.file[c])],
+                int(cols.byte_offset[c]),
+                int(cols.byte_length[c]),
+                None if t < 0 else list(cols.transforms[t]),
+            )
+    return Metadata(
+        state_dict_metadata=state,
+        planner_data=cols.planner_data,
+        storage_data=storage,
+        storage_meta=cols.storage_meta,
+        version=cols.version,
+    )
