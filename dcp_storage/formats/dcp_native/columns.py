@@ -109,7 +109,11 @@ class MetadataColumns:
 
     def nbytes(self) -> int:
         """Bytes held by the arrays (names, properties and the small fields not counted)."""
-        return sum(getattr(self, f.name).nbytes for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), np.ndarray))
+        return sum(
+            getattr(self, f.name).nbytes
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), np.ndarray)
+        )
 
 
 def _dims_of(value: Any) -> list[int] | None:
