@@ -76,6 +76,8 @@ struct Obj {
 };
 
 static void obj_decref(Obj *o);
+static void obj_release(Obj *o);
+static uint64_t fmix(uint64_t h);
 
 static inline void vincref(Val v) {
     if (v.tag == T_OBJ) v.u.o->refcnt++;
@@ -118,12 +120,28 @@ static void obj_decref(Obj *o) {
         break;
     }
     free(o->data);
-    free(o);
+    obj_release(o);
+}
+
+/* Records are made and dropped by the million: keep some for reuse (the GIL serialises decode calls). */
+#define FREE_OBJS 4096
+static Obj *free_objs[FREE_OBJS];
+static size_t n_free_objs;
+
+static void obj_release(Obj *o) {
+    if (n_free_objs < FREE_OBJS)
+        free_objs[n_free_objs++] = o;
+    else
+        free(o);
+}
+static void free_list_drain(void) {
+    while (n_free_objs) free(free_objs[--n_free_objs]);
 }
 
 static Obj *obj_new(int kind) {
-    Obj *o = (Obj *)calloc(1, sizeof(Obj));
+    Obj *o = n_free_objs ? free_objs[--n_free_objs] : (Obj *)malloc(sizeof(Obj));
     if (o) {
+        memset(o, 0, sizeof(Obj));
         o->refcnt = 1;
         o->kind = (uint8_t)kind;
         o->depth = 1;
@@ -179,7 +197,7 @@ static int vec_reserve(Vec *v, size_t elem, size_t extra) {
 
 /* ---- hashing and open-addressing tables of uint32 ids --------------------------------------- */
 
-static inline uint64_t fmix(uint64_t h) {
+static uint64_t fmix(uint64_t h) {
     h ^= h >> 33;
     h *= 0xff51afd7ed558ccdULL;
     h ^= h >> 33;
@@ -206,27 +224,28 @@ static uint64_t hash_bytes(const unsigned char *p, size_t n) {
 }
 
 #define EMPTY_ID 0xFFFFFFFFu
+#define EMPTY_SLOT UINT64_MAX
+/* Slots hold (hash >> 32) << 32 | id: probing compares hashes first; growing never re-reads keys. */
 typedef struct {
-    uint32_t *s;
+    uint64_t *s;
     size_t cap, n;
 } Tab;
 
 struct D;
-typedef uint64_t (*HashFn)(const struct D *d, uint32_t id);
 typedef int (*EqFn)(const struct D *d, uint32_t id, const void *key);
 
-static int tab_grow(const struct D *d, Tab *t, HashFn hf) {
+static int tab_grow(Tab *t) {
     size_t cap = t->cap ? t->cap * 2 : 64;
-    if (cap > SIZE_MAX / sizeof(uint32_t) || cap < t->cap) return NOMEM;
-    uint32_t *s = (uint32_t *)malloc(cap * sizeof(uint32_t));
+    if (cap > SIZE_MAX / sizeof(uint64_t) || cap < t->cap) return NOMEM;
+    uint64_t *s = (uint64_t *)malloc(cap * sizeof(uint64_t));
     if (!s) return NOMEM;
-    memset(s, 0xFF, cap * sizeof(uint32_t));
+    memset(s, 0xFF, cap * sizeof(uint64_t));
     for (size_t i = 0; i < t->cap; i++) {
-        uint32_t id = t->s[i];
-        if (id == EMPTY_ID) continue;
-        size_t j = (size_t)hf(d, id) & (cap - 1);
-        while (s[j] != EMPTY_ID) j = (j + 1) & (cap - 1);
-        s[j] = id;
+        uint64_t e = t->s[i];
+        if (e == EMPTY_SLOT) continue;
+        size_t j = (size_t)fmix(e >> 32) & (cap - 1);
+        while (s[j] != EMPTY_SLOT) j = (j + 1) & (cap - 1);
+        s[j] = e;
     }
     free(t->s);
     t->s = s;
@@ -235,21 +254,22 @@ static int tab_grow(const struct D *d, Tab *t, HashFn hf) {
 }
 
 /* The id equal to key, or (add) new_id inserted; EMPTY_ID when absent and not added. */
-static int tab_find(const struct D *d, Tab *t, uint64_t h, const void *key, EqFn eq, HashFn hf, int add,
-                    uint32_t new_id, uint32_t *out) {
-    if (add && (t->n + 1) * 2 > t->cap) TRY(tab_grow(d, t, hf));
+static int tab_find(const struct D *d, Tab *t, uint64_t h, const void *key, EqFn eq, int add, uint32_t new_id,
+                    uint32_t *out) {
+    if (add && (t->n + 1) * 2 > t->cap) TRY(tab_grow(t));
     *out = EMPTY_ID;
     if (!t->cap) return OK;
-    size_t mask = t->cap - 1, i = (size_t)h & mask;
-    while (t->s[i] != EMPTY_ID) {
-        if (eq(d, t->s[i], key)) {
-            *out = t->s[i];
+    uint64_t hi = h >> 32;
+    size_t mask = t->cap - 1, i = (size_t)fmix(hi) & mask;
+    while (t->s[i] != EMPTY_SLOT) {
+        if ((t->s[i] >> 32) == hi && eq(d, (uint32_t)t->s[i], key)) {
+            *out = (uint32_t)t->s[i];
             return OK;
         }
         i = (i + 1) & mask;
     }
     if (add) {
-        t->s[i] = new_id;
+        t->s[i] = (hi << 32) | new_id;
         t->n++;
         *out = new_id;
     }
@@ -522,9 +542,6 @@ typedef struct {
     size_t n;
 } SKey;
 
-static uint64_t name_hash(const D *d, uint32_t id) {
-    return hash_bytes(d->b + VAT(d->name_off, size_t)[id], VAT(d->name_len, uint32_t)[id]);
-}
 static int name_eq(const D *d, uint32_t id, const void *key) {
     const SKey *k = (const SKey *)key;
     return VAT(d->name_len, uint32_t)[id] == k->n && memcmp(d->b + VAT(d->name_off, size_t)[id], k->p, k->n) == 0;
@@ -552,11 +569,6 @@ static void chunk_key_of(const D *d, uint32_t c, CKey *k) {
     k->offs = VAT(d->chunk_offsets, int64_t) + lo;
     k->ndim = (size_t)(hi - lo);
 }
-static uint64_t chunk_hash(const D *d, uint32_t c) {
-    CKey k;
-    chunk_key_of(d, c, &k);
-    return chunk_key_hash(k.p, k.n, k.has_off, k.offs, k.ndim);
-}
 static int chunk_eq(const D *d, uint32_t c, const void *key) {
     const CKey *q = (const CKey *)key;
     CKey k;
@@ -566,9 +578,6 @@ static int chunk_eq(const D *d, uint32_t c, const void *key) {
     return k.ndim == q->ndim && (k.ndim == 0 || memcmp(k.offs, q->offs, k.ndim * sizeof(int64_t)) == 0);
 }
 
-static uint64_t file_hash(const D *d, uint32_t id) {
-    return hash_bytes(d->b + VAT(d->file_off, size_t)[id], VAT(d->file_len, uint32_t)[id]);
-}
 static int file_eq(const D *d, uint32_t id, const void *key) {
     const SKey *k = (const SKey *)key;
     return VAT(d->file_len, uint32_t)[id] == k->n && memcmp(d->b + VAT(d->file_off, size_t)[id], k->p, k->n) == 0;
@@ -579,15 +588,6 @@ typedef struct {
     size_t n;
 } TKey;
 
-static uint64_t tr_hash_items(const D *d, const size_t *offs, const uint32_t *lens, size_t n) {
-    uint64_t h = 0x1234 + n;
-    for (size_t i = 0; i < n; i++) h = hmix(h, hash_bytes(d->b + offs[i], lens[i]));
-    return h;
-}
-static uint64_t tr_hash(const D *d, uint32_t id) {
-    int64_t lo = VAT(d->tr_at, int64_t)[id], hi = VAT(d->tr_at, int64_t)[id + 1];
-    return tr_hash_items(d, VAT(d->tr_off, size_t) + lo, VAT(d->tr_len, uint32_t) + lo, (size_t)(hi - lo));
-}
 static uint64_t tr_hash_key(const D *d, const TKey *k) {
     uint64_t h = 0x1234 + k->n;
     for (size_t i = 0; i < k->n; i++) h = hmix(h, hash_bytes(sptr(d, k->items[i]), k->items[i].len));
@@ -605,9 +605,6 @@ static int tr_eq(const D *d, uint32_t id, const void *key) {
     return 1;
 }
 
-static uint64_t prop_hash(const D *d, uint32_t id) {
-    return fmix((uint64_t)VAT(d->props, int64_t)[id]);
-}
 static int prop_eq(const D *d, uint32_t id, const void *key) {
     return VAT(d->props, int64_t)[id] == *(const int64_t *)key;
 }
@@ -625,8 +622,7 @@ static int push_chunk(D *d, uint32_t entry) {
     uint32_t c = (uint32_t)(d->chunk_entry.n - 1), got;
     CKey k;
     chunk_key_of(d, c, &k);
-    TRY(tab_find(d, &d->chunk_tab, chunk_key_hash(k.p, k.n, k.has_off, k.offs, k.ndim), &k, chunk_eq, chunk_hash, 1,
-                 c, &got));
+    TRY(tab_find(d, &d->chunk_tab, chunk_key_hash(k.p, k.n, k.has_off, k.offs, k.ndim), &k, chunk_eq, 1, c, &got));
     return got == c ? OK : REFUSE; /* two chunks of one tensor at one offset */
 }
 
@@ -637,7 +633,7 @@ static int sdm_add(D *d, Val k, Val v) {
     TRY(VPUSH(d->name_off, size_t, k.u.off));
     TRY(VPUSH(d->name_len, uint32_t, k.len));
     SKey sk = {sptr(d, k), k.len};
-    TRY(tab_find(d, &d->names_tab, hash_bytes(sk.p, sk.n), &sk, name_eq, name_hash, 1, entry, &got));
+    TRY(tab_find(d, &d->names_tab, hash_bytes(sk.p, sk.n), &sk, name_eq, 1, entry, &got));
     if (got != entry) return REFUSE; /* duplicate key */
     if (v.u.o->cls == G_BSM) {
         TRY(VPUSH(d->is_bytes, uint8_t, 1));
@@ -651,7 +647,7 @@ static int sdm_add(D *d, Val k, Val v) {
     Obj *props = f[0].u.o, *size = f[1].u.o, *chunks = f[2].u.o;
     int64_t key = props->aux;
     if (d->props.n >= MAX_IDS) return REFUSE;
-    TRY(tab_find(d, &d->prop_tab, fmix((uint64_t)key), &key, prop_eq, prop_hash, 1, (uint32_t)d->props.n, &got));
+    TRY(tab_find(d, &d->prop_tab, fmix((uint64_t)key), &key, prop_eq, 1, (uint32_t)d->props.n, &got));
     if (got == d->props.n) TRY(VPUSH(d->props, int64_t, key));
     TRY(VPUSH(d->is_bytes, uint8_t, 0));
     TRY(VPUSH(d->prop, int32_t, got));
@@ -690,14 +686,13 @@ static int storage_add(D *d, Val k, Val v) {
     ck.offs = ck.has_off ? (const int64_t *)mf[1].u.o->data : NULL;
     ck.ndim = ck.has_off ? mf[1].u.o->n : 0;
     uint32_t c, got;
-    TRY(tab_find(d, &d->chunk_tab, chunk_key_hash(ck.p, ck.n, ck.has_off, ck.offs, ck.ndim), &ck, chunk_eq, chunk_hash,
-                 0, 0, &c));
+    TRY(tab_find(d, &d->chunk_tab, chunk_key_hash(ck.p, ck.n, ck.has_off, ck.offs, ck.ndim), &ck, chunk_eq, 0, 0, &c));
     if (c == EMPTY_ID || VAT(d->file, int32_t)[c] != -1) return REFUSE; /* no such chunk, or served twice */
     /* relative_path: interned in storage order, renumbered in chunk order at the end */
     SKey sk = {sptr(d, sf[0]), sf[0].len};
     if (d->file_off.n >= MAX_IDS) return REFUSE;
     uint32_t fid = (uint32_t)d->file_off.n;
-    TRY(tab_find(d, &d->file_tab, hash_bytes(sk.p, sk.n), &sk, file_eq, file_hash, 1, fid, &got));
+    TRY(tab_find(d, &d->file_tab, hash_bytes(sk.p, sk.n), &sk, file_eq, 1, fid, &got));
     if (got == fid) {
         TRY(VPUSH(d->file_off, size_t, sf[0].u.off));
         TRY(VPUSH(d->file_len, uint32_t, sf[0].len));
@@ -708,7 +703,7 @@ static int storage_add(D *d, Val k, Val v) {
         TKey tk = {(const Val *)l->data, l->n};
         size_t ntr = d->tr_at.n - 1;
         if (ntr >= MAX_IDS) return REFUSE;
-        TRY(tab_find(d, &d->tr_tab, tr_hash_key(d, &tk), &tk, tr_eq, tr_hash, 1, (uint32_t)ntr, &got));
+        TRY(tab_find(d, &d->tr_tab, tr_hash_key(d, &tk), &tk, tr_eq, 1, (uint32_t)ntr, &got));
         if (got == ntr) {
             for (size_t i = 0; i < tk.n; i++) {
                 TRY(VPUSH(d->tr_off, size_t, tk.items[i].u.off));
@@ -1104,7 +1099,7 @@ static int make_tuple(D *d, size_t from) {
     if (!o) return NOMEM;
     o->data = malloc((k ? k : 1) * sizeof(Val));
     if (!o->data) {
-        free(o);
+        obj_release(o);
         return NOMEM;
     }
     if (k) memcpy(o->data, d->stack + from, k * sizeof(Val));
@@ -1581,6 +1576,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if (!r) r = run(&d);
     if (!r) result = finish(&d, &r);
     teardown(&d);
+    free_list_drain();
     PyBuffer_Release(&view);
     if (r == OK) return result;
     if (r == NOMEM) return PyErr_NoMemory();
