@@ -96,9 +96,7 @@ def rich_metadata() -> Metadata:
     state, storage = {}, {}
     p1 = TensorProperties(dtype=torch.bfloat16, requires_grad=True, memory_format=torch.channels_last)
     p2 = TensorProperties(dtype=torch.int64, pin_memory=True, memory_format=torch.preserve_format)
-    chunks = [
-        ChunkStorageMetadata(torch.Size([r, c]), torch.Size([2, 3])) for r, c in ((0, 0), (0, 3), (2, 0), (2, 3))
-    ]
+    chunks = [ChunkStorageMetadata(torch.Size([r, c]), torch.Size([2, 3])) for r, c in ((0, 0), (0, 3), (2, 0), (2, 3))]
     state["w"] = TensorStorageMetadata(p1, torch.Size([4, 6]), chunks)
     for n, ch in enumerate(chunks):
         storage[MetadataIndex("w", ch.offsets, n)] = _StorageInfo(f"__{n % 2}_0.distcp", 100 * n, 99, ["zstd"])
@@ -198,7 +196,9 @@ def _extra_storage(md):
 
 
 NOT_CANONICAL = {
-    "OrderedDict state dict": lambda md: setattr(md, "state_dict_metadata", collections.OrderedDict(md.state_dict_metadata)),
+    "OrderedDict state dict": lambda md: setattr(
+        md, "state_dict_metadata", collections.OrderedDict(md.state_dict_metadata)
+    ),
     "planner_data is the state dict (GET of a dict)": lambda md: setattr(md, "planner_data", md.state_dict_metadata),
     "shared chunk list (GET of a list)": _share_chunk_list,
     "self-reference (GET before BUILD)": _cycle,
