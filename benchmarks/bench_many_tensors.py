@@ -24,6 +24,12 @@ Phases, each in a fresh interpreter so time and peak memory (``VmHWM``) do not m
 * ``describe``: :func:`dcp_storage.describe`;
 * ``inspect``: ``dcp-storage inspect`` (its table printed to /dev/null).
 
+``--given-columns``: the phases start from a lazy ``Metadata`` over the checkpoint's columns
+(:func:`~dcp_storage.formats.dcp_native.lazy_metadata.lazy_metadata`), built before the clock starts (from
+a cache of the columns beside the checkpoint, ``many-<N>-v2.columns.pkl``): ``read_metadata`` (and
+``describe``'s read of ``.metadata``) return it instead of decoding. What the planners and tools cost on
+columns alone, whatever the decoder costs.
+
 ``--profile PHASE`` prints the top of a cProfile of that phase instead. Results: a table on stdout and
 JSON (default ``benchmarks/results/many_tensors.json``).
 """
@@ -89,6 +95,37 @@ def build(n: int, files: int) -> str:
     return root
 
 
+def given_columns(root: str) -> object:
+    """The checkpoint's ``MetadataColumns``, from a cache beside it (built from the ``.metadata`` once)."""
+    import gc
+
+    from dcp_storage.formats.dcp_native.columns import columns_from_metadata
+
+    cache = root + ".columns.pkl"
+    if os.path.exists(cache):
+        with open(cache, "rb") as fh:
+            return pickle.load(fh)
+    gc.disable()
+    with open(os.path.join(root, ".metadata"), "rb") as fh:
+        md = pickle.load(fh)  # our own benchmark file: torch's plain unpickler is fine here
+    cols = columns_from_metadata(md)
+    del md
+    gc.enable()
+    with open(cache + ".tmp", "wb") as fh:
+        pickle.dump(cols, fh, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(cache + ".tmp", cache)
+    return cols
+
+
+def _give_metadata(md: object) -> None:
+    """Make ``FsspecReader.read_metadata`` and ``describe``'s ``.metadata`` read return ``md``."""
+    from dcp_storage.formats.dcp_native import describe as dcp_describe
+    from dcp_storage.storage import fsspec_reader
+
+    dcp_describe.read_metadata_file = lambda transport, path: md  # type: ignore[assignment]
+    fsspec_reader.FsspecReader._read_per_load_files = lambda self: (md, ())  # type: ignore[assignment]
+
+
 def _peak_kib() -> int:
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -113,7 +150,7 @@ def _reset_peak() -> None:
         pass
 
 
-def phase(name: str, root: str, n: int) -> dict[str, float]:
+def phase(name: str, root: str, n: int, columns: bool = False) -> dict[str, float]:
     """Run one phase here; returns seconds and MiB (peak beyond what was there before the clock)."""
     import warnings
 
@@ -127,6 +164,13 @@ def phase(name: str, root: str, n: int) -> dict[str, float]:
 
     extra: dict[str, float] = {}
     setup: dict[str, object] = {}
+    if columns:
+        import gc
+
+        from dcp_storage.formats.dcp_native.lazy_metadata import lazy_metadata
+
+        _give_metadata(lazy_metadata(given_columns(root)))  # type: ignore[arg-type]
+        gc.collect()
     if name.startswith("plan"):
         before = _rss_kib()
         block = torch.zeros(n, PER_TENSOR)  # one allocation; the state dict holds views of its rows
@@ -197,22 +241,27 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--profile", choices=PHASES)
+    parser.add_argument(
+        "--given-columns", action="store_true", help="start from lazy metadata over cached columns (no decode)"
+    )
     parser.add_argument("--json", default=os.path.join(HERE, "results", "many_tensors.json"))
     parser.add_argument("--_phase", help=argparse.SUPPRESS)
     parser.add_argument("--_root", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._phase:
-        print(json.dumps(phase(args._phase, args._root, args.tensors)))
+        print(json.dumps(phase(args._phase, args._root, args.tensors, args.given_columns)))
         return
     t0 = time.perf_counter()
     root = build(args.tensors, args.files)
+    if args.given_columns:
+        given_columns(root)  # cached before the phases (building it takes a while)
     print(f"checkpoint: {root} ({args.tensors} tensors; built or found in {time.perf_counter() - t0:.1f} s)")
     if args.profile:
         import cProfile
         import pstats
 
         profiler = cProfile.Profile()
-        profiler.runcall(phase, args.profile, root, args.tensors)
+        profiler.runcall(phase, args.profile, root, args.tensors, args.given_columns)
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(35)
         return
     results = {}
@@ -226,7 +275,7 @@ def main() -> None:
             name,
             "--_root",
             root,
-        ]
+        ] + (["--given-columns"] if args.given_columns else [])
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode:
             print(f"{name}: failed\n{out.stderr[-3000:]}")
@@ -243,7 +292,11 @@ def main() -> None:
         )
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as fh:
-        json.dump({"tensors": args.tensors, "files": args.files, "phases": results}, fh, indent=1)
+        json.dump(
+            {"tensors": args.tensors, "files": args.files, "given_columns": args.given_columns, "phases": results},
+            fh,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":
