@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import sys
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..text import printable as shown
 from . import _common
+
+if TYPE_CHECKING:
+    from ..formats.reports import TensorSummary
 
 
 def add_parser(sub: Any) -> None:
@@ -33,8 +38,44 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _shape(shape: list[int]) -> str:
+def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
+
+
+_LINES = 4096  # table lines per write
+_CACHED = 1 << 16  # distinct shapes, sizes and file lists whose cells are kept
+
+
+def _cells(summaries: Iterable[TensorSummary]) -> list[tuple[str, ...]]:
+    """Each tensor's table cells (every name escaped); a cell repeated across rows is formed once."""
+    dtypes: dict[str, str] = {}
+    shapes: dict[tuple[int, ...], str] = {}
+    sizes: dict[int, str] = {}
+    where: dict[tuple[str, ...], str] = {}
+    out = []
+    for key, dtype, shape, nbytes, files, chunks in summaries:
+        d = dtypes.get(dtype)
+        if d is None:
+            d = dtypes[dtype] = shown(dtype)
+        dims = tuple(shape)
+        s = shapes.get(dims)
+        if s is None:
+            s = _shape(dims)
+            if len(shapes) < _CACHED:
+                shapes[dims] = s
+        b = sizes.get(nbytes)
+        if b is None:
+            b = _common.human_bytes(nbytes)
+            if len(sizes) < _CACHED:
+                sizes[nbytes] = b
+        names = tuple(files)
+        f = where.get(names)
+        if f is None:
+            f = ", ".join(shown(n) for n in names) if names else "-"
+            if len(where) < _CACHED:
+                where[names] = f
+        out.append((shown(key), d, s, b, f, str(chunks)))
+    return out
 
 
 def _print_provenance(prov: dict[str, Any]) -> None:
@@ -74,17 +115,18 @@ def run(args: argparse.Namespace) -> int:
         f"tensors:    {totals['tensors']}, {_common.human_bytes(totals['tensor_bytes'])} in {totals['chunks']} chunks"
         + (f"; values: {totals['values']}" if totals["values"] else "")
     )
-    rows = [("KEY", "DTYPE", "SHAPE", "BYTES", "FILES", "CHUNKS")]
-    for t in info.tensors:
-        files = ", ".join(shown(f) for f in t.files) if t.files else "-"
-        rows.append(
-            (shown(t.key), shown(t.dtype), _shape(t.shape), _common.human_bytes(t.nbytes), files, str(len(t.chunks)))
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    print("  " + "  ".join(c.ljust(w) for c, w in zip(rows[0], widths)).rstrip())
-    for t, r in zip(info.tensors, rows[1:]):
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if args.chunks:
+    from ..formats.reports import tensor_summaries
+
+    rows = [("KEY", "DTYPE", "SHAPE", "BYTES", "FILES", "CHUNKS"), *_cells(tensor_summaries(info.tensors))]
+    widths = [max(map(len, column)) for column in zip(*rows)]
+    line = "  " + "  ".join(f"{{:<{w}}}" for w in widths)  # each cell left-justified to its column's width
+    print(line.format(*rows[0]).rstrip())
+    if not args.chunks:
+        for start in range(1, len(rows), _LINES):  # a million tensors: a million lines, written in batches
+            sys.stdout.write("".join(line.format(*r).rstrip() + "\n" for r in rows[start : start + _LINES]))
+    else:
+        for t, r in zip(info.tensors, rows[1:]):
+            print(line.format(*r).rstrip())
             for c in t.chunks:
                 file = shown(c.file) if c.file else "-"
                 where = (

@@ -9,8 +9,8 @@ picks the hook and prints the result. :func:`tensor_table` builds the tensor and
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,12 +24,15 @@ __all__ = [
     "FileInfo",
     "Locate",
     "TensorInfo",
+    "TensorRows",
+    "TensorSummary",
     "ValueInfo",
     "VerifyReport",
     "dtype_name",
     "error_text",
     "named_keys",
     "size_or_none",
+    "tensor_summaries",
     "tensor_table",
 ]
 
@@ -59,6 +62,63 @@ class TensorInfo:
         return sorted({c.file for c in self.chunks if c.file is not None})
 
 
+TensorSummary = tuple[str, str, Sequence[int], int, Sequence[str], int]
+"""One tensor's table row as ``inspect`` shows it: key, dtype, shape, bytes, files, number of chunks."""
+
+
+class TensorRows(Sequence[TensorInfo]):
+    """A read-only sequence of :class:`TensorInfo` built on access (from a format's columns), not kept.
+
+    A checkpoint of a million tensors would otherwise hold a million rows and their chunks (about 1 KB
+    each). Compares equal to a list of the same rows. Subclasses give ``__len__`` and ``row(i)``, and may
+    give faster :meth:`summaries`, :meth:`tensor_bytes` and :meth:`chunk_count` than these, which build
+    every row.
+    """
+
+    def row(self, i: int) -> TensorInfo:
+        raise NotImplementedError
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self.row(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        j = i.__index__()
+        if j < 0:
+            j += n
+        if not 0 <= j < n:
+            raise IndexError(f"tensor row {i} out of range ({n} rows)")
+        return self.row(j)
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return (self.row(i) for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (list, TensorRows)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} tensor rows>"
+
+    def summaries(self) -> Iterator[TensorSummary]:
+        return ((t.key, t.dtype, t.shape, t.nbytes, t.files, len(t.chunks)) for t in self)
+
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self)
+
+    def chunk_count(self) -> int:
+        return sum(len(t.chunks) for t in self)
+
+
+def tensor_summaries(tensors: Sequence[TensorInfo]) -> Iterator[TensorSummary]:
+    """Each tensor's :data:`TensorSummary`, without building rows where ``tensors`` need not."""
+    if isinstance(tensors, TensorRows):
+        return tensors.summaries()
+    return ((t.key, t.dtype, t.shape, t.nbytes, t.files, len(t.chunks)) for t in tensors)
+
+
 @dataclass(slots=True)
 class ValueInfo:
     key: str
@@ -80,24 +140,30 @@ class CheckpointInfo:
     description: str
     layout: str  # "dcp", "safetensors file", "safetensors index", "torch.save zip", ...
     files: list[FileInfo] = field(default_factory=list)
-    tensors: list[TensorInfo] = field(default_factory=list)
+    tensors: Sequence[TensorInfo] = field(default_factory=list)  # a list, or TensorRows built on access
     values: list[ValueInfo] = field(default_factory=list)
     # What wrote it (from dcp-storage's manifest or header metadata): format, writer, extensions, checksums.
     provenance: dict[str, Any] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, int]:
+        rows = self.tensors
+        lazy = isinstance(rows, TensorRows)
         return {
             "files": len(self.files),
             "file_bytes": sum(f.size or 0 for f in self.files),
-            "tensors": len(self.tensors),
-            "tensor_bytes": sum(t.nbytes for t in self.tensors),
-            "chunks": sum(len(t.chunks) for t in self.tensors),
+            "tensors": len(rows),
+            "tensor_bytes": rows.tensor_bytes() if lazy else sum(t.nbytes for t in rows),
+            "chunks": rows.chunk_count() if lazy else sum(len(t.chunks) for t in rows),
             "values": len(self.values),
         }
 
     def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        if isinstance(self.tensors, TensorRows):  # asdict would deep-copy it: its rows, as a list of dicts
+            out = asdict(replace(self, tensors=[]))
+            out["tensors"] = [asdict(t) for t in self.tensors]
+        else:
+            out = asdict(self)
         out["totals"] = self.totals
         return out
 

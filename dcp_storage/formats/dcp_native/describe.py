@@ -8,8 +8,10 @@ from ...errors import DcpStorageError
 from ...integrity.summary import manifest_provenance
 from ...transports.factory import open_transport
 from ..paths import DATA_SUFFIX
-from ..reports import CheckpointInfo, FileInfo, size_or_none, tensor_table
+from ..reports import CheckpointInfo, FileInfo, TensorInfo, ValueInfo, size_or_none, tensor_table
 from ..spec import FormatSpec
+from .column_table import column_table
+from .lazy_metadata import columns_of
 from .manifest_io import read_manifest
 from .metadata_io import METADATA_FILE, read_metadata_file
 
@@ -30,24 +32,35 @@ def describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | N
     with transport:
         path = transport.join(root, METADATA_FILE)
         md = read_metadata_file(transport, path)
-        storage = md.storage_data or {}
-        # Keyed by plain tuples: a dict lookup by MetadataIndex runs its Python __hash__ and __eq__, and a
-        # checkpoint of a million tensors has a million of them.
-        places = {
-            (index.fqn, None if index.offset is None else tuple(index.offset)): (
-                info.relative_path,
-                int(info.offset),
-                int(info.length),
-            )
-            for index, info in storage.items()
-        }
-
-        def locate(fqn: str, offsets: list[int] | None) -> tuple[Any, ...]:
-            return places.get((fqn, None if offsets is None else tuple(offsets)), (None, None, None))
-
-        tensors, values = tensor_table(md, locate)
+        cols = columns_of(md)
+        if cols is not None:  # rows built from arrays when asked for (a million tensors: seconds, not minutes)
+            tensors, values = column_table(cols)
+            stored: Any = cols.files
+        else:
+            tensors, values, stored = _table(md)
         listed = [n for n in transport.listdir(root) if n.endswith(DATA_SUFFIX)]  # unreferenced data files too
-        names = sorted({METADATA_FILE, *listed, *(i.relative_path for i in storage.values())})
+        names = sorted({METADATA_FILE, *listed, *stored})
         files = [FileInfo(n, size_or_none(transport, transport.join(root, n))) for n in names]
         provenance = dcp_provenance(transport, root)
     return CheckpointInfo(url, spec.descriptor, spec.description, "dcp", files, tensors, values, provenance)
+
+
+def _table(md: Any) -> tuple[list[TensorInfo], list[ValueInfo], set[str]]:
+    """The rows of a plain ``Metadata``, and the files its storage map names."""
+    storage = md.storage_data or {}
+    # Keyed by plain tuples: a dict lookup by MetadataIndex runs its Python __hash__ and __eq__, and a
+    # checkpoint of a million tensors has a million of them.
+    places = {
+        (index.fqn, None if index.offset is None else tuple(index.offset)): (
+            info.relative_path,
+            int(info.offset),
+            int(info.length),
+        )
+        for index, info in storage.items()
+    }
+
+    def locate(fqn: str, offsets: list[int] | None) -> tuple[Any, ...]:
+        return places.get((fqn, None if offsets is None else tuple(offsets)), (None, None, None))
+
+    tensors, values = tensor_table(md, locate)
+    return tensors, values, {i.relative_path for i in storage.values()}
