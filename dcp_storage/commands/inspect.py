@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     print(line.format(*rows[0]).rstrip())
     if not args.chunks:
         for start in range(1, len(rows), _LINES):  # a million tensors: a million lines, written in batches
-            sys.stdout.write("".join(line.format(*r).rstrip() + "\n" for r in rows[start : start + _LINES]))
+            sys.stdout.write("\n".join([line.format(*r).rstrip() for r in rows[start : start + _LINES]]) + "\n")
     else:
         for t, r in zip(info.tensors, rows[1:]):
             print(line.format(*r).rstrip())

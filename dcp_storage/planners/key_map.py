@@ -55,6 +55,11 @@ class KeyMap:
     def __repr__(self) -> str:
         return self._desc
 
+    @property
+    def is_identity(self) -> bool:
+        """Whether this is :meth:`identity` (every key its own checkpoint key)."""
+        return self._fn is _identity
+
     def then(self, other: KeyMapLike) -> KeyMap:
         """``self`` first, then ``other`` (same as ``KeyMap.chain(self, other)``)."""
         return KeyMap.chain(self, other)

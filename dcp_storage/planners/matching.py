@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _cr
 from torch.distributed.tensor import DTensor
 
 from ..errors import ShapeMismatchError
+from ..formats.dcp_native.lazy_metadata import columns_of, rows_of
+from .column_plan import build_read_items_on_columns, value_problems_on_columns
 from .dtype_policy import DtypePolicy
 from .errors import (
     KEYS_SHOWN,
@@ -38,6 +40,7 @@ from .errors import (
     UnsupportedValueError,
     ValueTypeMismatchError,
 )
+from .key_map import KeyMap
 from .report import LoadResult, suggest_key_map, warn_nothing_matched
 
 __all__ = ["KeyMatch", "KeyRules", "build_read_items", "check_values", "match_keys", "metadata_from_state_dict"]
@@ -104,19 +107,32 @@ def match_keys(
     key_map: Callable[[str], str],
     rules: KeyRules,
 ) -> KeyMatch:
-    """Map every state-dict key through ``key_map``; raise ``KeyCollisionError`` if two share a target."""
+    """Map every state-dict key through ``key_map``; raise ``KeyCollisionError`` if two share a target.
+
+    ``checkpoint_keys``: a mapping keyed by checkpoint key (a plain dict is fastest: lazy metadata's
+    ``{name: row}``, :func:`~dcp_storage.formats.dcp_native.lazy_metadata.rows_of`), or any iterable.
+    """
+    keys = state_dict_keys if isinstance(state_dict_keys, (list, tuple)) else list(state_dict_keys)
+    sources: Mapping[str, Any]
     target_of: dict[str, str] = {}
-    sources: dict[str, list[str]] = {}
-    for key in state_dict_keys:
-        target = key_map(key)
-        target_of[key] = target
-        sources.setdefault(target, []).append(key)
-    collisions = {ckpt: srcs for ckpt, srcs in sources.items() if len(srcs) > 1}
-    if collisions:
-        raise KeyCollisionError(collisions, key_map)
+    if isinstance(key_map, KeyMap) and key_map.is_identity and all(type(k) is str for k in keys):
+        target_of = dict(zip(keys, keys))
+    if len(target_of) == len(keys):  # the identity on distinct keys: no collisions
+        sources = target_of
+    else:
+        target_of = {}
+        many: dict[str, list[str]] = {}
+        for key in keys:
+            target = key_map(key)
+            target_of[key] = target
+            many.setdefault(target, []).append(key)
+        collisions = {ckpt: srcs for ckpt, srcs in many.items() if len(srcs) > 1}
+        if collisions:
+            raise KeyCollisionError(collisions, key_map)
+        sources = many
     ckpt = checkpoint_keys if isinstance(checkpoint_keys, Mapping) else dict.fromkeys(checkpoint_keys)
     pairs = {k: t for k, t in target_of.items() if t in ckpt}
-    missing = [k for k, t in target_of.items() if t not in ckpt]
+    missing = [k for k, t in target_of.items() if t not in ckpt] if len(pairs) < len(target_of) else []
     unexpected = [c for c in ckpt if c not in sources and not rules.is_ignored(c)]
     return KeyMatch(pairs, missing, unexpected)
 
@@ -145,6 +161,30 @@ def check_values(
     Raises (after looking at every key, so one error lists them all) ``ValueTypeMismatchError``, then
     ``ShapeMismatchError``, then ``DtypeMismatchError``.
     """
+    cols, rows = columns_of(metadata), rows_of(metadata)
+    if cols is not None and rows is not None:
+        kinds, shapes, dtypes, casts = value_problems_on_columns(
+            state_dict, cols, rows, pairs, dtype_policy, _named, _size_of, _dtype_of
+        )
+    else:
+        kinds, shapes, dtypes, casts = _value_problems(state_dict, metadata, pairs, dtype_policy)
+    if kinds:
+        raise ValueTypeMismatchError(
+            _listing(kinds, "value(s) are not tensors where the checkpoint has tensors")
+            + "; put a tensor of the saved shape and dtype in the state dict"
+        )
+    if shapes:
+        raise ShapeMismatchError(_listing(shapes, "tensor(s) do not have the checkpoint's shape"))
+    if dtypes:
+        raise DtypeMismatchError(
+            _listing(dtypes, f"dtype conversion(s) refused by {dtype_policy!r}") + f"; {dtype_policy.fix}"
+        )
+    return casts
+
+
+def _value_problems(
+    state_dict: Mapping[str, Any], metadata: Metadata, pairs: Mapping[str, str], dtype_policy: DtypePolicy
+) -> tuple[list[str], list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]]]:
     kinds: list[str] = []
     shapes: list[str] = []
     dtypes: list[str] = []
@@ -172,22 +212,14 @@ def check_values(
             casts[key] = (stored, dest)
         else:
             dtypes.append(f"{named}: checkpoint stores {stored}, destination is {dest}")
-    if kinds:
-        raise ValueTypeMismatchError(
-            _listing(kinds, "value(s) are not tensors where the checkpoint has tensors")
-            + "; put a tensor of the saved shape and dtype in the state dict"
-        )
-    if shapes:
-        raise ShapeMismatchError(_listing(shapes, "tensor(s) do not have the checkpoint's shape"))
-    if dtypes:
-        raise DtypeMismatchError(
-            _listing(dtypes, f"dtype conversion(s) refused by {dtype_policy!r}") + f"; {dtype_policy.fix}"
-        )
-    return casts
+    return kinds, shapes, dtypes, casts
 
 
 def build_read_items(state_dict: Mapping[str, Any], metadata: Metadata, pairs: Mapping[str, str]) -> list[ReadItem]:
     """The read items of the matched keys, resharding as torch does, with destinations renamed."""
+    cols, rows = columns_of(metadata), rows_of(metadata)
+    if cols is not None and rows is not None:
+        return build_read_items_on_columns(state_dict, metadata, cols, rows, pairs)
     items: list[ReadItem] = []
     for key, ckpt_key in pairs.items():
         value = state_dict[key]

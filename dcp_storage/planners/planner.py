@@ -35,7 +35,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
+from ..formats.dcp_native.lazy_metadata import rows_of
 from ..gc_pause import gc_paused
+from .column_plan import PLAIN_TENSORS
 from .dtype_policy import DtypePolicy
 from .key_map import KeyMap, KeyMapLike
 from .matching import (
@@ -159,7 +161,14 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        flat = _flat_copy(state_dict) if self.flatten_state_dict and self.flatten_sharded_tensors else None
+        if flat is None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+        else:  # what torch's set_up_planner gives for such a state dict, without its per-value traversals
+            self.original_state_dict = state_dict
+            self.state_dict, self.mappings = flat
+            self.metadata = metadata
+            self.is_coordinator = is_coordinator
         self.result = None
         self.metadata = self.metadata_source.choose(self.state_dict, metadata, self.key_map, type(self).__name__)
 
@@ -190,7 +199,8 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
 
     # ------------------------------------------------------------------------------------- helpers
     def _match(self, metadata: Metadata) -> KeyMatch:
-        ckpt_keys = metadata.state_dict_metadata
+        rows = rows_of(metadata)  # lazy metadata over columns: its {name: row}, a plain dict
+        ckpt_keys: Mapping[str, Any] = metadata.state_dict_metadata if rows is None else rows
         match = match_keys(self.state_dict, ckpt_keys, self.key_map, self.key_rules)
         if not self.flatten_state_dict:
             return match
@@ -206,6 +216,52 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
             self.state_dict, self.mappings = old_state_dict, old_mappings
             return match_keys(self.state_dict, ckpt_keys, self.key_map, self.key_rules)
         return match
+
+
+def _flat_copy(state_dict: Any) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]] | None:
+    """torch's flattening of a state dict of nested plain dicts whose leaves are plain, non-meta tensors or
+    scalars: ``({"a.b": value}, {"a.b": ("a", "b")})``; ``None`` for anything else (lists, tuples, other
+    mappings, tensor subclasses, meta tensors: torch's own ``set_up_planner`` handles those).
+
+    For these, torch's three passes (``_init_state_dict``, ``_flatten_sharded_tensors``,
+    ``flatten_state_dict``) change nothing but the nesting; at a million tensors they cost seconds.
+    """
+    if type(state_dict) is not dict:
+        return None
+    flat: dict[str, Any] = {}
+    paths: dict[str, tuple[str, ...]] = {}
+    plain = PLAIN_TENSORS
+    order: list[tuple[tuple[str, ...], Any]] = []
+
+    def walk(prefix: tuple[str, ...], d: dict[Any, Any]) -> bool:
+        for k, v in d.items():
+            path = (*prefix, str(k))
+            t = type(v)
+            if t is dict:
+                if not walk(path, v):
+                    return False
+            elif t in plain:
+                if v.is_meta:
+                    return False
+                order.append((path, v))
+            elif t in _SCALARS:
+                order.append((path, v))
+            else:
+                return False
+        return True
+
+    if not walk((), state_dict):
+        return None
+    for path, v in order:
+        key = path[0] if len(path) == 1 else ".".join(path)
+        if key in flat:
+            raise ValueError(f"duplicated flatten key {key}")
+        flat[key] = v
+        paths[key] = path
+    return flat, paths
+
+
+_SCALARS = (int, float, bool, str, bytes, type(None))
 
 
 def flatten_v2_3(state_dict: STATE_DICT_TYPE) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .columns import MetadataColumns
 
-__all__ = ["StateDictView", "StorageDataView", "columns_of", "lazy_metadata"]
+__all__ = ["StateDictView", "StorageDataView", "columns_of", "lazy_metadata", "rows_of"]
 
 _SCAN = 8  # chunks of one tensor searched in order; beyond, a per-tensor table (built once)
 
@@ -42,9 +42,13 @@ class _Rows:
         self._chunks: dict[int, dict[tuple[int, ...], int]] = {}
 
     def row(self, fqn: Any) -> int | None:
+        return self.table().get(fqn) if isinstance(fqn, str) else None
+
+    def table(self) -> dict[str, int]:
+        """``{name: row}`` (built on first use, then shared)."""
         if self._rows is None:
             self._rows = {name: i for i, name in enumerate(self.cols.names)}
-        return self._rows.get(fqn) if isinstance(fqn, str) else None
+        return self._rows
 
     def chunk(self, i: int, offsets: Any) -> int | None:
         """The chunk of entry ``i`` at ``offsets`` (``None``: a value's one record), or ``None``."""
@@ -179,3 +183,10 @@ def columns_of(md: Any) -> MetadataColumns | None:
     if isinstance(state, StateDictView) and isinstance(storage, StorageDataView) and state.columns is storage.columns:
         return state.columns
     return None
+
+
+def rows_of(md: Any) -> dict[str, int] | None:
+    """``{name: row}`` of the columns behind ``md`` (built once, shared with its views; do not modify), or ``None``."""
+    if columns_of(md) is None:
+        return None
+    return md.state_dict_metadata._rows.table()  # type: ignore[no-any-return]

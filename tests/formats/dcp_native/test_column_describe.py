@@ -18,8 +18,7 @@ from dcp_storage import FsspecWriter, describe
 from dcp_storage.cli import main
 from dcp_storage.formats.dcp_native.column_table import ColumnTensors
 from dcp_storage.formats.reports import TensorRows
-
-from ._column_fixtures import columns_forced, synthetic_checkpoint
+from dcp_storage.testing.columns import columns_forced, synthetic_checkpoint
 
 
 @pytest.fixture(scope="module")

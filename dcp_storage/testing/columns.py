@@ -1,4 +1,4 @@
-"""Checkpoints for the column paths' tests: a ``.metadata`` of many kinds of entries, and forcing columns.
+"""Checkpoints for tests of the column paths: a ``.metadata`` of many kinds of entries, and forcing columns.
 
 ``synthetic_checkpoint`` writes a ``.metadata`` as torch's writer lays one out (with data files of the
 right sizes, holding zeros: ``describe``, ``inspect`` and planning never read them) for: dtypes of every

@@ -1,0 +1,175 @@
+"""The planners' core on a ``.metadata``'s columns: the same checks and read items, without torch's objects.
+
+:func:`~.matching.check_values` and :func:`~.matching.build_read_items` come here when the metadata is
+lazy metadata over columns (:func:`~dcp_storage.formats.dcp_native.lazy_metadata.columns_of`). The result
+is exactly what they give on torch's ``Metadata`` (same errors and messages, same ``ReadItem``\\ s, equal and
+in the same order); what changes is the cost at a million tensors:
+
+* an entry is found by its row (one ``{name: row}`` dict), its shape and dtype read from arrays; no
+  ``TensorStorageMetadata`` is built for a tensor stored whole in one chunk;
+* such a tensor loaded into a plain tensor (the usual case) gets its ``ReadItem`` built directly: the
+  zero offsets are one ``torch.Size`` per number of dimensions, the lengths one per distinct shape, the
+  destination and storage ``MetadataIndex`` one object when the keys are equal (they are then equal in
+  every field), and the frozen dataclasses filled as torch's unpickling fills them (``object.__new__``
+  and ``object.__setattr__`` in field order), not through their ``__init__``;
+* everything else (chunked tensors, values, DTensor and other destinations, empty tensors) goes through
+  torch's own ``_create_read_items`` on the entry built for that key alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner_helpers import _create_read_items
+from torch.distributed.tensor import DTensor
+
+from ..formats.dcp_native.columns import MetadataColumns
+from .dtype_policy import DtypePolicy
+
+__all__ = ["PLAIN_TENSORS", "build_read_items_on_columns", "value_problems_on_columns", "whole_single_chunk"]
+
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+"""Destination types read as one whole chunk (torch's ``_create_chunk_list`` for a plain tensor)."""
+
+_new = object.__new__
+_set = object.__setattr__
+_TENSOR = LoadItemType.TENSOR
+
+
+def whole_single_chunk(cols: MetadataColumns) -> np.ndarray:
+    """Per entry: a tensor of at least one element stored as one chunk covering it (offsets 0, sizes = shape)."""
+    n, c = len(cols.names), cols.chunk_count
+    per_entry = np.diff(cols.chunk_at)
+    entry_of_chunk = np.repeat(np.arange(n), per_entry)
+    dims_per_chunk = np.diff(cols.box_at)
+    chunk_of_elem = np.repeat(np.arange(c), dims_per_chunk)
+    # element e of chunk k's box is dimension e - box_at[k] of its tensor's shape
+    aligned = np.arange(len(cols.chunk_offsets)) + (cols.shape_at[entry_of_chunk] - cols.box_at[:-1])[chunk_of_elem]
+    bad = (cols.chunk_offsets != 0) | (cols.chunk_sizes != cols.dims[aligned])
+    whole = np.bincount(chunk_of_elem[bad], minlength=c) == 0
+    empty = np.zeros(n, dtype=bool)
+    empty[np.repeat(np.arange(n), np.diff(cols.shape_at))[cols.dims == 0]] = True
+    first = np.minimum(cols.chunk_at[:-1], max(c - 1, 0))
+    return (per_entry == 1) & ~cols.is_bytes & ~empty & (whole[first] if c else False)
+
+
+def value_problems_on_columns(
+    state_dict: Mapping[str, Any],
+    cols: MetadataColumns,
+    rows: Mapping[str, int],
+    pairs: Mapping[str, str],
+    dtype_policy: DtypePolicy,
+    named: Any,
+    size_of: Any,
+    dtype_of: Any,
+) -> tuple[list[str], list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]]]:
+    """:func:`~.matching.check_values`'s findings (kinds, shapes, dtypes, casts), from the columns."""
+    kinds: list[str] = []
+    shapes: list[str] = []
+    dtypes: list[str] = []
+    casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    is_bytes = cols.is_bytes.tolist()
+    shape_at = cols.shape_at.tolist()
+    dims = cols.dims.tolist()
+    prop = cols.prop.tolist()
+    stored_dtypes = [p.dtype for p in cols.properties]
+    allowed: dict[tuple[Any, Any], bool] = {}
+    plain = PLAIN_TENSORS
+    for key, ckpt_key in pairs.items():
+        r = rows[ckpt_key]
+        if is_bytes[r]:
+            continue
+        value = state_dict[key]
+        shape = tuple(dims[shape_at[r] : shape_at[r + 1]])
+        is_plain = type(value) in plain
+        size = value.shape if is_plain else size_of(value)
+        if size is None:
+            kinds.append(
+                f"{named(key, ckpt_key)}: checkpoint holds a tensor of shape {shape}, state dict a {type(value).__name__}"
+            )
+            continue
+        if shape != tuple(size):
+            shapes.append(f"{named(key, ckpt_key)}: checkpoint has shape {shape}, state dict has {tuple(size)}")
+            continue
+        dest = value.dtype if is_plain else dtype_of(value)
+        stored = stored_dtypes[prop[r]]
+        if dest is stored or dest is None or stored is None or dest == stored:
+            continue
+        ok = allowed.get((stored, dest))
+        if ok is None:
+            ok = allowed[(stored, dest)] = dtype_policy.allows(stored, dest)
+        if ok:
+            casts[key] = (stored, dest)
+        else:
+            dtypes.append(f"{named(key, ckpt_key)}: checkpoint stores {stored}, destination is {dest}")
+    return kinds, shapes, dtypes, casts
+
+
+def build_read_items_on_columns(
+    state_dict: Mapping[str, Any],
+    metadata: Metadata,
+    cols: MetadataColumns,
+    rows: Mapping[str, int],
+    pairs: Mapping[str, str],
+) -> list[ReadItem]:
+    """:func:`~.matching.build_read_items` from the columns (the same items, in the same order)."""
+    simple = whole_single_chunk(cols).tolist()
+    shape_at = cols.shape_at.tolist()
+    dims = cols.dims.tolist()
+    entry = metadata.state_dict_metadata.entry  # type: ignore[attr-defined]
+    zeros: dict[int, torch.Size] = {}
+    lengths: dict[torch.Size, torch.Size] = {}
+    plain = PLAIN_TENSORS
+    items: list[ReadItem] = []
+    append = items.append
+    for key, ckpt_key in pairs.items():
+        value = state_dict[key]
+        r = rows[ckpt_key]
+        if simple[r] and type(value) in plain:
+            shape = value.shape
+            if shape == tuple(dims[shape_at[r] : shape_at[r + 1]]):
+                size = lengths.get(shape)
+                if size is None:
+                    size = lengths[shape] = shape
+                zero = zeros.get(len(shape))
+                if zero is None:
+                    zero = zeros[len(shape)] = torch.Size([0] * len(shape))
+                dest = _index(key, zero)
+                item = _new(ReadItem)
+                _set(item, "type", _TENSOR)
+                _set(item, "dest_index", dest)
+                _set(item, "dest_offsets", zero)
+                _set(item, "storage_index", dest if key == ckpt_key else _index(ckpt_key, zero))
+                _set(item, "storage_offsets", zero)
+                _set(item, "lengths", size)
+                append(item)
+                continue
+        # A DTensor on a submesh this rank is not part of has nothing to load here (as in torch).
+        if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
+            continue
+        for item in _create_read_items(ckpt_key, entry(r), value):
+            if key != ckpt_key:
+                d = item.dest_index
+                item = _replace_dest(item, MetadataIndex(key, d.offset, d.index))
+            append(item)
+    return items
+
+
+def _index(fqn: str, offset: torch.Size) -> MetadataIndex:
+    """``MetadataIndex(fqn, offset, 0)``, filled as its ``__init__`` fills it (``offset`` is a ``torch.Size``)."""
+    index = _new(MetadataIndex)
+    _set(index, "fqn", fqn)
+    _set(index, "index", 0)
+    _set(index, "offset", offset)
+    return index
+
+
+def _replace_dest(item: ReadItem, dest: MetadataIndex) -> ReadItem:
+    import dataclasses
+
+    return dataclasses.replace(item, dest_index=dest)
