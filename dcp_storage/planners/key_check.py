@@ -23,6 +23,7 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..formats.dcp_native.lazy_metadata import rows_of
 from .matching import KeyRules, match_keys
 from .planner import DynamicMetaLoadPlanner, RemappingLoadPlanner, flatten_v2_3
 
@@ -42,7 +43,8 @@ def check_planned_keys(planner: Any, metadata: Metadata) -> None:
     state_dict = getattr(planner, "state_dict", None)
     if not isinstance(state_dict, Mapping) or not state_dict:
         return
-    ckpt_keys = metadata.state_dict_metadata
+    rows = rows_of(metadata)  # lazy metadata over columns: its {name: row}, a plain dict
+    ckpt_keys: Mapping[str, Any] = metadata.state_dict_metadata if rows is None else rows
     key_map: Callable[[str], str] = getattr(planner, "key_map", None) or _same
     rules = rules_of(planner)
     match = match_keys(_planned_keys(planner, state_dict, ckpt_keys, key_map), ckpt_keys, key_map, rules)

@@ -37,6 +37,7 @@ from torch.futures import Future
 from ..errors import CheckpointNotFoundError
 from ..formats.completeness import find_leftovers
 from ..formats.dcp_native.item_loader import DcpItemLoader, DcpLoaderConfig
+from ..formats.dcp_native.lazy_metadata import columns_of
 from ..formats.dcp_native.manifest_io import read_manifest, record_verifier
 from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 from ..formats.misdirected import raise_explained
@@ -167,6 +168,11 @@ class FsspecReader(BoundLocation, StorageReader):
 
     def _splittable(self, item: ReadItem) -> bool:
         """Row blocks of a record can be fetched alone unless it is checked or decoded whole."""
+        if self.verify:
+            return False
+        cols = columns_of(self.metadata)
+        if cols is not None and not cols.transforms:  # no record is decoded whole: no entry to look up
+            return True
         info = self.storage_data.get(item.storage_index)
         return not self.verify and not getattr(info, "transform_descriptors", None)
 

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from .. import registry
 from ..errors import CorruptCheckpointError
+from ..formats.dcp_native.lazy_metadata import columns_of, rows_of
 from ..gc_pause import gc_paused
 from ..registry import PluginNotFoundError
 from ..transports.factory import READ_STRATEGY_OPTION  # the storage option naming a reader's strategy
@@ -101,10 +102,21 @@ class MetadataItems:
     """:class:`StoredItems` from a checkpoint's DCP ``Metadata``; ``splittable`` as the reader says."""
 
     def __init__(self, metadata: Metadata, splittable: Callable[[ReadItem], bool] = lambda item: True) -> None:
+        self._metadata = metadata
         self._md = metadata.state_dict_metadata
         self._splittable = splittable
+        self._dtypes: tuple[dict[str, int], list[Any], list[Any]] | None = None
 
     def dtype(self, item: ReadItem) -> torch.dtype:
+        cols = columns_of(self._metadata)
+        if cols is not None:  # from the columns: no entry built per item (a million items at scale)
+            if self._dtypes is None:
+                rows = rows_of(self._metadata) or {}
+                self._dtypes = (rows, cols.prop.tolist(), [p.dtype for p in cols.properties])
+            rows, prop, dtypes = self._dtypes
+            r = rows.get(item.storage_index.fqn)
+            if r is not None and prop[r] >= 0:
+                return dtypes[prop[r]]
         md = self._md.get(item.storage_index.fqn)
         if not isinstance(md, TensorStorageMetadata):
             raise CorruptCheckpointError(f"no tensor {item.storage_index.fqn!r} in the checkpoint metadata")

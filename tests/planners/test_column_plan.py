@@ -224,3 +224,47 @@ def test_dcp_load_on_columns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         assert torch.equal(out["model"]["w"], saved["model"]["w"])
         assert torch.equal(out["model"]["b"], saved["model"]["b"].float())
         assert out["step"] == 5
+
+
+def test_readers_plan_steps_on_columns(tmp_path: Path) -> None:
+    """What the reader's strategies ask per item (stored dtype, splittable) and its key check: as on torch's."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from dcp_storage.errors import CorruptCheckpointError
+    from dcp_storage.planners.key_check import check_planned_keys
+    from dcp_storage.strategies.read_strategy import MetadataItems
+
+    md = synthetic_metadata()
+    index = next(i for i in md.storage_data if i.fqn == "model.layers.1.w")
+    info = md.storage_data[index]
+    md.storage_data[index] = _StorageInfo(info.relative_path, info.offset, info.length, ["stream.zstd"])
+    cols = columns_from_metadata(md)
+    assert cols is not None and cols.transforms
+    plain, lazy = metadata_from_columns(cols), lazy_metadata(cols)
+    plan, _ = _plan(RemappingLoadPlanner, _state_dict(), plain)
+    dtypes = [[], []]
+    for n, metadata in enumerate((plain, lazy)):
+        stored = MetadataItems(metadata)
+        for item in plan.items:
+            try:
+                dtypes[n].append(stored.dtype(item))
+            except CorruptCheckpointError as exc:
+                dtypes[n].append(str(exc))
+    assert dtypes[0] == dtypes[1] and "no tensor 'step' in the checkpoint metadata" in dtypes[0]
+    for verify in (False, True):
+        split = []
+        for metadata in (plain, lazy):
+            reader = FsspecReader(tmp_path, verify=verify)
+            reader.set_up_storage_reader(metadata, True)
+            split.append([reader._splittable(item) for item in plan.items])
+        assert split[0] == split[1] and (not any(split[0]) if verify else split[0].count(False) == 1)
+    planner = DefaultLoadPlanner()
+    sd = _state_dict()
+    sd["model.nope"] = torch.zeros(1)
+    planner.set_up_planner(sd, plain, True)
+    errors = []
+    for metadata in (plain, lazy):
+        with pytest.raises(IncompatibleKeysError) as info_:
+            check_planned_keys(planner, metadata)
+        errors.append(str(info_.value))
+    assert errors[0] == errors[1] and "model.nope" in errors[0]
