@@ -18,6 +18,7 @@ in the same order); what changes is the cost at a million tensors:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from ..formats.dcp_native.columns import MetadataColumns
 from .dtype_policy import DtypePolicy
 
-__all__ = ["PLAIN_TENSORS", "build_read_items_on_columns", "value_problems_on_columns", "whole_single_chunk"]
+__all__ = ["PLAIN_TENSORS", "plan_on_columns", "whole_single_chunk"]
 
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 """Destination types read as one whole chunk (torch's ``_create_chunk_list`` for a plain tensor)."""
@@ -58,8 +59,9 @@ def whole_single_chunk(cols: MetadataColumns) -> np.ndarray:
     return (per_entry == 1) & ~cols.is_bytes & ~empty & (whole[first] if c else False)
 
 
-def value_problems_on_columns(
+def plan_on_columns(
     state_dict: Mapping[str, Any],
+    metadata: Metadata,
     cols: MetadataColumns,
     rows: Mapping[str, int],
     pairs: Mapping[str, str],
@@ -67,109 +69,91 @@ def value_problems_on_columns(
     named: Any,
     size_of: Any,
     dtype_of: Any,
-) -> tuple[list[str], list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]]]:
-    """:func:`~.matching.check_values`'s findings (kinds, shapes, dtypes, casts), from the columns."""
+    build: bool = True,
+) -> tuple[list[str], list[str], list[str], dict[str, tuple[torch.dtype, torch.dtype]], list[ReadItem]]:
+    """:func:`~.matching.check_values`'s findings (kinds, shapes, dtypes, casts) and, with ``build`` and when
+    there are none, :func:`~.matching.build_read_items`'s items: one pass over the pairs, from the columns."""
     kinds: list[str] = []
     shapes: list[str] = []
     dtypes: list[str] = []
     casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    items: list[ReadItem] = []
     is_bytes = cols.is_bytes.tolist()
     shape_at = cols.shape_at.tolist()
     dims = cols.dims.tolist()
     prop = cols.prop.tolist()
+    simple = whole_single_chunk(cols).tolist() if build else []
     stored_dtypes = [p.dtype for p in cols.properties]
-    allowed: dict[tuple[Any, Any], bool] = {}
-    plain = PLAIN_TENSORS
-    for key, ckpt_key in pairs.items():
-        r = rows[ckpt_key]
-        if is_bytes[r]:
-            continue
-        value = state_dict[key]
-        shape = tuple(dims[shape_at[r] : shape_at[r + 1]])
-        is_plain = type(value) in plain
-        size = value.shape if is_plain else size_of(value)
-        if size is None:
-            kinds.append(
-                f"{named(key, ckpt_key)}: checkpoint holds a tensor of shape {shape}, state dict a {type(value).__name__}"
-            )
-            continue
-        if shape != tuple(size):
-            shapes.append(f"{named(key, ckpt_key)}: checkpoint has shape {shape}, state dict has {tuple(size)}")
-            continue
-        dest = value.dtype if is_plain else dtype_of(value)
-        stored = stored_dtypes[prop[r]]
-        if dest is stored or dest is None or stored is None or dest == stored:
-            continue
-        ok = allowed.get((stored, dest))
-        if ok is None:
-            ok = allowed[(stored, dest)] = dtype_policy.allows(stored, dest)
-        if ok:
-            casts[key] = (stored, dest)
-        else:
-            dtypes.append(f"{named(key, ckpt_key)}: checkpoint stores {stored}, destination is {dest}")
-    return kinds, shapes, dtypes, casts
-
-
-def build_read_items_on_columns(
-    state_dict: Mapping[str, Any],
-    metadata: Metadata,
-    cols: MetadataColumns,
-    rows: Mapping[str, int],
-    pairs: Mapping[str, str],
-) -> list[ReadItem]:
-    """:func:`~.matching.build_read_items` from the columns (the same items, in the same order)."""
-    simple = whole_single_chunk(cols).tolist()
-    shape_at = cols.shape_at.tolist()
-    dims = cols.dims.tolist()
     entry = metadata.state_dict_metadata.entry  # type: ignore[attr-defined]
+    allowed: dict[tuple[Any, Any], bool] = {}
     zeros: dict[int, torch.Size] = {}
     lengths: dict[torch.Size, torch.Size] = {}
     plain = PLAIN_TENSORS
-    items: list[ReadItem] = []
     append = items.append
+    new, put, kind = _new, _set, _TENSOR
     for key, ckpt_key in pairs.items():
-        value = state_dict[key]
         r = rows[ckpt_key]
-        if simple[r] and type(value) in plain:
-            shape = value.shape
-            if shape == tuple(dims[shape_at[r] : shape_at[r + 1]]):
-                size = lengths.get(shape)
-                if size is None:
-                    size = lengths[shape] = shape
-                zero = zeros.get(len(shape))
+        value = state_dict[key]
+        if not is_bytes[r]:
+            shape = tuple(dims[shape_at[r] : shape_at[r + 1]])
+            is_plain = type(value) in plain
+            size = value.shape if is_plain else size_of(value)
+            if size is None:
+                kinds.append(
+                    f"{named(key, ckpt_key)}: checkpoint holds a tensor of shape {shape}, "
+                    f"state dict a {type(value).__name__}"
+                )
+                continue
+            if shape != tuple(size):
+                shapes.append(f"{named(key, ckpt_key)}: checkpoint has shape {shape}, state dict has {tuple(size)}")
+                continue
+            dest = value.dtype if is_plain else dtype_of(value)
+            stored = stored_dtypes[prop[r]]
+            if not (dest is stored or dest is None or stored is None or dest == stored):
+                ok = allowed.get((stored, dest))
+                if ok is None:
+                    ok = allowed[(stored, dest)] = dtype_policy.allows(stored, dest)
+                if ok:
+                    casts[key] = (stored, dest)
+                else:
+                    dtypes.append(f"{named(key, ckpt_key)}: checkpoint stores {stored}, destination is {dest}")
+            if not build or kinds or shapes or dtypes:
+                continue  # planning fails: no items
+            if is_plain and simple[r]:  # a whole tensor in one whole chunk: its one ReadItem, built directly
+                length = lengths.get(size)
+                if length is None:
+                    length = lengths[size] = size
+                zero = zeros.get(len(size))
                 if zero is None:
-                    zero = zeros[len(shape)] = torch.Size([0] * len(shape))
-                dest = _index(key, zero)
-                item = _new(ReadItem)
-                _set(item, "type", _TENSOR)
-                _set(item, "dest_index", dest)
-                _set(item, "dest_offsets", zero)
-                _set(item, "storage_index", dest if key == ckpt_key else _index(ckpt_key, zero))
-                _set(item, "storage_offsets", zero)
-                _set(item, "lengths", size)
+                    zero = zeros[len(size)] = torch.Size([0] * len(size))
+                index = new(MetadataIndex)  # as MetadataIndex(key, zero, 0) (its __init__'s order)
+                put(index, "fqn", key)
+                put(index, "index", 0)
+                put(index, "offset", zero)
+                if key != ckpt_key:
+                    stored_index = new(MetadataIndex)
+                    put(stored_index, "fqn", ckpt_key)
+                    put(stored_index, "index", 0)
+                    put(stored_index, "offset", zero)
+                else:
+                    stored_index = index
+                item = new(ReadItem)  # as ReadItem(...), fields in order
+                put(item, "type", kind)
+                put(item, "dest_index", index)
+                put(item, "dest_offsets", zero)
+                put(item, "storage_index", stored_index)
+                put(item, "storage_offsets", zero)
+                put(item, "lengths", length)
                 append(item)
                 continue
+        if not build or kinds or shapes or dtypes:
+            continue
         # A DTensor on a submesh this rank is not part of has nothing to load here (as in torch).
         if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
             continue
         for item in _create_read_items(ckpt_key, entry(r), value):
             if key != ckpt_key:
                 d = item.dest_index
-                item = _replace_dest(item, MetadataIndex(key, d.offset, d.index))
+                item = dataclasses.replace(item, dest_index=MetadataIndex(key, d.offset, d.index))
             append(item)
-    return items
-
-
-def _index(fqn: str, offset: torch.Size) -> MetadataIndex:
-    """``MetadataIndex(fqn, offset, 0)``, filled as its ``__init__`` fills it (``offset`` is a ``torch.Size``)."""
-    index = _new(MetadataIndex)
-    _set(index, "fqn", fqn)
-    _set(index, "index", 0)
-    _set(index, "offset", offset)
-    return index
-
-
-def _replace_dest(item: ReadItem, dest: MetadataIndex) -> ReadItem:
-    import dataclasses
-
-    return dataclasses.replace(item, dest_index=dest)
+    return kinds, shapes, dtypes, casts, items

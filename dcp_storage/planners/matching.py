@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import ShapeMismatchError
 from ..formats.dcp_native.lazy_metadata import columns_of, rows_of
-from .column_plan import build_read_items_on_columns, value_problems_on_columns
+from .column_plan import plan_on_columns
 from .dtype_policy import DtypePolicy
 from .errors import (
     KEYS_SHOWN,
@@ -43,7 +43,15 @@ from .errors import (
 from .key_map import KeyMap
 from .report import LoadResult, suggest_key_map, warn_nothing_matched
 
-__all__ = ["KeyMatch", "KeyRules", "build_read_items", "check_values", "match_keys", "metadata_from_state_dict"]
+__all__ = [
+    "KeyMatch",
+    "KeyRules",
+    "build_read_items",
+    "check_and_build",
+    "check_values",
+    "match_keys",
+    "metadata_from_state_dict",
+]
 
 
 @dataclass(frozen=True)
@@ -113,27 +121,34 @@ def match_keys(
     ``{name: row}``, :func:`~dcp_storage.formats.dcp_native.lazy_metadata.rows_of`), or any iterable.
     """
     keys = state_dict_keys if isinstance(state_dict_keys, (list, tuple)) else list(state_dict_keys)
-    sources: Mapping[str, Any]
-    target_of: dict[str, str] = {}
-    if isinstance(key_map, KeyMap) and key_map.is_identity and all(type(k) is str for k in keys):
-        target_of = dict(zip(keys, keys))
-    if len(target_of) == len(keys):  # the identity on distinct keys: no collisions
-        sources = target_of
+    ckpt = checkpoint_keys if isinstance(checkpoint_keys, Mapping) else dict.fromkeys(checkpoint_keys)
+    sources: Any
+    if (
+        isinstance(key_map, KeyMap)
+        and key_map.is_identity
+        and isinstance(state_dict_keys, Mapping)  # distinct keys: the identity has no collisions
+        and all(type(k) is str for k in keys)
+    ):
+        pairs = {k: k for k in keys if k in ckpt}
+        missing = [k for k in keys if k not in ckpt] if len(pairs) < len(keys) else []
+        sources = state_dict_keys
     else:
-        target_of = {}
+        target_of: dict[str, str] = {}
         many: dict[str, list[str]] = {}
         for key in keys:
             target = key_map(key)
             target_of[key] = target
             many.setdefault(target, []).append(key)
-        collisions = {ckpt: srcs for ckpt, srcs in many.items() if len(srcs) > 1}
+        collisions = {c: srcs for c, srcs in many.items() if len(srcs) > 1}
         if collisions:
             raise KeyCollisionError(collisions, key_map)
         sources = many
-    ckpt = checkpoint_keys if isinstance(checkpoint_keys, Mapping) else dict.fromkeys(checkpoint_keys)
-    pairs = {k: t for k, t in target_of.items() if t in ckpt}
-    missing = [k for k, t in target_of.items() if t not in ckpt] if len(pairs) < len(target_of) else []
-    unexpected = [c for c in ckpt if c not in sources and not rules.is_ignored(c)]
+        pairs = {k: t for k, t in target_of.items() if t in ckpt}
+        missing = [k for k, t in target_of.items() if t not in ckpt] if len(pairs) < len(target_of) else []
+    if len(pairs) == len(ckpt):  # targets are distinct: every checkpoint key is asked for
+        unexpected: list[str] = []
+    else:
+        unexpected = [c for c in ckpt if c not in sources and not rules.is_ignored(c)]
     return KeyMatch(pairs, missing, unexpected)
 
 
@@ -161,10 +176,25 @@ def check_values(
     Raises (after looking at every key, so one error lists them all) ``ValueTypeMismatchError``, then
     ``ShapeMismatchError``, then ``DtypeMismatchError``.
     """
+    return check_and_build(state_dict, metadata, pairs, dtype_policy, build=False)[0]
+
+
+def check_and_build(
+    state_dict: Mapping[str, Any],
+    metadata: Metadata,
+    pairs: Mapping[str, str],
+    dtype_policy: DtypePolicy,
+    build: bool = True,
+) -> tuple[dict[str, tuple[torch.dtype, torch.dtype]], list[ReadItem]]:
+    """:func:`check_values` then (with ``build``) :func:`build_read_items`: ``(casts, items)``.
+
+    On lazy metadata over columns, one pass does both (:mod:`.column_plan`); the errors are the same.
+    """
     cols, rows = columns_of(metadata), rows_of(metadata)
+    items: list[ReadItem] = []
     if cols is not None and rows is not None:
-        kinds, shapes, dtypes, casts = value_problems_on_columns(
-            state_dict, cols, rows, pairs, dtype_policy, _named, _size_of, _dtype_of
+        kinds, shapes, dtypes, casts, items = plan_on_columns(
+            state_dict, metadata, cols, rows, pairs, dtype_policy, _named, _size_of, _dtype_of, build
         )
     else:
         kinds, shapes, dtypes, casts = _value_problems(state_dict, metadata, pairs, dtype_policy)
@@ -179,7 +209,9 @@ def check_values(
         raise DtypeMismatchError(
             _listing(dtypes, f"dtype conversion(s) refused by {dtype_policy!r}") + f"; {dtype_policy.fix}"
         )
-    return casts
+    if build and (cols is None or rows is None):
+        items = build_read_items(state_dict, metadata, pairs)
+    return casts, items
 
 
 def _value_problems(
@@ -219,8 +251,14 @@ def build_read_items(state_dict: Mapping[str, Any], metadata: Metadata, pairs: M
     """The read items of the matched keys, resharding as torch does, with destinations renamed."""
     cols, rows = columns_of(metadata), rows_of(metadata)
     if cols is not None and rows is not None:
-        return build_read_items_on_columns(state_dict, metadata, cols, rows, pairs)
-    items: list[ReadItem] = []
+        policy = DtypePolicy.unchecked()
+        kinds, shapes, _, _, items = plan_on_columns(
+            state_dict, metadata, cols, rows, pairs, policy, _named, _size_of, _dtype_of
+        )
+        if not kinds and not shapes:
+            return items
+        # unchecked values that check_values would refuse: torch's resharding decides, entry by entry
+    items = []
     for key, ckpt_key in pairs.items():
         value = state_dict[key]
         # A DTensor on a submesh this rank is not part of has nothing to load here (as in torch).

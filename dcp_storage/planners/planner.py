@@ -43,8 +43,7 @@ from .key_map import KeyMap, KeyMapLike
 from .matching import (
     KeyMatch,
     KeyRules,
-    build_read_items,
-    check_values,
+    check_and_build,
     match_keys,
     metadata_from_state_dict,
     result_of,
@@ -178,8 +177,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         with gc_paused():  # a few small acyclic objects per tensor: at 1M tensors, collections were 2/3 of it
             match = self._match(self.metadata)
             self.key_rules.enforce(match.missing, match.unexpected, len(match.pairs), type(self).__name__)
-            casts = check_values(self.state_dict, self.metadata, match.pairs, self.dtype_policy)
-            items = build_read_items(self.state_dict, self.metadata, match.pairs)
+            casts, items = check_and_build(self.state_dict, self.metadata, match.pairs, self.dtype_policy)
             self.result = result_of(match, casts)
         return LoadPlan(items)
 
@@ -207,6 +205,8 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         # Checkpoints saved before torch 2.4 flattened nested containers differently. Like torch's
         # DefaultLoadPlanner: if some checkpoint keys are not asked for and the old flattening (through
         # the key map) asks for them, use the old flattening.
+        if len(match.pairs) == len(ckpt_keys):  # every checkpoint key is asked for (targets are distinct)
+            return match
         wanted = set(match.pairs.values())
         leftover = {c for c in ckpt_keys if c not in wanted}
         if not leftover:
@@ -221,7 +221,8 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
 def _flat_copy(state_dict: Any) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]] | None:
     """torch's flattening of a state dict of nested plain dicts whose leaves are plain, non-meta tensors or
     scalars: ``({"a.b": value}, {"a.b": ("a", "b")})``; ``None`` for anything else (lists, tuples, other
-    mappings, tensor subclasses, meta tensors: torch's own ``set_up_planner`` handles those).
+    mappings, tensor subclasses, meta tensors, keys that flatten alike: torch's own ``set_up_planner``
+    handles, or refuses, those).
 
     For these, torch's three passes (``_init_state_dict``, ``_flatten_sharded_tensors``,
     ``flatten_state_dict``) change nothing but the nesting; at a million tensors they cost seconds.
@@ -230,35 +231,26 @@ def _flat_copy(state_dict: Any) -> tuple[dict[str, Any], dict[str, tuple[str, ..
         return None
     flat: dict[str, Any] = {}
     paths: dict[str, tuple[str, ...]] = {}
-    plain = PLAIN_TENSORS
-    order: list[tuple[tuple[str, ...], Any]] = []
+    plain, scalars = PLAIN_TENSORS, _SCALARS
 
     def walk(prefix: tuple[str, ...], d: dict[Any, Any]) -> bool:
         for k, v in d.items():
-            path = (*prefix, str(k))
+            name = k if type(k) is str else str(k)
             t = type(v)
             if t is dict:
-                if not walk(path, v):
+                if not walk((*prefix, name), v):
                     return False
-            elif t in plain:
-                if v.is_meta:
-                    return False
-                order.append((path, v))
-            elif t in _SCALARS:
-                order.append((path, v))
-            else:
+                continue
+            if not (t in scalars or (t in plain and not v.is_meta)):
                 return False
+            key = ".".join((*prefix, name)) if prefix else name
+            if key in flat:
+                return False  # torch raises "duplicated flatten key"
+            flat[key] = v
+            paths[key] = (*prefix, name)
         return True
 
-    if not walk((), state_dict):
-        return None
-    for path, v in order:
-        key = path[0] if len(path) == 1 else ".".join(path)
-        if key in flat:
-            raise ValueError(f"duplicated flatten key {key}")
-        flat[key] = v
-        paths[key] = path
-    return flat, paths
+    return (flat, paths) if walk((), state_dict) else None
 
 
 _SCALARS = (int, float, bool, str, bytes, type(None))
