@@ -65,8 +65,10 @@ _I64 = np.int64
 
 
 def property_key(props: TensorProperties) -> tuple[Any, ...]:
-    """What makes two ``TensorProperties`` the same row of :attr:`MetadataColumns.properties`."""
-    return (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
+    """What makes two ``TensorProperties`` the same row of :attr:`MetadataColumns.properties`: the five
+    fields and their types (``requires_grad=1`` is not ``True``: the checks refuse the one and not the other)."""
+    values = (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
+    return (*values, *(type(v) for v in values))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -158,7 +160,7 @@ def columns_from_metadata(md: Metadata) -> MetadataColumns | None:
     file_rows: dict[str, int] = {}
     transforms: list[tuple[str, ...]] = []
     transform_rows: dict[tuple[str, ...], int] = {}
-    used = 0
+    used: set[tuple[str, tuple[int, ...] | None]] = set()  # records serving a chunk (or a value)
 
     def add_record(info: Any) -> bool:
         rel, off, length = info.relative_path, info.offset, info.length
@@ -189,7 +191,7 @@ def columns_from_metadata(md: Metadata) -> MetadataColumns | None:
             info = records.get((fqn, None))
             if info is None or not add_record(info):
                 return None
-            used += 1
+            used.add((fqn, None))
             is_bytes.append(True)
             prop.append(-1)
             shape_at.append(len(dims))
@@ -201,8 +203,11 @@ def columns_from_metadata(md: Metadata) -> MetadataColumns | None:
         size = _dims_of(item.size)
         if size is None or type(item.chunks) is not list:
             return None
-        key = property_key(item.properties)
-        row = prop_rows.get(key)
+        try:
+            key = property_key(item.properties)
+            row = prop_rows.get(key)
+        except (AttributeError, TypeError):  # a field missing, or unhashable: the checks name it
+            return None
         if row is None:
             row = prop_rows[key] = len(properties)
             properties.append(item.properties)
@@ -216,37 +221,41 @@ def columns_from_metadata(md: Metadata) -> MetadataColumns | None:
             offsets, sizes = _dims_of(chunk.offsets), _dims_of(chunk.sizes)
             if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
                 return None
-            info = records.get((fqn, tuple(offsets)))
-            if info is None or not add_record(info):
+            rkey = (fqn, tuple(offsets))
+            info = records.get(rkey)
+            if info is None or rkey in used or not add_record(info):  # no record, or two chunks at one offset
                 return None
-            used += 1
+            used.add(rkey)
             chunk_offsets += offsets
             chunk_sizes += sizes
             box_at.append(len(chunk_offsets))
         chunk_at.append(chunk_at[-1] + len(item.chunks))
-    if used != len(records):  # a storage entry serving no chunk, or two chunks at one offset
+    if len(used) != len(records):  # a storage entry serving no chunk
         return None
-    return MetadataColumns(
-        names=names,
-        is_bytes=np.array(is_bytes, dtype=bool),
-        prop=np.array(prop, dtype=_I32),
-        properties=properties,
-        shape_at=np.array(shape_at, dtype=_I64),
-        dims=np.array(dims, dtype=_I64),
-        chunk_at=np.array(chunk_at, dtype=_I64),
-        chunk_offsets=np.array(chunk_offsets, dtype=_I64),
-        chunk_sizes=np.array(chunk_sizes, dtype=_I64),
-        box_at=np.array(box_at, dtype=_I64),
-        file=np.array(file, dtype=_I32),
-        byte_offset=np.array(byte_offset, dtype=_I64),
-        byte_length=np.array(byte_length, dtype=_I64),
-        transform=np.array(transform, dtype=_I32),
-        files=files,
-        transforms=transforms,
-        planner_data=md.planner_data,
-        storage_meta=md.storage_meta,
-        version=md.version,
-    )
+    try:  # an integer beyond int64 raises OverflowError: the checks name it
+        return MetadataColumns(
+            names=names,
+            is_bytes=np.array(is_bytes, dtype=bool),
+            prop=np.array(prop, dtype=_I32),
+            properties=properties,
+            shape_at=np.array(shape_at, dtype=_I64),
+            dims=np.array(dims, dtype=_I64),
+            chunk_at=np.array(chunk_at, dtype=_I64),
+            chunk_offsets=np.array(chunk_offsets, dtype=_I64),
+            chunk_sizes=np.array(chunk_sizes, dtype=_I64),
+            box_at=np.array(box_at, dtype=_I64),
+            file=np.array(file, dtype=_I32),
+            byte_offset=np.array(byte_offset, dtype=_I64),
+            byte_length=np.array(byte_length, dtype=_I64),
+            transform=np.array(transform, dtype=_I32),
+            files=files,
+            transforms=transforms,
+            planner_data=md.planner_data,
+            storage_meta=md.storage_meta,
+            version=md.version,
+        )
+    except OverflowError:
+        return None
 
 
 def metadata_from_columns(cols: MetadataColumns) -> Metadata:
