@@ -70,31 +70,23 @@ def _sound(cols: MetadataColumns) -> bool:
     if not _bytes_fit(cols.dims, cols.shape_at, t_items):
         return False
 
-    # Chunks: inside their tensor (each chunk has its tensor's dims: checked by _consistent).
-    per_entry = np.diff(cols.chunk_at)
-    entry_of_chunk = np.repeat(np.arange(n, dtype=_I64), per_entry)
-    box_len = np.diff(cols.box_at)
-    dim_of_box = np.repeat(cols.shape_at[:-1][entry_of_chunk] - cols.box_at[:-1], box_len) + np.arange(
-        cols.chunk_offsets.size, dtype=_I64
-    )
-    shape_of_box = cols.dims[dim_of_box]
-    off, size = cols.chunk_offsets, cols.chunk_sizes
-    if off.size and (int(off.min()) < 0 or int(size.min()) < 0 or bool(np.any(size > shape_of_box - off))):
-        return False  # (shape - off may be negative; neither side overflows with both non-negative)
-    del dim_of_box
-
     # Records: byte ranges possible.
     b_off, b_len = cols.byte_offset, cols.byte_length
     if b_off.size and (int(b_off.min()) < 0 or int(b_len.min()) < 0 or bool(np.any(b_off > MAX_BYTES - b_len))):
         return False
 
-    if not _tiled(cols, entry_of_chunk, per_entry, box_len, shape_of_box, is_tensor):
+    # Chunks: inside their tensor and tiling it; their element counts.
+    per_entry = np.diff(cols.chunk_at)
+    if n and int(per_entry.min()) == 1 and int(per_entry.max()) == 1:
+        entry_of_chunk = np.arange(n, dtype=_I64)
+    else:
+        entry_of_chunk = np.repeat(np.arange(n, dtype=_I64), per_entry)
+    vol = _chunk_volumes(cols, entry_of_chunk, per_entry, is_tensor)
+    if vol is None:
         return False
-    del shape_of_box
 
     # Chunk byte counts: exact in int64 now that every chunk lies inside a tensor whose bytes fit.
     chunk_is_tensor = is_tensor[entry_of_chunk]
-    vol = _volumes(size, cols.box_at)
     nbytes = np.where(chunk_is_tensor, vol * t_items[entry_of_chunk], 0)
     del vol
     has_transform = np.array([len(t) > 0 for t in cols.transforms] + [False], dtype=bool)
@@ -127,9 +119,9 @@ def _consistent(cols: MetadataColumns) -> bool:
     for array, dtype in arrays.values():
         if not isinstance(array, np.ndarray) or array.dtype != dtype or array.ndim != 1:
             return False
-    if not isinstance(cols.names, list) or not all(type(name) is str for name in cols.names):
+    if not isinstance(cols.names, list) or (n and set(map(type, cols.names)) != {str}):
         return False
-    if len(set(cols.names)) != n:
+    if len(set(cols.names)) != n:  # distinct keys (a dict's)
         return False
     if cols.is_bytes.size != n or cols.prop.size != n:
         return False
@@ -222,13 +214,6 @@ def _bytes_fit(dims: np.ndarray, shape_at: np.ndarray, itemsize: np.ndarray) -> 
     return True
 
 
-def _volumes(sizes: np.ndarray, box_at: np.ndarray) -> np.ndarray:
-    """Elements of each box, exact where its product fits int64 (a box with a 0 size counts 0 exactly)."""
-    prod = _seg_reduce(np.multiply, np.maximum(sizes, 1), box_at, 1)
-    has_zero = _seg_reduce(np.logical_or, sizes == 0, box_at, False)
-    return np.where(has_zero, 0, prod)
-
-
 def _total(values: np.ndarray) -> int:
     """The exact sum of non-negative int64 ``values`` (as halves: no wrapping)."""
     if not values.size:
@@ -238,67 +223,72 @@ def _total(values: np.ndarray) -> int:
     return (high << 32) + low
 
 
-def _tiled(
-    cols: MetadataColumns,
-    entry_of_chunk: np.ndarray,
-    per_entry: np.ndarray,
-    box_len: np.ndarray,
-    shape_of_box: np.ndarray,
-    is_tensor: np.ndarray,
-) -> bool:
-    """Whether every tensor's chunks tile it (:func:`~..tiling.tiling_problem` is ``None``), with no two
-    chunks of one tensor at the same offsets. Chunks already lie inside their tensors."""
-    off, size = cols.chunk_offsets, cols.chunk_sizes
-    # No chunk: sound only for a tensor of no elements (a scalar has one).
+def _chunk_volumes(
+    cols: MetadataColumns, entry_of_chunk: np.ndarray, per_entry: np.ndarray, is_tensor: np.ndarray
+) -> np.ndarray | None:
+    """Each chunk's element count, or ``None`` if a chunk lies outside its tensor or a tensor's chunks do not
+    tile it (:func:`~..tiling.tiling_problem` is not ``None``, or two chunks share their offsets).
+
+    Chunks are taken by their number of dimensions (a few distinct values), as ``(chunks, dims)`` arrays.
+    A tensor of one chunk tiles it if its sizes are the shape. One of several chunks: the common case is a
+    run along one axis (the other dimensions whole, at offset 0), each chunk starting where the one before it
+    ended and the last ending at the tensor's end; any other set of chunks goes to ``tiling_problem``.
+    """
+    off, size, box_at = cols.chunk_offsets, cols.chunk_sizes, cols.box_at
+    vol = np.ones(entry_of_chunk.size, dtype=_I64)
     has_zero_dim = _seg_reduce(np.logical_or, cols.dims == 0, cols.shape_at, False)
     if bool(np.any(is_tensor & (per_entry == 0) & ~has_zero_dim)):
-        return False
-    # One chunk: its sizes are the shape.
-    mismatch = _seg_reduce(np.logical_or, size != shape_of_box, cols.box_at, False)
-    single = (per_entry == 1)[entry_of_chunk] & is_tensor[entry_of_chunk]
-    if bool(np.any(single & mismatch)):
-        return False
-    multi_entries = np.flatnonzero(is_tensor & (per_entry > 1))
-    if not multi_entries.size:
-        return True
-    # Several chunks: the common case is a run along one axis (the other dims whole, offsets 0), in order of
-    # offset, each chunk starting where the previous ended, the last ending at the tensor's end.
-    multi = (per_entry > 1)[entry_of_chunk] & is_tensor[entry_of_chunk]
-    chunks = np.flatnonzero(multi)
-    local = np.arange(off.size, dtype=_I64) - np.repeat(cols.box_at[:-1], box_len)  # each box value's dim
-    partial = ~((off == 0) & (size == shape_of_box))
-    big = np.int64(MAX_NDIM + 1)
-    lo = _seg_reduce(np.minimum, np.where(partial, local, big), cols.box_at, big)[chunks]
-    hi = _seg_reduce(np.maximum, np.where(partial, local, -1), cols.box_at, np.int64(-1))[chunks]
-    ent = entry_of_chunk[chunks]
-    # per tensor: the one axis its chunks are partial along (-1: none or several)
-    ent_at = np.concatenate(([0], np.cumsum(per_entry[multi_entries])))
-    t_lo = _seg_reduce(np.minimum, lo, ent_at, big)
-    t_hi = _seg_reduce(np.maximum, hi, ent_at, np.int64(-1))
-    axis_of = np.full(len(cols.names), -1, dtype=_I64)
-    axis_of[multi_entries] = np.where(t_lo == t_hi, t_hi, -1)
-    axis = axis_of[ent]
-    ok_entry = np.zeros(len(cols.names), dtype=bool)
-    ok_entry[multi_entries] = True
-    ok_entry[ent[axis < 0]] = False
-    pick = cols.box_at[:-1][chunks] + np.maximum(axis, 0)
-    start, stop = off[pick], off[pick] + size[pick]
-    limit = cols.dims[cols.shape_at[:-1][ent] + np.maximum(axis, 0)]
-    order = np.lexsort((start, ent))
-    ent, start, stop, limit = ent[order], start[order], stop[order], limit[order]
+        return None  # no chunk: sound only for a tensor of no elements (a scalar has one)
+    box_len = np.diff(box_at)
+    general = np.flatnonzero(is_tensor & (per_entry > 1) & (np.diff(cols.shape_at) == 0)).tolist()  # scalars
+    for d in np.unique(box_len).tolist():
+        if d == 0:
+            continue
+        ch = np.flatnonzero(box_len == d)  # tensor chunks only (a value has no dimensions)
+        ent = entry_of_chunk[ch]
+        at = np.arange(d, dtype=_I64)
+        cells = box_at[ch][:, None] + at
+        o, n = off[cells], size[cells]
+        shape = cols.dims[cols.shape_at[ent][:, None] + at]
+        del cells
+        if int(o.min()) < 0 or int(n.min()) < 0 or bool(np.any(n > shape - o)):
+            return None  # (shape - o may be negative; neither side overflows with both non-negative)
+        vol[ch] = np.where(np.any(n == 0, axis=1), 0, np.prod(np.maximum(n, 1), axis=1))
+        whole = n == shape
+        single = per_entry[ent] == 1
+        if bool(np.any(single & ~np.all(whole, axis=1))):
+            return None
+        several = ~single
+        if bool(np.any(several)):
+            general += _runs_not_proven(ent[several], o[several], n[several], shape[several], whole[several])
+    for i in general:
+        if not _tiles_exactly(cols, i):
+            return None
+    return vol
+
+
+def _runs_not_proven(ent: np.ndarray, o: np.ndarray, n: np.ndarray, shape: np.ndarray, whole: np.ndarray) -> list[int]:
+    """Tensors (of ``ent``: the chunks of tensors with several, in order) whose chunks are not shown to tile
+    them as one run along one axis."""
     first = np.ones(ent.size, dtype=bool)
     first[1:] = ent[1:] != ent[:-1]
-    last = np.ones(ent.size, dtype=bool)
-    last[:-1] = first[1:]
-    bad = first & (start != 0)
-    bad |= last & (stop != limit)
-    follows = ~first
-    bad[1:] |= follows[1:] & ((start[1:] != stop[:-1]) | (start[1:] <= start[:-1]))
-    ok_entry[ent[bad]] = False
-    for i in multi_entries[~ok_entry[multi_entries]].tolist():
-        if not _tiles_exactly(cols, i):
-            return False
-    return True
+    starts = np.flatnonzero(first)
+    tensor = np.cumsum(first) - 1  # each chunk's tensor, 0..T-1
+    partial = np.logical_or.reduceat(~((o == 0) & whole), starts, axis=0)  # (T, dims): where chunks differ
+    ok = np.count_nonzero(partial, axis=1) == 1
+    axis = np.argmax(partial, axis=1)[tensor]
+    rows = np.arange(ent.size)
+    start, stop, end = o[rows, axis], o[rows, axis] + n[rows, axis], shape[rows, axis]
+    order = np.lexsort((start, tensor))
+    tensor, start, stop, end = tensor[order], start[order], stop[order], end[order]
+    head = np.ones(ent.size, dtype=bool)
+    head[1:] = tensor[1:] != tensor[:-1]
+    tail = np.ones(ent.size, dtype=bool)
+    tail[:-1] = head[1:]
+    bad = (head & (start != 0)) | (tail & (stop != end))
+    bad[1:] |= ~head[1:] & ((start[1:] != stop[:-1]) | (start[1:] <= start[:-1]))
+    ok[tensor[bad]] = False
+    return ent[starts][~ok].tolist()
 
 
 def _tiles_exactly(cols: MetadataColumns, i: int) -> bool:
