@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import copyreg
 import enum
+import os
 import pathlib
 import pickle
 from typing import Any
@@ -27,10 +28,19 @@ from ...safe_unpickle import StandInRefusal, globals_of, safe_loads
 from ..limits import METADATA, read_limited
 from ..paths import METADATA_FILE
 from ..safe_globals import with_registered_globals
+from .column_checks import columns_sound
+from .columns import MetadataColumns, columns_from_metadata, metadata_from_columns
+from .lazy_metadata import lazy_metadata
 from .metadata_checks import check_metadata
+
+try:  # the native decoder of the pickle straight into columns (optional: without it, the general path)
+    from .native_decode import decode_columns
+except ImportError:
+    decode_columns = None
 
 __all__ = [
     "DCP_VERSION",
+    "LAZY_MIN_ENTRIES",
     "METADATA_FILE",
     "dump_metadata",
     "load_metadata",
@@ -116,14 +126,64 @@ def metadata_allow_list() -> dict[tuple[str, str], Any]:
 _ALLOWED = metadata_allow_list()
 
 
+# Entries from which a .metadata decoded as columns is served as views of them (lazy_metadata) rather than
+# as torch's dicts of objects (about 2 KB a tensor); 0 serves every one as views (the test suite's switch).
+LAZY_MIN_ENTRIES = 20_000
+LAZY_MIN_ENTRIES_ENV = "DCP_STORAGE_LAZY_METADATA_ENTRIES"
+# Which decoder gives columns: "native" (the C decoder, when built), "python" (the guarded unpickler, then
+# columns_from_metadata: slower; for tests and machines without the native module), "off" (never columns).
+DECODER_ENV = "DCP_STORAGE_METADATA_DECODER"
+_DECODERS = ("native", "python", "off")
+
+
+def lazy_min_entries() -> int:
+    """:data:`LAZY_MIN_ENTRIES`, or the value of ``DCP_STORAGE_LAZY_METADATA_ENTRIES`` (read at each use)."""
+    raw = os.environ.get(LAZY_MIN_ENTRIES_ENV)
+    if raw is None or not raw.strip():
+        return LAZY_MIN_ENTRIES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{LAZY_MIN_ENTRIES_ENV}={raw!r} is not a whole number of entries") from None
+    if value < 0:
+        raise ValueError(f"{LAZY_MIN_ENTRIES_ENV}={raw!r} must not be negative")
+    return value
+
+
+def _decoder() -> str:
+    raw = os.environ.get(DECODER_ENV, "").strip() or "native"
+    if raw not in _DECODERS:
+        raise ValueError(f"{DECODER_ENV}={raw!r} must be one of {', '.join(_DECODERS)}")
+    return raw
+
+
+def _served(cols: MetadataColumns) -> Metadata:
+    return lazy_metadata(cols) if len(cols) >= lazy_min_entries() else metadata_from_columns(cols)
+
+
 def load_metadata(data: bytes | bytearray | memoryview, path: str) -> Metadata:
     """Decode ``.metadata`` bytes read from ``path``; never runs code from them.
 
     The decoded object is checked too (:mod:`.metadata_checks`: dtypes, shapes, byte counts, chunk bounds,
     storage entries that stay inside the checkpoint), so every problem is reported here, naming ``path``.
+
+    Fast path: the native decoder reads a canonical pickle straight into columns (:mod:`.columns`), checked
+    on arrays (:mod:`.column_checks`); a sound one is served as views of its columns from
+    ``DCP_STORAGE_LAZY_METADATA_ENTRIES`` entries (20,000), as a plain ``Metadata`` below. Anything else (no
+    native module, a pickle outside its subset, columns the checks refuse) takes the general path, which
+    names each problem.
     """
+    decoder = _decoder()
+    if decoder == "native" and decode_columns is not None:
+        cols = decode_columns(data)
+        if cols is not None and columns_sound(cols, path):
+            return _served(cols)
     with gc_paused():  # millions of small acyclic objects at a million tensors (see gc_pause)
         metadata = safe_loads(data, path, with_registered_globals(_ALLOWED), expected=Metadata)
+        if decoder == "python":
+            cols = columns_from_metadata(metadata)
+            if cols is not None and columns_sound(cols, path):
+                return _served(cols)
         return check_metadata(metadata, path)
 
 
