@@ -9,6 +9,7 @@ load needs installed; file sizes against the manifest. Deep: every record's chec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
@@ -41,7 +42,7 @@ def check_dcp(report: VerifyReport, url: str, storage_options: dict[str, Any] | 
         except Exception as exc:  # noqa: BLE001 - reported
             report.problems.append(f"{transport.url(path)}: cannot be decoded: {error_text(exc)}")
             return
-        storage = md.storage_data if isinstance(md.storage_data, dict) else None
+        storage = md.storage_data if isinstance(md.storage_data, Mapping) else None
         if storage is None:
             report.problems.append(f"{transport.url(path)}: carries no storage map")
             return

@@ -23,13 +23,16 @@ import json
 import os
 import posixpath
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ...transports import Transport
 from ..completeness import raise_if_incomplete
+from ..dcp_native.lazy_metadata import columns_of
 from ..dcp_native.metadata_io import METADATA_FILE, read_metadata_file
 from ..limits import INDEX, read_limited
 from ..paths import INDEX_FILE, check_relative
@@ -164,8 +167,17 @@ def _index_layout(transport: Transport, index_path: str) -> Layout:
 def _dcp_layout(transport: Transport, root: str) -> Layout:
     path = transport.join(root, METADATA_FILE)
     metadata = read_metadata_file(transport, path)
-    if metadata.storage_data is None or not isinstance(metadata.storage_data, dict):
+    if metadata.storage_data is None or not isinstance(metadata.storage_data, Mapping):
         raise CorruptCheckpointError(f"{transport.url(path)}: metadata carries no storage map")
+    cols = columns_of(metadata)
+    if cols is not None:  # views of checked columns: their files, without building every entry
+        return Layout(
+            "dcp",
+            root,
+            sorted({cols.files[i] for i in np.unique(cols.file).tolist()}),
+            transport.url(path),
+            dcp_metadata=metadata,
+        )
     files: set[str] = set()
     for index, info in metadata.storage_data.items():
         rel = getattr(info, "relative_path", None)
