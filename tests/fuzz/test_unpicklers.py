@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
+from dcp_storage.formats.dcp_native.columns import metadata_from_columns
+from dcp_storage.formats.dcp_native.lazy_metadata import columns_of
 from dcp_storage.formats.dcp_native.metadata_checks import metadata_problems
 from dcp_storage.formats.dcp_native.metadata_io import load_metadata
 from dcp_storage.formats.dcp_native.torch_record import NeedMoreBytes, UnsupportedRecord, parse_tensor_record
@@ -88,6 +90,9 @@ def _check_metadata_bytes(data: bytes) -> None:
         assert WHERE in str(exc)
         return
     assert isinstance(md, Metadata)
+    cols = columns_of(md)
+    if cols is not None:  # views of its columns (DCP_STORAGE_LAZY_METADATA_ENTRIES): checked as their dicts
+        md = metadata_from_columns(cols)
     assert metadata_problems(md, WHERE) == []
 
 

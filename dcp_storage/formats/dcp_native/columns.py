@@ -132,8 +132,15 @@ def columns_from_metadata(md: Metadata) -> MetadataColumns | None:
 
     The reference for the native decoder (which builds the same columns from the pickle's bytes) and the
     way a ``Metadata`` built in memory gets columns. Values are not range-checked here: that is the checks'
-    job (:mod:`.column_checks`).
+    job (:mod:`.column_checks`). Objects a pickle built without some of their fields are not regular either.
     """
+    try:
+        return _columns_from_metadata(md)
+    except (AttributeError, TypeError):  # a field missing, or unhashable where a key is expected
+        return None
+
+
+def _columns_from_metadata(md: Metadata) -> MetadataColumns | None:
     state, storage = md.state_dict_metadata, md.storage_data
     if type(state) is not dict or type(storage) is not dict:
         return None
@@ -203,11 +210,8 @@ def columns_from_metadata(md: Metadata) -> MetadataColumns | None:
         size = _dims_of(item.size)
         if size is None or type(item.chunks) is not list:
             return None
-        try:
-            key = property_key(item.properties)
-            row = prop_rows.get(key)
-        except (AttributeError, TypeError):  # a field missing, or unhashable: the checks name it
-            return None
+        key = property_key(item.properties)
+        row = prop_rows.get(key)
         if row is None:
             row = prop_rows[key] = len(properties)
             properties.append(item.properties)
