@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -266,7 +266,7 @@ def _check_global_shapes(archive: TorchSaveArchive, planner: LoadPlanner, plans:
     *destination's* shape; a smaller destination would otherwise silently get a corner of a bigger tensor.
     """
     md = getattr(getattr(planner, "metadata", None), "state_dict_metadata", None)
-    if not isinstance(md, dict):
+    if not isinstance(md, Mapping):  # a dict, or views of columns (lazy_metadata)
         return
     for fqn in {item.storage_index.fqn for plan in plans for item in plan.items}:
         entry, desc = md.get(fqn), archive.tensors.get(fqn)
