@@ -202,6 +202,7 @@ def _seg_reduce(ufunc: np.ufunc, values: np.ndarray, at: np.ndarray, empty: Any)
 def _bytes_fit(dims: np.ndarray, shape_at: np.ndarray, itemsize: np.ndarray) -> bool:
     """Whether ``prod(shape) * itemsize <= MAX_BYTES`` for every entry (dims already non-negative)."""
     approx = _seg_reduce(np.multiply, dims.astype(np.float64), shape_at, 1.0) * itemsize
+    approx[_seg_reduce(np.logical_or, dims == 0, shape_at, False)] = 0.0  # not inf * 0 (nan)
     if bool(np.any(approx > _TWO63 * (1 + _NEAR))):
         return False
     near = np.flatnonzero(approx >= _TWO63 * (1 - _NEAR))

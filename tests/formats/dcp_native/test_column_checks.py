@@ -361,3 +361,28 @@ def test_broadcast_total_at_the_limit(excesses: list[int], transforms: list[list
     counted = sum(e for e, t in zip(excesses, transforms) if not t)
     assert expected == (counted <= CAP)
     assert columns_sound(cols, "p") == expected
+
+
+@pytest.mark.parametrize(
+    ("shape", "sound"),
+    [
+        ([MAX_BYTES] * 40 + [0], True),  # no elements: fits, though the other dims' product is past any float
+        ([MAX_BYTES] * 40 + [1], False),
+        ([2**61 - 1, 1], True),  # fp32: 2**63 - 4 bytes
+        ([2**61, 1], False),  # fp32: 2**63 bytes
+        ([1] * 1024, True),
+        ([1] * 1025, False),  # more than MAX_NDIM dimensions
+    ],
+)
+def test_byte_counts_at_the_limits(shape: list[int], sound: bool) -> None:
+    props = TensorProperties(torch.float32)
+    chunk = ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))
+    state = {"w": TensorStorageMetadata(props, torch.Size(shape), [chunk])}
+    storage = {MetadataIndex("w", [0] * len(shape)): _StorageInfo("__0_0.distcp", 0, 0)}
+    md = Metadata(state, storage_data=storage)  # type: ignore[arg-type]
+    cols = columns_from_metadata(md)
+    assert cols is not None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DCP_STORAGE_MAX_BROADCAST_BYTES", str(MAX_BYTES))  # a record of 0 bytes for it all
+        assert (metadata_problems(md, "p") == []) == sound
+        assert columns_sound(cols, "p") == sound
