@@ -95,6 +95,7 @@ def _print_provenance(prov: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..formats.reports import tensor_summaries  # imports torch: only when the command runs, never for --help
     from ..inspection import describe  # imports torch: only when the command runs, never for --help
 
     info = describe(args.url, _common.storage_options(args), format=args.format)
@@ -115,8 +116,6 @@ def run(args: argparse.Namespace) -> int:
         f"tensors:    {totals['tensors']}, {_common.human_bytes(totals['tensor_bytes'])} in {totals['chunks']} chunks"
         + (f"; values: {totals['values']}" if totals["values"] else "")
     )
-    from ..formats.reports import tensor_summaries
-
     rows = [("KEY", "DTYPE", "SHAPE", "BYTES", "FILES", "CHUNKS"), *_cells(tensor_summaries(info.tensors))]
     widths = [max(map(len, column)) for column in zip(*rows)]
     line = "  " + "  ".join(f"{{:<{w}}}" for w in widths)  # each cell left-justified to its column's width

@@ -16,12 +16,13 @@ import abc
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, DcpStorageError
+from ..formats.dcp_native.record_match import stored_dtype
 from .dcp_call import load_group, works_alone
 from .group import SOLO, GroupView, group_view
 from .slice_delivery import DeliveryStats, receive_items
@@ -85,7 +86,7 @@ class CoordinatorServedReader(StorageReader):
         """Coordinator: deliver its own items to ``planner`` and every other rank's slices to that rank."""
 
     def _stored_dtype(self, item: ReadItem) -> torch.dtype:
-        md = self._metadata.state_dict_metadata.get(item.storage_index.fqn) if self._metadata else None
-        if not isinstance(md, TensorStorageMetadata):
+        dtype = stored_dtype(self._metadata, item.storage_index.fqn)
+        if dtype is None:
             raise CorruptCheckpointError(f"{self.checkpoint_id}: no tensor {item.storage_index.fqn!r} in the metadata")
-        return md.properties.dtype
+        return dtype

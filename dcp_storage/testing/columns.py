@@ -105,6 +105,7 @@ def as_columns(md: Metadata) -> Metadata:
 @contextmanager
 def columns_forced(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every ``.metadata`` read (``describe``'s and ``FsspecReader``'s) returns lazy metadata over columns."""
+    # imported when forced: the patched modules import the readers, which a test module need not load
     from dcp_storage.formats.dcp_native import describe as dcp_describe
     from dcp_storage.storage import fsspec_reader
 

@@ -145,6 +145,8 @@ def _commented(tree: ast.Module, lines: list[str]) -> set[int]:
 def imports(root: Path, package: str = PACKAGE) -> list[Import]:
     """Every import of a module of ``package`` made by a module under ``root``, as edges between modules."""
     known = modules(root, package)
+    # C extensions (``x.c`` built as module ``x``) import nothing of ours: an import of one is no edge.
+    compiled = {".".join([package, *p.relative_to(root).with_suffix("").parts]) for p in root.rglob("*.c")}
     edges = []
     for source, path in known.items():
         text = path.read_text()
@@ -167,6 +169,8 @@ def imports(root: Path, package: str = PACKAGE) -> list[Import]:
                 continue
             says_why = id(node) in commented
             for name in targets:
+                if name in compiled or name.rpartition(".")[0] in compiled:
+                    continue
                 target = _nearest_module(name, known) if name == package or name.startswith(package + ".") else None
                 if target is not None and target != source:
                     where = f"{path.relative_to(root.parent)}:{node.lineno}"

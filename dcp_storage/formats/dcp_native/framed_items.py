@@ -26,12 +26,12 @@ from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
 from ...transports import RangeRequest, Transport
-from .record_match import check_record_matches, saved_chunk
+from .record_match import check_record_matches, saved_chunk, stored_dtype
 from .seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
 from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, load_tensor_record, parse_tensor_record
 
@@ -47,8 +47,7 @@ def needs_whole_chunk(item: ReadItem, metadata: Metadata | None) -> bool:
     the metadata cannot tell."""
     if metadata is None:
         return False
-    md = metadata.state_dict_metadata.get(item.storage_index.fqn)
-    if not isinstance(md, TensorStorageMetadata):
+    if stored_dtype(metadata, item.storage_index.fqn) is None:  # a value (or no such key)
         return True
     chunk = saved_chunk(metadata, item.storage_index)
     if chunk is None:

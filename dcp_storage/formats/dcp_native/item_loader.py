@@ -41,7 +41,7 @@ from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_rea
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
 from .record_entry import RecordEntry
-from .record_match import check_record_matches, saved_chunk
+from .record_match import check_record_matches, saved_chunk, stored_dtype
 from .record_zip import check_record_zip
 from .seekable import SeekableTransform
 from .torch_record import (
@@ -379,9 +379,8 @@ _RECORD_OVERHEAD = 64 * 1024
 def _record_bytes(metadata: Metadata | None, item: ReadItem) -> int:
     """The most bytes the record of ``item``'s saved chunk can hold, from the metadata (0: it does not say)."""
     chunk = saved_chunk(metadata, item.storage_index)
-    md = metadata.state_dict_metadata.get(item.storage_index.fqn) if metadata is not None else None
-    dtype = getattr(getattr(md, "properties", None), "dtype", None)
-    if chunk is None or not isinstance(dtype, torch.dtype):
+    dtype = stored_dtype(metadata, item.storage_index.fqn)
+    if chunk is None or dtype is None:
         return 0
     return math.prod(chunk.sizes) * dtype.itemsize + _RECORD_OVERHEAD
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -99,6 +100,24 @@ class StateDictView(Mapping[str, Any]):
             ChunkStorageMetadata(*cols.chunk_box(c)) for c in range(int(cols.chunk_at[i]), int(cols.chunk_at[i + 1]))
         ]
         return TensorStorageMetadata(cols.properties[int(cols.prop[i])], cols.shape(i), chunks)
+
+    def tensor_dtype(self, fqn: Any) -> torch.dtype | None:
+        """The stored dtype of tensor ``fqn`` (``None``: no such tensor), without building its entry."""
+        i = self._rows.row(fqn)
+        if i is None or self.columns.is_bytes[i]:
+            return None
+        return self.columns.properties[int(self.columns.prop[i])].dtype
+
+    def chunk(self, fqn: Any, offsets: Any) -> ChunkStorageMetadata | None:
+        """The chunk of tensor ``fqn`` at ``offsets``, built alone (``None``: none there).
+
+        Readers ask once per read item; building the whole entry each time would cost the square of a
+        tensor's chunk count."""
+        i = self._rows.row(fqn)
+        if i is None or self.columns.is_bytes[i] or offsets is None:
+            return None
+        c = self._rows.chunk(i, offsets)
+        return None if c is None else ChunkStorageMetadata(*self.columns.chunk_box(c))
 
     def __getitem__(self, fqn: str) -> TensorStorageMetadata | BytesStorageMetadata:
         i = self._rows.row(fqn)

@@ -14,11 +14,18 @@ import pathlib
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_fs
+import torch.distributed.checkpoint.metadata as dcp_md
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, StorageMeta, TensorProperties
+
+from .allow_list import metadata_allow_list
+from .columns import MetadataColumns
 
 try:
-    from . import _metadata_decode as _native
+    from ._metadata_decode import decode as _native_decode
 except ImportError:  # built without a compiler: the general path does everything
-    _native = None
+    _native_decode = None
 
 __all__ = ["available", "decode_columns"]
 
@@ -39,16 +46,10 @@ _tables: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
 
 def available() -> bool:
     """Whether the C extension is built (it is wherever a compiler was present at install)."""
-    return _native is not None
+    return _native_decode is not None
 
 
 def _build_tables() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    import torch
-    import torch.distributed.checkpoint.filesystem as dcp_fs
-    import torch.distributed.checkpoint.metadata as dcp_md
-
-    from .metadata_io import metadata_allow_list
-
     layouts: list[tuple[str, Any]] = []
     seen: set[str] = set()
     for value in vars(torch).values():
@@ -81,26 +82,22 @@ def _build_tables() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     return tuple(table), tuple(layouts)
 
 
-def decode_columns(data: bytes | bytearray | memoryview) -> Any:
+def decode_columns(data: bytes | bytearray | memoryview) -> MetadataColumns | None:
     """The columns of a regular ``.metadata`` pickle, or ``None`` (extension missing, or not regular)."""
     global _tables
-    if _native is None:
+    if _native_decode is None:
         return None
     if _tables is None:
         _tables = _build_tables()
     if isinstance(data, memoryview) and not data.c_contiguous:
         data = data.tobytes()
-    raw = _native.decode(data, *_tables)
+    raw = _native_decode(data, *_tables)
     if raw is None:
         return None
     return _columns(raw)
 
 
-def _columns(raw: tuple[Any, ...]) -> Any:
-    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, StorageMeta, TensorProperties
-
-    from .columns import MetadataColumns
-
+def _columns(raw: tuple[Any, ...]) -> MetadataColumns:
     (names, is_bytes, prop, props, shape_at, dims, chunk_at, chunk_offsets, chunk_sizes, box_at, file, byte_offset,
      byte_length, transform, files, transforms, planner_data, storage_meta, version) = raw  # fmt: skip
     properties = []

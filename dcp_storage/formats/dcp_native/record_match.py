@@ -15,14 +15,29 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
 from ...errors import CorruptCheckpointError
+from .lazy_metadata import StateDictView
 
-__all__ = ["check_record_matches", "saved_chunk"]
+__all__ = ["check_record_matches", "saved_chunk", "stored_dtype"]
+
+
+def stored_dtype(metadata: Metadata | None, fqn: str) -> torch.dtype | None:
+    """The dtype the metadata gives tensor ``fqn``; ``None`` when it has no such tensor (or no metadata)."""
+    if metadata is None:
+        return None
+    state = metadata.state_dict_metadata
+    if isinstance(state, StateDictView):  # without building the entry
+        return state.tensor_dtype(fqn)
+    md = state.get(fqn)
+    dtype = getattr(getattr(md, "properties", None), "dtype", None) if isinstance(md, TensorStorageMetadata) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def saved_chunk(metadata: Metadata | None, index: Any) -> ChunkStorageMetadata | None:
     """The chunk of the metadata that ``index`` (a ``MetadataIndex``) names; ``None`` when it names none."""
     if metadata is None:
         return None
+    if isinstance(metadata.state_dict_metadata, StateDictView):  # one chunk built, not the whole entry
+        return metadata.state_dict_metadata.chunk(index.fqn, index.offset)
     md = metadata.state_dict_metadata.get(index.fqn)
     if not isinstance(md, TensorStorageMetadata):
         return None
@@ -39,8 +54,7 @@ def check_record_matches(
     chunk = saved_chunk(metadata, index)
     if chunk is None:
         return  # no metadata to compare with (the planner already refused unknown keys)
-    md = metadata.state_dict_metadata[index.fqn]  # type: ignore[union-attr]
-    want_dtype = md.properties.dtype
+    want_dtype = stored_dtype(metadata, index.fqn)
     if tuple(shape) != tuple(chunk.sizes) or dtype != want_dtype:
         raise CorruptCheckpointError(
             f"{where}: the record holds {dtype} {list(shape)} but .metadata says chunk "
