@@ -75,7 +75,7 @@ MISSING = object()  # what ``resolve`` returns for a global outside the allow-li
 _FRESH = 16
 # Strings (candidates for STACK_GLOBAL) are negative: -1 - opcode position; "__dunder__" ones a further
 # _DUNDER lower and names of container methods (_SHADOW_NAMES) a further _SHADOW lower, so "is any key a
-# dunder" (or a method name) is one C-speed min() over the keys.
+# dunder" (or a method name) is one C-speed min() over the keys, and a key that is neither costs one compare.
 _DUNDER = 1 << 62
 _SHADOW = 1 << 61
 _CONTAINERS = (dict, list, set, collections.deque)
@@ -85,7 +85,10 @@ _SHADOW_NAMES = frozenset(
     for name in dir(cls)
     if not name.startswith("__")
 )
-_SHADOW_LENGTHS = frozenset(len(name) for name in _SHADOW_NAMES)
+# Last byte -> lengths of the method names ending in it: most strings (key names, file names) are told apart
+# by one index and one small-set lookup, without slicing them. The last byte always exists (for an empty
+# string it is the length field's), so the test needs no bounds check.
+_SHADOW_ENDS = tuple(frozenset(len(n) for n in _SHADOW_NAMES if n[-1] == byte) for byte in range(256))
 
 # -- dispatch codes, roughly in order of frequency in real pickles (the loop tests them in this order)
 (
@@ -268,6 +271,7 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
     """The abstract interpretation. Stack underflows are not checked: the C unpickler raises at that
     same opcode, so nothing after it runs, and every opcode before it was checked on the same stack."""
     code_of, width_of, from_bytes = _CODE, _WIDTH, int.from_bytes
+    shadow, shadow_ends, shadow_names = -_SHADOW, _SHADOW_ENDS, _SHADOW_NAMES  # locals: read per string
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[int, int] = {}
@@ -343,7 +347,17 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             marks.append(len(stack))
         elif what == _NEWOBJ:
             del stack[-1]
-            stack[-1] = called(stack[-1])
+            fresh += 4  # called(), inline: a call per object costs ~5% of the walk
+            cls = stack[-1]
+            stack[-1] = (
+                fresh
+                if cls == _FACTORY
+                else fresh + 1
+                if cls == _FACTORY_SETSTATE
+                else fresh + 2
+                if cls == _FACTORY_CONTAINER
+                else _OTHER
+            )
         elif what == _BUILD:
             state = stack.pop()
             target = stack[-1]
@@ -360,7 +374,9 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             if target < _FRESH and strict:
                 raise _Refused(f"{pickle_name(op)} on an object the stream did not create")
             if what == _SETITEMS and len(stack) > k:
-                marked(min(stack[k::2]), target)
+                key = min(stack[k::2])
+                if key <= shadow:
+                    marked(key, target)
             del stack[k:]
         elif what == _EMPTY or what == _EMPTY_DICT:
             fresh += 4
@@ -377,8 +393,17 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
                 fresh += 4
                 tag = fresh + 1 if args == _TRIPLE_SETSTATE else fresh if args == _TRIPLE else _OTHER
                 stack[-1] = fresh + 2 if args == _TRIPLE_CONTAINER else tag
-            else:
-                stack[-1] = called(func)
+            else:  # called(), inline
+                fresh += 4
+                stack[-1] = (
+                    fresh
+                    if func == _FACTORY
+                    else fresh + 1
+                    if func == _FACTORY_SETSTATE
+                    else fresh + 2
+                    if func == _FACTORY_CONTAINER
+                    else _OTHER
+                )
         elif what == _TUPLE2:
             del stack[-1]
             stack[-1] = _PAIR
@@ -391,8 +416,8 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
                 raise pickle.UnpicklingError(f"a string of {n} bytes runs past the end of the stream")
             if n >= 4 and data[s] == 95 == data[s + 1] == data[pos - 1] == data[pos - 2]:  # "__x__"
                 stack.append(-_DUNDER - s + w)
-            elif n in _SHADOW_LENGTHS and data[s:pos] in _SHADOW_NAMES:
-                stack.append(-_SHADOW - s + w)
+            elif n in shadow_ends[data[pos - 1]] and data[s:pos] in shadow_names:
+                stack.append(shadow - s + w)
             else:
                 stack.append(-s + w)
         elif what == _BINPUT:
@@ -426,18 +451,21 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             if n < 0 or pos > end:
                 raise pickle.UnpicklingError(f"a length of {n} bytes runs past the end of the stream")
             fresh += 4
-            if op in _BINSTRINGS and n >= 4 and data[pos - n : pos - n + 2] == b"__" == data[pos - 2 : pos]:
-                stack.append(-_DUNDER - pos)  # str on Python 3: a possible "__x__" key (never a global name)
-            elif op in _BINSTRINGS and n in _SHADOW_LENGTHS and data[pos - n : pos] in _SHADOW_NAMES:
-                stack.append(-_SHADOW - pos)
-            else:
+            if op not in _BINSTRINGS:
                 stack.append(fresh if what == _BYTEARRAY else _OTHER)
+            elif n >= 4 and data[pos - n : pos - n + 2] == b"__" == data[pos - 2 : pos]:
+                stack.append(-_DUNDER - pos)  # str on Python 3: a possible "__x__" key (never a global name)
+            elif n in shadow_ends[data[pos - 1]] and data[pos - n : pos] in shadow_names:
+                stack.append(shadow - pos)
+            else:
+                stack.append(_OTHER)
         elif what == _SETITEM:
             key = stack[-2]
             del stack[-2:]
             if stack[-1] < _FRESH and strict:
                 raise _Refused("SETITEM on an object the stream did not create")
-            marked(key, stack[-1])
+            if key <= shadow:
+                marked(key, stack[-1])
         elif what == _APPEND:
             del stack[-1]
             if stack[-1] < _FRESH and strict:
@@ -452,7 +480,8 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
             stack.append(_OTHER if what == _FROZENSET else fresh)
             if what == _DICT:
                 dicts.add(fresh)
-                marked(key, fresh)
+                if key <= shadow:
+                    marked(key, fresh)
         elif what == _GLOBAL or what == _INST:
             first = line(pos)
             second = line(first + 1)

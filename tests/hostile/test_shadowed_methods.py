@@ -146,3 +146,40 @@ def test_plain_attributes_on_a_state_dict_still_load(tmp_path: Path) -> None:
 
         allowed = {("collections", "OrderedDict"): collections.OrderedDict, ("__builtin__", "list"): list}
         assert vars(safe_loads(_shadowing_od(form, "notes"), "x", allowed)) == {"notes": list}
+
+
+_OD = b"\x80\x02ccollections\nOrderedDict\n)R"
+_LIST = b"c__builtin__\nlist\n"
+
+
+def _paths(key: bytes) -> dict[str, bytes]:
+    """The same shadowing state reaching BUILD through each opcode that adds a key or fetches a value."""
+    return {
+        "setitems": _OD + b"}(" + key + _LIST + b"ub.",
+        "dict-opcode": _OD + b"(" + key + _LIST + b"db.",
+        "key-from-memo": key + b"q\x010" + _OD + b"}h\x01" + _LIST + b"sb.",
+        "state-from-memo": b"\x80\x02}" + key + _LIST + b"sq\x010" + _OD + b"h\x01b.",
+    }
+
+
+_KEYS = {
+    "binunicode8": b"\x8d" + (5).to_bytes(8, "little") + b"items",
+    "binstring": b"T" + (5).to_bytes(4, "little") + b"items",
+    "short-binunicode": _key("short-binunicode", "items"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(_KEYS))
+@pytest.mark.parametrize("path", sorted(_paths(b"")))
+@pytest.mark.parametrize("decoder", ["allow-list", "data_pkl"])
+def test_a_shadowing_key_is_refused_on_every_path_to_build(decoder: str, path: str, key: str) -> None:
+    data = _paths(_KEYS[key])[path]
+    if decoder == "allow-list":
+        assert "items" in vars(pickle.loads(data))  # live when unguarded
+        plain = _paths(_KEYS[key].replace(b"items", b"itemz"))[path]
+        allowed = {("collections", "OrderedDict"): collections.OrderedDict, ("__builtin__", "list"): list}
+        from dcp_storage.safe_unpickle import safe_loads
+
+        assert vars(safe_loads(plain, "x", allowed)) == {"itemz": list}  # same spelling, no method hidden
+    with pytest.raises(UnsafeCheckpointError, match="ckpt/x.pkl"):
+        _decoders()[decoder](data)
