@@ -48,16 +48,21 @@ def _int(value: Any) -> bool:
 
 def _dims(value: Any) -> list[int] | None:
     """``value`` as a list of int64 dimensions (a ``torch.Size``, list or tuple), else ``None``."""
-    if isinstance(value, (torch.Size, list, tuple)) and len(value) > MAX_NDIM:
+    if type(value) is torch.Size:  # ints only (fast path): the count, the sign and int64's range to check
+        if not value:
+            return []
+        return list(value) if len(value) <= MAX_NDIM and min(value) >= 0 and max(value) <= MAX_DIM else None
+    if not isinstance(value, (torch.Size, list, tuple)) or len(value) > MAX_NDIM:
         return None
-    if type(value) is torch.Size:  # ints only (fast path): the sign and int64's range to check
-        return list(value) if not value or (min(value) >= 0 and max(value) <= MAX_DIM) else None
-    if not isinstance(value, (torch.Size, list, tuple)) or not all(_int(v) and 0 <= v <= MAX_DIM for v in value):
+    if not all(_int(v) and 0 <= v <= MAX_DIM for v in value):
         return None
     return [int(v) for v in value]
 
 
-def _tensor_problems(fqn: str, item: TensorStorageMetadata, storage: dict[Any, Any]) -> list[str]:
+def _tensor_problems(
+    fqn: str, item: TensorStorageMetadata, storage: dict[Any, Any], described: dict[tuple[str, tuple[int, ...]], int]
+) -> list[str]:
+    """What is wrong with tensor ``fqn``; records each sound chunk's bytes in ``described`` (for :func:`_repeats`)."""
     props = getattr(item, "properties", None)
     dtype = getattr(props, "dtype", None)
     if not isinstance(dtype, torch.dtype):
@@ -78,6 +83,7 @@ def _tensor_problems(fqn: str, item: TensorStorageMetadata, storage: dict[Any, A
     if not isinstance(chunks, list):
         return [f"tensor {fqn!r} has no chunk list"]
     boxes: list[tuple[list[int], list[int]]] = []
+    itemsize = dtype.itemsize
     for chunk in chunks:
         if not isinstance(chunk, ChunkStorageMetadata):
             problems.append(f"tensor {fqn!r} has a chunk of type {type(chunk).__name__}")
@@ -93,6 +99,7 @@ def _tensor_problems(fqn: str, item: TensorStorageMetadata, storage: dict[Any, A
             problems.append(f"tensor {fqn!r} chunk at {chunk.offsets!r} of size {chunk.sizes!r} lies outside {size}")
             continue
         boxes.append((offsets, sizes))
+        described[(fqn, tuple(offsets))] = math.prod(sizes) * itemsize
         if MetadataIndex(fqn, torch.Size(offsets)) not in storage:
             problems.append(f"tensor {fqn!r} chunk at {offsets} has no storage entry")
     tiling = None if problems else tiling_problem(size, boxes)
@@ -210,60 +217,80 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
     if missing:
         return missing
     problems: list[str] = []
+    described: dict[tuple[str, tuple[int, ...]], int] = {}  # (fqn, chunk offsets) -> bytes its elements take
     for fqn, item in state.items():
         if not isinstance(fqn, str):
             problems.append(f"state dict key {fqn!r} is not a string")
         elif isinstance(item, TensorStorageMetadata):
-            problems += _tensor_problems(fqn, item, storage)
+            problems += _tensor_problems(fqn, item, storage, described)
         elif isinstance(item, BytesStorageMetadata):
             if MetadataIndex(fqn) not in storage:
                 problems.append(f"value {fqn!r} has no storage entry")
         else:
             problems.append(f"{fqn!r} has metadata of type {type(item).__name__}")
+    # One pass over the storage map: each entry's own checks, the byte ranges of each file (for _shared_bytes,
+    # with the first overlap of neighbours while a file's entries ascend, as writers append them) and the bytes
+    # records describe beyond what they store (wanted only when nothing else is wrong).
     seen: dict[str, str | None] = {}
     ranges: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, end, key) of every sound entry
+    unsorted: set[str] = set()  # files whose entries do not ascend: sorted before their sweep
+    first: dict[str, tuple[tuple[int, int, str], tuple[int, int, str]]] = {}  # the first overlapping neighbours
+    cap, total, counting = BROADCAST_BYTES.bytes, 0, not problems
+    excess: str | Exception | None = None
     for index, info in storage.items():
         found = _storage_problems(index, info, state, path, seen)
         if found:
             problems += found
-        elif info.length > 0:
-            ranges.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index.fqn))
-    shared = _shared_bytes(ranges)
-    if shared and not _safetensors_layout(state, storage):
-        problems += shared
-    if not problems:
-        problems += _repeats(state, storage)
+            counting = False
+            continue
+        length = info.length
+        if length > 0:
+            rel, offset = info.relative_path, info.offset
+            span = (offset, offset + length, index.fqn)
+            spans = ranges.get(rel)
+            if spans is None:
+                ranges[rel] = [span]
+            else:
+                if offset < spans[-1][0]:
+                    unsorted.add(rel)
+                elif offset < spans[-1][1] and rel not in first:
+                    first[rel] = (spans[-1], span)
+                spans.append(span)
+        if counting and not info.transform_descriptors:
+            try:
+                nbytes = described.get((index.fqn, tuple(index.offset or ())))
+            except Exception as exc:  # noqa: BLE001 - an offset a pickle made up: raised below if nothing else is wrong
+                excess, counting = exc, False
+                nbytes = None
+            if nbytes is not None and nbytes > length:
+                total += nbytes - length
+                if total > cap:
+                    excess, counting = _repeats(index.fqn, info.relative_path, total, cap), False
+    if first or unsorted:
+        shared = _shared_bytes(ranges, unsorted, first)
+        if shared and not _safetensors_layout(state, storage):
+            problems += shared
+    if isinstance(excess, Exception) and not problems:
+        raise excess
+    if excess is not None and not problems:
+        problems.append(str(excess))
     return problems
 
 
-def _repeats(state: dict[str, Any], storage: dict[Any, Any]) -> list[str]:
+def _repeats(fqn: str, rel: str, total: int, cap: int) -> str:
     """Records together may describe at most :data:`~..limits.BROADCAST_BYTES` more than they store.
 
     A record holds its chunk's elements (plus a zip around them), so one shorter than its chunk describes a
     broadcast view, each checked alone when decoded. N of them, a few hundred bytes each, would make
     ``convert`` write and ``verify --deep`` read N times the limit. Items stored through an extension
-    (compression) have their own bound, per item, and are not counted."""
-    cap = BROADCAST_BYTES.bytes
-    described: dict[tuple[str, tuple[int, ...]], int] = {}
-    for fqn, item in state.items():
-        if isinstance(item, TensorStorageMetadata):
-            itemsize = item.properties.dtype.itemsize
-            for chunk in item.chunks:
-                described[(fqn, tuple(chunk.offsets))] = math.prod(chunk.sizes) * itemsize
-    total = 0
-    for index, info in storage.items():
-        if info.transform_descriptors:
-            continue
-        nbytes = described.get((index.fqn, tuple(index.offset or ())))
-        if nbytes is not None and nbytes > info.length:
-            total += nbytes - info.length
-            if total > cap:
-                return [
-                    f"its records, up to {index.fqn!r} in {info.relative_path!r}, describe {total} bytes more "
-                    f"than they store (broadcast views), more than {cap} bytes; refusing to expand them. If it is "
-                    f"genuine, set {BROADCAST_BYTES.env} to a larger number of bytes"
-                ]
-    return []
+    (compression) have their own bound, per item, and are not counted. :func:`_problems` adds up, in storage
+    order, what each entry's chunk (``described``) holds beyond the entry's length; this is the complaint about
+    the entry ``(fqn, rel)`` that took the ``total`` past ``cap``."""
+    return (
+        f"its records, up to {fqn!r} in {rel!r}, describe {total} bytes more than they store (broadcast views), "
+        f"more than {cap} bytes; refusing to expand them. If it is genuine, set {BROADCAST_BYTES.env} to a larger "
+        "number of bytes"
+    )
 
 
 def _safetensors_layout(state: dict[str, Any], storage: dict[Any, Any]) -> bool:
@@ -280,21 +307,27 @@ def _safetensors_layout(state: dict[str, Any], storage: dict[Any, Any]) -> bool:
     return False
 
 
-def _shared_bytes(ranges: dict[str, list[tuple[int, int, str]]]) -> list[str]:
+def _shared_bytes(
+    ranges: dict[str, list[tuple[int, int, str]]],
+    unsorted: set[str],
+    first: dict[str, tuple[tuple[int, int, str], tuple[int, int, str]]],
+) -> list[str]:
     """Entries whose byte ranges overlap in one file: no writer stores two items in the same bytes, and two
     keys of one dtype and shape read from one record would load the same values silently. Writers append
-    records in order, so the sort is skipped when a file's entries already ascend."""
+    records in order, so only the files in ``unsorted`` are sorted and swept here; for the others the
+    collecting loop found the first overlapping neighbours (``first``)."""
     problems: list[str] = []
     for rel, spans in ranges.items():
-        if any(spans[i][0] < spans[i - 1][0] for i in range(1, len(spans))):
+        pair = first.get(rel)
+        if rel in unsorted:
             spans = sorted(spans)
-        for (_begin, end, key), (begin, next_end, other) in zip(spans, spans[1:]):
-            if begin < end:
-                problems.append(
-                    f"storage entries for {key!r} and {other!r} overlap in {rel!r} (bytes [{begin}, "
-                    f"{min(end, next_end)}) are claimed twice); each item is stored in its own bytes"
-                )
-                break
+            pair = next(((a, b) for a, b in zip(spans, spans[1:]) if b[0] < a[1]), None)
+        if pair is not None:
+            (_begin, end, key), (begin, next_end, other) = pair
+            problems.append(
+                f"storage entries for {key!r} and {other!r} overlap in {rel!r} (bytes [{begin}, "
+                f"{min(end, next_end)}) are claimed twice); each item is stored in its own bytes"
+            )
     return problems
 
 
