@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -100,7 +101,7 @@ def _tensor_problems(
             continue
         boxes.append((offsets, sizes))
         described[(fqn, tuple(offsets))] = math.prod(sizes) * itemsize
-        if MetadataIndex(fqn, torch.Size(offsets)) not in storage:
+        if MetadataIndex(fqn, offsets) not in storage:  # its __init__ makes the torch.Size
             problems.append(f"tensor {fqn!r} chunk at {offsets} has no storage entry")
     tiling = None if problems else tiling_problem(size, boxes)
     if tiling is not None:
@@ -238,15 +239,30 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
     cap, total, counting = BROADCAST_BYTES.bytes, 0, not problems
     excess: str | Exception | None = None
     for index, info in storage.items():
-        found = _storage_problems(index, info, state, path, seen)
-        if found:
-            problems += found
-            counting = False
-            continue
-        length = info.length
+        sound = False
+        if type(index) is MetadataIndex and type(info) is _StorageInfo:  # what torch writes: checked inline
+            fqn, rel, offset, length = index.fqn, info.relative_path, info.offset, info.length
+            sound = (  # exactly what _storage_problems accepts without a word, for a file name already judged
+                type(fqn) is str
+                and type(rel) is str
+                and type(offset) is int
+                and type(length) is int
+                and fqn in state
+                and seen.get(rel, rel) is None
+                and 0 <= offset
+                and 0 <= length
+                and offset + length <= MAX_BYTES
+                and info.transform_descriptors is None
+            )
+        if not sound:
+            found = _storage_problems(index, info, state, path, seen)
+            if found:
+                problems += found
+                counting = False
+                continue
+            fqn, rel, offset, length = index.fqn, info.relative_path, info.offset, info.length
         if length > 0:
-            rel, offset = info.relative_path, info.offset
-            span = (offset, offset + length, index.fqn)
+            span = (offset, offset + length, fqn)
             spans = ranges.get(rel)
             if spans is None:
                 ranges[rel] = [span]
@@ -257,15 +273,16 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
                     first[rel] = (spans[-1], span)
                 spans.append(span)
         if counting and not info.transform_descriptors:
+            off = index.offset  # a torch.Size hashes and compares as the tuple of its dimensions
             try:
-                nbytes = described.get((index.fqn, tuple(index.offset or ())))
+                nbytes = described.get((fqn, off if type(off) is torch.Size else tuple(off or ())))
             except Exception as exc:  # noqa: BLE001 - an offset a pickle made up: raised below if nothing else is wrong
                 excess, counting = exc, False
                 nbytes = None
             if nbytes is not None and nbytes > length:
                 total += nbytes - length
                 if total > cap:
-                    excess, counting = _repeats(index.fqn, info.relative_path, total, cap), False
+                    excess, counting = _repeats(fqn, rel, total, cap), False
     if first or unsorted:
         shared = _shared_bytes(ranges, unsorted, first)
         if shared and not _safetensors_layout(state, storage):
