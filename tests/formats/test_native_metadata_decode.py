@@ -297,3 +297,65 @@ def test_mutations_never_disagree(seed_data):
         assert ref is not None, f"native accepted what the general path refuses: {bytes(data)!r}"
         assert_same(got, ref)
     assert accepted > 0  # some mutations (values in strings and ints) stay regular
+
+
+# ---- memory bounded by the input ----------------------------------------------------------------------
+
+
+def _peak_kib_of(fn) -> int:
+    """Peak resident memory (KiB) ``fn()`` adds to this process (Linux: VmHWM reset through clear_refs)."""
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+def _shared_entry(chunks: int, keys: int, ndim: int = 1) -> Metadata:
+    """One tensor entry (``chunks`` chunks of ``ndim`` dims) under ``keys`` names, each chunk with a storage
+    entry sharing one ``_StorageInfo`` of length 0: pickle writes the entry, its sizes and the info once."""
+    shape = torch.Size([chunks] + [1] * (ndim - 1))
+    ones = torch.Size([1] * ndim)
+    offsets = [torch.Size([i] + [0] * (ndim - 1)) for i in range(chunks)]
+    entry = TensorStorageMetadata(
+        TensorProperties(torch.float32), shape, [ChunkStorageMetadata(o, ones) for o in offsets]
+    )
+    info = _StorageInfo("__0_0.distcp", 0, 0)
+    state = {f"k{j}": entry for j in range(keys)}
+    storage = {}
+    for j in range(keys):
+        for o in offsets:
+            index = MetadataIndex(f"k{j}")
+            object.__setattr__(index, "offset", o)  # the same Size object (__init__ would copy it)
+            storage[index] = info
+    return Metadata(state, storage_data=storage)
+
+
+def _entry_under_many_keys() -> bytes:
+    entry = _shared_entry(1000, 1).state_dict_metadata["k0"]
+    return pickle.dumps(Metadata(dict.fromkeys((f"k{j}" for j in range(5000)), entry), {}))
+
+
+SHARED = {
+    "1000 chunks under 5000 keys": _entry_under_many_keys,
+    "1024 dims under 15000 keys": lambda: pickle.dumps(_shared_entry(1, 15_000, ndim=1024)),
+}
+
+
+@needs_native
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak memory is read from Linux's /proc")
+@pytest.mark.parametrize("name", sorted(SHARED))
+def test_memory_stays_a_small_multiple_of_the_input(name):
+    """Memo references repeat an entry (or a shape) at a few bytes each; the columns must not grow by the
+    entry's size per reference. The decoder refuses (the general path then keeps the shared objects)."""
+    data = SHARED[name]()
+    assert len(data) < 1_000_000
+    got = []
+    peak = _peak_kib_of(lambda: got.append(native_decode.decode_columns(data)))
+    assert got == [None]
+    assert peak * 1024 < 32 * len(data) + (16 << 20), peak

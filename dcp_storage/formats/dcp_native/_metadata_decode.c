@@ -611,8 +611,20 @@ static int prop_eq(const D *d, uint32_t id, const void *key) {
 
 /* ---- state-dict entries (streamed into the columns) ------------------------------------------ */
 
+/* Memo references repeat a built entry, or a shape, at a few bytes each: one tensor entry of k chunks under
+ * n keys would make n * k chunks of columns from a file of k + n records. A file that is not such a bomb
+ * has a storage entry of its own per chunk (a distinct MetadataIndex: >= 11 bytes) and spells out a shape
+ * and chunk offsets per tensor (>= 2 bytes a dimension). Beyond these bounds the columns would outgrow the
+ * input: refused, and the general path keeps the shared objects (and names what is wrong). */
+#define BYTES_PER_CHUNK 8
+static int within_input(const D *d, size_t chunks, size_t ndim) {
+    size_t values = d->dims.n + d->chunk_offsets.n; /* <= d->len: checked before each addition */
+    if (chunks && ndim > (d->len - values) / chunks) return 0;
+    return ndim + chunks * ndim <= d->len - values;
+}
+
 static int push_chunk(D *d, uint32_t entry) {
-    if (d->chunk_entry.n >= MAX_IDS) return REFUSE;
+    if (d->chunk_entry.n >= MAX_IDS || d->chunk_entry.n >= d->len / BYTES_PER_CHUNK) return REFUSE;
     TRY(VPUSH(d->chunk_entry, uint32_t, entry));
     TRY(VPUSH(d->box_at, int64_t, d->chunk_offsets.n));
     TRY(VPUSH(d->file, int32_t, -1));
@@ -645,6 +657,7 @@ static int sdm_add(D *d, Val k, Val v) {
     }
     Val *f = (Val *)v.u.o->data;
     Obj *props = f[0].u.o, *size = f[1].u.o, *chunks = f[2].u.o;
+    if (!within_input(d, chunks->n, size->n)) return REFUSE;
     int64_t key = props->aux;
     if (d->props.n >= MAX_IDS) return REFUSE;
     TRY(tab_find(d, &d->prop_tab, fmix((uint64_t)key), &key, prop_eq, 1, (uint32_t)d->props.n, &got));
