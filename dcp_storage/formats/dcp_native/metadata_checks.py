@@ -214,6 +214,9 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
     meta = metadata.storage_meta
     if meta is not None and not isinstance(meta, StorageMeta):
         return [f"storage_meta is a {type(meta).__name__}, not a StorageMeta"]
+    unserved = _more_chunks_than_records(state, storage)
+    if unserved:
+        return [unserved]
     missing = _missing_fields(metadata)
     if missing:
         return missing
@@ -292,6 +295,25 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
     if excess is not None and not problems:
         problems.append(str(excess))
     return problems
+
+
+def _more_chunks_than_records(state: dict[str, Any], storage: dict[Any, Any]) -> str | None:
+    """Counted before anything walks the chunks: every chunk and every value needs a storage entry of its own
+    (distinct keys), but a pickle can list one tensor entry of k chunks under n keys at a few bytes a key (a
+    memo reference), n * k chunks from a file of n + k objects. Walking those would take minutes and, with a
+    message per chunk lacking an entry, gigabytes."""
+    chunks = values = 0
+    for item in state.values():
+        if isinstance(item, BytesStorageMetadata):
+            values += 1
+        elif isinstance(getattr(item, "chunks", None), list):
+            chunks += len(item.chunks)
+    if chunks + values <= len(storage):
+        return None
+    return (
+        f"the state dict lists {chunks} chunks and {values} values but the storage map has {len(storage)} "
+        "entries; each chunk and each value needs one of its own"
+    )
 
 
 def _repeats(fqn: str, rel: str, total: int, cap: int) -> str:
