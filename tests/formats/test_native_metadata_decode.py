@@ -103,7 +103,7 @@ def rich_metadata() -> Metadata:
     state["step"] = BytesStorageMetadata()
     storage[MetadataIndex("step")] = _StorageInfo("__1_0.distcp", 5000, 7)
     state["scalar"] = TensorStorageMetadata(p2, torch.Size([]), [ChunkStorageMetadata(torch.Size([]), torch.Size([]))])
-    storage[MetadataIndex("scalar", torch.Size([]), 0)] = _StorageInfo("__0_0.distcp", 6000, 8, ("a", "b"))
+    storage[MetadataIndex("scalar", torch.Size([]), 0)] = _StorageInfo("__0_0.distcp", 6000, 8, ["a", "b"])
     state["empty"] = TensorStorageMetadata(p2, torch.Size([0]), [])
     planner = {"w": ("model", "w"), "step": ["step", 0], "scalar": ("scalar",), "empty": ("e",)}
     meta = StorageMeta(checkpoint_id=pathlib.PurePosixPath("/ckpt/x"), save_id="s", load_id=None, modules=["m"])
@@ -212,6 +212,9 @@ NOT_CANONICAL = {
     "version an int": lambda md: setattr(md, "version", 1),
     "extra Metadata attribute": lambda md: setattr(md, "extra", 1),
     "storage_data missing": lambda md: delattr(md, "storage_data"),
+    "transform_descriptors a tuple": lambda md: setattr(
+        md.storage_data[MetadataIndex("scalar", torch.Size([]))], "transform_descriptors", ("a",)
+    ),
 }
 
 
@@ -219,6 +222,13 @@ NOT_CANONICAL = {
 @pytest.mark.parametrize("name", sorted(NOT_CANONICAL))
 def test_not_canonical_is_none(name):
     assert native_decode.decode_columns(_variant(NOT_CANONICAL[name])) is None
+
+
+def test_tuple_transform_descriptors_have_no_columns():
+    """Columns keep descriptors as tuples and serve them as torch writes them, lists: a file holding a tuple
+    would be served a list (an unequal ``_StorageInfo``), so the python builder refuses it too."""
+    md = pickle.loads(_variant(NOT_CANONICAL["transform_descriptors a tuple"]))
+    assert columns_from_metadata(md) is None
 
 
 @needs_native

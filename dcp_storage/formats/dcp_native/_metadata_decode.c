@@ -933,7 +933,9 @@ static int check_fields(D *d, int cls, Val *f) {
     case G_MI:
         return f[0].tag == T_STR && none_or(f[1], is_obj(f[1], K_SIZE)) && none_or(f[2], f[2].tag == T_INT);
     case G_SI:
-        return f[0].tag == T_STR && f[1].tag == T_INT && f[2].tag == T_INT && none_or(f[3], all_str(f[3]));
+        /* a list, as torch writes it (the columns serve lists: a tuple would come back unequal) */
+        return f[0].tag == T_STR && f[1].tag == T_INT && f[2].tag == T_INT &&
+               none_or(f[3], is_obj(f[3], K_LIST) && all_str(f[3]));
     case G_SM: /* absent fields stay T_EMPTY: pickle leaves them to the class (modules has no default) */
         return (f[0].tag == T_EMPTY || f[0].tag == T_NONE || f[0].tag == T_STR || is_obj(f[0], K_PATH)) &&
                (f[1].tag == T_EMPTY || f[1].tag == T_NONE || f[1].tag == T_STR) &&

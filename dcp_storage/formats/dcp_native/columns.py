@@ -175,8 +175,8 @@ def _columns_from_metadata(md: Metadata) -> MetadataColumns | None:
         if type(rel) is not str or type(off) is not int or type(length) is not int:
             return False
         if descriptors is not None:
-            if not isinstance(descriptors, (list, tuple)) or not all(type(d) is str for d in descriptors):
-                return False
+            if type(descriptors) is not list or not all(type(d) is str for d in descriptors):
+                return False  # a tuple would be served back as a list (torch writes lists), unequal
             descriptors = tuple(descriptors)
             transform.append(transform_rows.setdefault(descriptors, len(transform_rows)))
             if len(transforms) < len(transform_rows):
