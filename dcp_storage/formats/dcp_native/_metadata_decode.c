@@ -253,6 +253,12 @@ static int tab_grow(Tab *t) {
     return OK;
 }
 
+/* The hash is not keyed and each step of it can be undone: a file can hold any number of keys of one hash,
+ * and every insertion would probe all the earlier ones (quadratic: hours for a large file). At most half
+ * full, an honest table's probe runs are a few slots; a run this long is refused (the general path's dicts
+ * use Python's keyed hash). */
+#define MAX_PROBE 256
+
 /* The id equal to key, or (add) new_id inserted; EMPTY_ID when absent and not added. */
 static int tab_find(const struct D *d, Tab *t, uint64_t h, const void *key, EqFn eq, int add, uint32_t new_id,
                     uint32_t *out) {
@@ -260,12 +266,13 @@ static int tab_find(const struct D *d, Tab *t, uint64_t h, const void *key, EqFn
     *out = EMPTY_ID;
     if (!t->cap) return OK;
     uint64_t hi = h >> 32;
-    size_t mask = t->cap - 1, i = (size_t)fmix(hi) & mask;
+    size_t mask = t->cap - 1, i = (size_t)fmix(hi) & mask, probes = 0;
     while (t->s[i] != EMPTY_SLOT) {
         if ((t->s[i] >> 32) == hi && eq(d, (uint32_t)t->s[i], key)) {
             *out = (uint32_t)t->s[i];
             return OK;
         }
+        if (++probes > MAX_PROBE) return REFUSE;
         i = (i + 1) & mask;
     }
     if (add) {
