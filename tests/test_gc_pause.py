@@ -40,21 +40,27 @@ def test_describe_and_metadata_decode_pause_and_restore(tmp_path, monkeypatch: p
     import torch.distributed.checkpoint as dcp
 
     from dcp_storage import describe
-    from dcp_storage.formats.dcp_native import metadata_checks
+    from dcp_storage.formats.dcp_native import column_checks, metadata_checks
+    from dcp_storage.formats.dcp_native.native_decode import available
 
     dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path), no_dist=True)
-    seen: list[bool] = []
-    check = metadata_checks.check_metadata
+    paths = [("off", "check_metadata", metadata_checks)]  # the general path: guarded unpickler, object checks
+    if available():  # the native decoder's columns, checked on arrays
+        paths.append(("native", "columns_sound", column_checks))
+    for decoder, checks, module in paths:
+        monkeypatch.setenv("DCP_STORAGE_METADATA_DECODER", decoder)
+        seen: list[bool] = []
+        check = getattr(module, checks)
 
-    def spy(metadata, path):  # the checks of a decoded .metadata run with the collector off
-        seen.append(gc.isenabled())
-        return check(metadata, path)
+        def spy(*args, check=check, seen=seen):  # the checks of a decoded .metadata run with the collector off
+            seen.append(gc.isenabled())
+            return check(*args)
 
-    monkeypatch.setattr("dcp_storage.formats.dcp_native.metadata_io.check_metadata", spy)
-    info = describe(tmp_path)
-    assert [t.key for t in info.tensors] == ["w"]
-    assert seen == [False]
-    assert gc.isenabled()
+        monkeypatch.setattr(f"dcp_storage.formats.dcp_native.metadata_io.{checks}", spy)
+        info = describe(tmp_path)
+        assert [t.key for t in info.tensors] == ["w"]
+        assert seen == [False], decoder
+        assert gc.isenabled()
 
 
 def test_overlapping_pauses_in_two_threads_keep_it_off_until_the_last_ends() -> None:

@@ -92,11 +92,11 @@ def load_metadata(data: bytes | bytearray | memoryview, path: str) -> Metadata:
     names each problem.
     """
     decoder = _decoder()
-    if decoder == "native":
-        cols = decode_columns(data)
-        if cols is not None and columns_sound(cols, path):
-            return _served(cols)
     with gc_paused():  # millions of small acyclic objects at a million tensors (see gc_pause)
+        if decoder == "native":
+            cols = decode_columns(data)
+            if cols is not None and columns_sound(cols, path):
+                return _served(cols)
         metadata = safe_loads(data, path, with_registered_globals(_ALLOWED), expected=Metadata)
         if decoder == "python":
             cols = columns_from_metadata(metadata)
