@@ -73,6 +73,8 @@ MISSING = object()  # what ``resolve`` returns for a global outside the allow-li
     _TRIPLE_CONTAINER,
 ) = range(10)
 _FRESH = 16
+# What calling a tag's object returns: a fresh object tagged ``fresh + offset``; any other callable, _OTHER.
+_CALL_OFFSET = {_FACTORY: 0, _FACTORY_SETSTATE: 1, _FACTORY_CONTAINER: 2}
 # Strings (candidates for STACK_GLOBAL) are negative: -1 - opcode position; "__dunder__" ones a further
 # _DUNDER lower and names of container methods (_SHADOW_NAMES) a further _SHADOW lower, so "is any key a
 # dunder" (or a method name) is one C-speed min() over the keys, and a key that is neither costs one compare.
@@ -280,6 +282,7 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
     shadowy: set[int] = set()  # fresh objects that got a key naming a container method
     kinds: dict[tuple[str, str], int] = {}
     fresh = _FRESH
+    call_offset = _CALL_OFFSET.get
     end = len(data)
     limit = end - start  # no memo index, length or frame can exceed the stream
     pos = start
@@ -295,9 +298,8 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
     def called(what: int) -> int:  # what a call of ``what`` returns (INST, OBJ, NEWOBJ_EX: rare)
         nonlocal fresh
         fresh += 4
-        if what == _FACTORY_CONTAINER:
-            return fresh + 2
-        return fresh if what == _FACTORY else fresh + 1 if what == _FACTORY_SETSTATE else _OTHER
+        offset = call_offset(what)
+        return _OTHER if offset is None else fresh + offset
 
     def marked(m: int, target: int) -> None:  # a key of mark ``m`` (a tag) was added to ``target``
         if m <= -_DUNDER:
@@ -348,16 +350,8 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
         elif what == _NEWOBJ:
             del stack[-1]
             fresh += 4  # called(), inline: a call per object costs ~5% of the walk
-            cls = stack[-1]
-            stack[-1] = (
-                fresh
-                if cls == _FACTORY
-                else fresh + 1
-                if cls == _FACTORY_SETSTATE
-                else fresh + 2
-                if cls == _FACTORY_CONTAINER
-                else _OTHER
-            )
+            offset = call_offset(stack[-1])
+            stack[-1] = _OTHER if offset is None else fresh + offset
         elif what == _BUILD:
             state = stack.pop()
             target = stack[-1]
@@ -395,15 +389,8 @@ def _walk(data: bytes, start: int, path: str, resolve: Callable[[str, str], Any]
                 stack[-1] = fresh + 2 if args == _TRIPLE_CONTAINER else tag
             else:  # called(), inline
                 fresh += 4
-                stack[-1] = (
-                    fresh
-                    if func == _FACTORY
-                    else fresh + 1
-                    if func == _FACTORY_SETSTATE
-                    else fresh + 2
-                    if func == _FACTORY_CONTAINER
-                    else _OTHER
-                )
+                offset = call_offset(func)
+                stack[-1] = _OTHER if offset is None else fresh + offset
         elif what == _TUPLE2:
             del stack[-1]
             stack[-1] = _PAIR

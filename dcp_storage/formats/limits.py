@@ -48,6 +48,7 @@ __all__ = [
     "METADATA",
     "ByteLimit",
     "check_byte_range",
+    "count_setting",
     "MAX_DIM",
     "MAX_NDIM",
     "check_view",
@@ -75,16 +76,22 @@ class ByteLimit:
     @property
     def bytes(self) -> int:
         """The limit in force (read at each use, so a process can raise it before loading)."""
-        raw = os.environ.get(self.env)
-        if raw is None or not raw.strip():
-            return self.default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{self.env}={raw!r} is not a whole number of bytes") from None
-        if value < 0:
-            raise ValueError(f"{self.env}={raw!r} must not be negative")
-        return value
+        return count_setting(self.env, self.default, "bytes")
+
+
+def count_setting(env: str, default: int, unit: str) -> int:
+    """The whole, non-negative number in environment variable ``env`` (``default`` when unset or blank);
+    ``ValueError`` naming the variable and ``unit`` for anything else."""
+    raw = os.environ.get(env)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{env}={raw!r} is not a whole number of {unit}") from None
+    if value < 0:
+        raise ValueError(f"{env}={raw!r} must not be negative")
+    return value
 
 
 METADATA = ByteLimit("a DCP .metadata file", 1024 * MiB, "DCP_STORAGE_MAX_METADATA_BYTES")

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...gc_pause import gc_paused
 from ...safe_unpickle import safe_loads
-from ..limits import METADATA, read_limited
+from ..limits import METADATA, count_setting, read_limited
 from ..paths import METADATA_FILE
 from ..safe_globals import with_registered_globals
 from .allow_list import metadata_allow_list
@@ -56,16 +56,7 @@ _DECODERS = ("native", "python", "off")
 
 def lazy_min_entries() -> int:
     """:data:`LAZY_MIN_ENTRIES`, or the value of ``DCP_STORAGE_LAZY_METADATA_ENTRIES`` (read at each use)."""
-    raw = os.environ.get(LAZY_MIN_ENTRIES_ENV)
-    if raw is None or not raw.strip():
-        return LAZY_MIN_ENTRIES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{LAZY_MIN_ENTRIES_ENV}={raw!r} is not a whole number of entries") from None
-    if value < 0:
-        raise ValueError(f"{LAZY_MIN_ENTRIES_ENV}={raw!r} must not be negative")
-    return value
+    return count_setting(LAZY_MIN_ENTRIES_ENV, LAZY_MIN_ENTRIES, "entries")
 
 
 def _decoder() -> str:
