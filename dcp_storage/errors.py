@@ -27,6 +27,7 @@ __all__ = [
     "NonTensorStateError",
     "ShapeMismatchError",
     "StorageAccessError",
+    "StorageFullError",
     "TargetError",
     "TransportError",
     "UnknownExtensionError",
@@ -151,6 +152,26 @@ class FileTooLargeError(CorruptCheckpointError):
 
 class TransportError(DcpStorageError, OSError):
     """Storage kept failing after the retry policy gave up; the message names URL, range and attempts."""
+
+
+class StorageFullError(DcpStorageError, OSError):
+    """A write failed because the storage is full or over quota (``ENOSPC``, ``EDQUOT``).
+
+    The message names the path, the bytes needed where known, and the fix (free space, then retry). The
+    writer that raises it leaves nothing behind but what was there before: its temp files and its lock are
+    removed, so the retry after space is freed succeeds. ``errno`` is the original one.
+    """
+
+    def __init__(self, path: str, needed: int | None = None, errno_: int | None = None, detail: str = "") -> None:
+        self.path, self.needed, self.detail = path, needed, detail
+        need = f" ({needed} bytes needed)" if needed is not None else ""
+        msg = f"{path}: no space left on the storage{need}{': ' + detail if detail else ''}; free space and retry"
+        super().__init__(msg)
+        if errno_ is not None:
+            self.errno = errno_
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
+        return (type(self), (self.path, self.needed, getattr(self, "errno", None), self.detail))
 
 
 class StorageAccessError(DcpStorageError, PermissionError):
