@@ -8,29 +8,42 @@ Call order (torch's ``dcp.save`` drives it):
 1. ``reset(checkpoint_id)``, ``set_up_storage_writer(is_coordinator)`` - every rank.
 2. ``prepare_local_plan`` - every rank; refuses an existing checkpoint unless ``overwrite=True`` (early:
    the claim in step 3 decides).
-3. ``prepare_global_plan`` - coordinator only, *before* any rank writes data. It claims the location
+3. ``prepare_global_plan`` - coordinator only, *before* any rank writes data. It refuses a data directory
+   that is a symlink leading out of the checkpoint, then claims the location
    (:mod:`~dcp_storage.storage.claim`: the lock ``.dcp_storage.lock``, created only if absent, so of two
    concurrent ``overwrite=False`` saves exactly one goes on and the other raises ``CheckpointExistsError``
-   having written nothing). With ``overwrite=True`` it then retires the old checkpoint: its ``.metadata``
-   first (a crash can never leave old metadata pointing at new files), then its data files.
+   having written nothing). With ``overwrite=True`` it removes only a killed save's temp files: the old
+   checkpoint stays whole until the new one is committed (:mod:`~dcp_storage.storage.retire`).
 4. ``write_data`` - every rank; ``thread_count`` files written concurrently, each committed atomically.
 5. ``finish`` - coordinator only; writes the manifest ``.dcp_storage.json`` (format, writer and extension
    descriptors, a checksum of every record, computed while writing), then ``.metadata`` last, atomically
    (one PUT, or temp+fsync+rename), so an interrupted save never looks complete; then removes the lock.
+   Replacing a checkpoint, the order keeps a manifest from ever sitting beside a ``.metadata`` it does not
+   belong to: the old manifest is removed, the new ``.metadata`` committed over the old one, the new
+   manifest written, and only then are the data files the new ``.metadata`` does not name retired.
 
 Data files are ``__{rank}_{n}.distcp`` as torch names them, except that an ``overwrite=True`` save to a
 location that holds files adds its save id (``__{rank}_{save id}_{n}.distcp``; readers find files through
-``.metadata``, torch's too): a file name is never reused for other bytes, so a load that read the old
-``.metadata`` and is still running reads the old bytes or finds the file gone (``CheckpointNotFoundError``),
-never the new bytes under the old metadata.
+``.metadata``, torch's too): a file name is never reused for other bytes, so the old checkpoint stays
+loadable until the commit, and a load that read the old ``.metadata`` and is still running reads the old
+bytes or finds the file gone (``CheckpointNotFoundError``), never the new bytes under the old metadata.
+
+A write that fails (``ENOSPC``, ``EDQUOT``: :class:`~dcp_storage.errors.StorageFullError` naming the file
+and the bytes it needed; any other storage error as itself) removes what this save wrote: each rank its own
+data files (temp files are removed by the transport), and a coordinator saving alone, or any coordinator
+failing in ``finish``, its lock too. The lock of a save of several ranks that failed in ``write_data``, or
+of any save that failed otherwise (a state that cannot be serialized), stays until the writer retries (it
+takes its own lock back) or an ``overwrite=True`` save: another rank may still be writing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 import uuid
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,7 +73,8 @@ from .claim import ClaimingWriter, lock_name, refuse_existing
 from .fsspec_reader import _is_fsspec_url
 from .location import BoundLocation
 from .prefixes import PrefixStrategy, rank_directory, resolve_prefix_strategy
-from .retire import retire_dcp
+from .retire import prepare_dcp_overwrite, refuse_links_out, retire_unreferenced
+from .write_errors import RecordingWriter, write_error
 from .write_layout import MemoryFile, estimated_bytes, group_items
 
 __all__ = ["FsspecWriter"]
@@ -99,6 +113,11 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
             name of one registered under ``dcp_storage.strategies``. Each rank's files go to the directory
             it names inside the checkpoint; readers (torch's too) find them through ``.metadata``.
     """
+
+    # Set by the coordinator's prepare_global_plan for its finish (and a failed write_data):
+    _alone = False  # the save's only rank (or a rank-local save): a failure releases the lock at once
+    _replacing = False  # overwriting files: new names, the old checkpoint retired after the commit
+    _directories: Sequence[str] = ()  # the prefix strategy's data directories
 
     def __init__(
         self,
@@ -194,17 +213,25 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         # Runs on the coordinator (every rank without collectives) before any rank writes data.
         local_rank = self.rank if self._rank_local() else None
         lock = lock_name(local_rank)
-        markers = self._shadowing_metadata_paths()
-        self._take_claim(self.transport.join(self.root, lock), self._committed_markers, self._rival_locks)
         ranks = [self.rank] if self._rank_local() else list(range(len(plans)))
         world = _world_size(len(plans), self._rank_local())
         directories = [rank_directory(self.prefix_strategy, rank, world) for rank in ranks]
-        tag = ""
-        took_over = self._claim is not None and self._claim.took_over  # another save may still write its files
-        if self.overwrite and (
-            retire_dcp(self.transport, self.root, markers, local_rank, lock, directories) or took_over
-        ):
-            tag = f"{self.save_id[:_SAVE_TAG]}_"  # a location that held files: new names (module docstring)
+        refuse_links_out(self.transport, self.root, directories)  # before the claim: nothing written yet
+        self._take_claim(self.transport.join(self.root, lock), self._committed_markers, self._rival_locks)
+        self._alone = len(ranks) == 1  # no other rank can be writing: a failure may release the lock at once
+        self._directories = directories
+        try:
+            tag = ""
+            took_over = self._claim is not None and self._claim.took_over  # another save may still write
+            self._replacing = False
+            if self.overwrite and (
+                prepare_dcp_overwrite(self.transport, self.root, local_rank, lock, directories) or took_over
+            ):
+                self._replacing = True
+                tag = f"{self.save_id[:_SAVE_TAG]}_"  # a location that held files: new names (module docstring)
+        except BaseException:
+            self._release_claim()  # no rank has written anything yet
+            raise
         prefixes = [_StoragePrefix(f"{d}/__{r}_{tag}" if d else f"__{r}_{tag}") for d, r in zip(directories, ranks)]
         return [
             plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=prefix)
@@ -229,6 +256,8 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         budget = ByteBudget(getattr(config, "max_inflight_bytes", 512 * 1024 * 1024))
         parts = getattr(self.transport, "parts_in_flight", 2)
 
+        committed: list[str] = []  # files this rank committed, removed if another one fails
+
         def write(name: str, items: list[WriteItem]) -> list[WriteResult]:
             size = estimated_bytes(items)
             # What the file costs in memory while in flight: its buffer (or its upload's parts) and, measured
@@ -237,18 +266,26 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
             held = 3 * upload_memory(size, part_size, parts) if not local else 0
             budget.acquire(held)
             try:
-                return self._write_file(name, items, planner, in_memory=not local and size <= part_size)
+                written = self._write_file(name, items, planner, in_memory=not local and size <= part_size)
+                committed.append(name)
+                return written
             finally:
                 budget.release(held)
 
         results: list[WriteResult] = []
-        if len(files) <= 1 or workers == 1:
-            for name, group in files:
-                results += write(name, group)
-        else:
-            with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="dcp-storage-write") as pool:
-                for part in pool.map(lambda f: write(*f), files):
-                    results += part
+        try:
+            if len(files) <= 1 or workers == 1:
+                for name, group in files:
+                    results += write(name, group)
+            else:
+                with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="dcp-storage-write") as pool:
+                    for part in pool.map(lambda f: write(*f), files):
+                        results += part
+        except BaseException as exc:
+            # A storage error of a save no other rank writes for releases the lock; any other failure keeps it
+            # for this writer's retry (see .claim), as a save of several ranks must (another may still write).
+            self._undo(committed, release=self._alone and isinstance(exc, OSError))
+            raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -265,13 +302,35 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
             i for i in items if i.type != WriteItemType.BYTE_IO
         ]
-        if in_memory:
-            buffer = MemoryFile(estimated_bytes(items))
-            results = self._write_records(buffer, name, ordered, planner)
-            self.transport.write_file(path, buffer.close_buffer())
-            return results
-        with self.transport.open_atomic(path) as raw:
-            return self._write_records(raw, name, ordered, planner)
+        recorder: RecordingWriter | None = None
+        try:
+            if in_memory:
+                buffer = MemoryFile(estimated_bytes(items))
+                results = self._write_records(buffer, name, ordered, planner)
+                self.transport.write_file(path, buffer.close_buffer())
+                return results
+            with self.transport.open_atomic(path) as raw:
+                recorder = RecordingWriter(raw)  # keeps the OSError that torch.save turns into a RuntimeError
+                return self._write_records(recorder, name, ordered, planner)
+        except Exception as exc:
+            error = write_error(exc, self.transport.url(path), estimated_bytes(items), recorder and recorder.error)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _undo(self, names: Sequence[str], *, release: bool) -> None:
+        """After a failure: remove the data files ``names`` this save committed, and the lock if ``release``.
+
+        Best effort (the storage may be failing): what cannot be removed is a leftover the next
+        ``overwrite=True`` save retires; it is never part of a checkpoint (no ``.metadata`` names it).
+        """
+        for name in names:
+            try:
+                self.transport.remove(self.transport.join(self.root, name))
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+        if release:
+            self._release_claim()
 
     def _write_records(self, raw: Any, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         results = []
@@ -303,9 +362,42 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         extensions = getattr(self, "extensions", None) or ()
         manifest = build_manifest(DCP_FORMAT.descriptor, storage_md, checksums, algorithms, extensions)
         self._confirm_claim()  # another save took the location over: it commits, not this one
-        self.transport.write_file(self._manifest_path(), manifest.to_json())  # before the commit marker
-        self.transport.write_file(self._metadata_path(), dump_metadata(metadata))
+        data_files = sorted({info.relative_path for info in storage_md.values()})
+        manifest_path, metadata_path = self._manifest_path(), self._metadata_path()
+        try:
+            if self._replacing:
+                self.transport.remove(manifest_path)  # the old one: never beside the new .metadata
+            else:
+                self.transport.write_file(manifest_path, manifest.to_json())  # before the commit marker
+            self.transport.write_file(metadata_path, dump_metadata(metadata))  # the commit
+        except Exception as exc:
+            if not self._replacing:
+                with contextlib.suppress(Exception):
+                    self.transport.remove(manifest_path)
+            self._undo(data_files, release=True)  # not committed: nothing of it may stay
+            error = write_error(exc, self.transport.url(metadata_path))
+            if error is exc:
+                raise
+            raise error from exc
+        if self._replacing:
+            self._retire_replaced(data_files, manifest.to_json())
         self._release_claim()
+
+    def _retire_replaced(self, data_files: list[str], manifest: bytes) -> None:
+        """After the commit over an old checkpoint: the new manifest, then retire what ``.metadata`` no longer
+        names (the old data files, a killed save's leftovers, a shadowing global ``.metadata``)."""
+        try:
+            self.transport.write_file(self._manifest_path(), manifest)
+        except Exception as exc:  # noqa: BLE001 - committed: the checkpoint loads, only its checksums are missing
+            warnings.warn(
+                f"{self.transport.url(self._manifest_path())}: the checkpoint is committed, but its manifest "
+                f"could not be written ({exc}); it loads without record checksums",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        shadowing = [p for p in self._shadowing_metadata_paths() if p != self._metadata_path()]
+        local_rank = self.rank if self._rank_local() else None
+        retire_unreferenced(self.transport, self.root, data_files, local_rank, self._directories, shadowing)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

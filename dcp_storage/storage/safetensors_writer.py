@@ -21,6 +21,7 @@ apart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -38,6 +39,7 @@ from torch.futures import Future
 
 from ..deprecation import renamed_keyword
 from ..errors import DcpStorageError
+from ..formats.completeness import remove_stale_temp_files
 from ..formats.paths import EXTRA_STATE_FILE, LOCK_FILE, check_prefix, index_name, single_name
 from ..formats.safetensors.encode import tensor_bytes
 from ..formats.safetensors.file_plan import header_metadata
@@ -59,8 +61,9 @@ from .claim import ClaimingWriter, refuse_existing
 from .fsspec_reader import _is_fsspec_url
 from .location import BoundLocation
 from .retire import retire_safetensors
-from .safetensors_local import commit_files, create_temp_files, fill_headers, pwrite_chunks
+from .safetensors_local import commit_files, create_temp_files, fill_headers, pwrite_chunks, temp_path
 from .safetensors_stream import stream_files
+from .write_errors import write_error
 
 __all__ = ["EXTRA_STATE_FILE", "SafetensorsWriter"]
 
@@ -95,8 +98,9 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
         overwrite: ``False`` (the default) refuses a directory that already holds ``{prefix}.safetensors``
             or the index, or that another save holds (running, or interrupted before its commit: see
             :mod:`~dcp_storage.storage.claim`), with :class:`~dcp_storage.errors.CheckpointExistsError`: of
-            two concurrent saves exactly one succeeds. ``True`` deletes the old files (and stale temp files
-            of an interrupted save) before any rank writes.
+            two concurrent saves exactly one succeeds. ``True`` replaces the old files: they stay loadable
+            until the new ones are committed, then go (README, "overwrite=True": what a sharded save over
+            the same shard names cannot keep); stale temp files of an interrupted save are removed first.
         filename_prefix: the ``model`` in the file names.
         allow_extra_state: ``False`` (the default) refuses non-tensor entries (ints, lists, optimizer step
             counters) with :class:`~dcp_storage.errors.NonTensorStateError` naming them. ``True`` writes
@@ -139,6 +143,8 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
     # Not pickled: in a checkpoint process (async_save PROCESS mode) the default group stands for it.
     _process_local = ("process_group",)
     process_group: dist.ProcessGroup | None = None
+    _alone = False  # set by the coordinator's prepare_global_plan: the save's only rank
+    _retired = False  # overwrite=True retired the old files before writing (same shard names)
 
     @renamed_keyword("url", "path")
     def __init__(
@@ -232,15 +238,35 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
             save_id=self.save_id,
             checksum_algorithm=self.checksum_algorithm,
         )
-        # Claim the location, then retire the old checkpoint, before any rank writes (see .claim).
+        # Claim the location before any rank writes (see .claim); the old files stay until the commit where
+        # the new names allow it (the class docstring: what overwrite=True keeps).
         self._take_claim(self._path(LOCK_FILE), self._markers())
-        if self.overwrite:
-            prefix = self.filename_prefix
-            retire_safetensors(self.transport, self.root, prefix, index_name(prefix), EXTRA_STATE_FILE)
-        if mode == "pwrite":
-            create_temp_files(self.transport, self.root, planned, self.save_id)
+        self._alone = len(plans) == 1
+        try:
+            self._retired = False
+            if self.overwrite:
+                self._retired = self._prepare_overwrite(planned)
+            if mode == "pwrite":
+                try:
+                    create_temp_files(self.transport, self.root, planned, self.save_id)
+                except Exception as exc:
+                    raise _write_error(exc, self.transport.url(self.root), sum(f.size for f in planned.files))
+        except BaseException:
+            self._release_claim()  # no rank has written anything yet
+            raise
         self._planned = planned
         return [dataclasses.replace(p, storage_data=rw) for p, rw in zip(plans, planned.rank_writes)]
+
+    def _prepare_overwrite(self, planned: SavePlanResult) -> bool:
+        """Remove a killed save's temp files; retire the old checkpoint now only if the new files would be
+        written over its files one by one (a sharded save with the same shard names). Returns whether it did."""
+        prefix = self.filename_prefix
+        names = set(self.transport.listdir(self.root))
+        if planned.sharded and any(f.name in names for f in planned.files):
+            retire_safetensors(self.transport, self.root, prefix, index_name(prefix), EXTRA_STATE_FILE)
+            return True
+        remove_stale_temp_files(self.transport, self.root)
+        return False
 
     # ------------------------------------------------------------------------------------ writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -273,7 +299,14 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
 
         digests: dict[MetadataIndex, str] = {}
         if rw.mode == "pwrite":
-            digests = pwrite_chunks(self.transport, self.root, rw, tensor_items, chunk_bytes, self.checksum_algorithm)
+            try:
+                digests = pwrite_chunks(
+                    self.transport, self.root, rw, tensor_items, chunk_bytes, self.checksum_algorithm
+                )
+            except Exception as exc:
+                if self._alone and self._planned is not None and isinstance(exc, OSError):  # nothing may stay
+                    self._abandon(self._planned)
+                raise _write_error(exc, self.transport.url(self.root), sum(c.nbytes for c in rw.chunks.values()))
         else:
             view = group_view(self.process_group)
             all_digests = None
@@ -282,7 +315,12 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
             if rw.rank == rw.coordinator:
                 early = early or self._claim_lost()  # taken over: upload nothing over the other save's files
                 source = ChunkSource(view, rw, chunk_bytes)
-                stream_files(self.transport, self.root, rw, self._planned, source, early, all_digests)
+                try:
+                    stream_files(self.transport, self.root, rw, self._planned, source, early, all_digests)
+                except BaseException as exc:
+                    if self._alone and self._planned is not None and isinstance(exc, OSError):
+                        self._abandon(self._planned)  # the upload was aborted: only the lock is left
+                    raise
             else:
                 send_chunks(view, rw, chunk_bytes, early)
         for item in tensor_items.values():
@@ -315,16 +353,46 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
         self._confirm_claim()  # another save took the location over: it commits, not this one
         written = [wr.storage_data for rank in results for wr in rank]
         extra = {sd.fqn: sd.data for sd in written if isinstance(sd, _ExtraState)}
-        if extra:
-            buf = io.BytesIO()
-            torch.save(extra, buf)
-            self.transport.write_file(self._path(EXTRA_STATE_FILE), buf.getbuffer())
-        if self.transport.is_local:
-            if self.checksum_algorithm is not None:
-                digests = {sd.key: sd.digest for sd in written if isinstance(sd, _ChunkDigest)}
-                fill_headers(self.transport, self.root, planned, self.save_id, digests)
-            commit_files(self.transport, self.root, planned, self.save_id)
-        if planned.sharded:
-            self.transport.write_file(self._path(index_name(self.filename_prefix)), planned.index_json())
+        try:
+            if extra:
+                buf = io.BytesIO()
+                torch.save(extra, buf)
+                self.transport.write_file(self._path(EXTRA_STATE_FILE), buf.getbuffer())
+            if self.transport.is_local:
+                if self.checksum_algorithm is not None:
+                    digests = {sd.key: sd.digest for sd in written if isinstance(sd, _ChunkDigest)}
+                    fill_headers(self.transport, self.root, planned, self.save_id, digests)
+                commit_files(self.transport, self.root, planned, self.save_id)
+            if planned.sharded:
+                self.transport.write_file(self._path(index_name(self.filename_prefix)), planned.index_json())
+        except Exception as exc:
+            self._abandon(planned)
+            raise _write_error(exc, self.transport.url(self.root)) from exc
+        if self.overwrite and not self._retired:  # the new files are in place: the old ones go
+            kept = [f.name for f in planned.files]
+            kept += [index_name(self.filename_prefix)] if planned.sharded else []
+            kept += [EXTRA_STATE_FILE] if extra else []
+            prefix = self.filename_prefix
+            retire_safetensors(self.transport, self.root, prefix, index_name(prefix), EXTRA_STATE_FILE, kept)
         self._planned = None
         self._release_claim()
+
+    def _abandon(self, planned: SavePlanResult) -> None:
+        """After a failure (on the coordinator): remove this save's temp files, then release its lock.
+
+        Best effort: a temp file that cannot be removed is a leftover the next ``overwrite=True`` save removes.
+        """
+        if self.transport.is_local:
+            for f in planned.files:
+                with contextlib.suppress(Exception):
+                    self.transport.remove(temp_path(self.transport, self.root, f.name, self.save_id))
+        self._planned = None
+        self._release_claim()
+
+
+def _write_error(exc: BaseException, url: str, needed: int | None = None) -> BaseException:
+    """:func:`~dcp_storage.storage.write_errors.write_error`, keeping ``exc`` as the cause of a new error."""
+    error = write_error(exc, url, needed)
+    if error is not exc:
+        error.__cause__ = exc
+    return error
