@@ -19,9 +19,9 @@ def add_parser(sub: Any) -> None:
         "its records need, headers valid, chunks covering every tensor. --deep also reads every tensor (one at a "
         "time) and checks recorded checksums. An interrupted save (data or temp files without the commit marker) is "
         "reported as an incomplete checkpoint; in-progress multipart uploads under URL are listed (--cleanup aborts "
-        "them). A checkpoint that needs an extension plugin that is not installed, and one shard of a sharded set whose "
-        "siblings or index are missing, are problems too. Exits 1 naming every problem found: whenever a load would "
-        "fail.",
+        "them, and removes data files .metadata does not name). A checkpoint that needs an extension plugin that is "
+        "not installed, and one shard of a sharded set whose siblings or index are missing, are problems too. Exits 1 "
+        "naming every problem found: whenever a load would fail.",
         examples=[
             "dcp-storage verify ./step-1000",
             "dcp-storage verify ./hf/model.safetensors.index.json --deep",
@@ -35,7 +35,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--cleanup",
         action="store_true",
-        help="first abort the in-progress multipart uploads under URL (left by killed saves) older than --older-than",
+        help="first abort the in-progress multipart uploads under URL (left by killed saves) older than --older-than, "
+        "and remove the data files a committed checkpoint's .metadata does not name (a killed overwrite=True "
+        "save's; only while no save holds the location)",
     )
     p.add_argument(
         "--older-than",
@@ -68,11 +70,12 @@ def _parse_age(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspection import abort_stale_uploads, verify  # imports torch: only when the command runs
+    from ..inspection import abort_stale_uploads, remove_unreferenced_files, verify  # imports torch: only now
 
-    aborted = []
+    aborted, removed = [], []
     if args.cleanup:
         aborted = abort_stale_uploads(args.url, _common.storage_options(args), older_than=args.older_than)
+        removed = remove_unreferenced_files(args.url, _common.storage_options(args))
     with _common.progress_bar("verify") as bar:
         report = verify(
             args.url,
@@ -86,10 +89,13 @@ def run(args: argparse.Namespace) -> int:
         out = report.as_dict()
         if args.cleanup:
             out["aborted_uploads"] = [u.url for u in aborted]
+            out["removed_files"] = removed
         _common.emit_json(out)
     else:
         for upload in aborted:
             print(f"aborted: {shown(upload.describe())}")
+        for url in removed:
+            print(f"removed: {shown(url)} (a data file .metadata does not name: a killed save's leftover)")
         checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in report.checked.items())
         print(f"checkpoint: {shown(report.url)} ({shown(report.format or 'unknown format')})")
         if checked:

@@ -3,6 +3,7 @@
 
 from .checks import VerifyReport, verify
 from .summary import CheckpointInfo, ChunkInfo, FileInfo, TensorInfo, ValueInfo, describe
+from .unreferenced import remove_unreferenced_files
 from .uploads import PendingUpload, abort_stale_uploads, list_pending_uploads
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "abort_stale_uploads",
     "describe",
     "list_pending_uploads",
+    "remove_unreferenced_files",
     "verify",
 ]

@@ -78,6 +78,23 @@ def test_the_old_checkpoint_loads_until_the_new_metadata_is_committed(tmp_path: 
     assert not (ckpt / LOCK_FILE).exists()
 
 
+def test_verify_cleanup_removes_a_killed_overwrites_files_once_no_save_holds_the_location(tmp_path: Path) -> None:
+    from dcp_storage.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    save(state(1), ckpt)
+    old_files = sorted(os.listdir(ckpt))
+    with pytest.raises(CheckpointException):
+        dcp.save(state(2), storage_writer=_StopAt(ckpt, overwrite=True), no_dist=True)
+    leftovers = sorted(set(os.listdir(ckpt)) - set(old_files) - {LOCK_FILE})
+    assert leftovers and all(n.endswith(".distcp") for n in leftovers)
+    assert ds.inspection.remove_unreferenced_files(str(ckpt)) == []  # a lock: that save may still be running
+    (ckpt / LOCK_FILE).unlink()  # its holder is gone
+    assert main(["verify", str(ckpt), "--cleanup"]) == 0
+    assert sorted(os.listdir(ckpt)) == old_files
+    assert same(load(ckpt), state(1)) and ds.verify(ckpt).ok
+
+
 def test_safetensors_single_file_over_single_file_keeps_the_old_until_the_rename(tmp_path: Path) -> None:
     out = tmp_path / "hf"
     dcp.save(state(1), storage_writer=SafetensorsWriter(out), no_dist=True)
