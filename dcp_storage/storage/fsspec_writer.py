@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..errors import StorageFullError
 from ..formats.dcp_native.manifest_io import build_manifest
 from ..formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
@@ -371,11 +372,16 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
                 self.transport.write_file(manifest_path, manifest.to_json())  # before the commit marker
             self.transport.write_file(metadata_path, dump_metadata(metadata))  # the commit
         except Exception as exc:
-            if not self._replacing:
-                with contextlib.suppress(Exception):
-                    self.transport.remove(manifest_path)
-            self._undo(data_files, release=True)  # not committed: nothing of it may stay
             error = write_error(exc, self.transport.url(metadata_path))
+            # Not committed, for sure on a local disk or a full store: nothing of it may stay. An object store's
+            # other errors may come after it took the PUT (a lost response): its files then stay, as leftovers.
+            if self.transport.is_local or isinstance(error, StorageFullError):
+                if not self._replacing:
+                    with contextlib.suppress(Exception):
+                        self.transport.remove(manifest_path)
+                self._undo(data_files, release=True)
+            else:
+                self._release_claim()
             if error is exc:
                 raise
             raise error from exc
