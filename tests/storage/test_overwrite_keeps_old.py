@@ -113,6 +113,36 @@ def test_safetensors_single_file_over_single_file_keeps_the_old_until_the_rename
     assert sorted(os.listdir(out)) == ["model.safetensors"]  # the killed save's temp file is gone
 
 
+def test_safetensors_sharded_over_another_shard_count_keeps_the_old_until_the_index(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    def loaded(out: Path) -> dict[str, Any]:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        got: dict[str, Any] = {}
+        for name in sorted(set(index["weight_map"].values())):
+            got.update(load_file(out / name))
+        return got
+
+    out, shard = tmp_path / "hf", 300 * 1024  # 256 KiB tensors: one per shard
+    dcp.save(state(1, n=2), storage_writer=SafetensorsWriter(out, max_shard_size=shard), no_dist=True)
+
+    class Stop(SafetensorsWriter):
+        def finish(self, *args: Any, **kwargs: Any) -> None:
+            raise KeyboardInterrupt("stopped before the commit")
+
+    with pytest.raises(CheckpointException):
+        dcp.save(state(2, n=3), storage_writer=Stop(out, overwrite=True, max_shard_size=shard), no_dist=True)
+    assert same(loaded(out), state(1, n=2))  # the old index and its two shards, whole
+    dcp.save(state(3, n=3), storage_writer=SafetensorsWriter(out, overwrite=True, max_shard_size=shard), no_dist=True)
+    assert same(loaded(out), state(3, n=3))
+    names = sorted(os.listdir(out))
+    assert names == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)] + ["model.safetensors.index.json"]
+    dcp.save(state(4, n=2), storage_writer=SafetensorsWriter(out, overwrite=True), no_dist=True)  # one file now
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+
+
 # ---------------------------------------------------------------------------------------- links out
 def test_overwrite_never_retires_through_a_prefix_directory_linked_to_another_checkpoint(tmp_path: Path) -> None:
     strategy = HexPrefixStrategy()
