@@ -367,7 +367,7 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
                 self.transport.write_file(self._path(index_name(self.filename_prefix)), planned.index_json())
         except Exception as exc:
             self._abandon(planned)
-            raise _write_error(exc, self.transport.url(self.root)) from exc
+            raise _write_error(exc, self.transport.url(self.root))  # its cause is set there
         if self.overwrite and not self._retired:  # the new files are in place: the old ones go
             kept = [f.name for f in planned.files]
             kept += [index_name(self.filename_prefix)] if planned.sharded else []
