@@ -201,8 +201,9 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         directories = [rank_directory(self.prefix_strategy, rank, world) for rank in ranks]
         tag = ""
         took_over = self._claim is not None and self._claim.took_over  # another save may still write its files
-        if self.overwrite and (
-            retire_dcp(self.transport, self.root, markers, local_rank, lock, directories) or took_over
+        if (self.overwrite or took_over) and (  # a stale lock taken over: retire the dead save's files too
+            retire_dcp(self.transport, self.root, markers if self.overwrite else [], local_rank, lock, directories)
+            or took_over
         ):
             tag = f"{self.save_id[:_SAVE_TAG]}_"  # a location that held files: new names (module docstring)
         prefixes = [_StoragePrefix(f"{d}/__{r}_{tag}" if d else f"__{r}_{tag}") for d, r in zip(directories, ranks)]
