@@ -13,11 +13,12 @@ as *active* in this process (:func:`is_active`, which :func:`~.lock_holder.stale
   renewed and a retry in the same process takes it over at once;
 * the writer holding the claim is garbage-collected, or takes a new claim.
 
-Signals: while a claim is active, a lock taken on the main thread is removed when the process gets
-``SIGINT`` (then ``KeyboardInterrupt`` is raised, as Python's default handler does) or ``SIGTERM`` (then
-the main thread raises ``SystemExit(143)`` if its save holds the lock, so the save unwinds and removes its
-temp files; otherwise the default action follows). The handlers are installed only over Python's
-defaults, never over an application's own.
+Signals: on ``SIGINT`` the locks of saves running on the main thread are removed, then
+``KeyboardInterrupt`` is raised there as Python's default handler does (the save unwinds and removes its
+temp files; torch reports it wrapped in its ``CheckpointException``). On ``SIGTERM`` every lock this
+process holds is removed, then the default action ends the process (exit status 143; the temp files of
+the interrupted writes stay, for ``verify --cleanup`` or the next save to remove). The handlers are
+installed, from the main thread, only over Python's defaults, never over an application's own.
 """
 
 from __future__ import annotations
@@ -211,13 +212,10 @@ def _install_handlers() -> None:
 def _on_signal(signum: int, frame: Any) -> None:
     with _ACTIVE_LOCK:
         renewals = [r for r in _ACTIVE.values() if r is not None]
-    on_main = [r for r in renewals if r.on_main_thread]
     # SIGINT interrupts the main thread only: the saves of other threads go on. SIGTERM ends the process.
-    for renewal in on_main if signum == signal.SIGINT else renewals:
+    for renewal in [r for r in renewals if r.on_main_thread] if signum == signal.SIGINT else renewals:
         renewal.release_now()
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
-    if on_main:
-        raise SystemExit(128 + signum)
     signal.signal(signum, _INSTALLED.get(signum, signal.SIG_DFL))
-    signal.raise_signal(signum)
+    signal.raise_signal(signum)  # the default action: the process ends by SIGTERM, as it would have
