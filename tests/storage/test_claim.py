@@ -162,7 +162,12 @@ def test_a_running_save_in_this_process_is_not_taken_over(tmp_path: Path) -> Non
     with pytest.raises(CheckpointException) as other:
         dcp.save(state(2), storage_writer=FsspecWriter(ckpt), no_dist=True)
     message = str(refused(other.value))
-    for part in (f"{ckpt}/{LOCK_FILE}", holder.save_id, "still running, or it stopped before its commit", "overwrite=True"):
+    for part in (
+        f"{ckpt}/{LOCK_FILE}",
+        holder.save_id,
+        "still running, or it stopped before its commit",
+        "overwrite=True",
+    ):
         assert part in message, message
     holder._release_claim()
     assert not (ckpt / LOCK_FILE).exists()

@@ -69,7 +69,11 @@ def stuck_save(tmp_path: Path) -> Iterator[Any]:
     procs: list[subprocess.Popen[str]] = []
 
     def start(path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+        full = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            **(env or {}),
+        }
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.storage._lock_fns", str(path), *args],
             cwd=ROOT,
@@ -119,8 +123,19 @@ def _lock_of(pid: int, started: int | None, host: str | None = None, **more: Any
     from dcp_storage.storage.lock_holder import _this_process
 
     me = _this_process()
-    return {**me, "save_id": "d" * 32, "claim": "c" * 32, "writer": "x", "since": "-", "pid": pid,
-            "started": started, "host": host or me["host"], "lease_s": 90, "renewed": time.time(), **more}
+    return {
+        **me,
+        "save_id": "d" * 32,
+        "claim": "c" * 32,
+        "writer": "x",
+        "since": "-",
+        "pid": pid,
+        "started": started,
+        "host": host or me["host"],
+        "lease_s": 90,
+        "renewed": time.time(),
+        **more,
+    }
 
 
 def test_a_reused_pid_and_a_live_one(tmp_path: Path) -> None:
@@ -237,7 +252,9 @@ def test_of_many_takers_of_a_stale_lock_exactly_one_wins(backend: str, tmp_path:
             t, root = transports[i]
             barrier.wait()
             try:
-                outcomes[i] = claim_location(t, t.join(root, LOCK_FILE), save_id=f"{i}" * 32, overwrite=False, markers=[])
+                outcomes[i] = claim_location(
+                    t, t.join(root, LOCK_FILE), save_id=f"{i}" * 32, overwrite=False, markers=[]
+                )
             except CheckpointExistsError as exc:
                 outcomes[i] = exc
 
@@ -349,7 +366,9 @@ def test_an_honest_store_costs_one_refused_probe(s3_url: Any) -> None:
     before = transport.counters.snapshot()["requests"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "ignores If-None-Match" warning on moto, which honours it
-        claim = claim_location(transport, transport.join(root, LOCK_FILE), save_id="a" * 32, overwrite=False, markers=[])
+        claim = claim_location(
+            transport, transport.join(root, LOCK_FILE), save_id="a" * 32, overwrite=False, markers=[]
+        )
     claim.release()
     assert claim.renewal is not None and not claim.renewal.running()
     print(f"\nclaim + release on S3: {transport.counters.snapshot()['requests'] - before} requests")
