@@ -19,6 +19,7 @@ from an older version is never judged stale (only ``overwrite=True`` replaces it
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -131,7 +132,7 @@ def _whole(value: Any) -> int | None:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
 

@@ -174,18 +174,49 @@ def test_a_lock_without_lease_fields_is_never_judged(tmp_path: Path) -> None:
     assert isinstance(unwrap(info.value), CheckpointExistsError)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"pid": 0},
+        {"pid": -1},
+        {"pid": True},
+        {"pid": "4242"},
+        {"started": "1"},
+        {"lease_s": 0, "renewed": 0},
+        {"lease_s": -5, "renewed": 0},
+        {"lease_s": 1e12, "renewed": 0},
+        {"lease_s": "90", "renewed": 0},
+        {"lease_s": True, "renewed": 0},
+        {"renewed": float("-inf")},
+        {"renewed": float("nan")},
+        {"renewed": "0"},
+    ],
+    ids=repr,
+)
+def test_malformed_holder_fields_never_make_a_lock_stale(changes: dict[str, Any]) -> None:
+    """Only a holder that is provably gone is taken over: a pid of 0 or -1 (``kill(0, ...)`` would name a
+    process group), types other than numbers, a non-finite or absurd lease are "unknown"."""
+    from dcp_storage.storage.lock_holder import stale_reason
+
+    live_elsewhere = {**_lock_of(os.getpid(), 1, host="elsewhere"), **changes}
+    assert stale_reason(json.loads(json.dumps(live_elsewhere)), lambda _c: True) is None
+    same_host_pid = {**_lock_of(os.getpid(), 1), **changes}  # our pid, another start time: unless malformed, stale
+    if "pid" in changes or "started" in changes:
+        assert stale_reason(json.loads(json.dumps(same_host_pid)), lambda _c: True) is None
+
+
 # ------------------------------------------------------------------------------------ leases
 def test_a_stopped_holder_on_another_host_is_taken_over_after_its_lease(
     tmp_path: Path, stuck_save: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A live save on "another host" (its lock names another host name) renews its 2 s lease: refused while
-    it runs, even well past the lease. SIGSTOPped, it stops renewing: taken over after 2 s; resumed, it finds
-    its lock taken and never writes it back. Before: refused for ever."""
+    """A live save on "another host" (its lock names another host name) renews its 3 s lease: refused while
+    it runs, even past the lease. SIGSTOPped, it stops renewing: taken over after 3 s; resumed, it finds its
+    lock taken and never writes it back. Before: refused for ever."""
     ckpt = tmp_path / "ckpt"
-    proc = stuck_save(ckpt, "--host", "elsewhere-host", env={LEASE_ENV: "2"})
+    proc = stuck_save(ckpt, "--host", "elsewhere-host", env={LEASE_ENV: "3"})
     first = json.loads((ckpt / LOCK_FILE).read_text())
-    assert first["host"] == "elsewhere-host" and first["lease_s"] == 2
-    time.sleep(3)  # past one lease: renewed meanwhile
+    assert first["host"] == "elsewhere-host" and first["lease_s"] == 3
+    time.sleep(3.5)  # past one lease: renewed meanwhile
     renewed = json.loads((ckpt / LOCK_FILE).read_text())
     assert renewed["claim"] == first["claim"] and renewed["renewed"] > first["renewed"]
     with pytest.raises(CheckpointException) as info:
@@ -193,7 +224,7 @@ def test_a_stopped_holder_on_another_host_is_taken_over_after_its_lease(
     assert "elsewhere-host" in str(unwrap(info.value))
 
     proc.send_signal(signal.SIGSTOP)
-    time.sleep(3)
+    time.sleep(3.5)
     taker = FsspecWriter(ckpt)
     dcp.save(state(4), storage_writer=taker, no_dist=True)
     assert load(ckpt)["step"] == 4
@@ -211,7 +242,7 @@ def test_renewal_keeps_a_long_save_and_stops_with_it(tmp_path: Path, monkeypatch
 
     def write_slowly(self: Any, *args: Any) -> Any:
         seen.append(json.loads((tmp_path / "ok" / LOCK_FILE).read_text()))
-        time.sleep(1.2)
+        time.sleep(1.5)
         seen.append(json.loads((tmp_path / "ok" / LOCK_FILE).read_text()))
         return slow(self, *args)
 
