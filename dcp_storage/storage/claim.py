@@ -48,7 +48,7 @@ from ..integrity.provenance import writer_descriptor
 from ..transports.local_transport import directory_in_the_way
 from .lease import Renewal, forget, is_active, pending
 from .lock_holder import claim_id_of, holder_fields, lease_seconds, parse
-from .takeover import create_exclusive, read_lock, take_over
+from .takeover import create_exclusive, read_lock, rewrite_lock, take_over
 
 __all__ = [
     "LOCK_FILE",
@@ -178,7 +178,7 @@ def claim_location(
             fields,
             lease / 3,
             read_id=lambda: claim_id_of(read_lock(transport, lock_path)),
-            write=lambda data: transport.write_file(lock_path, data),
+            write=lambda data: rewrite_lock(transport, lock_path, data),
             encode=_encode,
             remove=lambda: claim.release(),
         )
@@ -200,7 +200,7 @@ def _acquire(transport: Any, path: str, token: bytes, overwrite: bool, previous:
             return Claim(transport, path, token)
         raw = read_lock(transport, path)
         if previous is not None and previous.path == path and _same_claim(raw, previous):
-            transport.write_file(path, token)  # this writer's own lock from a save that failed: take it back
+            rewrite_lock(transport, path, token)  # this writer's own lock from a save that failed: take it back
             return Claim(transport, path, token)
         if raw is not None:
             if take_over(transport, path, token, is_active) is not None:

@@ -4,7 +4,8 @@
 check that the store honours it. Some S3-compatible servers ignore ``If-None-Match``: every conditional
 PUT then succeeds, two racing saves both "create" the lock, and both write. So on an object store the lock
 is first looked for (a save arriving late never writes over a held lock), and after creating it a second
-conditional PUT of other bytes must be refused. If it is accepted, the store ignores the condition: a
+conditional PUT of other bytes must be refused (once per filesystem client: its later saves skip both
+requests). If it is accepted, the store ignores the condition: a
 warning says so, the lock is written back, and after a settle time (``DCP_STORAGE_LOCK_SETTLE_MS``,
 default 1000) it is read again: of saves that raced within that time only the last writer finds its own
 lock there and goes on; the others raise :class:`~dcp_storage.errors.CheckpointExistsError`. (Each save
@@ -21,23 +22,29 @@ lock changed: exactly one taker wins.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import time
+import uuid
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..formats.limits import count_setting
 from .lock_holder import parse, stale_reason
 
-__all__ = ["MARKER_SUFFIX", "SETTLE_ENV", "create_exclusive", "read_lock", "take_over"]
+__all__ = ["MARKER_SUFFIX", "SETTLE_ENV", "create_exclusive", "read_lock", "rewrite_lock", "take_over"]
 
 _log = logging.getLogger(__name__)
 READ_LIMIT = 4096  # a lock is ~400 bytes; only this much of whatever is there is read
 MARKER_SUFFIX = ".takeover"
 SETTLE_ENV = "DCP_STORAGE_LOCK_SETTLE_MS"
+# Filesystem clients (one per store and options) whose store refused the probe: their saves skip it. A
+# client is never shared between an honest store and one that is not (another endpoint, another client).
+_HONOURED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 _MAX_DEPTH = 2  # the lock, its marker, the marker's marker: each level needs a taker that died mid-way
 
 
@@ -60,6 +67,24 @@ def read_lock(transport: Any, path: str) -> bytes | None:
         return None
 
 
+def rewrite_lock(transport: Any, path: str, data: bytes) -> None:
+    """Replace the lock at ``path`` with ``data``, atomically for readers. On a local disk without ``fsync``:
+    a lock only has to outlive its save's process, not the machine (:mod:`dcp_storage.transports.exclusive`),
+    and an ``fsync`` during a save can wait behind the save's own dirty data."""
+    if not transport.is_local:
+        transport.write_file(path, data)
+        return
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def create_exclusive(transport: Any, path: str, token: bytes) -> bool:
     """Create ``path`` holding ``token`` if nothing is there: ``True`` if this call did (module docstring)."""
     create = getattr(transport, "create_new", None)
@@ -75,9 +100,14 @@ def create_exclusive(transport: Any, path: str, token: bytes) -> bool:
         return True
     if transport.is_local:
         return bool(create(path, token))  # O_EXCL: the kernel's word
+    store = getattr(transport, "fs", None)
+    if store is not None and _HONOURED.get(store):
+        return bool(create(path, token))  # this client's store refused a probe before
     if transport.exists(path) or not create(path, token):
         return False
     if not create(path, token + b" "):  # other bytes, same claim: must be refused where the lock exists
+        with contextlib.suppress(TypeError):  # a filesystem that cannot be weakly referenced: probe each time
+            _HONOURED[store] = True
         return True
     warnings.warn(
         f"{transport.url(path)}: the store accepted a create-if-absent write over an existing object (it ignores "
@@ -106,7 +136,7 @@ def take_over(transport: Any, path: str, token: bytes, is_active: Callable[[str]
     try:
         if read_lock(transport, path) != raw:
             return None  # renewed, released, or replaced by a taker that was faster
-        transport.write_file(path, token)
+        rewrite_lock(transport, path, token)
     finally:
         try:
             if read_lock(transport, marker) == token:
