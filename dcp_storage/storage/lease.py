@@ -99,8 +99,9 @@ def _on_stack(thread_id: int, target: types.FrameType) -> bool:
 
 
 class Renewal:
-    """Renews one lock (module docstring). ``read(path)`` returns the lock's bytes or ``None``;
-    ``encode(fields)`` its new bytes; ``remove()`` deletes it (only if it is still this claim's)."""
+    """Renews one lock every ``interval`` seconds (module docstring). ``read_id()`` returns the claim id the
+    lock carries now (``None``: gone or unreadable); ``write(data)`` replaces it; ``encode(fields)`` gives its
+    bytes; ``remove()`` deletes it (only if it is still this claim's)."""
 
     def __init__(
         self,
