@@ -35,9 +35,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--cleanup",
         action="store_true",
-        help="first abort the in-progress multipart uploads under URL (left by killed saves) older than --older-than, "
-        "and remove the data files a committed checkpoint's .metadata does not name (a killed overwrite=True "
-        "save's; only while no save holds the location)",
+        help="first remove what killed saves left: their stale locks (holder gone, or lease run out), their temp "
+        "files (local disks; never while a live save holds the lock), the data files a committed checkpoint's "
+        ".metadata does not name (a killed overwrite=True save's; only while no save holds the location) and the "
+        "in-progress multipart uploads under URL older than --older-than",
     )
     p.add_argument(
         "--older-than",
@@ -71,9 +72,12 @@ def _parse_age(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from ..inspection import abort_stale_uploads, remove_unreferenced_files, verify  # imports torch: only now
+    from ..inspection.leftovers import Cleanup, remove_stale_leftovers
 
     aborted, removed = [], []
+    cleaned = Cleanup()
     if args.cleanup:
+        cleaned = remove_stale_leftovers(args.url, _common.storage_options(args))
         aborted = abort_stale_uploads(args.url, _common.storage_options(args), older_than=args.older_than)
         removed = remove_unreferenced_files(args.url, _common.storage_options(args))
     with _common.progress_bar("verify") as bar:
@@ -90,8 +94,15 @@ def run(args: argparse.Namespace) -> int:
         if args.cleanup:
             out["aborted_uploads"] = [u.url for u in aborted]
             out["removed_files"] = removed
+            out["removed"] = cleaned.removed
+            out["not_cleaned"] = cleaned.held
         _common.emit_json(out)
     else:
+        for name in cleaned.removed:
+            why = cleaned.reasons.get(name)
+            print(f"removed: {shown(name)}" + (f" (stale: {shown(why)})" if why else ""))
+        if cleaned.held is not None:
+            print(f"not cleaned: {shown(cleaned.held)}; a running save's files are never removed")
         for upload in aborted:
             print(f"aborted: {shown(upload.describe())}")
         for url in removed:

@@ -16,13 +16,17 @@ first: a loser found out only at commit time would already have replaced the win
 manifest, whose names are fixed by the formats). A save that starts after another one committed creates
 the lock, finds the marker, removes its lock and raises the same error.
 
-A save that dies before its commit leaves its lock behind, and from outside a dead save looks exactly like
-a running one, so later ``overwrite=False`` saves are refused with the lock's holder (save id, host, pid,
-start time) in the message; the same writer object retrying its own failed save takes its lock back, and
-``overwrite=True`` takes over any lock. An ``overwrite=True`` save writes the lock unconditionally (it
-replaces whatever is there), so an ``overwrite=False`` save starting meanwhile is refused instead of
-mixing in. Readers report a lock without a commit marker as an interrupted save
-(:mod:`dcp_storage.formats.completeness`).
+A save that dies before its commit leaves its lock behind. The lock names its holder (:mod:`.lock_holder`:
+host, boot, pid and process start time, a lease it renews while the save runs, :mod:`.lease`), so a later
+``overwrite=False`` save tells a dead holder from a running one: a lock whose process is gone on this host
+(or whose pid now belongs to another process), whose save in this very process has ended, or whose lease
+ran out without a renewal (any host) is taken over (:mod:`.takeover`: one taker wins), and the taker's data
+files get names of their own (as after an ``overwrite=True`` over files), so a late write of the dead save
+cannot land under the new metadata. Any other lock refuses the save with its holder in the message; the
+same writer object retrying its own failed save takes its lock back, and ``overwrite=True`` takes over any
+lock. An ``overwrite=True`` save writes the lock unconditionally (it replaces whatever is there), so an
+``overwrite=False`` save starting meanwhile is refused instead of mixing in. Readers report a lock without
+a commit marker as an interrupted save (:mod:`dcp_storage.formats.completeness`).
 """
 
 from __future__ import annotations
@@ -32,23 +36,33 @@ import json
 import logging
 import os
 import re
-import socket
-import stat
-import warnings
+import uuid
+import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointExistsError
 from ..formats.paths import LOCK_FILE
 from ..integrity.provenance import writer_descriptor
 from ..transports.local_transport import directory_in_the_way
+from .lease import Renewal, forget, is_active, pending
+from .lock_holder import claim_id_of, holder_fields, lease_seconds, parse
+from .takeover import create_exclusive, read_lock, rewrite_lock, take_over
 
-__all__ = ["LOCK_FILE", "Claim", "ClaimingWriter", "claim_location", "lock_name", "refuse_existing"]
+__all__ = [
+    "LOCK_FILE",
+    "Claim",
+    "ClaimingWriter",
+    "claim_location",
+    "hold_stale_lock",
+    "lock_name",
+    "refuse_existing",
+]
 
 _log = logging.getLogger(__name__)
-_READ_LIMIT = 4096  # a lock is ~200 bytes; only this much of whatever is there is read for the message
 _SHOWN = re.compile(r"[^A-Za-z0-9._:+@/-]")  # what of the holder's fields reaches a message: no control bytes
+_read_lock = read_lock  # the name the tests and older callers use
 
 
 def lock_name(rank: int | None = None) -> str:
@@ -58,18 +72,29 @@ def lock_name(rank: int | None = None) -> str:
 
 @dataclass(frozen=True)
 class Claim:
-    """A lock this save holds: ``path`` on ``transport``, holding ``token`` (unique to the save)."""
+    """A lock this save holds: ``path`` on ``transport``, created holding ``token`` (unique to the save;
+    its ``claim`` id stays while renewals rewrite the other fields)."""
 
     transport: Any
     path: str
     token: bytes
-    took_over: bool = False  # overwrite=True found another save's lock there and replaced it
+    took_over: bool = False  # another save's lock was there (overwrite=True, or a stale one) and was replaced
+    renewal: Renewal | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def claim_id(self) -> str | None:
+        return claim_id_of(self.token)
+
+    def holds(self) -> bool:
+        """Whether the lock still carries this claim (read from the store)."""
+        raw = read_lock(self.transport, self.path)
+        return raw == self.token if self.claim_id is None else claim_id_of(raw) == self.claim_id
 
     def lost(self) -> CheckpointExistsError | None:
-        """The error to raise if the lock no longer holds this save's token (another save took it over, or
+        """The error to raise if the lock no longer holds this save's claim (another save took it over, or
         removed it); ``None`` while this save still holds it. Checked just before a commit: a save whose
         location was taken over must not commit over the save that took it."""
-        if _read_lock(self.transport, self.path) == self.token:
+        if self.holds():
             return None
         return CheckpointExistsError(
             f"{self.transport.url(self.path)}: another save took this location over while this one was writing "
@@ -77,14 +102,22 @@ class Claim:
             "overwrite=True to replace that save's checkpoint, or save to another path"
         )
 
+    def stop_renewing(self) -> None:
+        if self.renewal is not None:
+            self.renewal.stop()
+        elif self.claim_id is not None:
+            forget(self.claim_id)
+
     def release(self) -> None:
-        """Remove the lock, after the commit marker is written.
+        """Stop renewing and remove the lock (after the commit marker is written), if it is still ours.
 
         A failure is logged, not raised: the checkpoint is committed, and a lock beside a commit marker
         only makes later ``overwrite=False`` saves say "a checkpoint already exists", which is true.
         """
+        self.stop_renewing()
         try:
-            self.transport.remove(self.path)
+            if self.holds():  # never another save's lock, taken over meanwhile
+                self.transport.remove(self.path)
         except Exception as exc:  # noqa: BLE001 - see the docstring
             _log.warning("could not remove the lock %s after the commit: %s", self.transport.url(self.path), exc)
 
@@ -119,120 +152,124 @@ def claim_location(
     asked after this lock exists, so of two such saves at least one sees the other's lock.
     Raises :class:`CheckpointExistsError` (``overwrite=False``) if another save holds the lock or a rival
     lock, or a marker exists; nothing is written then, and the lock is not left behind.
+    The returned claim is renewed in the background until it is released or its save ends (:mod:`.lease`).
     """
     if getattr(transport, "is_local", False) and os.path.isdir(lock_path) and not os.path.islink(lock_path):
         raise directory_in_the_way(transport.url(lock_path))  # no save made it: neither waiting nor overwrite helps
-    token = _token(save_id)
-    claim = Claim(transport, lock_path, token)
-    if overwrite:
-        create = getattr(transport, "create_new", None)
-        if create is None or not create(lock_path, token):
-            transport.write_file(lock_path, token)  # replaces whatever lock is there (a stale one, usually)
-            return Claim(transport, lock_path, token, took_over=True)
-        return claim
-    if not _create(transport, lock_path, token, previous):
-        refuse_existing(transport, _listed(markers))  # a committed save that could not remove its lock: say so
-        raise CheckpointExistsError(_held_message(transport, lock_path))
-    try:
-        refuse_existing(transport, _listed(markers))
-        for rival in rivals() if rivals is not None else ():
-            if transport.exists(rival):
-                raise CheckpointExistsError(_held_message(transport, rival))
-    except BaseException:
-        claim.release()
-        raise
+    lease = lease_seconds()
+    fields = _fields(save_id, lease)
+    token = _encode(fields)
+    with pending(fields["claim"]):
+        claim = _acquire(transport, lock_path, token, overwrite, previous)
+        if claim is None:
+            refuse_existing(transport, _listed(markers))  # a committed save that could not remove its lock: say so
+            raise CheckpointExistsError(_held_message(transport, lock_path))
+        if not overwrite:
+            try:
+                refuse_existing(transport, _listed(markers))
+                for rival in rivals() if rivals is not None else ():
+                    if transport.exists(rival):
+                        raise CheckpointExistsError(_held_message(transport, rival))
+            except BaseException:
+                claim.release()
+                raise
+        renewal = Renewal(
+            fields["claim"],
+            fields,
+            lease / 3,
+            read_id=lambda: claim_id_of(read_lock(transport, lock_path)),
+            write=lambda data: rewrite_lock(transport, lock_path, data),
+            encode=_encode,
+            remove=lambda: claim.release(),
+        )
+        claim = Claim(transport, lock_path, token, claim.took_over, renewal)
+        renewal.start()
     return claim
+
+
+def _acquire(transport: Any, path: str, token: bytes, overwrite: bool, previous: Claim | None) -> Claim | None:
+    """Create the lock, or take back this writer's own, or take over a stale one (``overwrite=False``);
+    ``overwrite=True`` replaces any lock. ``None``: another save holds it."""
+    if overwrite:
+        if create_exclusive(transport, path, token):
+            return Claim(transport, path, token)
+        transport.write_file(path, token)  # replaces whatever lock is there (a stale one, usually)
+        return Claim(transport, path, token, took_over=True)
+    for _attempt in range(2):  # twice: a lock released between the create and the read is created anew
+        if create_exclusive(transport, path, token):
+            return Claim(transport, path, token)
+        raw = read_lock(transport, path)
+        if previous is not None and previous.path == path and _same_claim(raw, previous):
+            rewrite_lock(transport, path, token)  # this writer's own lock from a save that failed: take it back
+            return Claim(transport, path, token)
+        if raw is not None:
+            if take_over(transport, path, token, is_active) is not None:
+                return Claim(transport, path, token, took_over=True)
+            return None
+    return None
+
+
+def hold_stale_lock(transport: Any, path: str) -> tuple[Claim | None, str]:
+    """For ``verify --cleanup``: take over the lock at ``path`` if it is stale (as a save would, so a save
+    starting meanwhile and this call never both win), to be released by the caller after removing what
+    the dead save left. ``(claim, why it was stale)``, or ``(None, who holds it)`` for a live or unknown
+    holder (nothing is changed then)."""
+    fields = _fields("cleanup", lease_seconds())
+    token = _encode(fields)
+    with pending(fields["claim"]):
+        reason = take_over(transport, path, token, is_active)
+    if reason is None:
+        return None, _holder(transport, path)
+    return Claim(transport, path, token, took_over=True), reason
+
+
+def _same_claim(raw: bytes | None, claim: Claim) -> bool:
+    return raw == claim.token if claim.claim_id is None else claim_id_of(raw) == claim.claim_id
 
 
 def _listed(markers: Iterable[str] | Callable[[], Iterable[str]]) -> list[str]:
     return list(markers() if callable(markers) else markers)
 
 
-def _token(save_id: str) -> bytes:
-    holder = {
-        "save_id": save_id,
-        "writer": writer_descriptor(),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "since": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-    return json.dumps(holder, sort_keys=True).encode()
+def _fields(save_id: str, lease: int) -> dict[str, Any]:
+    since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return holder_fields(save_id, uuid.uuid4().hex, writer_descriptor(), since, lease)
 
 
-def _create(transport: Any, path: str, token: bytes, previous: Claim | None) -> bool:
-    create = getattr(transport, "create_new", None)
-    if create is None:
-        warnings.warn(
-            f"{type(transport).__name__} has no create_new(): the lock {transport.url(path)} is checked, then "
-            "written, so two saves started at the same moment can both proceed",
-            stacklevel=4,
-        )
-        if transport.exists(path):
-            created = False
-        else:
-            transport.write_file(path, token)
-            created = True
-    else:
-        created = create(path, token)
-    if created:
-        return True
-    if previous is not None and previous.path == path and _read_lock(transport, path) == previous.token:
-        transport.write_file(path, token)  # this writer's own lock from a save that failed: take it back
-        return True
-    return False
-
-
-def _read_lock(transport: Any, path: str) -> bytes | None:
-    """The lock's bytes if it is a small regular file: never a FIFO, a device or a symlink (whose target may
-    lie outside the checkpoint), never a large read."""
-    try:
-        if transport.is_local:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return None
-                return os.read(fd, _READ_LIMIT)
-            finally:
-                os.close(fd)
-        if transport.size(path) > _READ_LIMIT:
-            return None
-        return bytes(transport.read_file(path))
-    except (OSError, ValueError):  # gone meanwhile, or unreadable: the holder stays unknown
-        return None
+def _encode(fields: dict[str, Any]) -> bytes:
+    return json.dumps(fields, sort_keys=True).encode()
 
 
 def _held_message(transport: Any, path: str) -> str:
     return (
         f"{transport.url(path)}: another save holds this location ({_holder(transport, path)}); it is still "
-        "running, or it stopped before its commit. Wait for it, pass overwrite=True to replace whatever is there "
-        "(the lock included), or save to another path"
+        "running, or it stopped before its commit (its lock is taken over once its holder is provably gone: "
+        "its process ended on this host, or it stopped renewing its lease). Wait for it, pass overwrite=True to "
+        "replace whatever is there (the lock included), or save to another path"
     )
 
 
 def _holder(transport: Any, path: str) -> str:
     """Who holds the lock at ``path``, as far as its bytes tell (printable characters only)."""
-    holder = "its holder is unknown"
-    raw = _read_lock(transport, path)
-    try:
-        fields = json.loads(raw) if raw else None
-    except (ValueError, RecursionError):  # not JSON, or nested past json's recursion limit: holder unknown
-        fields = None
-    if isinstance(fields, dict):
-        keys = ("save_id", "writer", "host", "pid", "since")
-        shown = {k: _SHOWN.sub("?", str(fields.get(k, "?")))[:64] for k in keys}
-        holder = (
-            f"save {shown['save_id']} by {shown['writer']} on host {shown['host']}, pid {shown['pid']}, "
-            f"since {shown['since']}"
-        )
-    return holder
+    fields = parse(read_lock(transport, path))
+    if not isinstance(fields, dict):
+        return "its holder is unknown"
+    keys = ("save_id", "writer", "host", "pid", "since", "lease_s")
+    shown = {k: _SHOWN.sub("?", str(fields.get(k, "?")))[:64] for k in keys}
+    return (
+        f"save {shown['save_id']} by {shown['writer']} on host {shown['host']}, pid {shown['pid']}, "
+        f"since {shown['since']}, lease {shown['lease_s']} s"
+    )
 
 
 class ClaimingWriter:
     """What a writer mixes in to claim its location: :meth:`_take_claim` in ``prepare_global_plan`` (on the
     coordinator, before any rank writes), :meth:`_release_claim` in ``finish`` after the commit marker.
 
-    The writer sets ``transport``, ``save_id`` and ``overwrite``. The claim outlives a failed save on
-    purpose: the next attempt of the same writer takes it back (``previous`` of :func:`claim_location`).
+    The writer sets ``transport``, ``save_id`` and ``overwrite``. The lock outlives a failed save on
+    purpose (no hook tells the writer that another rank failed), but stops being renewed when the save's
+    call returns (:mod:`.lease`): the next attempt of the same writer takes it back (``previous`` of
+    :func:`claim_location`), any save in this process takes it over, and elsewhere once its lease runs out.
     """
 
     transport: Any
@@ -247,6 +284,8 @@ class ClaimingWriter:
         markers: Iterable[str] | Callable[[], Iterable[str]],
         rivals: Callable[[], Iterable[str]] | None = None,
     ) -> None:
+        if self._claim is not None:
+            self._claim.stop_renewing()  # an earlier save's (it failed): only this new one runs now
         self._claim = claim_location(
             self.transport,
             lock_path,
@@ -256,6 +295,7 @@ class ClaimingWriter:
             previous=self._claim,
             rivals=rivals,
         )
+        weakref.finalize(self, self._claim.stop_renewing)  # a writer dropped mid-save stops renewing
 
     def _claim_lost(self) -> CheckpointExistsError | None:
         """Whether another save took this save's lock over meanwhile (:meth:`Claim.lost`); ``None`` on ranks
@@ -265,6 +305,7 @@ class ClaimingWriter:
             return None
         lost = claim.lost()
         if lost is not None:
+            claim.stop_renewing()
             self._claim = None  # the lock is another save's now: never released or taken back by this writer
         return lost
 

@@ -225,7 +225,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
             tag = ""
             took_over = self._claim is not None and self._claim.took_over  # another save may still write
             self._replacing = False
-            if self.overwrite and (
+            if (self.overwrite or took_over) and (  # a stale lock taken over: the dead save's files retired too
                 prepare_dcp_overwrite(self.transport, self.root, local_rank, lock, directories) or took_over
             ):
                 self._replacing = True

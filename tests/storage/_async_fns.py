@@ -107,3 +107,31 @@ def process_mode_rank(
         # Stop the checkpoint process now rather than at interpreter exit (torch keeps it in a global).
         process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
         del process
+
+
+def process_mode_retry_rank(rank: int, world: int, url: str, storage_options: dict[str, Any]) -> dict[str, str]:
+    """PROCESS mode: an ``async_save`` that fails after taking its lock, then the same writer saving again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import _async_process_executor as executor
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from ._failing_writer import FailingFsspecWriter
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    writer = FailingFsspecWriter(url, storage_options)
+    outcomes = {}
+    try:
+        for attempt in ("failed", "retry"):
+            writer.fail_writes = attempt == "failed"
+            future = dcp.async_save(
+                initial_state(), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+            )
+            try:
+                future.result()
+                outcomes[attempt] = "ok"
+            except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+                outcomes[attempt] = f"{type(exc).__name__}: {exc}"[:2000]
+    finally:
+        process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+        del process
+    return outcomes

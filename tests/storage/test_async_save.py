@@ -88,6 +88,20 @@ def test_process_mode(target: tuple[str, dict[str, Any]], capfd: pytest.CaptureF
     assert SENTINEL not in out + err  # the checkpoint process's output (it inherits the rank's stdio)
 
 
+def test_process_mode_retry_after_a_failed_save(tmp_path: Path) -> None:
+    """A PROCESS-mode save that fails after taking its lock, then the same writer again (a new pickled copy
+    in the same checkpoint process). Before: the retry was refused, "another save holds this location",
+    naming the checkpoint process (thread mode took the lock back); now its ended save's lock is taken over."""
+    url = str(tmp_path / "ckpt")
+    (outcomes,) = run_ranks(A.process_mode_retry_rank, 1, url, {}, timeout=120)
+    assert "injected write failure" in outcomes["failed"], outcomes
+    assert outcomes["retry"] == "ok", outcomes
+    out = {k: torch.zeros_like(v) for k, v in A.initial_state().items()}
+    dcp.load(out, storage_reader=A.make_reader("dcp", url, {}), no_dist=True)
+    assert all(same_bits(out[k], v) for k, v in A.initial_state().items())
+    assert not (tmp_path / "ckpt" / ".dcp_storage.lock").exists()
+
+
 @pytest.mark.parametrize("cls", [FsspecWriter, SafetensorsWriter])
 def test_writers_pickle_without_live_state_and_reopen(cls: type, s3_url: S3Location) -> None:
     """What PROCESS mode relies on: credentials travel, pools/locks/clients/groups do not; the copy

@@ -117,6 +117,8 @@ def test_a_save_whose_lock_was_taken_over_does_not_commit(tmp_path: Path, make: 
 
 
 def test_a_failed_save_keeps_its_lock_until_its_writer_retries(tmp_path: Path) -> None:
+    """A failed save leaves its lock (no hook tells the writer that the save failed): readers see an
+    interrupted save, and the same writer takes its lock back."""
     ckpt = tmp_path / "ckpt"
     writer = FsspecWriter(ckpt)
     with pytest.raises(CheckpointException):
@@ -129,14 +131,46 @@ def test_a_failed_save_keeps_its_lock_until_its_writer_retries(tmp_path: Path) -
         ds.open_reader(ckpt)
     assert LOCK_FILE in str(info.value) and "still running or was interrupted" in str(info.value)
 
-    with pytest.raises(CheckpointException) as other:  # another save: the location is taken
-        dcp.save(state(2), storage_writer=FsspecWriter(ckpt), no_dist=True)
-    message = str(refused(other.value))
-    for part in (f"{ckpt}/{LOCK_FILE}", failed_id, "still running, or it stopped before its commit", "overwrite=True"):
-        assert part in message, message
-
     dcp.save(state(3), storage_writer=writer, no_dist=True)  # the same writer takes its own lock back
     assert same(load(ckpt), state(3)) and not (ckpt / LOCK_FILE).exists()
+
+
+def test_a_failed_save_in_this_process_is_taken_over_by_the_next(tmp_path: Path) -> None:
+    """Its save's call has returned: no save in this process holds the lock any more, so a new writer (a
+    retry loop that builds one per attempt) takes it over at once. Before: refused as "another save holds
+    this location" naming this very process, until someone removed the lock by hand."""
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(CheckpointException):
+        dcp.save(failing_state(), storage_writer=FsspecWriter(ckpt), no_dist=True)
+    assert (ckpt / LOCK_FILE).exists()
+    retry = FsspecWriter(ckpt)
+    dcp.save(state(2), storage_writer=retry, no_dist=True)
+    assert same(load(ckpt), state(2)) and not (ckpt / LOCK_FILE).exists()
+    names = sorted(os.listdir(ckpt))
+    assert [n for n in names if n.endswith(".distcp")] == [f"__0_{retry.save_id[:12]}_{i}.distcp" for i in range(2)]
+    assert ds.verify(ckpt).ok
+
+
+def test_a_running_save_in_this_process_is_not_taken_over(tmp_path: Path) -> None:
+    """A claim whose save is still running (here: driven by hand, its writer alive) refuses other saves."""
+    ckpt = tmp_path / "ckpt"
+    holder = FsspecWriter(ckpt)
+    holder.set_up_storage_writer(True, rank=0, use_collectives=True)
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state(1), holder.storage_meta(), True)
+    holder.prepare_global_plan(planner.create_global_plan([holder.prepare_local_plan(planner.create_local_plan())])[0])
+    with pytest.raises(CheckpointException) as other:
+        dcp.save(state(2), storage_writer=FsspecWriter(ckpt), no_dist=True)
+    message = str(refused(other.value))
+    for part in (
+        f"{ckpt}/{LOCK_FILE}",
+        holder.save_id,
+        "still running, or it stopped before its commit",
+        "overwrite=True",
+    ):
+        assert part in message, message
+    holder._release_claim()
+    assert not (ckpt / LOCK_FILE).exists()
 
 
 def test_overwrite_true_takes_over_a_stale_lock(tmp_path: Path) -> None:

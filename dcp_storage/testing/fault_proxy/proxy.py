@@ -15,6 +15,8 @@ from .link import LinkModel
 from .rewrite import rewritten
 from .rules import (
     BODY_FAULT_MODES,
+    CONDITION_FAULT_MODES,
+    CONDITION_HEADERS,
     RANGE_FAULT_MODES,
     FaultCounters,
     FaultMode,
@@ -208,6 +210,9 @@ class FaultProxy(StartStop):
                     continue
                 if upstream is None or upstream[1].is_closing():
                     upstream = await asyncio.open_connection(self._up_host, self._up_port, limit=MAX_HEAD)
+                if rule is not None and rule.mode in CONDITION_FAULT_MODES:
+                    for name in CONDITION_HEADERS:
+                        head = head.with_header(name, None)
                 if rule is not None and byte_range is not None and rule.mode in RANGE_FAULT_MODES:
                     head = head.with_header(range_header, faulted_range(rule.mode, *byte_range))
                 keep = await self._forward(reader, writer, upstream, head, method, rule)

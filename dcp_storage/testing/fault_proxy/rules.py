@@ -13,6 +13,8 @@ __all__ = [
     "FAULT_MODES",
     "PERMANENT_MODES",
     "BODY_FAULT_MODES",
+    "CONDITION_FAULT_MODES",
+    "CONDITION_HEADERS",
     "RANGE_FAULT_MODES",
     "STALL_MODES",
     "ByteRange",
@@ -37,6 +39,7 @@ FaultMode = Literal[
     "stall_body",
     "encoded_range",
     "long_range",
+    "ignore_conditions",
 ]
 # Faults of the transport: every request can meet them, and a retry of the same request may succeed.
 FAULT_MODES: tuple[FaultMode, ...] = ("slowdown_503", "error_500", "reset", "truncate", "slow")
@@ -50,8 +53,12 @@ PERMANENT_MODES: tuple[FaultMode, ...] = ("forbidden_403",)
 # A server that sends its headers and part of a body, then nothing more on a connection it keeps open: no
 # socket error ever comes, and only a deadline on the request ends it.
 STALL_MODES: tuple[FaultMode, ...] = ("stall_body",)
+# A server that ignores conditional-write headers (If-None-Match, If-Match): the proxy drops them, so a
+# create-if-absent PUT over an existing object succeeds, as on S3-compatible stores without the feature.
+CONDITION_FAULT_MODES: tuple[FaultMode, ...] = ("ignore_conditions",)
+CONDITION_HEADERS = ("If-None-Match", "If-Match")
 ALL_FAULT_MODES: tuple[FaultMode, ...] = (
-    FAULT_MODES + RANGE_FAULT_MODES + PERMANENT_MODES + STALL_MODES + BODY_FAULT_MODES
+    FAULT_MODES + RANGE_FAULT_MODES + PERMANENT_MODES + STALL_MODES + BODY_FAULT_MODES + CONDITION_FAULT_MODES
 )
 
 # A request's ``Range: bytes=FIRST-LAST`` (LAST inclusive; ``None`` for ``bytes=FIRST-``).
