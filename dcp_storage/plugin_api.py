@@ -67,6 +67,7 @@ from .errors import (
     UnsupportedDtypeError,
     UnsupportedKeyError,
     WrongFormatError,
+    WrongPathTypeError,
 )
 from .registry import PluginError, PluginImportError, PluginNotFoundError, get, register, registered
 from .transports import (
@@ -198,6 +199,7 @@ __all__ = [
     "WriteDestination",
     "WriteOptions",
     "WrongFormatError",
+    "WrongPathTypeError",
     "call_with_retry",
     "get",
     "holds",
