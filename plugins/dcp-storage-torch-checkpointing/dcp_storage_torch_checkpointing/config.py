@@ -47,4 +47,3 @@ class DcpStorageConfig(StorageConfig):
 
     def create_storage(self) -> DcpStorage:
         return DcpStorage(self)
-

@@ -124,9 +124,7 @@ def _copy_tree(src_t: Transport, src: str, dst_t: Transport, dst: str) -> None:
             future.result()
 
 
-def rename_remote(
-    src_t: Transport, src: str, dst_t: Transport, dst: str, *, background_cleanup: bool = False
-) -> None:
+def rename_remote(src_t: Transport, src: str, dst_t: Transport, dst: str, *, background_cleanup: bool = False) -> None:
     """The table on an object store (or between two stores): copy inside the store, then delete the source."""
     src_kind = _unstable.kind(src_t, src)
     if src_kind is None:

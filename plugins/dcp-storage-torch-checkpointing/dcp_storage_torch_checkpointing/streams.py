@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import io
 from contextlib import AbstractContextManager
+from types import TracebackType
 from typing import Any
 
 from dcp_storage.plugin_api import RangeRequest, Transport
+from typing_extensions import Self
 
 __all__ = ["AtomicWriteStream", "MemoryReader", "RangeReader"]
 
@@ -129,7 +131,7 @@ class AtomicWriteStream(io.RawIOBase):
             self._writer = self._context.__enter__()
         return self._writer
 
-    def __enter__(self) -> AtomicWriteStream:
+    def __enter__(self) -> Self:
         self._open()
         return self
 
@@ -145,7 +147,9 @@ class AtomicWriteStream(io.RawIOBase):
         if self._writer is not None:
             self._writer.flush()
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:

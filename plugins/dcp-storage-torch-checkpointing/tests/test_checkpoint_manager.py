@@ -46,7 +46,9 @@ def test_unaligned_tail_saves_where_local_filesystem_storage_fails(tmp_path: Pat
         pytest.skip(f"this file system's O_DIRECT behaves otherwise: {theirs.value!r}")
     _save_one(DcpStorageConfig(str(tmp_path / "ours")), "step-1", tensor)
     mgr = CheckpointManager(
-        CheckpointManager.Config(save=SyncCheckpointSaverConfig(), storage_config=DcpStorageConfig(str(tmp_path / "ours")))
+        CheckpointManager.Config(
+            save=SyncCheckpointSaverConfig(), storage_config=DcpStorageConfig(str(tmp_path / "ours"))
+        )
     )
     try:
         out = mgr.load("step-1", into={"model": {"w": torch.zeros(64, 64)}})
