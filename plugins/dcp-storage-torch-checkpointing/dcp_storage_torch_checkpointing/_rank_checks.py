@@ -60,33 +60,35 @@ def _model(zeros: bool) -> torch.nn.Module:
     return fsdp2_shard(model)
 
 
-def save_fsdp2(
-    rank: int, world: int, root_url: str, storage_options: dict[str, Any], step: str, sync: bool = True
-) -> dict[str, Any]:
-    """Save the reference model, FSDP2-sharded over ``world`` ranks, as checkpoint ``step``."""
-    mgr = _manager(root_url, storage_options, sync)
-    try:
-        future = mgr.save(step, {"model": _model(zeros=False).state_dict()})
-        if future is not None:
-            future.result(timeout=120)
-    finally:
-        mgr.close()
-    return {"rank": rank}
+def save_fsdp2(rank: int, world: int, roots: list[tuple[str, dict[str, Any]]], step: str, sync: bool = True) -> None:
+    """Save the reference model, FSDP2-sharded over ``world`` ranks, as checkpoint ``step`` under each root."""
+    state = _model(zeros=False).state_dict()
+    for root_url, storage_options in roots:
+        mgr = _manager(root_url, storage_options, sync)
+        try:
+            future = mgr.save(step, {"model": state})
+            if future is not None:
+                future.result(timeout=120)
+        finally:
+            mgr.close()
 
 
-def load_fsdp2(rank: int, world: int, root_url: str, storage_options: dict[str, Any], step: str) -> dict[str, Any]:
-    """Load ``step`` into a zeroed FSDP2 model at this world size; compare every local shard bit-exactly."""
+def load_fsdp2(rank: int, world: int, roots: list[tuple[str, dict[str, Any]]], step: str) -> list[dict[str, Any]]:
+    """Load ``step`` from each root into a zeroed FSDP2 model at this world size; compare every local shard
+    with the reference bit-exactly. One report per root: the keys that differ, how many, the items loaded."""
     from dcp_storage.testing.compare import local_slice, same_bits
     from dcp_storage.testing.models import reference_state_dict
 
     reference = reference_state_dict(SEED, **SHAPE)
-    model = _model(zeros=True)
-    target = model.state_dict()
-    mgr = _manager(root_url, storage_options, sync=True)
-    try:
-        loaded = mgr.load(step, into={"model": target})
-    finally:
-        mgr.close()
-    state = model.state_dict()
-    wrong = [k for k, v in state.items() if not same_bits(v.to_local(), local_slice(reference[k], v))]
-    return {"wrong": wrong, "keys": len(state), "items": sorted(loaded)}
+    reports = []
+    for root_url, storage_options in roots:
+        model = _model(zeros=True)
+        mgr = _manager(root_url, storage_options, sync=True)
+        try:
+            loaded = mgr.load(step, into={"model": model.state_dict()})
+        finally:
+            mgr.close()
+        state = model.state_dict()
+        wrong = [k for k, v in state.items() if not same_bits(v.to_local(), local_slice(reference[k], v))]
+        reports.append({"root": root_url, "wrong": wrong, "keys": len(state), "items": sorted(loaded)})
+    return reports

@@ -8,8 +8,8 @@ Two kinds of reach:
   told from files by listing, and a copy streams the bytes through this process (correct, but a commit
   then costs the checkpoint's size in traffic). Every built-in transport has ``fs``; a plugin transport
   (obstore) does not, and gets the fallback.
-* **torch_checkpointing's metadata file name** (``checkpoint_layout.METADATA_FILE_NAME``, not exported by
-  the package): a directory rename copies it last, so a reader never sees it before the data it
+* **torch_checkpointing's metadata file name** (``metadata_serialization.METADATA_FILE_NAME``,
+  ``metadata.pkl``, not exported by the package): a directory rename copies it last, so a reader never sees it before the data it
   describes.
 """
 
@@ -19,11 +19,7 @@ import posixpath
 from typing import Any
 
 from dcp_storage.plugin_api import Transport
-
-try:  # torch_checkpointing 0.1.x
-    from torch_checkpointing.checkpoint_layout import METADATA_FILE_NAME
-except ImportError:  # pragma: no cover - a later layout module: the name it has had since 0.1
-    METADATA_FILE_NAME = ".metadata"
+from torch_checkpointing.metadata_serialization import METADATA_FILE_NAME
 
 __all__ = ["METADATA_FILE_NAME", "filesystem", "kind", "server_copy", "walk_files"]
 

@@ -16,18 +16,21 @@ from torch_checkpointing.config import SyncCheckpointSaverConfig
 
 from dcp_storage_torch_checkpointing import DcpStorageConfig
 from dcp_storage_torch_checkpointing import _rank_checks as checks
+from dcp_storage_torch_checkpointing._unstable import METADATA_FILE_NAME
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
-def test_fsdp2_save_at_2_load_at_2_and_3(backend: str, request: pytest.FixtureRequest) -> None:
-    root_url, options = request.getfixturevalue(f"{backend}_root")
-    run_ranks(checks.save_fsdp2, 2, root_url, options, "step-1", timeout=180)
-    storage = DcpStorageConfig(root_url, options).create_storage()
-    assert storage.isdir(Path("step-1"))
-    assert not storage.exists(Path("tmp_step-1")), "the staged directory was renamed away"
+def test_fsdp2_save_at_2_load_at_2_and_3(local_root: Any, s3_root: Any) -> None:
+    """One 2-rank save to each of a local root and an s3:// root, then loads at 2 and at 3 ranks."""
+    roots = [local_root, s3_root]
+    run_ranks(checks.save_fsdp2, 2, roots, "step-1", timeout=240)
+    for root_url, options in roots:
+        storage = DcpStorageConfig(root_url, options).create_storage()
+        assert storage.isdir(Path("step-1")) and storage.exists(Path("step-1", METADATA_FILE_NAME))
+        assert not storage.exists(Path("tmp_step-1")), "the staged directory was renamed away"
     for world in (2, 3):
-        for report in run_ranks(checks.load_fsdp2, world, root_url, options, "step-1", timeout=180):
-            assert report["wrong"] == [] and report["keys"] > 0 and report["items"] == ["model"], (world, report)
+        for per_rank in run_ranks(checks.load_fsdp2, world, roots, "step-1", timeout=240):
+            for report in per_rank:
+                assert report["wrong"] == [] and report["keys"] == 20 and report["items"] == ["model"], (world, report)
 
 
 def _save_one(storage_config: Any, path: str, tensor: torch.Tensor) -> None:

@@ -14,7 +14,8 @@ import torch
 from dcp_storage.plugin_api import CheckpointExistsError, CorruptCheckpointError, TargetError, WrongPathTypeError
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage
 
-from dcp_storage_torch_checkpointing import DcpStorage, DcpStorageConfig
+from dcp_storage_torch_checkpointing import DcpStorage, DcpStorageConfig, rename
+from dcp_storage_torch_checkpointing._unstable import METADATA_FILE_NAME
 
 
 @pytest.fixture
@@ -143,7 +144,7 @@ def test_pickles_without_its_transports(storage: DcpStorage) -> None:
 
 
 # ---------------------------------------------------------------------------------- the rename table
-CKPT = {"model/0.pt": b"m0", "model/1.pt": b"m1" * 1000, ".metadata": b"meta"}
+CKPT = {"model/0.pt": b"m0", "model/1.pt": b"m1" * 1000, METADATA_FILE_NAME: b"meta", "z.pt": b"z"}
 
 
 @pytest.mark.parametrize("background", [False, True])
@@ -153,6 +154,23 @@ def test_rename_directory_onto_absent(storage: DcpStorage, background: bool) -> 
     assert _files(storage, "step-1") == CKPT, "the contents land AT dst, not nested under it"
     if not background:
         assert not storage.exists(Path("tmp_step-1"))
+
+
+def test_rename_copies_the_metadata_last(storage: DcpStorage, monkeypatch: pytest.MonkeyPatch) -> None:
+    if storage.is_local:
+        pytest.skip("a local rename is one os.rename: nothing is copied")
+    copied: list[str] = []
+    copy = rename.copy_object
+
+    def recording(src_t: Any, src: str, dst_t: Any, dst: str) -> str:
+        copied.append(dst.rsplit("/", 1)[-1])
+        return copy(src_t, src, dst_t, dst)
+
+    monkeypatch.setattr(rename, "copy_object", recording)
+    _tree(storage, "tmp_step-1", CKPT)
+    storage.rename(Path("tmp_step-1"), Path("step-1"), is_directory=True)
+    assert sorted(copied) == sorted(p.rsplit("/", 1)[-1] for p in CKPT) and copied[-1] == METADATA_FILE_NAME
+    assert _files(storage, "step-1") == CKPT
 
 
 def test_rename_directory_onto_empty_directory(storage: DcpStorage) -> None:
