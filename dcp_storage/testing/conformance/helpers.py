@@ -11,10 +11,10 @@ from typing import Any, NamedTuple
 
 import fsspec
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.testing.compare import raw_bytes as _raw
 from dcp_storage.transports.factory import TRANSPORT_OPTION
+from dcp_storage.unwrapping import unwrap  # noqa: F401 - re-exported: the suite has always offered it here
 
 
 class Location(NamedTuple):
@@ -92,14 +92,6 @@ def tensor_bytes(sd: Any) -> int:
     if isinstance(sd, dict):
         return sum(tensor_bytes(v) for v in sd.values())
     return sd.numel() * sd.element_size() if isinstance(sd, torch.Tensor) else 0
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The reader's/writer's own exception inside DCP's ``CheckpointException``."""
-    if isinstance(exc, CheckpointException):
-        (inner, _trace), *_ = exc.failures.values()
-        return inner
-    return exc
 
 
 def child(url: str, name: str) -> str:
