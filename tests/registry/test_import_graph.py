@@ -62,6 +62,7 @@ LAYERS: dict[str, int] = {
     "pickle_guard": BASE,
     "safe_unpickle": BASE,
     "unwrapping": BASE,
+    "futures": BASE,
     "transports": TRANSPORTS,
     "formats": FORMATS,
     "integrity": FORMATS,
