@@ -43,6 +43,7 @@ _EXPORTS = {
     ".formats.safetensors.scan": ("SafetensorsScanConfig",),
     ".formats.torch_save.archive": ("TorchSaveArchiveConfig",),
     ".inspection": ("describe", "verify"),
+    ".load_save": ("load", "save"),
     ".opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
     ".planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
     ".storage": (
@@ -63,6 +64,7 @@ _EXPORTS = {
     # ``Transport`` is the protocol to depend on; ``FsspecTransport`` (the built-in transports' common base, which
     # builds the backend's class) stays exported for existing callers; open transports with ``open_transport``.
     ".transports": ("FsspecTransport", "RetryPolicy", "Transport", "TransportConfig"),
+    ".unwrapping": ("unwrap",),
 }
 _LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
 # Importable still, with a DeprecationWarning: name -> (where it lives now, the module that defines it).
@@ -116,6 +118,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .formats.safetensors.scan import SafetensorsScanConfig
     from .formats.torch_save.archive import TorchSaveArchiveConfig
     from .inspection import describe, verify
+    from .load_save import load, save
     from .opening import UnknownFormatError, detect_format, open_reader, open_writer
     from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
     from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
@@ -128,6 +131,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     )
     from .strategies import Broadcasting, DeliveryConfig, ReadOnceConfig, ReadStrategies
     from .transports import FsspecTransport, RetryPolicy, Transport, TransportConfig
+    from .unwrapping import unwrap
 
 
 __all__ = [
@@ -184,10 +188,13 @@ __all__ = [
     "describe",
     "detect_format",
     "fsdp",
+    "load",
     "merge_fsdp_weights",
     "open_reader",
     "open_writer",
     "registry",
+    "save",
     "torch_save_to_dcp",
+    "unwrap",
     "verify",
 ]

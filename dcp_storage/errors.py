@@ -140,8 +140,15 @@ class FileTooLargeError(CorruptCheckpointError):
     """A file that is read whole (metadata, manifest, index) is larger than its limit; nothing past the limit
     was read. ``size`` is its size where the store said so, else ``None`` (more than ``limit`` bytes)."""
 
-    def __init__(self, url: str, size: int | None, limit: int, what: str = "this file", fix: str = "") -> None:
+    def __init__(
+        self, url: str, size: int | None = None, limit: int | None = None, what: str = "this file", fix: str = ""
+    ) -> None:
+        """``FileTooLargeError(url, size, limit)``, positional or by keyword (``url=``, ``size=``, ``limit=``,
+        ``what=``, ``fix=``); or, like every other error here, one message: ``FileTooLargeError("...")``."""
         self.url, self.size, self.limit, self.what, self.fix = url, size, limit, what, fix
+        if limit is None:  # a message, as CorruptCheckpointError(message) takes
+            super().__init__(url)
+            return
         has = f"is {size} bytes" if size is not None else f"has more than {limit} bytes"
         msg = f"{url}: {has}, more than the {limit}-byte limit for {what}; refusing to read it (corrupt or hostile?)"
         super().__init__(msg + (f"; {fix}" if fix else ""))

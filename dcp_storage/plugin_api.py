@@ -33,7 +33,8 @@ checks the in-tree ones. Everything here is kept stable:
   :class:`VerifyReport`, :func:`tensor_table`) and what a ``convert`` target writes (:class:`ConvertTarget`,
   :class:`WriteOptions`, :class:`WriteDestination`, :class:`OutTensor`, :class:`OutValue`, :class:`Fetch`);
 * readers: :func:`share_object` (run a function on the coordinator, give its result or its error to every
-  rank: how a reader shares what it read in ``read_metadata``);
+  rank: how a reader shares what it read in ``read_metadata``); :func:`as_torch_future` (``read_data`` returns
+  a ``torch.futures.Future``: this turns an executor's ``concurrent.futures.Future`` into one);
 * errors: the whole hierarchy (:class:`DcpStorageError` and its subclasses);
 * the registry: :mod:`registry` and its ``register``/``registered``/``get`` helpers.
 
@@ -67,7 +68,9 @@ from .errors import (
     UnsupportedDtypeError,
     UnsupportedKeyError,
     WrongFormatError,
+    WrongPathTypeError,
 )
+from .futures import FutureTypeError, as_torch_future
 from .registry import PluginError, PluginImportError, PluginNotFoundError, get, register, registered
 from .transports import (
     AtomicWriter,
@@ -159,6 +162,7 @@ __all__ = [
     "FormatSpec",
     "Frame",
     "FrameIndex",
+    "FutureTypeError",
     "IncompleteCheckpointError",
     "LocalFileAccess",
     "LocalRunReads",
@@ -198,6 +202,8 @@ __all__ = [
     "WriteDestination",
     "WriteOptions",
     "WrongFormatError",
+    "WrongPathTypeError",
+    "as_torch_future",
     "call_with_retry",
     "get",
     "holds",

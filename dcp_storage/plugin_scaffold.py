@@ -7,7 +7,9 @@ running code instead of filling in blanks:
 * ``--template transport``: serves ``NAME://`` URLs by mounting them on another fsspec URL (``base_url``), a
   factory that opens the base URL's transport through :func:`dcp_storage.plugin_api.open_transport`;
 * ``--template extension``: a torch ``StreamTransformExtension`` that deflate-compresses every item, usable by
-  ``FsspecWriter(extensions=[...])`` and torch's ``FileSystemWriter(_extensions=[...])``.
+  ``FsspecWriter(extensions=[...])`` and torch's ``FileSystemWriter(_extensions=[...])``;
+* ``--template format``: a ``FormatSpec`` for ``.NAME`` files (magic, JSON header, raw tensors) with its DCP
+  ``StorageReader`` and a ``save_file`` writer, detected by ``open_reader`` and read by ``dcp.load``.
 
 The templates are files in ``dcp_storage/plugin_template/`` with ``string.Template`` placeholders.
 """
@@ -64,6 +66,18 @@ KINDS: dict[str, _Kind] = {
             'dcp.load(state_dict, storage_reader=FsspecReader("ckpt"))  # found again through the entry point\n```'
         ),
     ),
+    "format": _Kind(
+        group="formats",
+        module="format",
+        target_suffix="Format",
+        description="A dcp-storage checkpoint format: .$name files, detected by open_reader and read by dcp.load.",
+        usage=(
+            "## Use\n\n```python\nimport torch.distributed.checkpoint as dcp\nimport dcp_storage as ds\n"
+            "from $package.$module import save_file\n\n"
+            'save_file({"w": tensor}, "s3://bucket/model.$name", storage_options=opts)\n'
+            'dcp.load(state_dict, storage_reader=ds.open_reader("s3://bucket/model.$name", storage_options=opts))\n```'
+        ),
+    ),
 }
 
 
@@ -110,6 +124,7 @@ def new_plugin(name: str, directory: str | Path = ".", kind: str = "transport") 
         "group": spec.group,
         "module": spec.module,
         "target": _camel(name) + spec.target_suffix,
+        "reader": _camel(name) + "Reader",  # the format template's StorageReader class
         "env_var": f"DCP_STORAGE_{name.upper().replace('-', '_')}_BASE_URL",
     }
     values["description"] = string.Template(spec.description).substitute(values)

@@ -1,6 +1,6 @@
 """``dcp-storage plugins``: every registry entry, and what failed to import and why.
 
-``dcp-storage plugins new NAME [--template transport|extension] [--dir DIR]`` writes a working plugin
+``dcp-storage plugins new NAME [--template transport|extension|format] [--dir DIR]`` writes a working plugin
 distribution to start from (see :mod:`dcp_storage.plugin_scaffold`).
 """
 
@@ -72,7 +72,8 @@ def add_parser(sub: Any) -> None:
         help="write a working plugin distribution dcp-storage-NAME to start from",
         description="Write dcp-storage-NAME/: a plugin distribution that already works and is tested (pyproject with "
         "the entry point, code, README, tests). --template transport serves NAME:// URLs by mounting them on another "
-        "fsspec URL; --template extension is a deflate stream extension. Install it with 'pip install -e "
+        "fsspec URL; --template extension is a deflate stream extension; --template format reads .NAME files (a "
+        "FormatSpec, its StorageReader and a writer). Install it with 'pip install -e "
         "dcp-storage-NAME' and edit from there.",
         examples=["dcp-storage plugins new myblob", "dcp-storage plugins new packz --template extension --dir ~/src"],
     )
@@ -81,7 +82,7 @@ def add_parser(sub: Any) -> None:
     new.add_argument(
         "--template",
         dest="template_kind",
-        choices=["transport", "extension"],
+        choices=["transport", "extension", "format"],
         default="transport",
         help="what the plugin provides (default: transport)",
     )

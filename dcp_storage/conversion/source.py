@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from .. import registry
 from ..errors import CorruptCheckpointError
 from ..formats.spec import FormatSpec
+from ..futures import wait_for
 from ..opening import detect_format, reader_of
 
 __all__ = ["READ_BATCH_BYTES", "SourceTensor", "SourceValue", "TensorSource", "byte_batches"]
@@ -195,7 +196,7 @@ class TensorSource:
     def _run(self, items: list[ReadItem], planner: _CapturePlanner) -> None:
         plan = self.reader.prepare_local_plan(LoadPlan(items))
         plan = self.reader.prepare_global_plan([plan])[0]
-        self.reader.read_data(plan, planner).wait()
+        wait_for(self.reader.read_data(plan, planner), self.reader)
 
     def read_tensor(self, fqn: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full tensor ``fqn`` (cast to ``dtype`` on the way in, if given), read on its own."""

@@ -52,6 +52,7 @@ from ..strategies.read_strategy import (
 )
 from ..transports import Transport, TransportConfig
 from .location import BoundLocation
+from .metadata_fallback import MetadataFailure
 
 __all__ = ["FsspecReader"]
 
@@ -106,6 +107,7 @@ class FsspecReader(BoundLocation, StorageReader):
         self._manifest: Any = _UNREAD
         self._stored: MetadataItems | None = None
         self.load_id = uuid.uuid4().hex
+        self.metadata_failure = MetadataFailure()
         self._open(path)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
@@ -124,9 +126,14 @@ class FsspecReader(BoundLocation, StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         if rank is not None:  # torch's fallback after the global read failed: this rank's own file
-            metadata = self._read_metadata_file(f"__{rank}{METADATA_FILE}")
+            found = self.metadata_failure.rank_read(lambda: self._read_metadata_file(f"__{rank}{METADATA_FILE}"))
+            if found is None:  # torch then reports the global failure alone (see metadata_fallback)
+                return None  # type: ignore[return-value]
+            metadata = found
         else:
-            metadata, manifest = share_within_load(self._read_per_load_files, location=reader_location(self))
+            metadata, manifest = self.metadata_failure.global_read(
+                lambda: share_within_load(self._read_per_load_files, location=reader_location(self))
+            )
             self._manifest = manifest[0] if manifest else _UNREAD
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -49,6 +49,7 @@ from ..strategies.metadata_sharing import reader_location, share_object
 from ..strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from ..transports import Transport, TransportConfig
 from .location import BoundLocation
+from .metadata_fallback import MetadataFailure
 
 __all__ = ["SafetensorsReader"]
 
@@ -112,6 +113,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         self._given_transport = transport
         self.storage_data: dict[Any, Any] = {}
         self.load_id = uuid.uuid4().hex
+        self.metadata_failure = MetadataFailure()
         self._open(path)
 
     def _open(self, url: str | os.PathLike[str]) -> None:
@@ -147,15 +149,18 @@ class SafetensorsReader(BoundLocation, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
-            # dcp.load asks for per-rank metadata only after the global read failed; there is none here.
-            raise CheckpointNotFoundError(f"{self.path}: safetensors checkpoints have no per-rank metadata")
+            # dcp.load asks for per-rank metadata only after the global read failed; there is none here, and
+            # None makes torch report the global failure alone (see metadata_fallback).
+            return None  # type: ignore[return-value]
         if self.broadcast_metadata:
             # The coordinator scans; its result or its error reaches every rank (see share_object).
-            shared = share_object(
-                self._scan, group=self.process_group, src_rank=self.coordinator_rank, location=reader_location(self)
+            shared = self.metadata_failure.global_read(
+                lambda: share_object(
+                    self._scan, group=self.process_group, src_rank=self.coordinator_rank, location=reader_location(self)
+                )
             )
         else:
-            shared = self._scan()
+            shared = self.metadata_failure.global_read(self._scan)
         self.root, metadata, self._sums = shared
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

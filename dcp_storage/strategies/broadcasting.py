@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ..errors import DcpStorageError, ShapeMismatchError
 from ..formats.byte_items import VettedBytes, ensure_vetted
+from ..futures import wait_for
 from ..planners.key_check import check_planned_keys
 from ..tensor_buffers import host_buffer
 from .coordinator_served import CoordinatorServedReader
@@ -163,7 +164,7 @@ class Broadcasting(CoordinatorServedReader):
                 router.route(chunk, copies)
                 inner_plan = LoadPlan([item for _r, _i, item in chunk], plan.storage_data, plan.planner_data)
                 with working_alone():
-                    self.reader.read_data(inner_plan, router).wait()
+                    wait_for(self.reader.read_data(inner_plan, router), self.reader)
                 router.check_done()
             sender.finish()
         except BaseException as exc:

@@ -64,6 +64,21 @@ class Transport(Protocol):
 
     **Atomicity.** A file written by :meth:`write_file` or :meth:`open_atomic` appears whole or not at
     all: on an exception inside the ``with`` block nothing becomes visible.
+
+    **Create-if-absent (optional).** ``create_new(path, data: bytes) -> bool`` writes the small file ``path``
+    only if nothing is there, atomically, and returns whether this call created it: of two concurrent
+    callers exactly one gets ``True``. Writers take a save's lock (``.dcp_storage.lock``) with it, so that of
+    two saves racing to one location one wins and the other raises ``CheckpointExistsError``. Use the store's
+    own primitive (``O_CREAT | O_EXCL``, S3 ``If-None-Match: *``, a GCS generation-0 precondition, ...); a
+    request retried after a lost response finds its own object, so answer "exists" by comparing the stored
+    bytes with ``data`` (:func:`~dcp_storage.transports.exclusive.holds`, exported by the plugin API). A
+    transport without it still works: the lock is then checked, then written, with a warning.
+
+    **Pickling.** A writer pickles for ``dcp.async_save(..., async_checkpointer_type=PROCESS)`` and a rank
+    pickles its reader for multi-process tools, so a transport passed to them (``transport=``) must pickle
+    too: without threads, clients, sockets or locks (drop them in ``__getstate__``; :class:`~.worker_pool.WorkerPool`
+    pickles empty), keeping the URL, ``config`` and ``counters``, and building its client again on first use
+    in the receiving process. ``tests/storage/test_async_save.py`` and the conformance suite check it.
     """
 
     is_local: bool

@@ -70,7 +70,7 @@ def test_bad_names_and_existing_directories_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ScaffoldError, match="lowercase letters and digits"):
         new_plugin("My_Blob", tmp_path)
     with pytest.raises(ScaffoldError, match="unknown plugin kind"):
-        new_plugin("ok", tmp_path, kind="format")
+        new_plugin("ok", tmp_path, kind="planner")
     new_plugin("ok", tmp_path)
     with pytest.raises(ScaffoldError, match="already exists"):
         new_plugin("ok", tmp_path)

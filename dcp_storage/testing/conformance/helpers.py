@@ -11,18 +11,32 @@ from typing import Any, NamedTuple
 
 import fsspec
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.testing.compare import raw_bytes as _raw
-from dcp_storage.transports.factory import TRANSPORT_OPTION
+from dcp_storage.transports.factory import TRANSPORT_OPTION, open_transport
+from dcp_storage.unwrapping import unwrap  # noqa: F401 - re-exported: the suite has always offered it here
 
 
 class Location(NamedTuple):
-    """A fresh location on one backend: ``url, storage_options = location``; ``backend`` names it."""
+    """A fresh location on one backend: ``url, storage_options, backend = location``.
+
+    ``backend`` names it (``"local"``, ``"file"``, ``"memory"``, ``"s3"``, ...; tests adapt a few checks to it).
+    A suite's ``location`` fixture may also yield a plain ``(url, storage_options)`` pair: :func:`as_location`
+    makes it a ``Location`` whose backend is the URL's scheme (``"local"`` for a path).
+    """
 
     url: str
     storage_options: dict[str, Any]
-    backend: str
+    backend: str = ""
+
+
+def as_location(location: Any) -> Location:
+    """``location`` as a :class:`Location`: a ``Location``, a ``(url, storage_options[, backend])`` tuple."""
+    if isinstance(location, Location) and location.backend:
+        return location
+    url, options, *rest = tuple(location)
+    backend = rest[0] if rest and rest[0] else (url.split("://", 1)[0].lower() if "://" in url else "local")
+    return Location(url, dict(options or {}), backend)
 
 
 def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -94,14 +108,6 @@ def tensor_bytes(sd: Any) -> int:
     return sd.numel() * sd.element_size() if isinstance(sd, torch.Tensor) else 0
 
 
-def unwrap(exc: BaseException) -> BaseException:
-    """The reader's/writer's own exception inside DCP's ``CheckpointException``."""
-    if isinstance(exc, CheckpointException):
-        (inner, _trace), *_ = exc.failures.values()
-        return inner
-    return exc
-
-
 def child(url: str, name: str) -> str:
     return f"{url.rstrip('/')}/{name}"
 
@@ -113,15 +119,31 @@ def fsspec_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def shown_url(location: Any, name: str) -> str:
     """How errors must name ``name`` in the location: the local path, or the URL with the scheme the user wrote."""
-    url, options, backend = location
+    url, options, backend = as_location(location)
     if backend in ("local", "file"):
         return child(fsspec.core.url_to_fs(url, **fsspec_options(options))[1], name)
     return child(url, name)
 
 
+def fsspec_knows(location: Any) -> bool:
+    """Whether fsspec resolves the location's URL (a plugin transport's own scheme, ``kvflat://``, it does not)."""
+    url, options, _ = as_location(location)
+    try:
+        fsspec.core.url_to_fs(url, **fsspec_options(options))
+    except (ValueError, ImportError):
+        return False
+    return True
+
+
 def stored(location: Any) -> dict[str, int]:
-    """``{name: size}`` of every object directly under the location, seen through the backend's own fs."""
-    url, options, _backend = location
+    """``{name: size}`` of every file directly under the location, seen through the backend's own fsspec
+    filesystem, or, for a scheme fsspec does not know, through the transport the factory opens for it."""
+    url, options, _backend = as_location(location)
+    if not fsspec_knows(location):
+        transport, root = open_transport(url, options)
+        with transport:
+            names = [n for n in transport.listdir(root) if not transport.listdir(transport.join(root, n))]
+            return {n: transport.size(transport.join(root, n)) for n in names}
     fs, root = fsspec.core.url_to_fs(url, **fsspec_options(options))
     fs.invalidate_cache()
     try:

@@ -1,0 +1,41 @@
+"""Rank bodies for ``test_load_save_errors.py``: a load that fails on one rank only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import dcp_storage as ds
+
+
+def _state(rank: int, bad_rank: int) -> dict[str, Any]:
+    state: dict[str, Any] = {"w": torch.zeros(8)}
+    if rank == bad_rank:
+        state["not_in_the_checkpoint"] = torch.zeros(2)
+    return state
+
+
+def ds_load_failing_on(rank: int, world: int, url: str, bad_rank: int) -> dict[str, Any]:
+    """``ds.load`` where only ``bad_rank``'s state dict has a key the checkpoint lacks."""
+    try:
+        ds.load(_state(rank, bad_rank), url)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"type": type(exc).__name__, "ours": isinstance(exc, ds.DcpStorageError), "notes": exc.__notes__}
+    return {"type": None}
+
+
+def dcp_load_unwrapped(rank: int, world: int, url: str, bad_rank: int) -> dict[str, Any]:
+    """Plain ``dcp.load`` (a ``CheckpointException`` on every rank), then ``ds.unwrap``."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(_state(rank, bad_rank), storage_reader=ds.FsspecReader(url))
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        inner = ds.unwrap(exc)
+        return {
+            "outer": type(exc).__name__,
+            "inner": type(inner).__name__,
+            "ours": isinstance(inner, ds.DcpStorageError),
+        }
+    return {"outer": None}

@@ -1,0 +1,108 @@
+"""Errors that reach the user once: ``ds.load``/``ds.save`` raise the library's error (the failing ranks
+named, no torch traceback printed), ``ds.unwrap`` finds it inside torch's ``CheckpointException`` whichever
+rank raised it, and the readers' metadata fallback reports one failure once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_storage as ds
+from dcp_storage.testing.distributed import run_ranks
+from dcp_storage.testing.s3_server import MotoS3Server
+
+from . import _error_rank_fns as R
+
+CHILD = r"""
+import json, sys, torch
+import torch.distributed.checkpoint as dcp
+import dcp_storage as ds
+url, opts, how = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+state = {"w": torch.zeros(4)}
+try:
+    if how == "ds":
+        ds.load(state, url, storage_options=opts)
+    else:
+        dcp.load(state, storage_reader=ds.FsspecReader(url, opts))
+except BaseException as exc:
+    inner = ds.unwrap(exc)
+    print(json.dumps({"type": type(exc).__name__, "inner": type(inner).__name__, "text": str(exc)}))
+"""
+
+
+def _child(url: str, options: dict[str, Any], how: str) -> tuple[dict[str, Any], list[str]]:
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, url, json.dumps(options), how], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr.splitlines()
+
+
+def test_wrong_secret_is_one_error_and_at_most_3_stderr_lines(moto_server: MotoS3Server, s3_url: Any) -> None:
+    url, options = s3_url
+    ds.save({"w": torch.arange(4.0)}, url, storage_options=options)
+    key_id, _secret = moto_server.create_access_key(f"tc-{uuid.uuid4().hex[:8]}")
+    wrong = {**options, "key": key_id, "secret": "not-the-secret"}
+    with moto_server.iam_auth():
+        ours, ours_stderr = _child(url, wrong, "ds")
+        theirs, theirs_stderr = _child(url, wrong, "dcp")
+    assert ours["type"] == "StorageAccessError" and "SignatureDoesNotMatch" in ours["text"], ours
+    assert len(ours_stderr) <= 3, "\n".join(ours_stderr)
+    # Plain dcp.load: torch's CheckpointException, a logged traceback, and (fixed here) our message once.
+    assert theirs["type"] == "CheckpointException" and theirs["inner"] == "AssertionError", theirs
+    assert theirs["text"].count("SignatureDoesNotMatch") == 1, theirs["text"]
+    assert "rank local metadata read failed" not in theirs["text"]
+    assert len(theirs_stderr) > 10
+
+
+def test_missing_checkpoint_reported_once(tmp_path: Path) -> None:
+    url = str(tmp_path / "nothing-here")
+    with pytest.raises(ds.CheckpointNotFoundError) as raised:
+        ds.load({"w": torch.zeros(1)}, url, format="dcp")
+    assert raised.value.__notes__ == ["dcp_storage.load failed on rank 0"]
+    assert raised.value.__traceback__ is not None and raised.value.__cause__ is None
+    try:
+        dcp.load({"w": torch.zeros(1)}, storage_reader=ds.FsspecReader(url), no_dist=True)
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException quoting torch's AssertionError
+        text = str(exc)
+    assert text.count("no checkpoint metadata") == 1 and "rank local metadata read failed" not in text, text
+
+
+def test_save_raises_ours(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    ds.save({"w": torch.ones(3)}, url)
+    with pytest.raises(ds.CheckpointExistsError):
+        ds.save({"w": torch.ones(3)}, url)  # overwrite=False is the writer's default
+    ds.save({"w": torch.full((3,), 2.0)}, url, overwrite=True)
+    state = {"w": torch.zeros(3)}
+    ds.load(state, url)
+    assert torch.equal(state["w"], torch.full((3,), 2.0))
+
+
+def test_a_failure_on_one_rank_is_ours_on_every_rank(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    ds.save({"w": torch.arange(8.0)}, url)
+    for report in run_ranks(R.ds_load_failing_on, 2, url, 1, timeout=120):
+        assert report["ours"] and report["type"] == "IncompatibleKeysError", report
+        assert "dcp_storage.load failed on rank 1" in report["notes"], report
+    for report in run_ranks(R.dcp_load_unwrapped, 2, url, 1, timeout=120):
+        assert report == {"outer": "CheckpointException", "inner": "IncompatibleKeysError", "ours": True}, report
+
+
+def test_unwrap_leaves_other_exceptions_alone() -> None:
+    error = ValueError("x")
+    assert ds.unwrap(error) is error
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    mine = ds.CorruptCheckpointError("bad")
+    wrapped = CheckpointException("load", {0: (ValueError("not ours"), None), 3: (mine, None)})
+    assert ds.unwrap(wrapped) is mine, "ours, whichever rank raised it"
+    assert isinstance(ds.unwrap(CheckpointException("load", {2: (KeyError("k"), None)})), KeyError)
