@@ -25,6 +25,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "LocationMismatchError",
     "NonTensorStateError",
+    "ObjectChangedError",
     "ShapeMismatchError",
     "StorageAccessError",
     "StorageFullError",
@@ -148,6 +149,22 @@ class FileTooLargeError(CorruptCheckpointError):
 
     def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
         return (type(self), (self.url, self.size, self.limit, self.what, self.fix))
+
+
+class ObjectChangedError(CorruptCheckpointError):
+    """An object was replaced while a load read it: a later read saw another version (ETag, generation) than
+    the first read of the same load. Never retried into a mix of two versions: retry the whole load."""
+
+    def __init__(self, url: str, pinned: str, seen: str | None) -> None:
+        self.url, self.pinned, self.seen = url, pinned, seen
+        now = f"now {seen!r}" if seen is not None else "that version is gone"
+        super().__init__(
+            f"{url}: the object changed during the load (first read saw version {pinned!r}, {now}); "
+            "its bytes would mix two versions, so nothing was loaded from it: retry the load"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
+        return (type(self), (self.url, self.pinned, self.seen))
 
 
 class TransportError(DcpStorageError, OSError):

@@ -25,7 +25,8 @@ import os
 import posixpath
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
@@ -42,10 +43,13 @@ from .range_check import RangeMismatchError
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import TruncatedReadError, call_with_retry, single_layer_client_options
+from .versions import VersionConditionFailed, VersionPins
 from .worker_pool import WorkerPool
 from .writers import CountingWriter, abandon
 
 __all__ = ["FsspecTransport", "TransportConfig", "transport_class_for"]
+
+T = TypeVar("T")
 
 
 def transport_class_for(fs: fsspec.AbstractFileSystem) -> type[FsspecTransport]:
@@ -84,6 +88,7 @@ class FsspecTransport:
         self._scheme = scheme if scheme in aliases else None
         self.config = resolve_config(config or TransportConfig(), self.is_local)
         self.counters = TransportCounters()
+        self.versions = VersionPins()  # the version of each object this load saw first (see .versions)
         self._workers = WorkerPool(self.config.max_workers, "dcp-storage-io")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -162,7 +167,25 @@ class FsspecTransport:
         """A transport of the same class on the same filesystem, confinement and counters, with ``config``."""
         other = type(self)(self.fs, config, scheme=self._scheme, confinement=self.confinement)
         other.counters = self.counters
+        other.versions = self.versions  # the same load: the same pins
         return other
+
+    def begin_load(self) -> None:
+        """Forget the versions pinned so far: what a reader's ``reset`` calls at the start of each load."""
+        self.versions.forget()
+
+    def _pinned(self, path: str, read: Callable[[str | None, Callable[[str | None], None]], T]) -> T:
+        """One read of ``path`` under its pinned version (:mod:`.versions`): the one place every ranged read of
+        the built-in backends passes through. ``read(expected, saw)`` sends ``expected`` as the store's
+        condition and calls ``saw(version)`` with the version the answer names as soon as its headers are in,
+        before a byte of the body is used; another version than pinned, or a refused condition, raises
+        :class:`~dcp_storage.errors.ObjectChangedError` (never retried)."""
+        expected = self.versions.expected(path)
+        url = self.url(path)
+        try:
+            return read(expected, lambda seen: self.versions.saw(path, seen, url))
+        except VersionConditionFailed as exc:
+            raise self.versions.changed(path, url) from exc
 
     def _retry(self, fn: Callable[[], Any], describe: Callable[[], str]) -> Any:
         with access_errors(describe):  # credential and permission failures: StorageAccessError naming the call
@@ -178,6 +201,10 @@ class FsspecTransport:
 
     def _size(self, path: str) -> int:
         return int(bounded_call(self.fs, "size", path))
+
+    def _size_version(self, path: str) -> tuple[int, str | None]:
+        """The size and the version the answer named (``None`` where the store names none)."""
+        return self._size(path), None
 
     def _delete(self, path: str) -> None:
         bounded_call(self.fs, "rm_file", path)
@@ -204,9 +231,22 @@ class FsspecTransport:
             raise FileTooLargeError(self.url(path), int(size), max_bytes)
         return bytes(bounded_call(self.fs, "cat_file", path, start=0, end=max_bytes + 1))
 
+    def _read_whole_version(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        """:meth:`_read_whole` and the version the answer named (``None`` where the store names none)."""
+        return self._read_whole(path, max_bytes), None
+
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; the caller checks the length (backends also check status and headers)."""
         return bytes(bounded_call(self.fs, "cat_file", path, start=start, end=end))
+
+    def _read_range_version(
+        self, path: str, start: int, end: int, expected: str | None, saw: Callable[[str | None], None]
+    ) -> bytes:
+        """Bytes ``[start, end)`` read on condition of version ``expected`` (when not ``None``), calling
+        ``saw(version)`` with the version the answer names before its body is used (see :meth:`_pinned`).
+        Backends with versions override this; the default (any fsspec filesystem, or a subclass that
+        overrides only ``_read_range``) names none."""
+        return self._read_range(path, start, end)
 
     def _put(self, path: str, data: bytes, nbytes: int) -> None:
         bounded_call(self.fs, "pipe_file", path, data)
@@ -225,9 +265,14 @@ class FsspecTransport:
     def size(self, path: str) -> int:
         """Size of the file at ``path``; :class:`CheckpointNotFoundError` if it does not exist."""
         try:
-            return int(self._retry(lambda: self._size(path), lambda: f"size of {self.url(path)}"))
+            return int(self._retry(lambda: self._pinned_size(path), lambda: f"size of {self.url(path)}"))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
+
+    def _pinned_size(self, path: str) -> int:
+        size, version = self._size_version(path)
+        self.versions.saw(path, version, self.url(path))  # a size answer pins the version too, at no cost
+        return size
 
     def makedirs(self, path: str) -> None:
         self._retry(
@@ -236,11 +281,13 @@ class FsspecTransport:
 
     def remove(self, path: str) -> None:
         """Delete one file if it exists."""
+        self.versions.forget(path)
         with contextlib.suppress(FileNotFoundError):
             self._retry(lambda: self._delete(path), lambda: f"delete {self.url(path)}")
 
     def remove_tree(self, path: str) -> None:
         """Delete every file under ``path``; nothing if there is none."""
+        self.versions.forget(path)
         with contextlib.suppress(FileNotFoundError):
             self._retry(lambda: bounded_call(self.fs, "rm", path, recursive=True), lambda: f"delete {self.url(path)}")
 
@@ -255,7 +302,8 @@ class FsspecTransport:
         other fsspec filesystems; GCS streams the body and stops there)."""
 
         def fetch() -> bytes:
-            data = self._read_whole(path, max_bytes)
+            data, version = self._read_whole_version(path, max_bytes)
+            self.versions.repin(path, version)  # one consistent answer: later ranges must match it
             self.counters.add(requests=1, bytes_read=len(data))
             if max_bytes is not None and len(data) > max_bytes:
                 raise FileTooLargeError(self.url(path), None, max_bytes)
@@ -311,7 +359,7 @@ class FsspecTransport:
         """One attempt at a fetch group: the whole range buffered, then scattered into ``pieces``."""
 
         def fetch() -> None:
-            data = self._read_range(group.path, group.start, group.end)
+            data = self._pinned(group.path, partial(self._read_range_version, group.path, group.start, group.end))
             self.counters.add(requests=1, bytes_read=len(data))
             if len(data) != group.length:
                 raise self._short_read(group, len(data))
@@ -337,6 +385,7 @@ class FsspecTransport:
     def write_file(self, path: str, data: bytes | bytearray | memoryview) -> None:
         """Atomically write a whole small file (metadata, markers): one PUT."""
         nbytes = memoryview(data).nbytes
+        self.versions.forget(path)
 
         def put() -> None:
             self._put(path, bytes(data), nbytes)
@@ -368,7 +417,11 @@ class FsspecTransport:
         staged blocks are never committed, and the service drops them). Backends with their own uploads
         (local disk, S3, GCS) say how they commit in ``_open_atomic``.
         """
-        yield from self._open_atomic(path)
+        self.versions.forget(path)
+        try:
+            yield from self._open_atomic(path)
+        finally:
+            self.versions.forget(path)
 
     def _open_atomic(self, path: str) -> Iterator[CountingWriter]:
         if isinstance(self.fs, MemoryFileSystem):

@@ -8,9 +8,12 @@ is streamed and stops after ``limit + 1`` bytes, so a server that gives no size 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .backends import builtin_backend
+from .deadline import bounded_call
 from .fsspec_transport import FsspecTransport
-from .http_io import http_read, http_read_range, is_http
+from .http_io import answer_version, http_read, http_read_range, is_http
 
 __all__ = ["HttpTransport"]
 
@@ -27,3 +30,14 @@ class HttpTransport(FsspecTransport):
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         return http_read_range(self.fs, path, start, end)
+
+    def _read_range_version(
+        self, path: str, start: int, end: int, expected: str | None, saw: Callable[[str | None], None]
+    ) -> bytes:
+        """On condition ``If-Match`` of the pinned ETag, and the answer's ETag compared (see :mod:`.versions`)."""
+        return http_read_range(self.fs, path, start, end, expected, saw)
+
+    def _size_version(self, path: str) -> tuple[int, str | None]:
+        """fsspec's ``info`` (one ``HEAD``, or a ``GET`` it stops early) keeps the answer's ETag."""
+        info = bounded_call(self.fs, "info", path)
+        return int(info.get("size")), answer_version(info)  # no size: TypeError, as fsspec's size() gives

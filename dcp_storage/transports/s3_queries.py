@@ -14,7 +14,7 @@ from typing import Any
 
 from .s3_stream import s3_call
 
-__all__ = ["s3_delete", "s3_exists", "s3_list_names", "s3_size"]
+__all__ = ["s3_delete", "s3_exists", "s3_list_names", "s3_size", "s3_size_version"]
 
 
 def _split(fs: Any, path: str) -> tuple[str, str]:
@@ -24,8 +24,14 @@ def _split(fs: Any, path: str) -> tuple[str, str]:
 
 def s3_size(fs: Any, path: str) -> int:
     """Size of the object at ``path`` (``HeadObject``); ``FileNotFoundError`` if there is none."""
+    return s3_size_version(fs, path)[0]
+
+
+def s3_size_version(fs: Any, path: str) -> tuple[int, str | None]:
+    """Size and ETag of the object at ``path`` (one ``HeadObject``)."""
     bucket, key = _split(fs, path)
-    return int(s3_call(fs, "head_object", Bucket=bucket, Key=key)["ContentLength"])
+    head = s3_call(fs, "head_object", Bucket=bucket, Key=key)
+    return int(head["ContentLength"]), head.get("ETag")
 
 
 def s3_exists(fs: Any, path: str) -> bool:
