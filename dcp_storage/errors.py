@@ -23,6 +23,7 @@ __all__ = [
     "DcpStorageError",
     "FileTooLargeError",
     "IncompleteCheckpointError",
+    "ListingTooLongError",
     "LocationMismatchError",
     "NonTensorStateError",
     "ObjectChangedError",
@@ -169,6 +170,12 @@ class ObjectChangedError(CorruptCheckpointError):
 
 class TransportError(DcpStorageError, OSError):
     """Storage kept failing after the retry policy gave up; the message names URL, range and attempts."""
+
+
+class ListingTooLongError(DcpStorageError, OSError):
+    """A store's listing (objects, in-progress uploads) passed its bound on pages or entries, or repeated a
+    continuation token: a broken or hostile server whose listing never ends. Not retried; the message names
+    the URL, the bound and the environment variable that raises it."""
 
 
 class StorageFullError(DcpStorageError, OSError):

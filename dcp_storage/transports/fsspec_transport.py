@@ -26,12 +26,12 @@ import posixpath
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, FileTooLargeError
+from ..errors import CheckpointNotFoundError, DcpStorageError, FileTooLargeError
 from .access import access_errors
 from .backends import backend_for, class_to_build, restore
 from .config import TransportConfig, resolve_config
@@ -39,17 +39,15 @@ from .counters import TransportCounters
 from .deadline import bounded_call
 from .exclusive import fsspec_put_if_absent, holds
 from .local_open import Confinement
-from .range_check import RangeMismatchError
+from .range_check import RangeMismatchError, raise_if_short
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import TruncatedReadError, call_with_retry, single_layer_client_options
-from .versions import VersionConditionFailed, VersionPins
+from .versions import PinnedReads, VersionPins
 from .worker_pool import WorkerPool
 from .writers import CountingWriter, abandon
 
 __all__ = ["FsspecTransport", "TransportConfig", "transport_class_for"]
-
-T = TypeVar("T")
 
 
 def transport_class_for(fs: fsspec.AbstractFileSystem) -> type[FsspecTransport]:
@@ -57,7 +55,7 @@ def transport_class_for(fs: fsspec.AbstractFileSystem) -> type[FsspecTransport]:
     return backend_for(fs) or FsspecTransport
 
 
-class FsspecTransport:
+class FsspecTransport(PinnedReads):
     """Bytes-only access to one fsspec filesystem (the :class:`~.protocol.Transport` protocol).
 
     Build it with :meth:`from_url` (through :func:`~.factory.open_transport`). Paths passed to its methods
@@ -170,23 +168,6 @@ class FsspecTransport:
         other.versions = self.versions  # the same load: the same pins
         return other
 
-    def begin_load(self) -> None:
-        """Forget the versions pinned so far: what a reader's ``reset`` calls at the start of each load."""
-        self.versions.forget()
-
-    def _pinned(self, path: str, read: Callable[[str | None, Callable[[str | None], None]], T]) -> T:
-        """One read of ``path`` under its pinned version (:mod:`.versions`): the one place every ranged read of
-        the built-in backends passes through. ``read(expected, saw)`` sends ``expected`` as the store's
-        condition and calls ``saw(version)`` with the version the answer names as soon as its headers are in,
-        before a byte of the body is used; another version than pinned, or a refused condition, raises
-        :class:`~dcp_storage.errors.ObjectChangedError` (never retried)."""
-        expected = self.versions.expected(path)
-        url = self.url(path)
-        try:
-            return read(expected, lambda seen: self.versions.saw(path, seen, url))
-        except VersionConditionFailed as exc:
-            raise self.versions.changed(path, url) from exc
-
     def _retry(self, fn: Callable[[], Any], describe: Callable[[], str]) -> Any:
         with access_errors(describe):  # credential and permission failures: StorageAccessError naming the call
             return call_with_retry(fn, self.config.retry, describe, on_retry=lambda _e: self.counters.add(retries=1))
@@ -201,10 +182,6 @@ class FsspecTransport:
 
     def _size(self, path: str) -> int:
         return int(bounded_call(self.fs, "size", path))
-
-    def _size_version(self, path: str) -> tuple[int, str | None]:
-        """The size and the version the answer named (``None`` where the store names none)."""
-        return self._size(path), None
 
     def _delete(self, path: str) -> None:
         bounded_call(self.fs, "rm_file", path)
@@ -231,22 +208,9 @@ class FsspecTransport:
             raise FileTooLargeError(self.url(path), int(size), max_bytes)
         return bytes(bounded_call(self.fs, "cat_file", path, start=0, end=max_bytes + 1))
 
-    def _read_whole_version(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
-        """:meth:`_read_whole` and the version the answer named (``None`` where the store names none)."""
-        return self._read_whole(path, max_bytes), None
-
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; the caller checks the length (backends also check status and headers)."""
         return bytes(bounded_call(self.fs, "cat_file", path, start=start, end=end))
-
-    def _read_range_version(
-        self, path: str, start: int, end: int, expected: str | None, saw: Callable[[str | None], None]
-    ) -> bytes:
-        """Bytes ``[start, end)`` read on condition of version ``expected`` (when not ``None``), calling
-        ``saw(version)`` with the version the answer names before its body is used (see :meth:`_pinned`).
-        Backends with versions override this; the default (any fsspec filesystem, or a subclass that
-        overrides only ``_read_range``) names none."""
-        return self._read_range(path, start, end)
 
     def _put(self, path: str, data: bytes, nbytes: int) -> None:
         bounded_call(self.fs, "pipe_file", path, data)
@@ -268,11 +232,6 @@ class FsspecTransport:
             return int(self._retry(lambda: self._pinned_size(path), lambda: f"size of {self.url(path)}"))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
-
-    def _pinned_size(self, path: str) -> int:
-        size, version = self._size_version(path)
-        self.versions.saw(path, version, self.url(path))  # a size answer pins the version too, at no cost
-        return size
 
     def makedirs(self, path: str) -> None:
         self._retry(
@@ -371,15 +330,7 @@ class FsspecTransport:
 
     def _raise_if_ends_before(self, path: str, end: int, cause: BaseException | None = None) -> None:
         """Raise :class:`CorruptCheckpointError` if the object at ``path`` is shorter than ``end`` bytes."""
-        try:
-            self.fs.invalidate_cache(path)
-            size = bounded_call(self.fs, "size", path)
-        except Exception:  # noqa: BLE001 - size unknown: the caller's own error stands
-            return
-        if size is not None and size < end:
-            raise CorruptCheckpointError(
-                f"{self.url(path)}: object ends at byte {size} but bytes up to {end} were expected (truncated file?)"
-            ) from cause
+        raise_if_short(self.fs, path, self.url(path), end, cause)
 
     # ------------------------------------------------------------------------------------ writing
     def write_file(self, path: str, data: bytes | bytearray | memoryview) -> None:
@@ -418,10 +369,7 @@ class FsspecTransport:
         (local disk, S3, GCS) say how they commit in ``_open_atomic``.
         """
         self.versions.forget(path)
-        try:
-            yield from self._open_atomic(path)
-        finally:
-            self.versions.forget(path)
+        yield from self._open_atomic(path)
 
     def _open_atomic(self, path: str) -> Iterator[CountingWriter]:
         if isinstance(self.fs, MemoryFileSystem):

@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from .deadline import bounded_sync
 from .http_io import read_prefix
+from .listing import ListingBound
 from .range_check import IDENTITY, read_range_body
 from .versions import VersionConditionFailed
 
@@ -181,6 +182,7 @@ def gcs_list_names(fs: Any, path: str) -> list[str]:
     prefix = key.rstrip("/") + "/" if key else ""
     names: set[str] = set()
     token: str | None = None
+    bound = ListingBound(fs.unstrip_protocol(path))  # a listing that never ends is cut off (:mod:`.listing`)
     while True:
         params: dict[str, Any] = {"prefix": prefix, "delimiter": "/"}
         if token:
@@ -195,6 +197,7 @@ def gcs_list_names(fs: Any, path: str) -> list[str]:
         for sub in page.get("prefixes", ()):
             names.add(posixpath.basename(sub.rstrip("/")))
         token = page.get("nextPageToken")
+        bound.page(len(page.get("items", ())) + len(page.get("prefixes", ())), token or None)
         if not token:
             break
     names.discard("")  # a zero-byte "directory marker" object named like the prefix

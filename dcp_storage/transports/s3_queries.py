@@ -12,6 +12,7 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
+from .listing import ListingBound
 from .s3_stream import s3_call
 
 __all__ = ["s3_delete", "s3_exists", "s3_list_names", "s3_size", "s3_size_version"]
@@ -62,6 +63,7 @@ def s3_list_names(fs: Any, path: str) -> list[str]:
     prefix = key.rstrip("/") + "/" if key else ""
     names: set[str] = set()
     token: str | None = None
+    bound = ListingBound(fs.unstrip_protocol(path))  # a listing that never ends is cut off (:mod:`.listing`)
     while True:
         kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
         if token:
@@ -75,7 +77,9 @@ def s3_list_names(fs: Any, path: str) -> list[str]:
         for entry in page.get("CommonPrefixes", ()):
             names.add(posixpath.basename(entry["Prefix"].rstrip("/")))
         token = page.get("NextContinuationToken")
-        if not page.get("IsTruncated") or not token:
+        done = not page.get("IsTruncated") or not token
+        bound.page(len(page.get("Contents", ())) + len(page.get("CommonPrefixes", ())), None if done else token)
+        if done:
             break
     names.discard("")  # a zero-byte "directory marker" object named like the prefix
     return sorted(names)

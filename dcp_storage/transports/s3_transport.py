@@ -34,8 +34,9 @@ class S3Transport(FsspecTransport):
     serves = staticmethod(can_stream)  # the filesystems this class is the transport of
 
     def pending_uploads(self, path: str) -> list[PendingUpload]:
-        """In-progress multipart uploads of ``path`` or under it (:mod:`.s3_pending`)."""
-        return list_pending(self.fs, path)
+        """In-progress multipart uploads of ``path`` or under it (:mod:`.s3_pending`): the whole listing under
+        the retry policy's deadline, and bounded in pages and entries (:mod:`.listing`)."""
+        return self._retry(lambda: list_pending(self.fs, path), lambda: f"list multipart uploads {self.url(path)}")  # type: ignore[no-any-return]
 
     def abort_upload(self, path: str, upload: PendingUpload) -> bool:
         """Abort one of :meth:`pending_uploads`; ``False`` if it is gone meanwhile."""

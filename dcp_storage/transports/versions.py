@@ -23,9 +23,14 @@ that rereads a small file that legitimately changed between loads does not refus
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
 from ..errors import ObjectChangedError
 
-__all__ = ["VersionConditionFailed", "VersionPins", "begin_load"]
+__all__ = ["PinnedReads", "VersionConditionFailed", "VersionPins", "begin_load"]
+
+T = TypeVar("T")
 
 
 class VersionConditionFailed(OSError):
@@ -82,3 +87,56 @@ class VersionPins:
 
     def __len__(self) -> int:
         return len(self._seen)
+
+
+class PinnedReads:
+    """The transport's side of pinning (mixed into :class:`~.fsspec_transport.FsspecTransport`): the one
+    place reads meet their pins, and the per-backend hooks that report versions (defaults: none)."""
+
+    versions: VersionPins
+
+    if TYPE_CHECKING:  # provided by the transport
+
+        def url(self, path: str) -> str: ...
+        def _size(self, path: str) -> int: ...
+        def _read_whole(self, path: str, max_bytes: int | None) -> bytes: ...
+        def _read_range(self, path: str, start: int, end: int) -> bytes: ...
+
+    def begin_load(self) -> None:
+        """Forget the versions pinned so far: what a reader's ``reset`` calls at the start of each load."""
+        self.versions.forget()
+
+    def _pinned(self, path: str, read: Callable[[str | None, Callable[[str | None], None]], T]) -> T:
+        """One read of ``path`` under its pinned version (:mod:`.versions`): the one place every ranged read of
+        the built-in backends passes through. ``read(expected, saw)`` sends ``expected`` as the store's
+        condition and calls ``saw(version)`` with the version the answer names as soon as its headers are in,
+        before a byte of the body is used; another version than pinned, or a refused condition, raises
+        :class:`~dcp_storage.errors.ObjectChangedError` (never retried)."""
+        expected = self.versions.expected(path)
+        url = self.url(path)
+        try:
+            return read(expected, lambda seen: self.versions.saw(path, seen, url))
+        except VersionConditionFailed as exc:
+            raise self.versions.changed(path, url) from exc
+
+    def _size_version(self, path: str) -> tuple[int, str | None]:
+        """The size and the version the answer named (``None`` where the store names none)."""
+        return self._size(path), None
+
+    def _read_whole_version(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        """:meth:`_read_whole` and the version the answer named (``None`` where the store names none)."""
+        return self._read_whole(path, max_bytes), None
+
+    def _read_range_version(
+        self, path: str, start: int, end: int, expected: str | None, saw: Callable[[str | None], None]
+    ) -> bytes:
+        """Bytes ``[start, end)`` read on condition of version ``expected`` (when not ``None``), calling
+        ``saw(version)`` with the version the answer names before its body is used (see :meth:`_pinned`).
+        Backends with versions override this; the default (any fsspec filesystem, or a subclass that
+        overrides only ``_read_range``) names none."""
+        return self._read_range(path, start, end)
+
+    def _pinned_size(self, path: str) -> int:
+        size, version = self._size_version(path)
+        self.versions.saw(path, version, self.url(path))  # a size answer pins the version too, at no cost
+        return size
