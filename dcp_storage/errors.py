@@ -8,11 +8,13 @@ derive from the builtin exception that matches their meaning (``FileNotFoundErro
 Messages name the file, the key and the reason, and where there is one, the fix. They quote names from the
 checkpoint, so every message is escaped (:func:`dcp_storage.text.printable`) when the error is made: no
 control character from a checkpoint reaches a terminal or a log through ``str(error)``. Fields kept on an
-error (``path``, ``keys``, ...) stay exact.
+error (``path``, ``keys``, ...) stay exact. Secrets inside a URL in a message (a presigned signature, a SAS
+``sig=``, a password) are masked there too.
 """
 
 from __future__ import annotations
 
+from .redaction import redact_urls
 from .text import printable
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "CrossOriginRedirectError",
     "DcpStorageError",
     "FileTooLargeError",
     "IncompleteCheckpointError",
@@ -46,8 +49,9 @@ class DcpStorageError(Exception):
     """Base class of every error dcp-storage raises on purpose."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        # Escaped here, once for every subclass: a message is formed from fields a checkpoint controls.
-        super().__init__(*(printable(a) if isinstance(a, str) else a for a in args), **kwargs)
+        # Escaped here, once for every subclass: a message is formed from fields a checkpoint controls; and the
+        # secrets a (presigned) URL in it may carry are masked (:func:`~dcp_storage.redaction.redact_urls`).
+        super().__init__(*(printable(redact_urls(a)) if isinstance(a, str) else a for a in args), **kwargs)
 
 
 class UnsafeCheckpointError(DcpStorageError):
@@ -204,6 +208,12 @@ class StorageAccessError(DcpStorageError, PermissionError):
     Never retried. The message names the operation and URL, the store's reason, and where credentials come
     from; it never shows a credential.
     """
+
+
+class CrossOriginRedirectError(StorageAccessError):
+    """An HTTP(S) server redirected a checkpoint read to another origin (scheme, host or port): refused before
+    the request is repeated there, so no credential or header of the checkpoint's storage options leaves for
+    a host the user did not name, and no bytes from that host are loaded."""
 
 
 class WrongFormatError(DcpStorageError, ValueError):

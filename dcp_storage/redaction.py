@@ -6,7 +6,14 @@ places that must show options or text that may hold them:
 
 * :func:`redacted_options` - a copy fit to print: secret-looking keys' values replaced by ``"***"``;
 * :func:`redact` - ``text`` with given secret values replaced;
-* :func:`mask_credentials` - ``text`` with tokens, key ids and authorization headers masked by pattern;
+* :func:`mask_credentials` - ``text`` with tokens, key ids and authorization headers masked by pattern, and
+  the secrets a URL can carry (:func:`redact_urls`);
+* :func:`redact_urls` - ``text`` with every secret inside a URL masked: a presigned signature
+  (``X-Amz-Signature``, ``X-Goog-Signature``, their credentials and session tokens), an Azure SAS ``sig=``,
+  ``token=``, ``key=`` and other secret-looking query parameters, and the password of ``user:pass@host``.
+  A checkpoint URL may be presigned, and it is shown in every message that names a file: so every
+  library error (:class:`~dcp_storage.errors.DcpStorageError`), ``describe``'s and ``verify``'s reports and
+  the CLI's output pass through it;
 * :class:`CredentialLogFilter` - botocore logs every signed request at DEBUG level, session token and
   access key id included (``x-amz-security-token:...``, ``Credential=AKIA...``). The filter, installed on
   those loggers by :func:`install_log_redaction` (idempotent; done when :mod:`dcp_storage.transports` is
@@ -28,6 +35,7 @@ __all__ = [
     "is_secret_key",
     "mask_credentials",
     "redact",
+    "redact_urls",
     "redacted_options",
     "secret_values",
 ]
@@ -58,6 +66,34 @@ _PATTERNS = [
     (re.compile(r"(?i)(x-amz-credential=)[^\s&'\"]+"), r"\1" + MASK),
     (re.compile(r"(?i)('authorization'\s*:\s*b?')[^']*"), r"\1" + MASK),
 ]
+
+
+# A query parameter in a URL (anywhere in a text): ``?name=value`` / ``&name=value`` / ``;name=value``.
+_QUERY_PARAM = re.compile(r"([?&;])([A-Za-z0-9_.\-]+)=([^&#;\s'\"<>]*)")
+# ``scheme://user:password@host``: the password (whatever it holds up to the last ``@`` before the path).
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^/\s:@'\"<>]*:)[^/\s'\"<>]*@")
+# Query parameters that are secrets although their name has none of _SECRET_WORDS.
+_SECRET_PARAMS = {"sig", "signature", "x-amz-signature", "x-goog-signature", "code", "pwd", "pass"}
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with the secrets of any URL in it masked: secret-looking query values and userinfo passwords.
+
+    The rest of the URL stays (scheme, host, path, and harmless parameters such as an expiry), so a message
+    still says which file it is about.
+    """
+    if "=" in text:
+        text = _QUERY_PARAM.sub(_mask_param, text)
+    if "@" in text:
+        text = _USERINFO.sub(r"\1" + MASK + "@", text)
+    return text
+
+
+def _mask_param(match: re.Match[str]) -> str:
+    name = match.group(2)
+    if not match.group(3) or not (name.lower() in _SECRET_PARAMS or is_secret_key(name)):
+        return match.group(0)
+    return f"{match.group(1)}{name}={MASK}"
 
 
 def is_secret_key(name: str) -> bool:
@@ -99,10 +135,10 @@ def redact(text: str, secrets: Iterable[str]) -> str:
 
 
 def mask_credentials(text: str) -> str:
-    """``text`` with session tokens, access key ids and authorization headers masked, by pattern."""
+    """``text`` with session tokens, access key ids, authorization headers and URL secrets masked, by pattern."""
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
-    return text
+    return redact_urls(text)
 
 
 class CredentialLogFilter(logging.Filter):

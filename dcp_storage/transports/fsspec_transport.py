@@ -38,6 +38,7 @@ from .config import TransportConfig, resolve_config
 from .counters import TransportCounters
 from .deadline import bounded_call
 from .exclusive import fsspec_put_if_absent, holds
+from .http_redirects import http_redirect_options
 from .local_open import Confinement
 from .range_check import RangeMismatchError, raise_if_short
 from .range_run import RangeRun
@@ -118,7 +119,7 @@ class FsspecTransport(PinnedReads):
         unless ``storage_options`` configure its retries (see :mod:`dcp_storage.transports.retry`).
         """
         url = os.fspath(url)
-        options = single_layer_client_options(url, storage_options or {})
+        options = http_redirect_options(url, single_layer_client_options(url, storage_options or {}))
         fs, path = fsspec.core.url_to_fs(url, **options)
         scheme = url.split("://", 1)[0].lower() if "://" in url else None
         return cls(fs, config, scheme=scheme, confinement=Confinement(path)), path

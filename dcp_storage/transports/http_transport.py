@@ -4,12 +4,15 @@ fsspec's ranged read returns only the body; the one here checks the answer's sta
 ``Content-Range`` against the range asked for (:mod:`.http_io`, :mod:`.range_check`), so a server that
 ignores ``Range`` and sends the whole file is caught, not sliced wrongly. A whole-file read with a limit
 is streamed and stops after ``limit + 1`` bytes, so a server that gives no size is never held whole.
+Ranged reads are pinned to the ETag the load saw first (``If-Match``, :mod:`.versions`), and a redirect to
+another origin is refused before any credential goes there (:mod:`.http_redirects`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..errors import CrossOriginRedirectError
 from .backends import builtin_backend
 from .deadline import bounded_call
 from .fsspec_transport import FsspecTransport
@@ -39,5 +42,10 @@ class HttpTransport(FsspecTransport):
 
     def _size_version(self, path: str) -> tuple[int, str | None]:
         """fsspec's ``info`` (one ``HEAD``, or a ``GET`` it stops early) keeps the answer's ETag."""
-        info = bounded_call(self.fs, "info", path)
+        try:
+            info = bounded_call(self.fs, "info", path)
+        except FileNotFoundError as exc:  # fsspec's info turns every failure into "not found": say ours
+            if isinstance(exc.__cause__, CrossOriginRedirectError):
+                raise exc.__cause__ from None
+            raise
         return int(info.get("size")), answer_version(info)  # no size: TypeError, as fsspec's size() gives
