@@ -69,7 +69,8 @@ _PATTERNS = [
 
 
 # A query parameter in a URL (anywhere in a text): ``?name=value`` / ``&name=value`` / ``;name=value``.
-_QUERY_PARAM = re.compile(r"([?&;])([A-Za-z0-9_.\-]+)=([^&#;\s'\"<>]*)")
+# The value stops at a separator, at whitespace or a quote, or at a ``:`` that ends it (``URL: message``).
+_QUERY_PARAM = re.compile(r"([?&;])([A-Za-z0-9_.\-]+)=((?:[^&#;:\s'\"<>]|:(?![\s]|$))*)")
 # ``scheme://user:password@host``: the password (whatever it holds up to the last ``@`` before the path).
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^/\s:@'\"<>]*:)[^/\s'\"<>]*@")
 # Query parameters that are secrets although their name has none of _SECRET_WORDS.
