@@ -36,6 +36,7 @@ __all__ = [
     "mask_credentials",
     "redact",
     "redact_urls",
+    "scrub_chain",
     "redacted_options",
     "secret_values",
 ]
@@ -58,7 +59,21 @@ _SECRET_WORDS = (
 )
 _SECRET_KEYS = {"key", "access_key", "client_secret"}
 # Loggers that print signed requests (aiobotocore reuses botocore's logger names).
-REDACTED_LOGGERS = ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession")
+# torch's DCP loggers log the ``checkpoint_id`` (a URL, maybe presigned) of every failed load or save, and
+# the fsspec clients log each URL they request at DEBUG.
+REDACTED_LOGGERS = (
+    "botocore.auth",
+    "botocore.endpoint",
+    "botocore.awsrequest",
+    "botocore.httpsession",
+    "c10d-NullHandler-dcp_logger",
+    "c10d-NullHandler-default",
+    "fsspec",
+    "fsspec.http",
+    "s3fs",
+    "gcsfs",
+    "adlfs",
+)
 _PATTERNS = [
     (re.compile(r"(?i)(x-amz-security-token\s*[:=]\s*)[^\s&'\"]+"), r"\1" + MASK),
     (re.compile(r"(?i)('x-amz-security-token'\s*:\s*b?')[^']*"), r"\1" + MASK),
@@ -88,6 +103,35 @@ def redact_urls(text: str) -> str:
     if "@" in text:
         text = _USERINFO.sub(r"\1" + MASK + "@", text)
     return text
+
+
+def _shows_url_secret(exc: BaseException) -> bool:
+    text = str(exc)
+    return redact_urls(text) != text
+
+
+def scrub_chain(exc: BaseException) -> None:
+    """Mask URL secrets along the chain Python shows of ``exc`` (each ``__cause__``, or ``__context__`` unless
+    suppressed): every exception's string arguments and an ``OSError``'s file names are masked in place, and
+    one whose text still shows a secret (a client error that formats its URL from other fields, like
+    aiohttp's ``ClientResponseError``) is cut off the chain; the error above it already says what it was."""
+    seen: set[int] = set()
+    above: BaseException | None = None
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        try:
+            current.args = tuple(redact_urls(a) if isinstance(a, str) else a for a in current.args)
+            for name in ("filename", "filename2"):
+                if isinstance(getattr(current, name, None), str):
+                    setattr(current, name, redact_urls(getattr(current, name)))
+        except (AttributeError, TypeError):  # an exception type with read-only fields: judged by its text below
+            pass
+        if above is not None and _shows_url_secret(current):
+            above.__cause__, above.__suppress_context__ = None, True
+            return
+        above = current
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
 
 
 def _mask_param(match: re.Match[str]) -> str:

@@ -3,7 +3,8 @@
 :class:`HttpStore` serves ``objects`` (name -> bytes) at ``http://127.0.0.1:PORT/NAME`` on port 0 (read
 back), as a static file server or a CDN does: ``HEAD`` and ``GET`` with ``Range``, a strong ``ETag`` per
 object version, ``412`` on an ``If-Match`` that does not hold (unless ``honour_if_match`` is off, like a
-server that ignores conditions), and ``302`` answers for names in ``redirects``. Every request is logged
+server that ignores conditions), ``302`` answers for names in ``redirects``, error statuses for names
+in ``refuse``. Every request is logged
 with its method, path and headers (:attr:`HttpStore.log`), so tests count requests and see which
 headers reached which server. Objects may be replaced while it serves (:meth:`HttpStore.put`).
 """
@@ -34,6 +35,7 @@ class HttpStore(ThreadingHTTPServer):
         self.objects: dict[str, bytes] = dict(objects or {})
         self.honour_if_match = honour_if_match
         self.redirects: dict[str, str] = {}  # name -> Location of a 302 answer
+        self.refuse: dict[str, int] = {}  # name -> error status it is answered with (403, 500, ...)
         self.log: list[Request] = []
         self.lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -84,6 +86,10 @@ class _Handler(BaseHTTPRequestHandler):
             srv.log.append(Request(self.command, self.path, dict(self.headers.items())))
             data = srv.objects.get(name)
             location = srv.redirects.get(name)
+            refused = srv.refuse.get(name)
+        if refused is not None:
+            self._empty(refused)
+            return
         if location is not None:
             self.send_response(302)
             self.send_header("Location", location)
