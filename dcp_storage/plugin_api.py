@@ -57,6 +57,7 @@ from .errors import (
     FileTooLargeError,
     IncompleteCheckpointError,
     NonTensorStateError,
+    ObjectChangedError,
     ShapeMismatchError,
     StorageAccessError,
     TargetError,
@@ -90,6 +91,7 @@ from .transports.range_run import RangeRun
 from .transports.ranges import FetchGroup, plan_fetches
 from .transports.retry import TruncatedReadError, call_with_retry
 from .transports.s3_stream import ScatterSink
+from .transports.versions import VersionPins
 from .transports.worker_pool import WorkerPool
 
 _LAZY = {
@@ -176,6 +178,7 @@ __all__ = [
     "RangeRun",
     "RetryPolicy",
     "RunsRead",
+    "ObjectChangedError",
     "ScatterSink",
     "SeekableTransform",
     "ShapeMismatchError",
@@ -194,6 +197,7 @@ __all__ = [
     "UnsupportedKeyError",
     "ValueInfo",
     "VerifyReport",
+    "VersionPins",
     "WorkerPool",
     "WriteDestination",
     "WriteOptions",
