@@ -8,11 +8,13 @@ derive from the builtin exception that matches their meaning (``FileNotFoundErro
 Messages name the file, the key and the reason, and where there is one, the fix. They quote names from the
 checkpoint, so every message is escaped (:func:`dcp_storage.text.printable`) when the error is made: no
 control character from a checkpoint reaches a terminal or a log through ``str(error)``. Fields kept on an
-error (``path``, ``keys``, ...) stay exact.
+error (``path``, ``keys``, ...) stay exact. Secrets inside a URL in a message (a presigned signature, a SAS
+``sig=``, a password) are masked there too.
 """
 
 from __future__ import annotations
 
+from .redaction import redact_urls
 from .text import printable
 
 __all__ = [
@@ -20,11 +22,14 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "CrossOriginRedirectError",
     "DcpStorageError",
     "FileTooLargeError",
     "IncompleteCheckpointError",
+    "ListingTooLongError",
     "LocationMismatchError",
     "NonTensorStateError",
+    "ObjectChangedError",
     "ShapeMismatchError",
     "StorageAccessError",
     "StorageFullError",
@@ -44,8 +49,9 @@ class DcpStorageError(Exception):
     """Base class of every error dcp-storage raises on purpose."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        # Escaped here, once for every subclass: a message is formed from fields a checkpoint controls.
-        super().__init__(*(printable(a) if isinstance(a, str) else a for a in args), **kwargs)
+        # Escaped here, once for every subclass: a message is formed from fields a checkpoint controls; and the
+        # secrets a (presigned) URL in it may carry are masked (:func:`~dcp_storage.redaction.redact_urls`).
+        super().__init__(*(printable(redact_urls(a)) if isinstance(a, str) else a for a in args), **kwargs)
 
 
 class UnsafeCheckpointError(DcpStorageError):
@@ -157,8 +163,30 @@ class FileTooLargeError(CorruptCheckpointError):
         return (type(self), (self.url, self.size, self.limit, self.what, self.fix))
 
 
+class ObjectChangedError(CorruptCheckpointError):
+    """An object was replaced while a load read it: a later read saw another version (ETag, generation) than
+    the first read of the same load. Never retried into a mix of two versions: retry the whole load."""
+
+    def __init__(self, url: str, pinned: str, seen: str | None) -> None:
+        self.url, self.pinned, self.seen = url, pinned, seen
+        now = f"now {seen!r}" if seen is not None else "that version is gone"
+        super().__init__(
+            f"{url}: the object changed during the load (first read saw version {pinned!r}, {now}); "
+            "its bytes would mix two versions, so nothing was loaded from it: retry the load"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
+        return (type(self), (self.url, self.pinned, self.seen))
+
+
 class TransportError(DcpStorageError, OSError):
     """Storage kept failing after the retry policy gave up; the message names URL, range and attempts."""
+
+
+class ListingTooLongError(DcpStorageError, OSError):
+    """A store's listing (objects, in-progress uploads) passed its bound on pages or entries, or repeated a
+    continuation token: a broken or hostile server whose listing never ends. Not retried; the message names
+    the URL, the bound and the environment variable that raises it."""
 
 
 class StorageFullError(DcpStorageError, OSError):
@@ -187,6 +215,12 @@ class StorageAccessError(DcpStorageError, PermissionError):
     Never retried. The message names the operation and URL, the store's reason, and where credentials come
     from; it never shows a credential.
     """
+
+
+class CrossOriginRedirectError(StorageAccessError):
+    """An HTTP(S) server redirected a checkpoint read to another origin (scheme, host or port): refused before
+    the request is repeated there, so no credential or header of the checkpoint's storage options leaves for
+    a host the user did not name, and no bytes from that host are loaded."""
 
 
 class WrongFormatError(DcpStorageError, ValueError):

@@ -58,6 +58,7 @@ from .errors import (
     FileTooLargeError,
     IncompleteCheckpointError,
     NonTensorStateError,
+    ObjectChangedError,
     ShapeMismatchError,
     StorageAccessError,
     TargetError,
@@ -93,6 +94,7 @@ from .transports.range_run import RangeRun
 from .transports.ranges import FetchGroup, plan_fetches
 from .transports.retry import TruncatedReadError, call_with_retry
 from .transports.s3_stream import ScatterSink
+from .transports.versions import VersionPins
 from .transports.worker_pool import WorkerPool
 
 _LAZY = {
@@ -180,6 +182,7 @@ __all__ = [
     "RangeRun",
     "RetryPolicy",
     "RunsRead",
+    "ObjectChangedError",
     "ScatterSink",
     "SeekableTransform",
     "ShapeMismatchError",
@@ -198,6 +201,7 @@ __all__ = [
     "UnsupportedKeyError",
     "ValueInfo",
     "VerifyReport",
+    "VersionPins",
     "WorkerPool",
     "WriteDestination",
     "WriteOptions",

@@ -6,7 +6,14 @@ places that must show options or text that may hold them:
 
 * :func:`redacted_options` - a copy fit to print: secret-looking keys' values replaced by ``"***"``;
 * :func:`redact` - ``text`` with given secret values replaced;
-* :func:`mask_credentials` - ``text`` with tokens, key ids and authorization headers masked by pattern;
+* :func:`mask_credentials` - ``text`` with tokens, key ids and authorization headers masked by pattern, and
+  the secrets a URL can carry (:func:`redact_urls`);
+* :func:`redact_urls` - ``text`` with every secret inside a URL masked: a presigned signature
+  (``X-Amz-Signature``, ``X-Goog-Signature``, their credentials and session tokens), an Azure SAS ``sig=``,
+  ``token=``, ``key=`` and other secret-looking query parameters, and the password of ``user:pass@host``.
+  A checkpoint URL may be presigned, and it is shown in every message that names a file: so every
+  library error (:class:`~dcp_storage.errors.DcpStorageError`), ``describe``'s and ``verify``'s reports and
+  the CLI's output pass through it;
 * :class:`CredentialLogFilter` - botocore logs every signed request at DEBUG level, session token and
   access key id included (``x-amz-security-token:...``, ``Credential=AKIA...``). The filter, installed on
   those loggers by :func:`install_log_redaction` (idempotent; done when :mod:`dcp_storage.transports` is
@@ -28,6 +35,8 @@ __all__ = [
     "is_secret_key",
     "mask_credentials",
     "redact",
+    "redact_urls",
+    "scrub_chain",
     "redacted_options",
     "secret_values",
 ]
@@ -50,7 +59,21 @@ _SECRET_WORDS = (
 )
 _SECRET_KEYS = {"key", "access_key", "client_secret"}
 # Loggers that print signed requests (aiobotocore reuses botocore's logger names).
-REDACTED_LOGGERS = ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession")
+# torch's DCP loggers log the ``checkpoint_id`` (a URL, maybe presigned) of every failed load or save, and
+# the fsspec clients log each URL they request at DEBUG.
+REDACTED_LOGGERS = (
+    "botocore.auth",
+    "botocore.endpoint",
+    "botocore.awsrequest",
+    "botocore.httpsession",
+    "c10d-NullHandler-dcp_logger",
+    "c10d-NullHandler-default",
+    "fsspec",
+    "fsspec.http",
+    "s3fs",
+    "gcsfs",
+    "adlfs",
+)
 _PATTERNS = [
     (re.compile(r"(?i)(x-amz-security-token\s*[:=]\s*)[^\s&'\"]+"), r"\1" + MASK),
     (re.compile(r"(?i)('x-amz-security-token'\s*:\s*b?')[^']*"), r"\1" + MASK),
@@ -58,6 +81,64 @@ _PATTERNS = [
     (re.compile(r"(?i)(x-amz-credential=)[^\s&'\"]+"), r"\1" + MASK),
     (re.compile(r"(?i)('authorization'\s*:\s*b?')[^']*"), r"\1" + MASK),
 ]
+
+
+# A query parameter in a URL (anywhere in a text): ``?name=value`` / ``&name=value`` / ``;name=value``.
+# The value stops at a separator, at whitespace or a quote, or at a ``:`` that ends it (``URL: message``).
+_QUERY_PARAM = re.compile(r"([?&;])([A-Za-z0-9_.\-]+)=((?:[^&#;:\s'\"<>]|:(?![\s]|$))*)")
+# ``scheme://user:password@host``: the password (whatever it holds up to the last ``@`` before the path).
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^/\s:@'\"<>]*:)[^/\s'\"<>]*@")
+# Query parameters that are secrets although their name has none of _SECRET_WORDS.
+_SECRET_PARAMS = {"sig", "signature", "x-amz-signature", "x-goog-signature", "code", "pwd", "pass"}
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with the secrets of any URL in it masked: secret-looking query values and userinfo passwords.
+
+    The rest of the URL stays (scheme, host, path, and harmless parameters such as an expiry), so a message
+    still says which file it is about.
+    """
+    if "=" in text:
+        text = _QUERY_PARAM.sub(_mask_param, text)
+    if "@" in text:
+        text = _USERINFO.sub(r"\1" + MASK + "@", text)
+    return text
+
+
+def _shows_url_secret(exc: BaseException) -> bool:
+    text = str(exc)
+    return redact_urls(text) != text
+
+
+def scrub_chain(exc: BaseException) -> None:
+    """Mask URL secrets along the chain Python shows of ``exc`` (each ``__cause__``, or ``__context__`` unless
+    suppressed): every exception's string arguments and an ``OSError``'s file names are masked in place, and
+    one whose text still shows a secret (a client error that formats its URL from other fields, like
+    aiohttp's ``ClientResponseError``) is cut off the chain; the error above it already says what it was."""
+    seen: set[int] = set()
+    above: BaseException | None = None
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        try:
+            current.args = tuple(redact_urls(a) if isinstance(a, str) else a for a in current.args)
+            for name in ("filename", "filename2"):
+                if isinstance(getattr(current, name, None), str):
+                    setattr(current, name, redact_urls(getattr(current, name)))
+        except (AttributeError, TypeError):  # an exception type with read-only fields: judged by its text below
+            pass
+        if above is not None and _shows_url_secret(current):
+            above.__cause__, above.__suppress_context__ = None, True
+            return
+        above = current
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+
+
+def _mask_param(match: re.Match[str]) -> str:
+    name = match.group(2)
+    if not match.group(3) or not (name.lower() in _SECRET_PARAMS or is_secret_key(name)):
+        return match.group(0)
+    return f"{match.group(1)}{name}={MASK}"
 
 
 def is_secret_key(name: str) -> bool:
@@ -99,10 +180,10 @@ def redact(text: str, secrets: Iterable[str]) -> str:
 
 
 def mask_credentials(text: str) -> str:
-    """``text`` with session tokens, access key ids and authorization headers masked, by pattern."""
+    """``text`` with session tokens, access key ids, authorization headers and URL secrets masked, by pattern."""
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
-    return text
+    return redact_urls(text)
 
 
 class CredentialLogFilter(logging.Filter):

@@ -16,6 +16,9 @@ error message escaped when formed and again when printed reads the same) and Win
 for an exact, unambiguous spelling of a key use ``repr`` (``{key!r}``), which messages do where they quote
 keys.
 
+The stream also masks the secrets a URL may carry (:func:`~dcp_storage.redaction.redact_urls`: a presigned
+signature, a SAS ``sig=``, a password), in every line the CLI prints, ``--json`` included.
+
 JSON output (``--json``) is not escaped by this module: it carries exact values (a script must be able to
 match the stored key), written with ``ensure_ascii`` so that every control and non-ASCII character is a
 ``\\uXXXX`` escape of the JSON text and no raw control character reaches the terminal.
@@ -28,6 +31,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TextIO
+
+from .redaction import redact_urls
 
 __all__ = ["EscapingStream", "escaped_stdio", "printable", "printable_lines", "unescaped"]
 
@@ -73,7 +78,7 @@ class EscapingStream(io.TextIOBase):
         self.raw = raw
 
     def write(self, text: str) -> int:
-        self.raw.write(printable_lines(text))
+        self.raw.write(printable_lines(redact_urls(text)))  # and no secret of a (presigned) URL is shown
         return len(text)
 
     def flush(self) -> None:

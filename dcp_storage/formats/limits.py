@@ -31,12 +31,12 @@ the header is fetched. :data:`BROADCAST_BYTES` bounds what a saved *view* may ex
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptCheckpointError, FileTooLargeError
+from ..settings import count_setting  # the one parser (also the transports' listing bounds)
 
 __all__ = [
     "BROADCAST_BYTES",
@@ -77,21 +77,6 @@ class ByteLimit:
     def bytes(self) -> int:
         """The limit in force (read at each use, so a process can raise it before loading)."""
         return count_setting(self.env, self.default, "bytes")
-
-
-def count_setting(env: str, default: int, unit: str) -> int:
-    """The whole, non-negative number in environment variable ``env`` (``default`` when unset or blank);
-    ``ValueError`` naming the variable and ``unit`` for anything else."""
-    raw = os.environ.get(env)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{env}={raw!r} is not a whole number of {unit}") from None
-    if value < 0:
-        raise ValueError(f"{env}={raw!r} must not be negative")
-    return value
 
 
 METADATA = ByteLimit("a DCP .metadata file", 1024 * MiB, "DCP_STORAGE_MAX_METADATA_BYTES")

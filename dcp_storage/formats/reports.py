@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..errors import DcpStorageError
+from ..redaction import redact_urls
 
 __all__ = [
     "CheckpointInfo",
@@ -145,6 +146,12 @@ class CheckpointInfo:
     # What wrote it (from dcp-storage's manifest or header metadata): format, writer, extensions, checksums.
     provenance: dict[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:  # ``url`` stays exact (it opens the checkpoint); what is shown is masked
+        return redact_urls(
+            f"CheckpointInfo(url={self.url!r}, format={self.format!r}, layout={self.layout!r}, "
+            f"{len(self.files)} files, {len(self.tensors)} tensors, {len(self.values)} values)"
+        )
+
     @property
     def totals(self) -> dict[str, int]:
         rows = self.tensors
@@ -165,7 +172,7 @@ class CheckpointInfo:
         else:
             out = asdict(self)
         out["totals"] = self.totals
-        return out
+        return _redacted(out) if redact_urls(self.url) != self.url else out  # a presigned URL: masked
 
 
 @dataclass
@@ -179,12 +186,31 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)
 
+    def __repr__(self) -> str:  # ``url`` stays exact (``verify`` opens it); what is shown is masked
+        return redact_urls(
+            f"VerifyReport(url={self.url!r}, format={self.format!r}, deep={self.deep}, "
+            f"problems={self.problems!r}, notes={self.notes!r}, checked={self.checked!r})"
+        )
+
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
+        return _redacted({**asdict(self), "ok": self.ok})
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` (a report's ``as_dict``) with URL secrets masked in every string: file names made from a
+    presigned URL carry its query (``describe`` walks only when its URL has secrets: a million rows cost
+    nothing otherwise)."""
+    if isinstance(value, str):
+        return redact_urls(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redacted(v) for v in value)
+    return value
 
 
 Locate = Callable[[str, "list[int] | None"], tuple[Any, ...]]

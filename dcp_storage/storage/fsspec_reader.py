@@ -51,6 +51,7 @@ from ..strategies.read_strategy import (
     choose_read_strategy,
 )
 from ..transports import Transport, TransportConfig
+from ..transports.versions import begin_load
 from .location import BoundLocation
 from .metadata_fallback import MetadataFailure
 
@@ -121,6 +122,7 @@ class FsspecReader(BoundLocation, StorageReader):
         self._stored = None
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
+        begin_load(self.transport)  # each object pinned anew to the version this load sees first
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

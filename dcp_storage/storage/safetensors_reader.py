@@ -48,6 +48,7 @@ from ..strategies.dcp_call import running_planner
 from ..strategies.metadata_sharing import reader_location, share_object
 from ..strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from ..transports import Transport, TransportConfig
+from ..transports.versions import begin_load
 from .location import BoundLocation
 from .metadata_fallback import MetadataFailure
 
@@ -127,6 +128,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         self._sums = {}
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
+        begin_load(self.transport)  # each object pinned anew to the version this load sees first
         self.load_id = uuid.uuid4().hex
 
     # ---------------------------------------------------------------------------------------- metadata

@@ -55,6 +55,7 @@ from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSend
 from ..tensor_buffers import host_buffer
 from ..transports import Transport, TransportConfig
 from ..transports.factory import bind_transport
+from ..transports.versions import begin_load
 
 __all__ = ["BroadcastingTorchSaveReader"]
 
@@ -134,6 +135,9 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         self._metadata = None
         self._plans = None
         self.delivery = DeliveryStats()
+        begin_load(
+            self._transport or self._given_transport
+        )  # each object pinned anew to the version this load sees first
 
     @property
     def stats(self) -> dict[str, Any]:

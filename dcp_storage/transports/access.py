@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable, Iterator
 
 from ..errors import DcpStorageError, StorageAccessError
-from ..redaction import mask_credentials
+from ..redaction import mask_credentials, redact_urls, scrub_chain
 
 __all__ = ["access_error", "access_errors", "credentials_fix"]
 
@@ -243,6 +243,9 @@ def access_errors(describe: Callable[[], str]) -> Iterator[None]:
         yield
     except Exception as exc:
         mapped = access_error(exc, describe())
+        scrub_chain(exc)  # a presigned URL's secrets in a client's error: masked, or that error cut off
         if mapped is None:
             raise
+        if redact_urls(str(exc)) != str(exc):
+            raise mapped from None
         raise mapped from exc

@@ -17,11 +17,13 @@ from __future__ import annotations
 import errno
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import FileTooLargeError
 from .deadline import bounded_sync
 from .range_check import check_range_answer, describe_answer, is_encoded, range_mismatch
+from .versions import VersionConditionFailed
 
 __all__ = ["azure_read", "azure_read_range", "check_each_answer", "is_azure"]
 
@@ -70,11 +72,24 @@ def check_each_answer(pipeline_response: Any, whole: bool = False) -> None:
         check_range_answer(*asked, response.status_code, response.headers.get("Content-Range"), size, encoding)
 
 
-async def _download(fs: Any, path: str, start: int | None, end: int | None) -> tuple[bytes, int]:
-    """The bytes, and the blob's whole size when they were served (from the answer's ``Content-Range``)."""
-    from azure.core.exceptions import ResourceNotFoundError  # adlfs depends on it; fs is adlfs's here
+async def _download(
+    fs: Any,
+    path: str,
+    start: int | None,
+    end: int | None,
+    etag: str | None = None,
+    saw: Callable[[str | None], None] | None = None,
+) -> tuple[bytes, int]:
+    """The bytes, and the blob's whole size when they were served (from the answer's ``Content-Range``).
+
+    With ``etag``, on condition ``If-Match`` (a ``412`` raises :class:`~.versions.VersionConditionFailed`);
+    ``saw`` gets the blob's ETag before its body is read.
+    """
+    from azure.core import MatchConditions
+    from azure.core.exceptions import ResourceModifiedError, ResourceNotFoundError  # adlfs depends on it
 
     whole = start is None or end is None
+    condition: dict[str, Any] = {"etag": etag, "match_condition": MatchConditions.IfNotModified} if etag else {}
     container, blob, version_id = fs.split_path(fs._strip_protocol(path))
     async with fs.service_client.get_blob_client(container=container, blob=blob) as client:
         try:
@@ -84,10 +99,15 @@ async def _download(fs: Any, path: str, start: int | None, end: int | None) -> t
                 version_id=version_id,
                 max_concurrency=getattr(fs, "max_concurrency", None) or 1,
                 raw_response_hook=functools.partial(check_each_answer, whole=whole),
+                **condition,
                 **getattr(fs, "_timeout_kwargs", {}),
             )
+        except ResourceModifiedError as exc:
+            raise VersionConditionFailed(f"{path}: ETag {etag} no longer matches") from exc
         except ResourceNotFoundError as exc:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from exc
+        if saw is not None:
+            saw(stream.properties.etag)
         return bytes(await stream.readall()), int(stream.properties.size)
 
 
@@ -116,9 +136,16 @@ def azure_read(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     return data
 
 
-def azure_read_range(fs: Any, path: str, start: int, end: int) -> bytes:
+def azure_read_range(
+    fs: Any,
+    path: str,
+    start: int,
+    end: int,
+    etag: str | None = None,
+    saw: Callable[[str | None], None] | None = None,
+) -> bytes:
     """Bytes ``[start, end)`` of the blob at ``path``; an answer with other bytes raises ``RangeMismatchError``.
 
-    The caller checks the body's length.
+    The caller checks the body's length. ``etag`` and ``saw``: the version pin (see :func:`_download`).
     """
-    return bounded_sync(fs.loop, _download, fs, path, start, end)[0]
+    return bounded_sync(fs.loop, _download, fs, path, start, end, etag, saw)[0]

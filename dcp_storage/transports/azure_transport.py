@@ -10,6 +10,8 @@ on error: uncommitted blocks are invisible, and the service drops them). The URL
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .azure_io import azure_read, azure_read_range, is_azure
 from .backends import builtin_backend
 from .fsspec_transport import FsspecTransport
@@ -28,3 +30,9 @@ class AzureTransport(FsspecTransport):
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         return azure_read_range(self.fs, path, start, end)
+
+    def _read_range_version(
+        self, path: str, start: int, end: int, expected: str | None, saw: Callable[[str | None], None]
+    ) -> bytes:
+        """On condition ``If-Match`` of the pinned ETag, and the blob's ETag compared (see :mod:`.versions`)."""
+        return azure_read_range(self.fs, path, start, end, expected, saw)

@@ -25,23 +25,26 @@ import os
 import posixpath
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, FileTooLargeError
+from ..errors import CheckpointNotFoundError, DcpStorageError, FileTooLargeError
 from .access import access_errors
 from .backends import backend_for, class_to_build, restore
 from .config import TransportConfig, resolve_config
 from .counters import TransportCounters
 from .deadline import bounded_call
 from .exclusive import fsspec_put_if_absent, holds
+from .http_redirects import http_redirect_options
 from .local_open import Confinement
-from .range_check import RangeMismatchError
+from .range_check import RangeMismatchError, raise_if_short
 from .range_run import RangeRun
 from .ranges import FetchGroup, RangeRequest, plan_fetches
 from .retry import TruncatedReadError, call_with_retry, single_layer_client_options
+from .versions import PinnedReads, VersionPins
 from .worker_pool import WorkerPool
 from .writers import CountingWriter, abandon
 
@@ -53,7 +56,7 @@ def transport_class_for(fs: fsspec.AbstractFileSystem) -> type[FsspecTransport]:
     return backend_for(fs) or FsspecTransport
 
 
-class FsspecTransport:
+class FsspecTransport(PinnedReads):
     """Bytes-only access to one fsspec filesystem (the :class:`~.protocol.Transport` protocol).
 
     Build it with :meth:`from_url` (through :func:`~.factory.open_transport`). Paths passed to its methods
@@ -84,6 +87,7 @@ class FsspecTransport:
         self._scheme = scheme if scheme in aliases else None
         self.config = resolve_config(config or TransportConfig(), self.is_local)
         self.counters = TransportCounters()
+        self.versions = VersionPins()  # the version of each object this load saw first (see .versions)
         self._workers = WorkerPool(self.config.max_workers, "dcp-storage-io")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -115,7 +119,7 @@ class FsspecTransport:
         unless ``storage_options`` configure its retries (see :mod:`dcp_storage.transports.retry`).
         """
         url = os.fspath(url)
-        options = single_layer_client_options(url, storage_options or {})
+        options = http_redirect_options(url, single_layer_client_options(url, storage_options or {}))
         fs, path = fsspec.core.url_to_fs(url, **options)
         scheme = url.split("://", 1)[0].lower() if "://" in url else None
         return cls(fs, config, scheme=scheme, confinement=Confinement(path)), path
@@ -162,6 +166,7 @@ class FsspecTransport:
         """A transport of the same class on the same filesystem, confinement and counters, with ``config``."""
         other = type(self)(self.fs, config, scheme=self._scheme, confinement=self.confinement)
         other.counters = self.counters
+        other.versions = self.versions  # the same load: the same pins
         return other
 
     def _retry(self, fn: Callable[[], Any], describe: Callable[[], str]) -> Any:
@@ -225,7 +230,7 @@ class FsspecTransport:
     def size(self, path: str) -> int:
         """Size of the file at ``path``; :class:`CheckpointNotFoundError` if it does not exist."""
         try:
-            return int(self._retry(lambda: self._size(path), lambda: f"size of {self.url(path)}"))
+            return int(self._retry(lambda: self._pinned_size(path), lambda: f"size of {self.url(path)}"))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
 
@@ -236,11 +241,13 @@ class FsspecTransport:
 
     def remove(self, path: str) -> None:
         """Delete one file if it exists."""
+        self.versions.forget(path)
         with contextlib.suppress(FileNotFoundError):
             self._retry(lambda: self._delete(path), lambda: f"delete {self.url(path)}")
 
     def remove_tree(self, path: str) -> None:
         """Delete every file under ``path``; nothing if there is none."""
+        self.versions.forget(path)
         with contextlib.suppress(FileNotFoundError):
             self._retry(lambda: bounded_call(self.fs, "rm", path, recursive=True), lambda: f"delete {self.url(path)}")
 
@@ -255,7 +262,8 @@ class FsspecTransport:
         other fsspec filesystems; GCS streams the body and stops there)."""
 
         def fetch() -> bytes:
-            data = self._read_whole(path, max_bytes)
+            data, version = self._read_whole_version(path, max_bytes)
+            self.versions.repin(path, version)  # one consistent answer: later ranges must match it
             self.counters.add(requests=1, bytes_read=len(data))
             if max_bytes is not None and len(data) > max_bytes:
                 raise FileTooLargeError(self.url(path), None, max_bytes)
@@ -311,7 +319,7 @@ class FsspecTransport:
         """One attempt at a fetch group: the whole range buffered, then scattered into ``pieces``."""
 
         def fetch() -> None:
-            data = self._read_range(group.path, group.start, group.end)
+            data = self._pinned(group.path, partial(self._read_range_version, group.path, group.start, group.end))
             self.counters.add(requests=1, bytes_read=len(data))
             if len(data) != group.length:
                 raise self._short_read(group, len(data))
@@ -323,20 +331,13 @@ class FsspecTransport:
 
     def _raise_if_ends_before(self, path: str, end: int, cause: BaseException | None = None) -> None:
         """Raise :class:`CorruptCheckpointError` if the object at ``path`` is shorter than ``end`` bytes."""
-        try:
-            self.fs.invalidate_cache(path)
-            size = bounded_call(self.fs, "size", path)
-        except Exception:  # noqa: BLE001 - size unknown: the caller's own error stands
-            return
-        if size is not None and size < end:
-            raise CorruptCheckpointError(
-                f"{self.url(path)}: object ends at byte {size} but bytes up to {end} were expected (truncated file?)"
-            ) from cause
+        raise_if_short(self.fs, path, self.url(path), end, cause)
 
     # ------------------------------------------------------------------------------------ writing
     def write_file(self, path: str, data: bytes | bytearray | memoryview) -> None:
         """Atomically write a whole small file (metadata, markers): one PUT."""
         nbytes = memoryview(data).nbytes
+        self.versions.forget(path)
 
         def put() -> None:
             self._put(path, bytes(data), nbytes)
@@ -368,6 +369,7 @@ class FsspecTransport:
         staged blocks are never committed, and the service drops them). Backends with their own uploads
         (local disk, S3, GCS) say how they commit in ``_open_atomic``.
         """
+        self.versions.forget(path)
         yield from self._open_atomic(path)
 
     def _open_atomic(self, path: str) -> Iterator[CountingWriter]:

@@ -27,11 +27,14 @@ import os
 import posixpath
 import tempfile
 import uuid
+from collections.abc import Callable
 from typing import IO, Any
 
 from .deadline import bounded_sync
 from .http_io import read_prefix
+from .listing import ListingBound
 from .range_check import IDENTITY, read_range_body
+from .versions import VersionConditionFailed
 
 __all__ = [
     "GcsAtomicUpload",
@@ -43,6 +46,7 @@ __all__ = [
     "gcs_read",
     "gcs_read_range",
     "gcs_size",
+    "gcs_size_version",
     "is_gcs",
 ]
 
@@ -98,26 +102,41 @@ async def _get_prefix(fs: Any, path: str, limit: int) -> bytearray:
         return await read_prefix(r.content, limit)
 
 
-async def _get_range(fs: Any, path: str, start: int, end: int) -> bytes:
+async def _get_range(
+    fs: Any, path: str, start: int, end: int, generation: str | None, saw: Callable[[str | None], None] | None
+) -> bytes:
     from gcsfs.retry import validate_response  # gcsfs is optional; fs is a gcsfs filesystem here
 
     await fs._set_session()
     headers = fs._get_headers({"Range": f"bytes={start}-{end - 1}", **IDENTITY})
-    params = fs._get_params({})  # userProject, for requester-pays buckets
+    params = fs._get_params({"generation": generation} if generation else {})  # + userProject (requester pays)
     async with fs.session.get(fs.url(path), params=params, headers=headers, timeout=fs.requests_timeout) as r:
+        if generation and r.status in (404, 412):  # the pinned generation is gone: the object was replaced
+            raise VersionConditionFailed(f"{path}: generation {generation} is no longer there")
         if r.status >= 400:
             validate_response(r.status, await r.content.read(_ERROR_BODY_MAX), path)
+        if saw is not None:
+            saw(r.headers.get("x-goog-generation"))
         return await read_range_body(r, start, end)
 
 
-def gcs_read_range(fs: Any, path: str, start: int, end: int) -> bytes:
+def gcs_read_range(
+    fs: Any,
+    path: str,
+    start: int,
+    end: int,
+    generation: str | None = None,
+    saw: Callable[[str | None], None] | None = None,
+) -> bytes:
     """Bytes ``[start, end)`` of the object: exactly those, or :class:`~.range_check.RangeMismatchError`.
 
     One GET on gcsfs's session, with its headers (credentials), parameters, timeout and error mapping, like
     :func:`gcs_call`; it is not :func:`gcs_call` because gcsfs reads the whole body before returning, and the
     status and ``Content-Range`` must be checked before that (a ``200`` may carry a whole large object).
+    With ``generation`` it reads that generation (``generation=``; gone: :class:`~.versions.VersionConditionFailed`);
+    ``saw`` gets the answer's ``x-goog-generation`` before the body is read.
     """
-    return bytes(bounded_sync(fs.loop, _get_range, fs, path, start, end))
+    return bytes(bounded_sync(fs.loop, _get_range, fs, path, start, end, generation, saw))
 
 
 def _metadata(fs: Any, path: str) -> dict[str, Any]:
@@ -128,7 +147,14 @@ def _metadata(fs: Any, path: str) -> dict[str, Any]:
 
 def gcs_size(fs: Any, path: str) -> int:
     """Size of the object at ``path``; ``FileNotFoundError`` if there is none."""
-    return int(_metadata(fs, path)["size"])
+    return gcs_size_version(fs, path)[0]
+
+
+def gcs_size_version(fs: Any, path: str) -> tuple[int, str | None]:
+    """Size and generation of the object at ``path`` (one metadata request)."""
+    meta = _metadata(fs, path)
+    generation = meta.get("generation")
+    return int(meta["size"]), str(generation) if generation is not None else None
 
 
 def gcs_exists(fs: Any, path: str) -> bool:
@@ -156,6 +182,7 @@ def gcs_list_names(fs: Any, path: str) -> list[str]:
     prefix = key.rstrip("/") + "/" if key else ""
     names: set[str] = set()
     token: str | None = None
+    bound = ListingBound(fs.unstrip_protocol(path))  # a listing that never ends is cut off (:mod:`.listing`)
     while True:
         params: dict[str, Any] = {"prefix": prefix, "delimiter": "/"}
         if token:
@@ -170,6 +197,7 @@ def gcs_list_names(fs: Any, path: str) -> list[str]:
         for sub in page.get("prefixes", ()):
             names.add(posixpath.basename(sub.rstrip("/")))
         token = page.get("nextPageToken")
+        bound.page(len(page.get("items", ())) + len(page.get("prefixes", ())), token or None)
         if not token:
             break
     names.discard("")  # a zero-byte "directory marker" object named like the prefix

@@ -7,7 +7,7 @@ error; create-if-absent is an upload with ``ifGenerationMatch=0``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .backends import builtin_backend
 from .fsspec_transport import FsspecTransport
@@ -21,6 +21,7 @@ from .gcs_io import (
     gcs_read,
     gcs_read_range,
     gcs_size,
+    gcs_size_version,
     is_gcs,
 )
 from .writers import CountingWriter
@@ -49,8 +50,17 @@ class GcsTransport(FsspecTransport):
     def _read_whole(self, path: str, max_bytes: int | None) -> bytes:
         return gcs_read(self.fs, path, max_bytes)
 
+    def _size_version(self, path: str) -> tuple[int, str | None]:
+        return gcs_size_version(self.fs, path)
+
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         return gcs_read_range(self.fs, path, start, end)
+
+    def _read_range_version(
+        self, path: str, start: int, end: int, expected: str | None, saw: Callable[[str | None], None]
+    ) -> bytes:
+        """Reads the pinned generation (``generation=``), and reports the answer's (see :mod:`.versions`)."""
+        return gcs_read_range(self.fs, path, start, end, expected, saw)
 
     def _put(self, path: str, data: bytes, nbytes: int) -> None:
         gcs_put(self.fs, path, data, nbytes)

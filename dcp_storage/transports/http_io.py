@@ -14,10 +14,12 @@ gives no size, or ignores ``Range`` and sends ``200`` with a huge body, would ot
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .deadline import bounded_sync
 from .range_check import IDENTITY, read_range_body
+from .versions import VersionConditionFailed
 
 __all__ = ["http_read", "http_read_range", "is_http", "read_prefix"]
 
@@ -30,20 +32,45 @@ def is_http(fs: Any) -> bool:
     return type(fs).__name__ == "HTTPFileSystem" and all(hasattr(fs, name) for name in _HOOKS)
 
 
-async def _get_range(fs: Any, url: str, start: int, end: int) -> bytes:
+def answer_version(headers: Any) -> str | None:
+    """The version an HTTP answer names: its ``ETag`` (strong or weak, as sent); ``None`` without one."""
+    etag = headers.get("ETag")
+    return str(etag) if etag else None
+
+
+async def _get_range(
+    fs: Any, url: str, start: int, end: int, etag: str | None, saw: Callable[[str | None], None] | None
+) -> bytes:
     options = dict(fs.kwargs)
     headers = dict(options.pop("headers", None) or {})
     headers["Range"] = f"bytes={start}-{end - 1}"
     headers.update(IDENTITY)
+    if etag and not etag.startswith("W/"):  # If-Match compares strongly: a weak ETag never matches
+        headers["If-Match"] = etag
     session = await fs.set_session()
     async with session.get(fs.encode_url(url), headers=headers, **options) as response:
+        if etag and response.status == 412:
+            raise VersionConditionFailed(f"{url}: ETag {etag} no longer matches")
         fs._raise_not_found_for_status(response, url)
+        if saw is not None:
+            saw(answer_version(response.headers))  # compared as well: a server may ignore If-Match
         return await read_range_body(response, start, end)
 
 
-def http_read_range(fs: Any, url: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of ``url``: exactly those, or :class:`~.range_check.RangeMismatchError`."""
-    return bytes(bounded_sync(fs.loop, _get_range, fs, url, start, end))
+def http_read_range(
+    fs: Any,
+    url: str,
+    start: int,
+    end: int,
+    etag: str | None = None,
+    saw: Callable[[str | None], None] | None = None,
+) -> bytes:
+    """Bytes ``[start, end)`` of ``url``: exactly those, or :class:`~.range_check.RangeMismatchError`.
+
+    With ``etag``, on condition ``If-Match`` (a ``412`` raises :class:`~.versions.VersionConditionFailed`);
+    ``saw`` gets the answer's ETag before its body is read.
+    """
+    return bytes(bounded_sync(fs.loop, _get_range, fs, url, start, end, etag, saw))
 
 
 async def read_prefix(stream: Any, limit: int) -> bytearray:

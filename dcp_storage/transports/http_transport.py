@@ -4,13 +4,19 @@ fsspec's ranged read returns only the body; the one here checks the answer's sta
 ``Content-Range`` against the range asked for (:mod:`.http_io`, :mod:`.range_check`), so a server that
 ignores ``Range`` and sends the whole file is caught, not sliced wrongly. A whole-file read with a limit
 is streamed and stops after ``limit + 1`` bytes, so a server that gives no size is never held whole.
+Ranged reads are pinned to the ETag the load saw first (``If-Match``, :mod:`.versions`), and a redirect to
+another origin is refused before any credential goes there (:mod:`.http_redirects`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ..errors import CrossOriginRedirectError
 from .backends import builtin_backend
+from .deadline import bounded_call
 from .fsspec_transport import FsspecTransport
-from .http_io import http_read, http_read_range, is_http
+from .http_io import answer_version, http_read, http_read_range, is_http
 
 __all__ = ["HttpTransport"]
 
@@ -27,3 +33,19 @@ class HttpTransport(FsspecTransport):
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         return http_read_range(self.fs, path, start, end)
+
+    def _read_range_version(
+        self, path: str, start: int, end: int, expected: str | None, saw: Callable[[str | None], None]
+    ) -> bytes:
+        """On condition ``If-Match`` of the pinned ETag, and the answer's ETag compared (see :mod:`.versions`)."""
+        return http_read_range(self.fs, path, start, end, expected, saw)
+
+    def _size_version(self, path: str) -> tuple[int, str | None]:
+        """fsspec's ``info`` (one ``HEAD``, or a ``GET`` it stops early) keeps the answer's ETag."""
+        try:
+            info = bounded_call(self.fs, "info", path)
+        except FileNotFoundError as exc:  # fsspec's info turns every failure into "not found": say ours
+            if isinstance(exc.__cause__, CrossOriginRedirectError):
+                raise exc.__cause__ from None
+            raise
+        return int(info.get("size")), answer_version(info)  # no size: TypeError, as fsspec's size() gives

@@ -51,6 +51,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..errors import CorruptCheckpointError
+from .deadline import bounded_call
+
 __all__ = [
     "IDENTITY",
     "RangeMismatchError",
@@ -58,6 +61,7 @@ __all__ = [
     "describe_answer",
     "is_encoded",
     "range_mismatch",
+    "raise_if_short",
     "read_range_body",
 ]
 
@@ -147,3 +151,17 @@ async def read_range_body(response: Any, start: int, end: int) -> bytes:
     if await response.content.read(1):  # nothing may follow
         raise range_mismatch(start, end, f"a longer body ({describe_answer(status, content_range, None)})")
     return body
+
+
+def raise_if_short(fs: Any, path: str, url: str, end: int, cause: BaseException | None = None) -> None:
+    """Raise :class:`~dcp_storage.errors.CorruptCheckpointError` if the object at ``path`` of ``fs`` is shorter
+    than ``end`` bytes (a truncated file, not a transient mismatch); nothing if its size cannot be learnt."""
+    try:
+        fs.invalidate_cache(path)
+        size = bounded_call(fs, "size", path)
+    except Exception:  # noqa: BLE001 - size unknown: the caller's own error stands
+        return
+    if size is not None and size < end:
+        raise CorruptCheckpointError(
+            f"{url}: object ends at byte {size} but bytes up to {end} were expected (truncated file?)"
+        ) from cause

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DcpStorageError
+from .listing import ListingBound
+from .s3_stream import s3_call
 
 __all__ = ["PendingUpload", "abort_pending", "list_pending"]
 
@@ -40,15 +42,18 @@ def list_pending(fs: Any, path: str) -> list[PendingUpload]:
     """Every in-progress multipart upload for ``path`` or for objects under it (``path/...``), sorted.
 
     Raises :class:`DcpStorageError` naming the bucket if the store refuses the listing (e.g. no
-    ``s3:ListBucketMultipartUploads``).
+    ``s3:ListBucketMultipartUploads``), :class:`~dcp_storage.errors.ListingTooLongError` if the listing passes
+    its bound (:mod:`.listing`). Each page is one request on s3fs's client (no retries of s3fs's own), under
+    the caller's deadline.
     """
     bucket, key, _version = fs.split_path(path)
     key = key.rstrip("/")
     found: list[PendingUpload] = []
     markers: dict[str, str] = {}
+    bound = ListingBound(f"s3://{bucket}/{key}", "in-progress multipart uploads")
     while True:
         try:
-            page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key, **markers)
+            page = s3_call(fs, "list_multipart_uploads", Bucket=bucket, Prefix=key, **markers)
         except Exception as exc:
             raise DcpStorageError(
                 f"s3://{bucket}/{key}: cannot list in-progress multipart uploads ({type(exc).__name__}: {exc})"
@@ -63,9 +68,14 @@ def list_pending(fs: Any, path: str) -> list[PendingUpload]:
             found.append(
                 PendingUpload(f"s3://{bucket}/{name}", name, upload["UploadId"], initiated if initiated else None)
             )
-        if not page.get("IsTruncated"):
-            break
+        truncated = bool(page.get("IsTruncated"))
         markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+        bound.page(
+            len(page.get("Uploads", []) or []),
+            f"{markers['KeyMarker']}\0{markers['UploadIdMarker']}" if truncated else None,
+        )
+        if not truncated:
+            break
     return sorted(found, key=lambda u: (u.key, u.initiated or _dt.datetime.min.replace(tzinfo=_dt.timezone.utc)))
 
 

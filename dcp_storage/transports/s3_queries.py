@@ -12,9 +12,10 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
+from .listing import ListingBound
 from .s3_stream import s3_call
 
-__all__ = ["s3_delete", "s3_exists", "s3_list_names", "s3_size"]
+__all__ = ["s3_delete", "s3_exists", "s3_list_names", "s3_size", "s3_size_version"]
 
 
 def _split(fs: Any, path: str) -> tuple[str, str]:
@@ -24,8 +25,14 @@ def _split(fs: Any, path: str) -> tuple[str, str]:
 
 def s3_size(fs: Any, path: str) -> int:
     """Size of the object at ``path`` (``HeadObject``); ``FileNotFoundError`` if there is none."""
+    return s3_size_version(fs, path)[0]
+
+
+def s3_size_version(fs: Any, path: str) -> tuple[int, str | None]:
+    """Size and ETag of the object at ``path`` (one ``HeadObject``)."""
     bucket, key = _split(fs, path)
-    return int(s3_call(fs, "head_object", Bucket=bucket, Key=key)["ContentLength"])
+    head = s3_call(fs, "head_object", Bucket=bucket, Key=key)
+    return int(head["ContentLength"]), head.get("ETag")
 
 
 def s3_exists(fs: Any, path: str) -> bool:
@@ -56,6 +63,7 @@ def s3_list_names(fs: Any, path: str) -> list[str]:
     prefix = key.rstrip("/") + "/" if key else ""
     names: set[str] = set()
     token: str | None = None
+    bound = ListingBound(fs.unstrip_protocol(path))  # a listing that never ends is cut off (:mod:`.listing`)
     while True:
         kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
         if token:
@@ -69,7 +77,9 @@ def s3_list_names(fs: Any, path: str) -> list[str]:
         for entry in page.get("CommonPrefixes", ()):
             names.add(posixpath.basename(entry["Prefix"].rstrip("/")))
         token = page.get("NextContinuationToken")
-        if not page.get("IsTruncated") or not token:
+        done = not page.get("IsTruncated") or not token
+        bound.page(len(page.get("Contents", ())) + len(page.get("CommonPrefixes", ())), None if done else token)
+        if done:
             break
     names.discard("")  # a zero-byte "directory marker" object named like the prefix
     return sorted(names)

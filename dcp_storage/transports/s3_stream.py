@@ -25,8 +25,9 @@ from fsspec.asyn import sync
 from ..errors import FileTooLargeError
 from .deadline import bounded_sync
 from .range_check import RangeMismatchError, check_range_answer, describe_answer, range_mismatch
+from .versions import VersionConditionFailed
 
-__all__ = ["ScatterSink", "can_stream", "read_object", "s3_call", "stream_range"]
+__all__ = ["ScatterSink", "can_stream", "read_object", "read_object_version", "s3_call", "stream_range"]
 
 _CLIENT_HOOKS = ("loop", "set_session", "get_s3", "split_path", "_get_s3_method_kwargs")
 
@@ -47,6 +48,10 @@ async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
     try:
         return await bound(**fs._get_s3_method_kwargs(bound, **kwargs))
     except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") == "PreconditionFailed" and "IfMatch" in kwargs:
+            raise VersionConditionFailed(
+                f"{method} {kwargs.get('Key')}: the object is not the version read first"
+            ) from exc
         translated = translate_boto_error(exc)
         if translated is exc:
             raise
@@ -98,11 +103,21 @@ class ScatterSink:
             i += 1
 
 
-async def _get_range(fs: Any, path: str, start: int, end: int, emit: Callable[[int, memoryview], None]) -> int:
+async def _get_range(
+    fs: Any,
+    path: str,
+    start: int,
+    end: int,
+    emit: Callable[[int, memoryview], None],
+    if_match: str | None,
+    saw: Callable[[str | None], None] | None,
+) -> int:
     bucket, key, version = fs.split_path(path)
     kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
     if version:
         kwargs["VersionId"] = version
+    if if_match:
+        kwargs["IfMatch"] = if_match  # the version this load saw first (:mod:`.versions`)
     response = await _call(fs, "get_object", **kwargs)
     body = response["Body"]
     got = 0
@@ -111,6 +126,8 @@ async def _get_range(fs: Any, path: str, start: int, end: int, emit: Callable[[i
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         content_range, length = response.get("ContentRange"), response.get("ContentLength")
         check_range_answer(start, end, status, content_range, length, response.get("ContentEncoding"))
+        if saw is not None:
+            saw(response.get("ETag"))  # before any byte is emitted
 
         def longer() -> RangeMismatchError:  # no Content-Length (chunked), and more than the range came
             return range_mismatch(start, end, f"a longer body ({describe_answer(status, content_range, None)})")
@@ -138,17 +155,27 @@ async def _get_range(fs: Any, path: str, start: int, end: int, emit: Callable[[i
     return got
 
 
-def stream_range(fs: Any, path: str, start: int, end: int, emit: Callable[[int, memoryview], None]) -> int:
+def stream_range(
+    fs: Any,
+    path: str,
+    start: int,
+    end: int,
+    emit: Callable[[int, memoryview], None],
+    if_match: str | None = None,
+    saw: Callable[[str | None], None] | None = None,
+) -> int:
     """GET bytes ``[start, end)`` of ``path``, calling ``emit(offset, chunk)`` per chunk; returns bytes got.
 
     Fewer than ``end - start`` bytes means the body was cut short; the caller decides whether to resume. An
     answer with other bytes than asked raises :class:`~.range_check.RangeMismatchError` before any ``emit``.
+    With ``if_match`` the GET is conditional on that ETag (a ``412`` raises
+    :class:`~.versions.VersionConditionFailed`); ``saw(etag)`` gets the answer's ETag before any ``emit``.
     """
     _client_ready(fs)
-    return int(bounded_sync(fs.loop, _get_range, fs, path, start, end, emit))
+    return int(bounded_sync(fs.loop, _get_range, fs, path, start, end, emit, if_match, saw))
 
 
-async def _get_object(fs: Any, path: str, max_bytes: int | None) -> bytes:
+async def _get_object(fs: Any, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
     bucket, key, version = fs.split_path(path)
     kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
     if version:
@@ -160,8 +187,8 @@ async def _get_object(fs: Any, path: str, max_bytes: int | None) -> bytes:
         if max_bytes is not None and isinstance(size, int) and size > max_bytes:
             raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)  # the body is never read
         if max_bytes is not None and not isinstance(size, int):
-            return bytes(await body.read(max_bytes + 1))
-        return bytes(await body.read())  # a body cut short raises (the length is checked by the client)
+            return bytes(await body.read(max_bytes + 1)), response.get("ETag")
+        return bytes(await body.read()), response.get("ETag")  # a body cut short raises (the client checks)
     finally:
         body.close()
 
@@ -169,5 +196,11 @@ async def _get_object(fs: Any, path: str, max_bytes: int | None) -> bytes:
 def read_object(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     """GET a whole (small) object: ``.metadata``, an index file; at most ``max_bytes + 1`` bytes of it, and
     none when the response says it is larger (:class:`~dcp_storage.errors.FileTooLargeError`)."""
+    return read_object_version(fs, path, max_bytes)[0]
+
+
+def read_object_version(fs: Any, path: str, max_bytes: int | None = None) -> tuple[bytes, str | None]:
+    """:func:`read_object` and the answer's ETag."""
     _client_ready(fs)
-    return bytes(bounded_sync(fs.loop, _get_object, fs, path, max_bytes))
+    data, etag = bounded_sync(fs.loop, _get_object, fs, path, max_bytes)
+    return bytes(data), etag

@@ -19,8 +19,8 @@ from .exclusive import s3_put_if_absent
 from .fsspec_transport import FsspecTransport
 from .ranges import FetchGroup
 from .s3_pending import PendingUpload, abort_pending, list_pending
-from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size
-from .s3_stream import ScatterSink, can_stream, read_object, stream_range
+from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size, s3_size_version
+from .s3_stream import ScatterSink, can_stream, read_object, read_object_version, stream_range
 from .s3_upload import S3AtomicUpload, put_object
 from .writers import CountingWriter
 
@@ -34,8 +34,9 @@ class S3Transport(FsspecTransport):
     serves = staticmethod(can_stream)  # the filesystems this class is the transport of
 
     def pending_uploads(self, path: str) -> list[PendingUpload]:
-        """In-progress multipart uploads of ``path`` or under it (:mod:`.s3_pending`)."""
-        return list_pending(self.fs, path)
+        """In-progress multipart uploads of ``path`` or under it (:mod:`.s3_pending`): the whole listing under
+        the retry policy's deadline, and bounded in pages and entries (:mod:`.listing`)."""
+        return self._retry(lambda: list_pending(self.fs, path), lambda: f"list multipart uploads {self.url(path)}")  # type: ignore[no-any-return]
 
     def abort_upload(self, path: str, upload: PendingUpload) -> bool:
         """Abort one of :meth:`pending_uploads`; ``False`` if it is gone meanwhile."""
@@ -53,14 +54,21 @@ class S3Transport(FsspecTransport):
     def _list_names(self, path: str) -> list[str]:
         return s3_list_names(self.fs, path)
 
+    def _size_version(self, path: str) -> tuple[int, str | None]:
+        return s3_size_version(self.fs, path)
+
     def _read_whole(self, path: str, max_bytes: int | None) -> bytes:
         return read_object(self.fs, path, max_bytes)
+
+    def _read_whole_version(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+        return read_object_version(self.fs, path, max_bytes)
 
     def _put_if_absent(self, path: str, data: bytes) -> None:
         s3_put_if_absent(self.fs, path, data, self.url(path))
 
     def _group_fetch(self, group: FetchGroup, pieces: list[tuple[int, int, memoryview]]) -> Callable[[], None]:
-        """One attempt at a fetch group, streamed into ``pieces``; a retry resumes after the bytes in place."""
+        """One attempt at a fetch group, streamed into ``pieces``; a retry resumes after the bytes in place, on
+        condition of the version pinned (:meth:`_pinned`), so it cannot append another version's bytes."""
         sink = ScatterSink(pieces)
         done = 0
 
@@ -74,8 +82,11 @@ class S3Transport(FsspecTransport):
                 sink.write(base + offset, chunk)
                 done = base + offset + len(chunk)
 
+            def read(expected: str | None, saw: Callable[[str | None], None]) -> int:
+                return stream_range(self.fs, group.path, group.start + base, group.end, emit, expected, saw)
+
             try:
-                stream_range(self.fs, group.path, group.start + base, group.end, emit)
+                self._pinned(group.path, read)
             finally:
                 self.counters.add(requests=1, bytes_read=done - base)
             if done != group.length:
@@ -85,6 +96,7 @@ class S3Transport(FsspecTransport):
 
     def write_file(self, path: str, data: bytes | bytearray | memoryview) -> None:
         """One ``PutObject``, retried."""
+        self.versions.forget(path)
         put_object(self.fs, path, data, self._runner(path))
         self.counters.add(requests=1, bytes_written=memoryview(data).nbytes)
 

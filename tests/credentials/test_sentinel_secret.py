@@ -332,3 +332,130 @@ def test_redaction_helpers() -> None:
     )
     assert CredentialLogFilter().filter(record) and not _leaks(record.getMessage())
     assert "Sending http request" in record.getMessage()
+
+
+# ----------------------------------------------------------------------------- secrets inside the URL
+URL_SECRETS = (
+    f"SENTINEL-pw-{_RUN}",
+    f"SENTINEL-amzsig-{_RUN}",
+    f"SENTINEL-googsig-{_RUN}",
+    f"SENTINEL-sas-{_RUN}",
+    f"SENTINEL-tok-{_RUN}",
+)
+_QUERY = (
+    f"?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Expires=3600&X-Amz-Signature={URL_SECRETS[1]}"
+    f"&X-Goog-Signature={URL_SECRETS[2]}&sv=2022-11-02&sp=r&sig={URL_SECRETS[3]}&token={URL_SECRETS[4]}"
+)
+
+
+def _url_leaks(text: str) -> list[str]:
+    return [s for s in URL_SECRETS if s in text]
+
+
+def _shown_text(exc: BaseException) -> str:
+    """What Python shows of an exception: str, repr and the traceback along the chain it prints (each
+    ``__cause__``, or ``__context__`` unless suppressed), and for DCP's ``CheckpointException`` each rank's."""
+    parts, seen, todo = [], set(), [exc]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        parts += [str(cur), repr(cur), "".join(traceback.format_exception(cur))]
+        todo.append(cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__))
+        if isinstance(cur, CheckpointException):
+            for failure in cur.failures.values():
+                parts.append(str(failure))
+                todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return "\n".join(parts)
+
+
+@pytest.fixture
+def presigned() -> Iterator[tuple[Any, str, str]]:
+    """A loopback HTTP server with a safetensors file; its URL carries a password and presigned secrets."""
+    from safetensors.torch import save as st_save
+
+    from dcp_storage.testing.http_store import HttpStore
+
+    with HttpStore({"model.safetensors": st_save({"w": torch.ones(4)})}) as server:
+        host = server.base.split("://", 1)[1]
+        url = f"http://reader:{URL_SECRETS[0]}@{host}/model.safetensors{_QUERY}"
+        missing = f"http://reader:{URL_SECRETS[0]}@{host}/missing.safetensors{_QUERY}"
+        yield server, url, missing
+
+
+def test_no_url_secret_in_describe_verify_or_load_errors(
+    presigned: tuple[Any, str, str], debug_logs: pytest.LogCaptureFixture
+) -> None:
+    server, url, missing = presigned
+    opts = {"skip_instance_cache": True}
+    info, report = ds.describe(url, opts), ds.verify(url, opts, deep=True)
+    assert report.ok, report.problems
+    assert info.url == url  # the field stays exact: it opens the checkpoint
+    shown = {"describe": f"{info!r} {info.as_dict()!r}", "verify": f"{report!r} {report.as_dict()!r}"}
+    failures = {
+        "missing file": lambda: dcp.load(
+            {"w": torch.zeros(4)}, storage_reader=ds.SafetensorsReader(missing, opts), no_dist=True
+        ),
+        "missing key": lambda: dcp.load(
+            {"w": torch.zeros(4), "x": torch.zeros(1)}, storage_reader=ds.SafetensorsReader(url, opts), no_dist=True
+        ),
+        "describe missing": lambda: ds.describe(missing, opts),
+        "verify missing": lambda: ds.verify(missing, opts),
+    }
+    for name, fn in failures.items():
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - any failure; its text is what counts
+            shown[name] = _shown_text(exc)
+        else:  # verify reports a missing checkpoint as a problem
+            assert name == "verify missing" and not result.ok, (name, result)
+            shown[name] = f"{result!r} {result.as_dict()!r} {result.problems!r}"
+        if name != "missing key":
+            assert "127.0.0.1" in shown[name], shown[name][-2000:]  # the message still names the file
+    server.refuse["model.safetensors"] = 403
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"w": torch.zeros(4)}, storage_reader=ds.SafetensorsReader(url, opts), no_dist=True)
+    shown["403"] = _shown_text(caught.value)
+    shown["logs"] = debug_logs.text + "\n".join(  # torch's DCP logger logs the checkpoint_id on a failure
+        r.getMessage() + (_shown_text(r.exc_info[1]) if r.exc_info and r.exc_info[1] else "")
+        for r in debug_logs.records
+    )
+    leaks = {name: _url_leaks(text) for name, text in shown.items() if _url_leaks(text)}
+    assert not leaks, {name: shown[name][-3000:] for name in leaks}
+
+
+def test_no_url_secret_in_cli_output(presigned: tuple[Any, str, str]) -> None:
+    from tests.cli._helpers import run_batch
+
+    _, url, missing = presigned
+    commands = {
+        "inspect": ["inspect", url],
+        "inspect --json": ["inspect", url, "--json"],
+        "verify --deep": ["verify", url, "--deep"],
+        "verify --json": ["verify", url, "--json"],
+        "inspect missing --debug": ["--debug", "inspect", missing],
+        "verify missing": ["verify", missing],
+    }
+    results = dict(zip(commands, run_batch(list(commands.values()), timeout=300)))
+    assert results["inspect"].rc == 0 and results["verify --deep"].rc == 0, results
+    assert results["verify missing"].rc == 1
+    outputs = {name: r.stdout + r.stderr for name, r in results.items()}
+    assert "***" in outputs["inspect"] and "127.0.0.1" in outputs["inspect"]
+    leaks = {name: _url_leaks(text) for name, text in outputs.items() if _url_leaks(text)}
+    assert not leaks, {name: outputs[name][-3000:] for name in leaks}
+
+
+def test_url_redaction_helper() -> None:
+    from dcp_storage.redaction import mask_credentials, redact_urls
+
+    for url in (
+        f"https://b.s3.amazonaws.com/k{_QUERY}",
+        f"https://acct.blob.core.windows.net/c/b.pt?sv=2022&se=2026&sr=b&sp=r&sig={URL_SECRETS[3]}",
+        f"https://user:{URL_SECRETS[0]}@host:8443/x",
+        f"gs://b/o?X-Goog-Credential=svc&X-Goog-Signature={URL_SECRETS[2]}",
+    ):
+        shown = redact_urls(f"{url}: no such file")
+        assert not _url_leaks(shown) and shown.endswith(": no such file"), shown
+        assert not _url_leaks(mask_credentials(url))
+    assert redact_urls("https://h/x?X-Amz-Expires=3600&part=2") == "https://h/x?X-Amz-Expires=3600&part=2"

@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "errors": BASE,
     "text": BASE,
     "redaction": BASE,
+    "settings": BASE,
     "registry": BASE,
     "tensor_buffers": BASE,
     "deprecation": BASE,

@@ -48,6 +48,7 @@ from dcp_storage.plugin_api import (
     TransportCounters,
     TransportError,
     TruncatedReadError,
+    VersionPins,
     WorkerPool,
     call_with_retry,
     holds,
@@ -56,7 +57,7 @@ from dcp_storage.plugin_api import (
     range_mismatch,
     resolve_config,
 )
-from obstore.exceptions import AlreadyExistsError
+from obstore.exceptions import AlreadyExistsError, PreconditionError
 from obstore.store import S3Store
 
 from .errors import (
@@ -97,6 +98,7 @@ class ObstoreTransport:
         self.settings = settings
         self.config = resolve_config(config or TransportConfig(), is_local=False)
         self.counters = TransportCounters()
+        self.versions = VersionPins()  # each object's ETag as this load first saw it (dcp_storage...versions)
         self._classify = _classifier(self.config.retry)
         self._stores: dict[tuple[str, bool], S3Store] = {}
         self._lock = threading.Lock()  # guards _stores
@@ -161,7 +163,12 @@ class ObstoreTransport:
         """A transport on the same store settings and counters with ``config``; close it after use."""
         other = ObstoreTransport(self.settings, config)
         other.counters = self.counters
+        other.versions = self.versions
         return other
+
+    def begin_load(self) -> None:
+        """Forget the ETags pinned so far (a reader's ``reset``, at the start of each load)."""
+        self.versions.forget()
 
     def _locate(self, path: str, uploads: bool = False) -> tuple[S3Store, str]:
         """The store for ``path``'s bucket and the key inside it."""
@@ -284,8 +291,13 @@ class ObstoreTransport:
             base = done
             sink.reset()
             got = 0
+            url = self.url(group.path)
             try:
-                result = _get_range(store, key, group.start + base, group.end)
+                try:  # on condition of the ETag this load saw first: a replaced object is refused, not mixed
+                    result = _get_range(store, key, group.start + base, group.end, self.versions.expected(group.path))
+                except PreconditionError as exc:
+                    raise self.versions.changed(group.path, url) from exc
+                self.versions.saw(group.path, (result.meta or {}).get("e_tag"), url)
                 for chunk in result.stream(min_chunk_size=STREAM_CHUNK):
                     view = memoryview(chunk)
                     if len(view) > group.length - base - got:  # never cut to the range: not its bytes
@@ -398,22 +410,24 @@ class ObstoreTransport:
         self.counters.add(requests=_put_requests(nbytes, part))
 
 
-def _get_range(store: S3Store, key: str, start: int, end: int) -> Any:
+def _get_range(store: S3Store, key: str, start: int, end: int, etag: str | None = None) -> Any:
     """``obstore.get`` of bytes ``[start, end)``: their answer, or :class:`RangeMismatchError` (retried).
 
     object_store itself refuses an answer that is not a ``206`` naming exactly that range; its error becomes
     ours, so the core's retry layer retries it. A ``200`` (the store ignored ``Range``) is the answer only
     when the range was the whole object: then one GET without ``Range`` is taken, if its object is exactly
-    ``end`` bytes long (its headers are checked before any byte of its body is read).
+    ``end`` bytes long (its headers are checked before any byte of its body is read). With ``etag``, every GET
+    is conditional on it (``If-Match``; a ``412`` raises obstore's ``PreconditionError``).
     """
+    condition: dict[str, Any] = {"if_match": etag} if etag else {}
     try:
-        return _not_encoded(obstore.get(store, key, options={"range": (start, end)}), start, end, 206)
+        return _not_encoded(obstore.get(store, key, options={"range": (start, end), **condition}), start, end, 206)
     except Exception as exc:
         if not is_range_mismatch(exc):
             raise
         if not (start == 0 and is_not_partial(exc)):
             raise range_mismatch(start, end, short_message(exc)) from exc
-    whole = obstore.get(store, key)
+    whole = obstore.get(store, key, options=condition)  # type: ignore[arg-type]
     size = whole.meta["size"]
     if size != end:
         raise range_mismatch(0, end, f"status 200 (Range ignored) for an object of {size} bytes")
