@@ -25,6 +25,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "LocationMismatchError",
     "NonTensorStateError",
+    "RankMismatchError",
     "ShapeMismatchError",
     "StorageAccessError",
     "StorageFullError",
@@ -130,6 +131,13 @@ class WrongPathTypeError(DcpStorageError, FileExistsError):
 class LocationMismatchError(DcpStorageError, ValueError):
     """The ranks of one ``dcp.load`` were given different checkpoints: the coordinator read one checkpoint's
     metadata, and this rank would read another's data with it (a silent mix). The message names both."""
+
+
+class RankMismatchError(DcpStorageError, ValueError):
+    """The ranks of one ``dcp.load`` or ``dcp.save`` disagree on how to run it (readers with different read
+    strategies, a planner whose ``finish_plan`` changed one rank's plan where the others rely on it): what
+    would otherwise leave ranks waiting in different collectives. The message names the ranks and what each
+    one has."""
 
 
 class CorruptCheckpointError(DcpStorageError, ValueError):

@@ -126,7 +126,9 @@ class FsspecReader(BoundLocation, StorageReader):
         if rank is not None:  # torch's fallback after the global read failed: this rank's own file
             metadata = self._read_metadata_file(f"__{rank}{METADATA_FILE}")
         else:
-            metadata, manifest = share_within_load(self._read_per_load_files, location=reader_location(self))
+            metadata, manifest = share_within_load(
+                self._read_per_load_files, location=reader_location(self), kind=type(self).__name__
+            )
             self._manifest = manifest[0] if manifest else _UNREAD
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
