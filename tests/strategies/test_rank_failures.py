@@ -77,6 +77,7 @@ def test_every_rank_raises_within_seconds(paths: dict[str, str]) -> None:
                 problems.append(f"{where}: raised without {text!r}: {got['text'][:600]}")
             if got["seconds"] >= MAX_SECONDS:
                 problems.append(f"{where}: took {got['seconds']:.1f} s")
+    print({name: [round(r[name]["seconds"], 2) for r in reports] for name in CASES})
     for rank, report in enumerate(reports):
         assert report["_after"]["bad"] == [], f"rank {rank}: the load after the cases went wrong"
     assert not problems, "\n".join(problems)
