@@ -30,6 +30,7 @@ __all__ = [
     "LocationMismatchError",
     "NonTensorStateError",
     "ObjectChangedError",
+    "RankMismatchError",
     "ShapeMismatchError",
     "StorageAccessError",
     "StorageFullError",
@@ -136,6 +137,13 @@ class WrongPathTypeError(DcpStorageError, FileExistsError):
 class LocationMismatchError(DcpStorageError, ValueError):
     """The ranks of one ``dcp.load`` were given different checkpoints: the coordinator read one checkpoint's
     metadata, and this rank would read another's data with it (a silent mix). The message names both."""
+
+
+class RankMismatchError(DcpStorageError, ValueError):
+    """The ranks of one ``dcp.load`` or ``dcp.save`` disagree on how to run it (readers with different read
+    strategies, a planner whose ``finish_plan`` changed one rank's plan where the others rely on it): what
+    would otherwise leave ranks waiting in different collectives. The message names the ranks and what each
+    one has."""
 
 
 class CorruptCheckpointError(DcpStorageError, ValueError):

@@ -134,7 +134,9 @@ class FsspecReader(BoundLocation, StorageReader):
             metadata = found
         else:
             metadata, manifest = self.metadata_failure.global_read(
-                lambda: share_within_load(self._read_per_load_files, location=reader_location(self))
+                lambda: share_within_load(
+                    self._read_per_load_files, location=reader_location(self), kind=type(self).__name__
+                )
             )
             self._manifest = manifest[0] if manifest else _UNREAD
         if getattr(metadata, "storage_meta", None) is None:

@@ -158,7 +158,11 @@ class SafetensorsReader(BoundLocation, StorageReader):
             # The coordinator scans; its result or its error reaches every rank (see share_object).
             shared = self.metadata_failure.global_read(
                 lambda: share_object(
-                    self._scan, group=self.process_group, src_rank=self.coordinator_rank, location=reader_location(self)
+                    self._scan,
+                    group=self.process_group,
+                    src_rank=self.coordinator_rank,
+                    location=reader_location(self),
+                    kind=type(self).__name__,
                 )
             )
         else:

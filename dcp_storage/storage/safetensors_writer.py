@@ -54,7 +54,9 @@ from ..formats.safetensors.write_plan import (
 )
 from ..integrity.checksums import DEFAULT_ALGORITHM, check_algorithm
 from ..strategies.chunk_exchange import ChunkSource, exchange_digests, send_chunks
-from ..strategies.group import group_view
+from ..strategies.dcp_call import load_group
+from ..strategies.group import GroupView, group_view
+from ..strategies.rank_agreement import guard_finish_plan
 from ..transports import Transport, TransportConfig
 from ..transports.buckets import prepare_output
 from .claim import ClaimingWriter, refuse_existing
@@ -111,8 +113,8 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
             there; ``transformers`` requires it). Keys starting with ``dcp_storage.`` are reserved.
         checksum_algorithm: digest of every chunk recorded in the headers (``"xxh3_64"``, ``"xxh64"``,
             ``"crc32c"``, ``"crc32"``); ``None`` records none (and no provenance).
-        process_group: the group given to ``dcp.save`` (default: the default group); object-store saves
-            send chunks to the coordinator over it.
+        process_group: the group of the save (default: the one given to ``dcp.save``, else the default
+            group); object-store saves send chunks to its coordinator over it.
         transport_config: concurrency, part size and retry settings.
         transport: an existing transport to share.
         create_bucket: create the URL's bucket (Azure: container) if it does not exist; ``False`` (the
@@ -124,8 +126,9 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
     streamed by the coordinator with every rank's chunks sent to it in the planned order, its memory bounded
     by the largest tensor (:mod:`.safetensors_stream`, :mod:`dcp_storage.strategies.chunk_exchange`). The
     index is written last, so an interrupted save never looks complete; if any rank fails mid-stream, no
-    rank waits for the process-group timeout and the current upload is aborted. Without a process group
-    (one process) both paths just write the process's own tensors.
+    rank waits for the process-group timeout and the current upload is aborted; nor if one fails in its
+    planner's ``finish_plan`` (every rank agrees first: :mod:`dcp_storage.strategies.rank_agreement`).
+    Without a process group (one process) both paths just write the process's own tensors.
 
     Replicated tensors (the same chunk on several ranks) are written once: DCP's planner deduplicates
     them and this writer drops any duplicate box that remains. Dtypes safetensors lacks raise
@@ -210,6 +213,10 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
     # ------------------------------------------------------------------------------------ planning
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         order = local_order(plan, allow_extra_state=self.allow_extra_state)  # refuses what safetensors cannot hold
+        if (
+            not self.transport.is_local
+        ):  # write_data streams chunks over the group: no rank may fail in finish_plan alone
+            guard_finish_plan(_streams, _check_streamed_plan, group=self.process_group)
         if self.is_coordinator:
             prepare_output(self.transport, self.root, coordinator=True, create_bucket=self.create_bucket)
             if not self.overwrite:
@@ -219,7 +226,11 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
     def _coordinator_index(self, n_plans: int) -> int:
         if n_plans == 1:
             return 0
-        return self.rank if self.rank is not None else group_view(self.process_group).rank
+        return self.rank if self.rank is not None else self._view().rank
+
+    def _view(self) -> GroupView:
+        """The save's group: the writer's ``process_group``, else the one ``dcp.save`` was given."""
+        return group_view(load_group(self.process_group))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if not all(getattr(p, "usable", True) for p in plans):
@@ -270,12 +281,7 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
 
     # ------------------------------------------------------------------------------------ writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        rw = plan.storage_data
-        if not isinstance(rw, RankWrites):
-            raise DcpStorageError(
-                "SafetensorsWriter.write_data got a plan its prepare_global_plan did not make "
-                f"(storage_data is {type(rw).__name__}); DCP plan caching is not supported"
-            )
+        rw = _rank_writes(plan)
         results: list[WriteResult] = []
         tensor_items: dict[MetadataIndex, WriteItem] = {}
         early: BaseException | None = None  # in stream mode, raised only after the exchange (no rank may hang)
@@ -308,7 +314,7 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
                     self._abandon(self._planned)
                 raise _write_error(exc, self.transport.url(self.root), sum(c.nbytes for c in rw.chunks.values()))
         else:
-            view = group_view(self.process_group)
+            view = self._view()
             all_digests = None
             if self.checksum_algorithm is not None:
                 all_digests = exchange_digests(view, rw, chunk_bytes, self.checksum_algorithm, early)
@@ -396,3 +402,24 @@ def _write_error(exc: BaseException, url: str, needed: int | None = None) -> Bas
     if error is not exc:
         error.__cause__ = exc
     return error
+
+
+def _rank_writes(plan: SavePlan) -> RankWrites:
+    rw = plan.storage_data
+    if not isinstance(rw, RankWrites):
+        raise DcpStorageError(
+            "SafetensorsWriter.write_data got a plan its prepare_global_plan did not make "
+            f"(storage_data is {type(rw).__name__}); DCP plan caching is not supported"
+        )
+    return rw
+
+
+def _streams(central_plan: SavePlan) -> bool:
+    """Whether ``write_data`` exchanges chunks over the group (a streamed save of more than one rank)."""
+    rw = central_plan.storage_data
+    return isinstance(rw, RankWrites) and rw.mode == "stream" and rw.world > 1
+
+
+def _check_streamed_plan(central: SavePlan, final: SavePlan, view: GroupView) -> None:
+    """After ``finish_plan``: ``write_data`` can follow the plan (else it would fail before the exchange)."""
+    _rank_writes(final)

@@ -175,7 +175,11 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
             return self._open_archive().metadata()
 
         self._metadata = share_object(
-            build, group=self.process_group, src_rank=self.coordinator_rank, location=reader_location(self)
+            build,
+            group=self.process_group,
+            src_rank=self.coordinator_rank,
+            location=reader_location(self),
+            kind=type(self).__name__,
         )
         return self._metadata
 
@@ -186,7 +190,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return self._tag(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator only: check every rank's plan against the archive and remember it.
@@ -195,6 +199,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         :class:`~dcp_storage.planners.IncompatibleKeysError`, or are left out of the plans when the
         planner loads partially (``allow_partial_load=True``, ``strict=False``).
         """
+        plans = self._untag(plans)
         archive = self._open_archive()
         held = archive.flat
         items = [i for p in plans for i in p.items]

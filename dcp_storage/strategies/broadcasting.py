@@ -17,10 +17,11 @@ Call order (``dcp.load`` drives it; "all" = every rank of the process group):
 1. ``reset(checkpoint_id)`` (all; passed on to the wrapped reader, which must not do I/O in it).
 2. ``read_metadata()`` (all, collective) - coordinator reads, all receive the Metadata or the error.
 3. ``set_up_storage_reader`` (all; the wrapped reader's on the coordinator only).
-4. ``prepare_local_plan`` (all, unchanged) / ``prepare_global_plan`` (DCP's coordinator, which must be
-   this wrapper's coordinator): the wrapped reader's ``prepare_local_plan`` on each rank's plan, then its
-   ``prepare_global_plan``; the results are remembered.
-5. ``read_data`` (all, point to point).
+4. ``prepare_local_plan`` (all: tagged, see :mod:`.coordinator_served`) / ``prepare_global_plan`` (DCP's
+   coordinator, which must be this wrapper's coordinator): the wrapped reader's ``prepare_local_plan`` on
+   each rank's plan, then its ``prepare_global_plan``; the results are remembered.
+5. ``finish_plan`` (the planner's, all): followed by one agreement that no rank failed in it.
+6. ``read_data`` (all, point to point).
 
 Under ``dcp.load(..., no_dist=True)`` each calling rank works alone (:mod:`.dcp_call`): no collective, the
 wrapped reader reads that rank's own plan. The wrapped reader is always called inside
@@ -118,7 +119,11 @@ class Broadcasting(CoordinatorServedReader):
                 return self.reader.read_metadata()
 
         self._metadata = share_object(
-            read, group=self.process_group, src_rank=self.coordinator_rank, location=reader_location(self.reader)
+            read,
+            group=self.process_group,
+            src_rank=self.coordinator_rank,
+            location=reader_location(self.reader),
+            kind=type(self).__name__,
         )
         return self._metadata
 
@@ -135,9 +140,10 @@ class Broadcasting(CoordinatorServedReader):
                     self.reader.set_up_storage_reader(metadata, is_coordinator)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return self._tag(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = self._untag(plans)
         with working_alone():
             plans = [self.reader.prepare_local_plan(p) for p in plans]
             plans = self.reader.prepare_global_plan(plans)

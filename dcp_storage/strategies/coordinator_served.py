@@ -8,6 +8,12 @@ checkpoint stores, from the shared metadata).
 
 A rank that works alone (``dcp.load(..., no_dist=True)``, see :mod:`.dcp_call`) is its own coordinator:
 it reads its own plan from storage and sends nothing, whatever ``coordinator_rank`` says.
+
+Every rank serves or receives by the plans the coordinator made, so two things are checked first
+(:mod:`.rank_agreement`): each rank's local plan carries the reader's kind, and the coordinator refuses a
+load in which some rank reads otherwise (``_tag`` / ``_untag``); after the planner's ``finish_plan`` every
+rank agrees that none failed and that no receiving rank's plan lost or changed items
+(``_check_final_plan``), before any slice is sent.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CorruptCheckpointError, DcpStorageError
+from ..errors import CorruptCheckpointError, DcpStorageError, RankMismatchError
 from ..formats.dcp_native.record_match import stored_dtype
 from .dcp_call import load_group, works_alone
 from .group import SOLO, GroupView, group_view
-from .slice_delivery import DeliveryStats, receive_items
+from .rank_agreement import check_tags, guard_finish_plan, tag_plan
+from .slice_delivery import DeliveryStats, item_key, receive_items
 
 __all__ = ["CoordinatorServedReader"]
 
@@ -56,6 +63,30 @@ class CoordinatorServedReader(StorageReader):
                 f"coordinator {'is' if is_coordinator else 'is not'} this rank; pass dcp.load's coordinator rank "
                 "and process group to the reader"
             )
+
+    def _tag(self, plan: LoadPlan) -> LoadPlan:
+        """``prepare_local_plan`` (every rank): say how this rank reads, and guard ``finish_plan``."""
+        if not self._view().distributed:
+            return plan
+        guard_finish_plan(lambda central: True, self._check_final_plan, group=self.process_group)
+        return tag_plan(plan, type(self).__name__)
+
+    def _untag(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """``prepare_global_plan`` (the coordinator): every rank must read through this kind of reader."""
+        view = self._view()
+        return check_tags(plans, type(self).__name__, untagged_ok=not view.distributed or view.world == 1)
+
+    def _check_final_plan(self, central: LoadPlan, final: LoadPlan, view: GroupView) -> None:
+        """A receiving rank's plan after ``finish_plan`` must hold the items the coordinator will send."""
+        if view.rank == self.coordinator_rank or final.items is central.items or final.items == central.items:
+            return
+        if sorted(map(item_key, final.items)) == sorted(map(item_key, central.items)):
+            return
+        raise RankMismatchError(
+            f"{type(self).__name__}: on rank {view.rank} the planner's finish_plan changed the plan "
+            f"({len(central.items)} items planned, {len(final.items)} after finish_plan); the coordinator sends "
+            "every rank the items of the global plan, so finish_plan must keep them"
+        )
 
     def _all_plans(self, view: GroupView, plan: LoadPlan) -> list[LoadPlan]:
         """Every rank's plan, this rank's being its final one (after the planner's ``finish_plan``)."""

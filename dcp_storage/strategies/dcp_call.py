@@ -32,7 +32,7 @@ import contextlib
 import contextvars
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .group import SOLO, GroupView, group_view
@@ -51,6 +51,7 @@ class DcpCall:
     distributed: bool
     group: Any  # the call's process group; None: the default group
     planner: Any  # the call's LoadPlanner (or SavePlanner), when found
+    wrapper: Any = field(default=None, compare=False, repr=False)  # the call's _DistWrapper: which call it is
 
 
 def current_call() -> DcpCall | None:
@@ -72,7 +73,7 @@ def current_call() -> DcpCall | None:
             if not isinstance(wrapper, _DistWrapper):
                 wrapper = local_vars.get("self")
             if isinstance(wrapper, _DistWrapper):
-                return DcpCall(bool(wrapper.use_dist), wrapper.group, planner)
+                return DcpCall(bool(wrapper.use_dist), wrapper.group, planner, wrapper)
         frame = frame.f_back
     return None
 

@@ -26,7 +26,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import DcpStorageError, LocationMismatchError
+from ..errors import DcpStorageError, LocationMismatchError, RankMismatchError
 from .dcp_call import current_call, load_group, works_alone
 from .group import group_view
 
@@ -36,7 +36,9 @@ T = TypeVar("T")
 _SIMPLE = (str, int, float, bool, type(None))
 
 
-def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0, location: str | None = None) -> T:
+def share_object(
+    fn: Callable[[], T], *, group: Any = None, src_rank: int = 0, location: str | None = None, kind: str | None = None
+) -> T:
     """Run ``fn`` on ``src_rank`` (a rank of ``group``) and return its result on every rank.
 
     ``group=None``: the process group of the running ``dcp.load``, if any, else the default group.
@@ -46,7 +48,9 @@ def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0, l
     just calls ``fn``. If ``fn`` raises, every rank raises (see the module docstring for which class).
     The result must be picklable; if it is not, that too is raised on every rank. ``location``: the
     checkpoint this rank was given; a rank whose location differs from ``src_rank``'s raises
-    :class:`~dcp_storage.errors.LocationMismatchError` (module docstring).
+    :class:`~dcp_storage.errors.LocationMismatchError` (module docstring). ``kind``: the reader this rank
+    reads through (its class name); a rank whose reader is of another kind than ``src_rank``'s raises
+    :class:`~dcp_storage.errors.RankMismatchError` (the two would run different collectives from here on).
     """
     if works_alone():
         return fn()
@@ -62,7 +66,7 @@ def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0, l
     if view.rank == src_rank:
         try:
             value = fn()
-            payload = pickle.dumps(("ok", (value, location)), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(("ok", (value, location, kind)), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
             error = exc
             payload = pickle.dumps(("error", encode_error(exc, view.rank)), protocol=pickle.HIGHEST_PROTOCOL)
@@ -74,10 +78,16 @@ def share_object(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0, l
         if error is not None:
             raise error
         return value
-    kind, body = pickle.loads(box[0])  # bytes from our own peer rank, not from storage
-    if kind == "error":
+    status, body = pickle.loads(box[0])  # bytes from our own peer rank, not from storage
+    if status == "error":
         raise decode_error(body)
-    value, source_location = body
+    value, source_location, source_kind = body
+    if kind is not None and source_kind is not None and source_kind != kind:
+        raise RankMismatchError(
+            f"the ranks of this load use different readers: rank {view.rank} reads through {kind}, but rank "
+            f"{src_rank}, which reads the metadata for all ranks, through {source_kind}; the two would wait in "
+            "different collectives: give every rank the same reader and read_strategy"
+        )
     if location is not None and source_location is not None and source_location != location:
         raise LocationMismatchError(
             f"rank {view.rank} was given the checkpoint {location}, but rank {src_rank}, which reads the metadata "
@@ -101,7 +111,9 @@ def reader_location(reader: Any) -> str | None:
     return text.rstrip("/") if "://" in text else os.path.abspath(text)
 
 
-def share_within_load(fn: Callable[[], T], *, group: Any = None, src_rank: int = 0, location: str | None = None) -> T:
+def share_within_load(
+    fn: Callable[[], T], *, group: Any = None, src_rank: int = 0, location: str | None = None, kind: str | None = None
+) -> T:
     """:func:`share_object` while a distributed ``dcp.load`` runs (every rank of its group calls the reader
     step that calls this); anywhere else ``fn()`` on this process alone.
 
@@ -112,7 +124,7 @@ def share_within_load(fn: Callable[[], T], *, group: Any = None, src_rank: int =
     """
     if current_call() is None:
         return fn()
-    return share_object(fn, group=group, src_rank=src_rank, location=location)
+    return share_object(fn, group=group, src_rank=src_rank, location=location, kind=kind)
 
 
 def encode_error(exc: BaseException, rank: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from ..errors import DcpStorageError, ShapeMismatchError
 from ..tensor_buffers import host_buffer
 from .group import GroupView
-from .metadata_sharing import decode_error, encode_error
+from .rank_agreement import agree as _agree
 from .read_once_plan import ExchangePlan, RoundPlan, nbytes_of
 
 __all__ = ["run_exchange"]
@@ -92,21 +92,6 @@ def run_exchange(
             failure = _exchange(part, sends, items, planner, stored, view) or failure
             router.release(items[index] for index, _p, _t in part.reads)
     _agree(view, failure)
-
-
-def _agree(view: GroupView, failure: BaseException | None) -> None:
-    """Every rank raises if any rank failed: its own error, or the first failed rank's."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64, device=view.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=view.group)
-    if not int(flag.item()):
-        return
-    infos: list[Any] = [None] * view.world
-    dist.all_gather_object(infos, None if failure is None else encode_error(failure, view.rank), group=view.group)
-    if failure is not None:
-        raise failure
-    raise decode_error(next(info for info in infos if info is not None))
 
 
 class _Router(LoadPlanner):

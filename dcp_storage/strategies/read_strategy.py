@@ -28,6 +28,12 @@ What a strategy does at each step of a load (every rank unless noted):
    (split big replicated items into row blocks) and attach each rank's part in ``plan.storage_data``.
 3. ``read(plan, planner, read_items, stored)`` in ``read_data`` - fetches through ``read_items`` (the
    reader's own loader) what this rank must read, and exchanges what the plan says.
+
+The built-in strategies tag each local plan with their name, and the coordinator refuses plans of ranks
+that read with another strategy (:class:`~dcp_storage.errors.RankMismatchError`, naming every rank's):
+ranks that disagree would wait in collectives the others never enter. ``read_once`` and ``per_host`` also
+make every rank agree after the planner's ``finish_plan``, so a rank that fails there does not leave the
+others waiting in the exchange (:mod:`.rank_agreement`).
 """
 
 from __future__ import annotations
@@ -44,12 +50,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from .. import registry
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, RankMismatchError
 from ..formats.dcp_native.lazy_metadata import columns_of, rows_of
 from ..gc_pause import gc_paused
 from ..registry import PluginNotFoundError
 from ..transports.factory import READ_STRATEGY_OPTION  # the storage option naming a reader's strategy
 from .dcp_call import load_view
+from .group import GroupView
+from .rank_agreement import check_tags, guard_finish_plan, tag_plan
 from .read_once_exchange import run_exchange
 from .read_once_plan import ExchangePlan, RankInfo, ReadOnceConfig, plan_read_once
 from .slice_delivery import DeliveryConfig
@@ -133,10 +141,10 @@ class _PerRank:
         return "ReadStrategies.per_rank()"
 
     def local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return tag_plan(plan, self.name)
 
     def global_plan(self, plans: list[LoadPlan], stored: StoredItems) -> list[LoadPlan]:
-        return plans
+        return check_tags(plans, self.name, untagged_ok=True)  # no collective: other readers may read alongside
 
     def read(self, plan: LoadPlan, planner: LoadPlanner, read_items: ReadItems, stored: StoredItems) -> None:
         read_items(plan.items, planner)
@@ -154,12 +162,14 @@ class _ReadOnce:
         return f"ReadStrategies.{self.name}(config={self.config!r})"
 
     def local_plan(self, plan: LoadPlan) -> LoadPlan:
-        if self.host_key is None:
-            return plan
-        return dataclasses.replace(plan, storage_data=RankInfo(host=str(self.host_key())))
+        if self.host_key is not None:
+            plan = dataclasses.replace(plan, storage_data=RankInfo(host=str(self.host_key())))
+        guard_finish_plan(_exchanges, self._check_final_plan)
+        return tag_plan(plan, self.name)
 
     def global_plan(self, plans: list[LoadPlan], stored: StoredItems) -> list[LoadPlan]:
         view = load_view()
+        plans = check_tags(plans, self.name, untagged_ok=not view.distributed or view.world == 1)
         hosts = [p.storage_data.host if isinstance(p.storage_data, RankInfo) else "" for p in plans]
         plans = [
             dataclasses.replace(p, storage_data=None) if isinstance(p.storage_data, RankInfo) else p for p in plans
@@ -180,6 +190,22 @@ class _ReadOnce:
                 f"{self.name}: the load plan exchanges slices between ranks, but this rank loads alone"
             )
         run_exchange(plan, exchange, planner, read_items, stored, view)
+
+    def _check_final_plan(self, central: LoadPlan, final: LoadPlan, view: GroupView) -> None:
+        """After ``finish_plan``: the exchange numbers this rank's items as the coordinator planned them."""
+        exchange = final.storage_data
+        if not isinstance(exchange, ExchangePlan) or len(final.items) != exchange.items:
+            raise RankMismatchError(
+                f"{self.name}: on rank {view.rank} the planner's finish_plan changed the plan the coordinator made "
+                f"({len(central.items)} items, {len(final.items)} after finish_plan, storage_data "
+                f"{type(exchange).__name__}); the ranks exchange slices by that plan, so finish_plan must keep its "
+                "items and storage_data"
+            )
+
+
+def _exchanges(central_plan: LoadPlan) -> bool:
+    """Whether this rank's read step runs the exchange (the coordinator planned one for every rank)."""
+    return isinstance(central_plan.storage_data, ExchangePlan)
 
 
 def _default_host_key() -> str:

@@ -1,0 +1,124 @@
+"""Rank bodies for ``test_rank_failures.py``: loads in which one rank fails, or the ranks disagree.
+
+Module-level, so ``run_ranks`` can unpickle them by name. Each case is one ``dcp.load`` on every rank; each
+rank reports whether it raised, the text of what it raised, and how long it took. All the cases of a run
+share one process group (whose collective timeout is long): a case that leaves the ranks out of step also
+breaks the cases after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+SEED = 7
+FAIL_TEXT = "simulated finish_plan failure"
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """Plain tensors every rank loads whole: every item is shared, so ``read_once`` exchanges them all."""
+    g = torch.Generator().manual_seed(SEED)
+    return {
+        "embed": torch.randn(512, 256, generator=g),  # 512 KiB
+        "layer.weight": torch.randn(256, 256, generator=g),
+        "layer.bias": torch.randn(256, generator=g),
+        "norm": torch.randn(64, generator=g),
+    }
+
+
+class FinishPlanFails(DefaultLoadPlanner):
+    """Raises in ``finish_plan`` on ``fail_rank``: DCP then skips that rank's ``read_data``."""
+
+    def __init__(self, fail_rank: int) -> None:
+        super().__init__()
+        self.fail_rank = fail_rank
+
+    def finish_plan(self, central_plan: Any) -> Any:
+        if dist.get_rank() == self.fail_rank:
+            raise RuntimeError(f"{FAIL_TEXT} on rank {self.fail_rank}")
+        return super().finish_plan(central_plan)
+
+
+class DropsItems(DefaultLoadPlanner):
+    """On ``drop_rank``, ``finish_plan`` drops the plan's last item (the other ranks planned with it)."""
+
+    def __init__(self, drop_rank: int) -> None:
+        super().__init__()
+        self.drop_rank = drop_rank
+
+    def finish_plan(self, central_plan: Any) -> Any:
+        plan = super().finish_plan(central_plan)
+        if dist.get_rank() == self.drop_rank:
+            return dataclasses.replace(plan, items=plan.items[:-1])
+        return plan
+
+
+def _strategy(name: str) -> Any:
+    from dcp_storage import ReadStrategies
+
+    if name == "per_host":
+        return ReadStrategies.per_host("one-host")
+    if name == "default":
+        return None  # what the reader picks for a local path: per_rank
+    return ReadStrategies.named(name)
+
+
+def _reader(spec: str, paths: dict[str, str]) -> Any:
+    """``"broadcasting"``, ``"safetensors:<strategy>"`` or ``"<strategy>"`` (an FsspecReader)."""
+    from dcp_storage import FsspecReader, SafetensorsReader
+    from dcp_storage.strategies import Broadcasting
+
+    if spec == "broadcasting":
+        return Broadcasting(FsspecReader(paths["dcp"]))
+    if spec.startswith("safetensors:"):
+        return SafetensorsReader(paths["st"], read_strategy=_strategy(spec.split(":", 1)[1]))
+    return FsspecReader(paths["dcp"], read_strategy=_strategy(spec))
+
+
+def _planner(kind: str | None, rank_arg: int) -> Any:
+    if kind == "fails":
+        return FinishPlanFails(rank_arg)
+    if kind == "drops":
+        return DropsItems(rank_arg)
+    return None
+
+
+def run_cases(rank: int, world: int, paths: dict[str, str], cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each case: ``readers`` (one spec per rank), ``planner`` (``fails``/``drops``/None) and its ``rank``.
+
+    Returns ``{case: {"raised", "text", "seconds", "bad"}}``: ``bad`` lists tensors loaded wrong when it
+    did not raise.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore")
+    ref = reference()
+    out: dict[str, Any] = {}
+    for name, case in cases.items():
+        target = {k: torch.zeros_like(v) for k, v in ref.items()}
+        reader = _reader(case["readers"][rank], paths)
+        planner = _planner(case.get("planner"), case.get("rank", 1))
+        began = time.monotonic()
+        try:
+            dcp.load(target, storage_reader=reader, planner=planner)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            out[name] = {"raised": True, "text": f"{type(exc).__name__}: {exc}"[:4000]}
+        else:
+            bad = [k for k, v in ref.items() if not torch.equal(target[k], v)]
+            out[name] = {"raised": False, "text": "", "bad": bad}
+        out[name]["seconds"] = time.monotonic() - began
+    # A last good load: the group is still in step after every case above.
+    target = {k: torch.zeros_like(v) for k, v in ref.items()}
+    began = time.monotonic()
+    dcp.load(target, storage_reader=_reader("read_once", paths))
+    out["_after"] = {
+        "bad": [k for k, v in ref.items() if not torch.equal(target[k], v)],
+        "seconds": time.monotonic() - began,
+    }
+    return out
