@@ -43,6 +43,7 @@ _EXPORTS = {
     ".formats.safetensors.scan": ("SafetensorsScanConfig",),
     ".formats.torch_save.archive": ("TorchSaveArchiveConfig",),
     ".inspection": ("describe", "verify"),
+    ".manager": ("CheckpointManager", "KeepPolicy", "TrainState"),
     ".opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
     ".planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
     ".storage": (
@@ -116,6 +117,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .formats.safetensors.scan import SafetensorsScanConfig
     from .formats.torch_save.archive import TorchSaveArchiveConfig
     from .inspection import describe, verify
+    from .manager import CheckpointManager, KeepPolicy, TrainState
     from .opening import UnknownFormatError, detect_format, open_reader, open_writer
     from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
     from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
@@ -136,6 +138,7 @@ __all__ = [
     "BroadcastingTorchSaveReader",
     "BucketNotFoundError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "ConvertResult",
     "CorruptCheckpointError",
@@ -151,6 +154,7 @@ __all__ = [
     "FsspecWriter",
     "HexPrefixStrategy",
     "IncompleteCheckpointError",
+    "KeepPolicy",
     "KeyMap",
     "KeyRules",
     "LocationMismatchError",
@@ -168,6 +172,7 @@ __all__ = [
     "ShapeMismatchError",
     "StorageAccessError",
     "TorchSaveArchiveConfig",
+    "TrainState",
     "Transport",
     "TransportConfig",
     "TransportError",
