@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["INDEX_FILE", "METRICS_FILE", "STEP_DIGITS", "parse_step", "step_name"]
+__all__ = ["INDEX_FILE", "STEP_INFO_FILE", "STEP_DIGITS", "parse_step", "step_name"]
 
 STEP_DIGITS = 10
 STEP_RE = re.compile(r"^step-(?P<n>[0-9]{1,20})$")
 INDEX_FILE = ".dcp_storage_steps.json"  # at the root: the cache of the complete steps (see .index)
-METRICS_FILE = ".dcp_storage_metrics.json"  # in a step folder, written after its commit (metrics of the step)
+STEP_INFO_FILE = ".dcp_storage_step.json"  # in a step folder, written after its commit: metrics, time saved
 
 
 def step_name(step: int) -> str:

@@ -17,9 +17,9 @@ from typing import Any
 
 from ..formats.completeness import commit_marker, list_all
 from ..formats.paths import LOCK_RE
-from .layout import METRICS_FILE, parse_step, step_name
+from .layout import STEP_INFO_FILE, parse_step, step_name
 
-__all__ = ["StepFolder", "list_steps", "read_metrics", "scan_step", "step_path"]
+__all__ = ["StepFolder", "list_steps", "read_step_info", "scan_step", "step_info", "step_path"]
 
 METRICS_LIMIT = 64 * 1024  # a metrics file holds a few numbers; never read more than this
 
@@ -33,6 +33,7 @@ class StepFolder:
     names: tuple[str, ...] = ()
     marker: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    saved_at: float | None = None  # when its save committed (unix time), if the manager recorded it
 
     @property
     def complete(self) -> bool:
@@ -71,18 +72,30 @@ def scan_step(transport: Any, root: str, step: int, name: str | None = None, *, 
     names = tuple(list_all(transport, transport.join(root, name)))
     marker = commit_marker(names)
     found: dict[str, Any] = {}
-    if metrics and marker is not None and METRICS_FILE in names:
-        found = read_metrics(transport, transport.join(root, name, METRICS_FILE))
-    return StepFolder(step, name, names, marker, found)
+    saved_at = None
+    if metrics and marker is not None and STEP_INFO_FILE in names:
+        found, saved_at = read_step_info(transport, transport.join(root, name, STEP_INFO_FILE))
+    return StepFolder(step, name, names, marker, found, saved_at)
 
 
-def read_metrics(transport: Any, path: str) -> dict[str, Any]:
-    """A step's metrics file (a JSON object of numbers); ``{}`` if absent, too large or not such an object."""
+def step_info(metrics: dict[str, Any] | None, saved_at: float) -> bytes:
+    """The bytes of a step's info file."""
+    return json.dumps({"metrics": dict(metrics or {}), "saved_at": saved_at}, sort_keys=True).encode()
+
+
+def read_step_info(transport: Any, path: str) -> tuple[dict[str, Any], float | None]:
+    """A step's info file: its metrics (numbers only) and when it was saved; empty if absent or bad."""
     try:
-        raw = transport.read_file(path, max_bytes=METRICS_LIMIT)
-        data = json.loads(raw)
-    except Exception:  # noqa: BLE001 - metrics are a convenience: a bad file only loses them
-        return {}
+        data = json.loads(transport.read_file(path, max_bytes=METRICS_LIMIT))
+    except Exception:  # noqa: BLE001 - the info is a convenience: a bad file only loses it
+        return {}, None
     if not isinstance(data, dict):
-        return {}
-    return {str(k): v for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return {}, None
+    raw = data.get("metrics")
+    metrics = {str(k): v for k, v in raw.items() if _number(v)} if isinstance(raw, dict) else {}
+    saved_at = data.get("saved_at")
+    return metrics, float(saved_at) if _number(saved_at) else None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

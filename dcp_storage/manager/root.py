@@ -12,16 +12,16 @@ Only the coordinator (rank 0) calls these; :mod:`.agreement` hands every other r
 
 from __future__ import annotations
 
-import json
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..formats.completeness import commit_marker
 from .index import StepIndex, read_index, write_index
-from .layout import METRICS_FILE, step_name
-from .listing import StepFolder, list_steps, scan_step
+from .layout import STEP_INFO_FILE, step_name
+from .listing import StepFolder, list_steps, scan_step, step_info
 from .liveness import DEFAULT_STALE_AFTER, held_by_live_save
 from .retention import KeepPolicy
 
@@ -156,10 +156,9 @@ class StepRoot:
         if not folder.complete:
             write_index(self.transport, self.root, self.index)
             return False
+        info = step_info(metrics, time.time())
+        self.transport.write_file(self.transport.join(self.folder(step), STEP_INFO_FILE), info)
         if metrics:
-            self.transport.write_file(
-                self.transport.join(self.folder(step), METRICS_FILE), json.dumps(metrics).encode()
-            )
             self.index.metrics[step] = dict(metrics)
         self.index.steps[step] = folder.marker  # type: ignore[assignment]
         write_index(self.transport, self.root, self.index)
