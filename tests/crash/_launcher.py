@@ -164,7 +164,6 @@ def _rank(job: dict[str, Any], rank: int) -> None:
             GLOO_SOCKET_IFNAME="lo",
         )
         import datetime
-
         import importlib
 
         import torch

@@ -6,7 +6,6 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-
 from crash._launcher import Zygote  # tests/ is on sys.path (rootdir-relative packages, as pytest imports them)
 
 

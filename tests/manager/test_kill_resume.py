@@ -28,15 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from crash._launcher import Zygote
+
 from dcp_storage.manager.root import StepRoot
 from dcp_storage.testing.s3_server import S3Location
 from dcp_storage.transports.factory import open_transport
 
 HERE = str(Path(__file__).resolve().parent)
 TRIALS = int(os.environ.get("DCP_STORAGE_MANAGER_KILL_TRIALS", "1"))
-TOTAL, INTERVAL, KEEP = 12, 2, 2
+TOTAL, INTERVAL, KEEP = 8, 2, 2
 SAVED = [s for s in range(1, TOTAL + 1) if s % INTERVAL == 0]
 SEED = 20261203
 
@@ -91,14 +91,26 @@ def _phase(after: dict[str, Any]) -> str:
     return "between-saves"
 
 
-def _trials(zygote: Zygote, base: str, storage_options: dict[str, Any], tmp: Path, seed: int) -> collections.Counter:
+@pytest.fixture(scope="module")
+def reference(manager_zygote: Zygote, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The uninterrupted run (local; the digests do not depend on the store), and how long it took."""
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "log").mkdir()
+    began = time.monotonic()
+    args = [str(tmp / "run"), {}, TOTAL, INTERVAL, KEEP, str(tmp / "log"), True]
+    ref = _run(manager_zygote, "train", args, tmp / "out")[0]
+    ref["duration"] = time.monotonic() - began
+    assert sorted(int(s) for s in ref["steps"]) == SAVED
+    return ref
+
+
+def _trials(
+    zygote: Zygote, ref: dict[str, Any], base: str, storage_options: dict[str, Any], tmp: Path, seed: int
+) -> tuple[collections.Counter, str]:
     rng = random.Random(seed)
     args = [storage_options, TOTAL, INTERVAL, KEEP]
     began = time.monotonic()
-    (tmp / "ref-log").mkdir()
-    ref = _run(zygote, "train", [f"{base}/reference", *args, str(tmp / "ref-log"), True], tmp / "ref")[0]
-    duration = time.monotonic() - began
-    assert sorted(int(s) for s in ref["steps"]) == SAVED
+    duration = ref["duration"]
     phases: collections.Counter = collections.Counter()
     root = ""
     for k in range(TRIALS):
@@ -123,23 +135,29 @@ def _trials(zygote: Zygote, base: str, storage_options: dict[str, Any], tmp: Pat
             assert r["final"] == ref["final"], f"trial {k}: training resumed from {latest} diverged"
         end = _state(root, storage_options)
         assert end == {"complete": SAVED[-KEEP:], "torn": [], "torn_locked": []}, f"trial {k}: {end}"
-    restored = _run(zygote, "restore_only", [root, storage_options], tmp / "three", world=3)
-    assert {r["step"] for r in restored} == {TOTAL}
-    assert {r["digest"] for r in restored} == {ref["steps"][str(TOTAL)]}, "the 3-rank restore differs"
     phases["seconds"] = round(time.monotonic() - began)
-    return phases
+    return phases, root
 
 
-def test_kill_resume_local(manager_zygote: Zygote, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    phases = _trials(manager_zygote, str(tmp_path / "run"), {}, tmp_path, SEED)
+def test_kill_resume_local(
+    manager_zygote: Zygote, reference: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    phases, root = _trials(manager_zygote, reference, str(tmp_path / "run"), {}, tmp_path, SEED)
     with capsys.disabled():
         print(f"\nmanager kill trials, local: {TRIALS}: {dict(phases)}")
+    restored = _run(manager_zygote, "restore_only", [root, {}], tmp_path / "three", world=3)
+    assert {r["step"] for r in restored} == {TOTAL}
+    assert {r["digest"] for r in restored} == {reference["steps"][str(TOTAL)]}, "the 3-rank restore differs"
 
 
 def test_kill_resume_s3(
-    manager_zygote: Zygote, s3_url: S3Location, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    manager_zygote: Zygote,
+    reference: dict[str, Any],
+    s3_url: S3Location,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     url, storage_options = s3_url
-    phases = _trials(manager_zygote, url, dict(storage_options), tmp_path, SEED + 1)
+    phases, _ = _trials(manager_zygote, reference, url, dict(storage_options), tmp_path, SEED + 1)
     with capsys.disabled():
         print(f"\nmanager kill trials, s3: {TRIALS}: {dict(phases)}")
