@@ -28,7 +28,7 @@ import logging
 import os
 import posixpath
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch.distributed as dist
@@ -175,7 +175,7 @@ class CheckpointManager:
         if self.async_mode is None:
             try:
                 self._run_save(step, app, writer, checked)
-            except Exception:
+            except BaseException:  # torch's CheckpointException is a BaseException
                 self._inflight.failed.append(step)
                 raise
             self._complete.add(step)
@@ -274,8 +274,14 @@ class CheckpointManager:
             step_name(step)
             agreed(self._group, lambda: self._require_complete(step))
         app = _app_state(state)
+        flat = {k: v.state_dict() if _is_stateful(v) else v for k, v in app.items()}
         reader = open_reader(self._step_url(step), self.writer, self.storage_options)
-        dcp.load(app, storage_reader=reader, planner=planner, process_group=self._group, no_dist=not self._distributed)
+        dcp.load(flat, storage_reader=reader, planner=planner, process_group=self._group, no_dist=not self._distributed)
+        for key, value in app.items():  # dcp.load fills tensors in place; the rest is handed back here
+            if _is_stateful(value):
+                value.load_state_dict(flat[key])
+            elif isinstance(state, MutableMapping) and flat[key] is not value:
+                state[key] = flat[key]  # a non-tensor value (an int, a list): replaced in the caller's dict
         return step
 
     def _require_complete(self, step: int) -> None:

@@ -44,9 +44,9 @@ class InFlight:
             return None
         try:
             return future.result()
-        except Exception:
-            if step is not None:
-                self.failed.append(step)
+        except BaseException:  # torch's CheckpointException is a BaseException
+            if future.done() and not future.cancelled() and future.exception() is not None and step is not None:
+                self.failed.append(step)  # the save failed (not an interrupt of this wait)
             raise
         finally:
             if future.done():  # an interrupt while waiting leaves the save in flight

@@ -20,8 +20,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 __all__ = ["TrainState"]
 
-_RESERVED = ("model", "optimizer", "scheduler")
-
 
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
@@ -32,8 +30,7 @@ class TrainState:
     ``CheckpointManager.save(step, TrainState(...))`` and restore it in place with ``restore``.
 
     ``extra`` values are Stateful objects (a ``StatefulDataLoader``, a step counter with
-    ``state_dict``/``load_state_dict``) or tensors (restored in place); their names must differ from
-    ``model``, ``optimizer`` and ``scheduler``.
+    ``state_dict``/``load_state_dict``) or tensors (restored in place).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None, **extra: Any) -> None:
@@ -44,8 +41,6 @@ class TrainState:
         if scheduler is not None and not _is_stateful(scheduler):
             raise TypeError(f"TrainState: scheduler {type(scheduler).__name__} has no state_dict/load_state_dict")
         for name, value in extra.items():
-            if name in _RESERVED:
-                raise ValueError(f"TrainState: {name!r} is the name of a built-in part; name the extra state otherwise")
             if not (_is_stateful(value) or isinstance(value, torch.Tensor)):
                 raise TypeError(
                     f"TrainState: extra state {name!r} ({type(value).__name__}) is neither Stateful (state_dict and "

@@ -23,6 +23,7 @@ import collections
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -135,10 +136,13 @@ def _trials(
             assert r["final"] == ref["final"], f"trial {k}: training resumed from {latest} diverged"
         end = _state(root, storage_options)
         assert end == {"complete": SAVED[-KEEP:], "torn": [], "torn_locked": []}, f"trial {k}: {end}"
+        if TRIALS > 1:
+            print(f"trial {k}: {_phase(after)}, durable {durable}, resumed from {latest}", file=sys.__stdout__)
     phases["seconds"] = round(time.monotonic() - began)
     return phases, root
 
 
+@pytest.mark.timeout(240 + 200 * TRIALS)  # a trial is two jobs of a few seconds each, far more under load
 def test_kill_resume_local(
     manager_zygote: Zygote, reference: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -150,6 +154,7 @@ def test_kill_resume_local(
     assert {r["digest"] for r in restored} == {reference["steps"][str(TOTAL)]}, "the 3-rank restore differs"
 
 
+@pytest.mark.timeout(240 + 200 * TRIALS)
 def test_kill_resume_s3(
     manager_zygote: Zygote,
     reference: dict[str, Any],
