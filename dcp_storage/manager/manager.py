@@ -115,7 +115,7 @@ class CheckpointManager:
         self._stager = ReusingStager()
         self._closed = False
         self.last_cleanup = None
-        self._complete: set[int] = set(agreed(self._group, self._recover))
+        self._complete: set[int] = set(agreed(self._group, self._recover, self.root))
 
     # ------------------------------------------------------------------------------------ coordinator
     def _store(self) -> StepRoot:
@@ -248,12 +248,12 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest complete step (``None``: none yet), the same on every rank; O(1) requests."""
         self._check_open()
-        return agreed(self._group, lambda: self._store().latest())
+        return agreed(self._group, lambda: self._store().latest(), self.root)
 
     def all_steps(self) -> list[int]:
         """Every complete step, ascending, the same on every rank."""
         self._check_open()
-        return agreed(self._group, lambda: self._store().steps())
+        return agreed(self._group, lambda: self._store().steps(), self.root)
 
     def restore(self, state: Any, step: int | None = None, *, planner: Any = None) -> int:
         """Load ``step`` (default: the latest complete one) into ``state`` in place; returns the step.
@@ -272,7 +272,7 @@ class CheckpointManager:
                 )
         else:
             step_name(step)
-            agreed(self._group, lambda: self._require_complete(step))
+            agreed(self._group, lambda: self._require_complete(step), self.root)
         app = _app_state(state)
         flat = {k: v.state_dict() if _is_stateful(v) else v for k, v in app.items()}
         reader = open_reader(self._step_url(step), self.writer, self.storage_options)
