@@ -104,6 +104,12 @@ class CheckpointManager:
         self.writer = writer
         self.create_bucket = create_bucket
         self._distributed = dist.is_available() and dist.is_initialized()
+        if async_mode == "process" and not self._distributed:
+            raise ValueError(
+                "async_mode='process' needs an initialized process group (torch's checkpoint process joins it): "
+                "call torch.distributed.init_process_group('gloo') first (torchrun sets the environment), or use "
+                "async_mode='thread'"
+            )
         self._group = (process_group or dist.group.WORLD) if self._distributed else None
         self._own_group = None
         if self._distributed and async_mode == "thread":

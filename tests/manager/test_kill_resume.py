@@ -119,7 +119,7 @@ def _trials(
         log_dir = tmp / f"log-{k}"
         log_dir.mkdir()
         job = _launch(zygote, "train", [root, *args, str(log_dir), False], tmp / f"killed-{k}")
-        time.sleep(rng.uniform(0.15, 1.0) * duration)
+        time.sleep(rng.uniform(0.3, 1.0) * duration)
         job.kill(rng.randrange(2))
         job.wait(grace=2.0)
         after = _state(root, storage_options)
@@ -128,7 +128,10 @@ def _trials(
         if durable is not None:
             assert durable in after["complete"], f"trial {k}: step {durable} was durable, now {after}"
         latest = max(after["complete"], default=None)
+        run_began = time.monotonic()
         res = _run(zygote, "train", [root, *args, str(log_dir), False], tmp / f"resumed-{k}")
+        if latest is None:  # a whole run on this store: aim the next kills by its length
+            duration = time.monotonic() - run_began
         for r in res:
             assert r["resumed"] == latest, f"trial {k}: resumed from {r['resumed']}, latest complete was {latest}"
             if latest is not None:

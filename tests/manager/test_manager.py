@@ -267,6 +267,13 @@ def test_same_answer_on_every_rank(tmp_path: Path) -> None:
     assert results[0] == results[1] == {"latest": 3, "all": [2, 3], "restored": 3, "value": 3.0}
 
 
+def test_process_mode(tmp_path: Path) -> None:
+    results = run_ranks(_manager_fns.process_mode, 2, str(tmp_path / "run"), timeout=300)
+    assert results[0] == results[1] == {"all": [2], "restored": 2, "value": 2.0}
+    with pytest.raises(ValueError, match="initialized process group"):
+        ds.CheckpointManager(tmp_path / "alone", async_mode="process")
+
+
 def test_cli_ls_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from dcp_storage.cli import main
 
