@@ -81,7 +81,7 @@ class CheckpointManager:
         root: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
         *,
-        keep: KeepPolicy | None = None,
+        keep: KeepPolicy = KeepPolicy(last=3, every=None),  # noqa: B008 - frozen, so sharing it is safe
         save_interval_steps: int = 1,
         async_mode: str | None = None,
         writer: str = "dcp",
@@ -92,13 +92,13 @@ class CheckpointManager:
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
         if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
-        if keep is not None and not isinstance(keep, KeepPolicy):
+        if not isinstance(keep, KeepPolicy):
             raise TypeError(f"keep must be a KeepPolicy, got {type(keep).__name__}")
         if not isinstance(writer, str):
             raise TypeError(f"writer must be a format name such as 'dcp' or 'safetensors', got {type(writer).__name__}")
         self.root = os.fspath(root).rstrip("/") or os.fspath(root)
         self.storage_options = dict(storage_options or {})
-        self.keep = keep if keep is not None else KeepPolicy()
+        self.keep = keep
         self.save_interval_steps = save_interval_steps
         self.async_mode = async_mode
         self.writer = writer
