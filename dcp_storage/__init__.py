@@ -45,6 +45,7 @@ _EXPORTS = {
     ".formats.torch_save.archive": ("TorchSaveArchiveConfig",),
     ".inspection": ("describe", "verify"),
     ".load_save": ("load", "save"),
+    ".manager": ("CheckpointManager", "KeepPolicy", "TrainState"),
     ".opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
     ".planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
     ".storage": (
@@ -121,6 +122,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from .formats.torch_save.archive import TorchSaveArchiveConfig
     from .inspection import describe, verify
     from .load_save import load, save
+    from .manager import CheckpointManager, KeepPolicy, TrainState
     from .opening import UnknownFormatError, detect_format, open_reader, open_writer
     from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
     from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
@@ -142,6 +144,7 @@ __all__ = [
     "BroadcastingTorchSaveReader",
     "BucketNotFoundError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "ConvertResult",
     "CorruptCheckpointError",
@@ -157,6 +160,7 @@ __all__ = [
     "FsspecWriter",
     "HexPrefixStrategy",
     "IncompleteCheckpointError",
+    "KeepPolicy",
     "KeyMap",
     "KeyRules",
     "LocationMismatchError",
@@ -175,6 +179,7 @@ __all__ = [
     "ShapeMismatchError",
     "StorageAccessError",
     "TorchSaveArchiveConfig",
+    "TrainState",
     "Transport",
     "TransportConfig",
     "TransportError",

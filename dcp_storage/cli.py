@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Sequence
 
 from ._version import __version__
-from .commands import convert, demo, inspect, merge, plugins, verify
+from .commands import convert, demo, inspect, merge, plugins, steps, verify
 from .commands._common import HelpFormatter, UsageError, as_typed
 from .text import escaped_stdio, printable
 
@@ -29,6 +29,8 @@ examples:
   dcp-storage verify ./hf --deep
   dcp-storage convert ./ckpt ./hf --to safetensors --max-shard-size 5GB
   dcp-storage merge out/pytorch_model_fsdp_0 out/merged
+  dcp-storage ls ./run
+  dcp-storage gc ./run --keep-last 3 --dry-run
   dcp-storage plugins
   dcp-storage demo
 
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in (convert, merge, inspect, verify, plugins, demo):
         command.add_parser(sub)
+    steps.add_parsers(sub)  # ls and gc: the steps of a checkpoint manager's root
     return parser
 
 

@@ -43,6 +43,7 @@ from .spec import Probe
 
 __all__ = [
     "Leftovers",
+    "commit_marker",
     "find_leftovers",
     "list_all",
     "probe_or_refuse",
@@ -101,13 +102,19 @@ def _is_single_safetensors(name: str) -> bool:
     return name.startswith(TORCH_DISTRIBUTED_SHARD) or HF_SHARD_RE.match(name) is None
 
 
-def _has_marker(names: list[str]) -> bool:
+def commit_marker(names: list[str] | tuple[str, ...]) -> str | None:
+    """The first commit marker among ``names`` (a directory's listing), or ``None``: no checkpoint is
+    committed there. The checkpoint manager's truth of which steps are complete."""
     for name in names:
         if name == METADATA_FILE or RANK_METADATA_RE.match(name) or name.endswith(INDEX_SUFFIX):
-            return True
+            return name
         if _is_single_safetensors(name):
-            return True
-    return False
+            return name
+    return None
+
+
+def _has_marker(names: list[str]) -> bool:
+    return commit_marker(names) is not None
 
 
 def _missing_marker(data: list[str], temps: list[str], manifests: list[str]) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from ._helpers import REPO, cli_env, run_batch
 
-COMMANDS = ["convert", "merge", "inspect", "verify", "plugins", "plugins list", "plugins new", "demo"]
+COMMANDS = ["convert", "merge", "inspect", "verify", "plugins", "plugins list", "plugins new", "demo", "ls", "gc"]
 
 _RUN_AS_MODULE = """
 import json, runpy, sys

@@ -58,10 +58,20 @@ class Zygote:
             raise RuntimeError(f"zygote exited (code {self.proc.poll()})")
         return json.loads(line)
 
-    def launch(self, fn: str, args: list[Any], result_dir: str, world: int = 2, timeout: float = 60.0) -> Job:
+    def launch(
+        self,
+        fn: str,
+        args: list[Any],
+        result_dir: str,
+        world: int = 2,
+        timeout: float = 60.0,
+        module: str | None = None,
+        path: str | None = None,
+    ) -> Job:
         """Fork ``world`` ranks running ``_rank_fns.<fn>(rank, world, *args)``; returns once they exist.
 
-        Each rank's return value lands in ``{result_dir}/rank{r}.json``.
+        ``module``/``path``: run ``<module>.<fn>`` instead, the module found in the folder ``path`` (another
+        test package's rank bodies). Each rank's return value lands in ``{result_dir}/rank{r}.json``.
         """
         import datetime
 
@@ -72,6 +82,7 @@ class Zygote:
         )
         assert self.proc.stdin is not None
         job = {"fn": fn, "args": args, "world": world, "store_port": store.port, "timeout": timeout, "out": result_dir}
+        job.update(module=module, path=path)
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         pids = self._read(timeout)["pids"]
@@ -153,17 +164,21 @@ def _rank(job: dict[str, Any], rank: int) -> None:
             GLOO_SOCKET_IFNAME="lo",
         )
         import datetime
+        import importlib
 
-        import _rank_fns  # type: ignore[import-not-found]
         import torch
         import torch.distributed as dist
+
+        if job.get("path"):  # another test package's rank bodies (tests/manager): its folder, its module
+            sys.path.insert(0, job["path"])
+        rank_fns = importlib.import_module(job.get("module") or "_rank_fns")
 
         torch.set_num_threads(1)
         delta = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout=delta)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=delta)
         dist.barrier()
-        result = getattr(_rank_fns, job["fn"])(rank, world, *job["args"])
+        result = getattr(rank_fns, job["fn"])(rank, world, *job["args"])
         dist.destroy_process_group()
         with open(os.path.join(job["out"], f"rank{rank}.json"), "w") as f:
             json.dump(result, f)

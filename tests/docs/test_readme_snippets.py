@@ -20,7 +20,16 @@ import pytest
 README = Path(__file__).resolve().parents[2] / "README.md"
 SECTION = "## Common tasks"
 TORCHRUN = re.compile(r"#\s*torchrun\s+--nproc-per-node\s+(\d+)\b")
-TOPICS = ("Hugging Face", "one rank", "optimizer", "async_save", "checkpoint process", "meta device", "Trust")
+TOPICS = (
+    "Hugging Face",
+    "one rank",
+    "optimizer",
+    "async_save",
+    "checkpoint process",
+    "training job on a bucket",
+    "meta device",
+    "Trust",
+)
 
 
 def common_tasks() -> list[tuple[str, str]]:

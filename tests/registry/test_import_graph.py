@@ -75,6 +75,7 @@ LAYERS: dict[str, int] = {
     "inspection": TOOLS,
     "conversion": TOOLS,
     "fsdp": TOOLS,
+    "manager": TOOLS,
     "plugin_scaffold": TOOLS,
     "": API,  # the package __init__
     "plugin_api": API,

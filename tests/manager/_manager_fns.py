@@ -1,0 +1,44 @@
+"""Rank bodies of ``test_manager.py``'s multi-rank test (module-level, for ``run_ranks``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def same_answer(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Every rank saves a (replicated) state, then asks latest_step/all_steps and restores."""
+    import dcp_storage as ds
+
+    mgr = ds.CheckpointManager(root, keep=ds.KeepPolicy(last=2), async_mode="thread")
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4, 4), float(step))})
+    mgr.wait()
+    out = {"latest": mgr.latest_step(), "all": mgr.all_steps()}
+    target = {"w": torch.zeros(4, 4)}
+    out["restored"] = mgr.restore(target)
+    out["value"] = float(target["w"][0, 0])
+    mgr.close()
+    return out
+
+
+def process_mode(rank: int, world: int, root: str) -> dict[str, Any]:
+    """async_mode="process": torch's checkpoint process writes; the manager keeps, indexes and restores."""
+    import os
+
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    import dcp_storage as ds
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # the checkpoint process's group (torch falls back to the FQDN)
+    try:
+        with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=1), async_mode="process") as mgr:
+            for step in (1, 2):
+                mgr.save(step, {"w": torch.full((4, 4), float(step))})
+        with ds.CheckpointManager(root) as mgr:
+            target = {"w": torch.zeros(4, 4)}
+            return {"all": mgr.all_steps(), "restored": mgr.restore(target), "value": float(target["w"][0, 0])}
+    finally:
+        process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None  # stop it now (a global)
+        del process

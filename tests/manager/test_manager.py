@@ -1,0 +1,302 @@
+"""``CheckpointManager``'s rules on a local disk and ``memory://`` (the other stores:
+``tests/conformance/test_manager_stores.py``).
+
+Torn folders, live locks, failed async saves, the index as a cache (absent, stale, lying), retention after
+durability, and the same answer on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import dcp_storage as ds
+from dcp_storage.manager.layout import INDEX_FILE, step_name
+from dcp_storage.testing.distributed import run_ranks
+
+from . import _manager_fns
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((8, 8), value), "b": torch.arange(4.0) + value, "step": int(value)}
+
+
+def _steps(root: Path) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("step-"))
+
+
+def _torn(root: Path, step: int, *, lock: dict | None = None) -> Path:
+    """A step folder as a killed save leaves it: a data file, a manifest, maybe the lock, no .metadata."""
+    folder = root / step_name(step)
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 64)
+    if lock is not None:
+        (folder / ".dcp_storage.lock").write_text(json.dumps(lock))
+    return folder
+
+
+@pytest.mark.parametrize("mode", [None, "thread"])
+def test_save_interval_keep_and_restore(tmp_path: Path, mode: str | None) -> None:
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=2), save_interval_steps=3, async_mode=mode) as mgr:
+        started = [mgr.save(step, _state(step)) for step in range(1, 11)]
+        assert started == [s % 3 == 0 for s in range(1, 11)]
+        assert mgr.save(9, _state(9)) is False  # already stored
+        assert mgr.save(10, _state(10), force=True) is True  # preemption: save now
+        mgr.wait()
+        assert mgr.latest_step() == 10
+        assert mgr.all_steps() == [9, 10]
+        assert _steps(root) == [step_name(9), step_name(10)]
+        target = _state(0)
+        assert mgr.restore(target) == 10
+        assert torch.equal(target["w"], _state(10)["w"]) and target["step"] == 10
+        assert mgr.restore(target, step=9) == 9 and target["step"] == 9
+
+
+def test_stateful_train_state_roundtrip(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    counter = torch.tensor([41])
+    with ds.CheckpointManager(tmp_path / "run", async_mode="thread") as mgr:
+        mgr.save(1, ds.TrainState(model, opt, sched, tokens=counter))
+    model2 = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    counter2 = torch.tensor([0])
+    with ds.CheckpointManager(tmp_path / "run") as mgr:
+        assert mgr.restore(ds.TrainState(model2, opt2, sched2, tokens=counter2)) == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], opt2.state_dict()["state"][0]["exp_avg"])
+    assert sched2.state_dict()["last_epoch"] == 1 and opt2.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert int(counter2) == 41
+
+
+def test_train_state_refuses_what_it_cannot_restore() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="neither Stateful"):
+        ds.TrainState(model, counter=3)
+    with pytest.raises(TypeError, match="optimizer must be"):
+        ds.TrainState(model, object())
+
+
+def test_torn_folder_removed_on_start_never_counted(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root) as mgr:
+        mgr.save(1, _state(1))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _torn(root, 2, lock={"host": socket.gethostname(), "pid": int(dead.stdout), "since": "2026-01-01T00:00:00Z"})
+    _torn(root, 3)  # a delete killed after the marker went: no lock either
+    with ds.CheckpointManager(root) as mgr:
+        assert mgr.latest_step() == 1
+        assert _steps(root) == [step_name(1)]
+        assert mgr.last_cleanup.torn_removed == [2, 3]
+
+
+def test_folder_held_by_a_live_save_is_left_alone(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root) as mgr:
+        mgr.save(1, _state(1))
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = {"host": socket.gethostname(), "pid": live.pid, "since": "2026-01-01T00:00:00Z"}
+        held = _torn(root, 2, lock=lock)
+        other_host = _torn(root, 3, lock={"host": "elsewhere", "pid": 1, "since": "2099-01-01T00:00:00Z"})
+        with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=1)) as mgr:
+            assert mgr.last_cleanup.held == [2, 3]
+            assert held.exists() and other_host.exists()
+            assert mgr.latest_step() == 1  # held or not, a torn folder is no step
+            mgr.save(4, _state(4))
+        assert _steps(root) == [step_name(2), step_name(3), step_name(4)]
+    finally:
+        live.kill()
+        live.wait()
+    with ds.CheckpointManager(root) as mgr:  # its holder is dead now: the next start removes it
+        assert mgr.last_cleanup.torn_removed == [2]
+
+
+def test_failed_async_save_raises_next_and_never_counts(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    mgr = ds.CheckpointManager(root, async_mode="thread")
+    mgr.save(1, _state(1))
+    assert mgr.save(2, {**_state(2), "bad": lambda: None}) is True  # fails in the background (pickling)
+    with pytest.raises(CheckpointException, match="ranks"):
+        mgr.save(3, _state(3))
+    assert mgr.latest_step() == 1 and mgr.all_steps() == [1]
+    assert mgr.save(3, _state(3)) is True  # the error was raised once; saving goes on
+    mgr.wait()
+    assert mgr.all_steps() == [1, 3]
+    assert step_name(2) not in _steps(root)  # the failed save's folder went with the next save
+    mgr.save(4, {**_state(4), "bad": lambda: None})
+    with pytest.raises(CheckpointException, match="ranks"):
+        mgr.close()
+    assert ds.CheckpointManager(root).latest_step() == 3
+
+
+def test_failed_save_raises_at_wait(tmp_path: Path) -> None:
+    mgr = ds.CheckpointManager(tmp_path / "run", async_mode="thread")
+    mgr.save(1, {"bad": lambda: None})
+    with pytest.raises(CheckpointException, match="ranks"):
+        mgr.wait()
+    mgr.close()
+
+
+def test_index_is_only_a_cache(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=3)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    index = root / INDEX_FILE
+    with ds.CheckpointManager(root) as mgr:
+        assert (mgr.latest_step(), mgr.all_steps()) == (3, [1, 2, 3])
+        index.unlink()  # absent
+        assert (mgr.latest_step(), mgr.all_steps()) == (3, [1, 2, 3])
+        index.write_text("{not json")  # unreadable
+        assert (mgr.latest_step(), mgr.all_steps()) == (3, [1, 2, 3])
+        body = {"kind": "dcp-storage-steps/1", "steps": {"1": ".metadata", "9": ".metadata"}, "pending": None}
+        index.write_text(json.dumps(body))  # names a step that has no marker
+        assert (mgr.latest_step(), mgr.all_steps()) == (3, [1, 2, 3])
+        stale = {"kind": "dcp-storage-steps/1", "steps": {"1": ".metadata", "2": ".metadata"}, "pending": 3}
+        index.write_text(json.dumps(stale))  # killed after step 3's commit, before the index said so
+        assert mgr.latest_step() == 3
+
+
+def test_lost_marker_makes_a_step_torn(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    (root / step_name(2) / ".metadata").unlink()  # what a delete killed half way leaves
+    (root / INDEX_FILE).unlink()
+    with ds.CheckpointManager(root) as mgr:
+        assert mgr.latest_step() == 1
+        target = _state(0)
+        assert mgr.restore(target) == 1 and target["step"] == 1
+
+
+def test_restore_without_steps_and_of_a_torn_step(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root) as mgr:
+        assert mgr.latest_step() is None and mgr.all_steps() == []
+        with pytest.raises(ds.CheckpointNotFoundError, match="no complete step"):
+            mgr.restore(_state(0))
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _torn(root, 5, lock={"host": socket.gethostname(), "pid": live.pid, "since": "2026-01-01T00:00:00Z"})
+        with ds.CheckpointManager(root) as mgr:
+            with pytest.raises(ds.IncompleteCheckpointError):
+                mgr.restore(_state(0), step=5)
+            with pytest.raises(ds.CheckpointNotFoundError, match="no complete step 6"):
+                mgr.restore(_state(0), step=6)
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="async_mode"):
+        ds.CheckpointManager(tmp_path, async_mode="fork")
+    with pytest.raises(ValueError, match="save_interval_steps"):
+        ds.CheckpointManager(tmp_path, save_interval_steps=0)
+    with pytest.raises(TypeError, match="KeepPolicy"):
+        ds.CheckpointManager(tmp_path, keep=3)  # type: ignore[arg-type]
+    with ds.CheckpointManager(tmp_path / "run") as mgr:
+        with pytest.raises(ValueError, match="non-negative int"):
+            mgr.save(-1, _state(1))
+        with pytest.raises(TypeError, match="metrics"):
+            mgr.save(1, _state(1), metrics={"loss": "low"})
+        with pytest.raises(TypeError, match="TrainState"):
+            mgr.save(1, [torch.zeros(1)])
+
+
+def test_keep_best_by_metric_survives_a_restart(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    keep = ds.KeepPolicy(last=1, best=1, metric="loss")
+    with ds.CheckpointManager(root, keep=keep) as mgr:
+        for step, loss in ((1, 0.9), (2, 0.2), (3, 0.5)):
+            mgr.save(step, _state(step), metrics={"loss": loss})
+        assert mgr.all_steps() == [2, 3]
+    (root / INDEX_FILE).unlink()  # the metrics come back from the steps' own info files
+    with ds.CheckpointManager(root, keep=keep) as mgr:
+        mgr.save(4, _state(4), metrics={"loss": 0.7})
+        assert mgr.all_steps() == [2, 4]
+
+
+def test_safetensors_writer(tmp_path: Path) -> None:
+    """Tensor-only state (its reader does not load the writer's extra-state file back)."""
+    tensors = lambda v: {k: t for k, t in _state(v).items() if isinstance(t, torch.Tensor)}  # noqa: E731
+    with ds.CheckpointManager(tmp_path / "run", writer="safetensors", keep=ds.KeepPolicy(last=1)) as mgr:
+        mgr.save(1, tensors(1))
+        mgr.save(2, tensors(2))
+        assert mgr.all_steps() == [2]
+        target = tensors(0)
+        assert mgr.restore(target) == 2 and torch.equal(target["w"], _state(2)["w"])
+
+
+def test_memory_store() -> None:
+    root = f"memory://manager-{uuid.uuid4().hex}/run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=2), async_mode="thread") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        assert mgr.all_steps() == [2, 3]
+    with ds.CheckpointManager(root) as mgr:
+        target = _state(0)
+        assert mgr.restore(target) == 3 and target["step"] == 3
+
+
+def test_same_answer_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(_manager_fns.same_answer, 2, str(tmp_path / "run"), timeout=180)
+    assert results[0] == results[1] == {"latest": 3, "all": [2, 3], "restored": 3, "value": 3.0}
+
+
+def test_process_mode(tmp_path: Path) -> None:
+    results = run_ranks(_manager_fns.process_mode, 2, str(tmp_path / "run"), timeout=300)
+    assert results[0] == results[1] == {"all": [2], "restored": 2, "value": 2.0}
+    with pytest.raises(ValueError, match="initialized process group"):
+        ds.CheckpointManager(tmp_path / "alone", async_mode="process")
+
+
+def test_cli_ls_and_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dcp_storage.cli import main
+
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=None)) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, _state(step), metrics={"loss": 1.0 / step})
+    _torn(root, 6)
+
+    def cli(*argv: str) -> Any:
+        capsys.readouterr()
+        assert main(list(argv)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    listed = cli("ls", str(root), "--json")
+    assert [(s["step"], s["state"]) for s in listed["steps"]] == [(s, "complete") for s in range(1, 6)] + [(6, "torn")]
+    assert listed["latest"] == 5 and listed["steps"][0]["metrics"] == {"loss": 1.0} and listed["steps"][0]["bytes"] > 0
+    dry = cli("gc", str(root), "--keep-last", "2", "--keep-every", "2", "--dry-run", "--json")
+    assert dry["deleted"] == [1, 3] and dry["torn_removed"] == [6] and len(_steps(root)) == 6
+    done = cli("gc", str(root), "--keep-last", "2", "--keep-every", "2", "--json")
+    assert done["deleted"] == [1, 3] and done["kept"] == [2, 4, 5]
+    assert _steps(root) == [step_name(s) for s in (2, 4, 5)]
+    assert main(["ls", str(root)]) == 0
+    assert "complete" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["gc", str(root), "--keep-last", "0"])  # argparse refuses it
