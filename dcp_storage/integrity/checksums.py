@@ -29,14 +29,31 @@ __all__ = [
     "ChecksumAlgorithmError",
     "Hasher",
     "HashingWriter",
+    "BLOCK_SIZE",
     "check_algorithm",
     "checksum",
+    "crc32",
     "digest_width",
     "mismatch",
     "new_hasher",
 ]
 
 DEFAULT_ALGORITHM = "xxh3_64"
+
+# Records longer than this also get a checksum per block of this many bytes (from the record's start), so a
+# rank reading a slice is checked by the blocks that cover it, reading at most a block more each side.
+# Measured at 2 ranks Shard(0) over 64 MiB records: 1 MiB blocks read 0.8% more bytes, 4 MiB 3.1% (README).
+BLOCK_SIZE = 1 << 20
+
+try:  # ISA-L's CRC-32 (zip's polynomial): 11.7 GB/s against zlib's 3.5 here (under load); zlib if missing
+    from isal.isal_zlib import crc32 as _fast_crc32
+except ImportError:  # pragma: no cover - isal is a dependency; a platform without a wheel still works
+    _fast_crc32 = zlib.crc32
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """zip's CRC-32 of a bytes-like object (continuing from ``value``): ISA-L's when installed, else zlib's."""
+    return _fast_crc32(data, value)  # type: ignore[no-any-return]
 
 
 class ChecksumAlgorithmError(DcpStorageError, ValueError):
@@ -91,7 +108,7 @@ def _crc32c() -> Hasher:
 
 
 def _crc32() -> Hasher:
-    return _Crc(lambda data, value: zlib.crc32(data, value))
+    return _Crc(crc32)
 
 
 ALGORITHMS: dict[str, tuple[Callable[[], Hasher], int]] = {
@@ -149,12 +166,21 @@ class HashingWriter:
     bytes are only counted). Bytes written outside an item are a bug (they would not be covered), so
     :meth:`write` refuses them. ``tell`` passes through, so ``torch.save`` sees a seekable-looking stream
     exactly as before.
+
+    With ``block_size`` each item is also hashed in blocks of that many bytes from its start; after
+    :meth:`end`, :attr:`blocks` holds their digests (empty for an item of one block, whose digest is the
+    item's).
     """
 
-    def __init__(self, raw: Any, algorithm: str | None = DEFAULT_ALGORITHM) -> None:
+    def __init__(self, raw: Any, algorithm: str | None = DEFAULT_ALGORITHM, block_size: int | None = None) -> None:
         self._raw = raw
         self.algorithm = algorithm
+        self.block_size = block_size
         self._hasher: Hasher | None = None
+        self._block: Hasher | None = None
+        self._block_left = 0
+        self.blocks: tuple[str, ...] = ()
+        self._blocks: list[str] = []
         self._open = False
         self._start = 0
 
@@ -163,12 +189,17 @@ class HashingWriter:
             raise RuntimeError("HashingWriter.begin called inside an item")
         self._open = True
         self._hasher = new_hasher(self.algorithm) if self.algorithm is not None else None
+        self._blocks, self._block, self._block_left = [], None, 0
         self._start = self._raw.tell()
 
     def end(self) -> tuple[int, int, str | None]:
         if not self._open:
             raise RuntimeError("HashingWriter.end called outside an item")
         hasher, self._hasher, self._open = self._hasher, None, False
+        if self._block is not None:
+            self._blocks.append(self._block.hexdigest())
+            self._block = None
+        self.blocks = tuple(self._blocks) if len(self._blocks) > 1 else ()
         return (self._start, self._raw.tell() - self._start, hasher.hexdigest() if hasher is not None else None)
 
     PIECE = 4 * 1024 * 1024  # hashed, then written, while still in the CPU cache (one pass from memory saved)
@@ -180,13 +211,29 @@ class HashingWriter:
             return self._raw.write(data)  # type: ignore[no-any-return]
         view = memoryview(data).cast("B")
         if view.nbytes <= self.PIECE:
-            self._hasher.update(view)
+            self._hash(view)
             return self._raw.write(data)  # type: ignore[no-any-return]
         for pos in range(0, view.nbytes, self.PIECE):
             piece = view[pos : pos + self.PIECE]
-            self._hasher.update(piece)
+            self._hash(piece)
             self._raw.write(piece)
         return view.nbytes
+
+    def _hash(self, view: memoryview) -> None:
+        self._hasher.update(view)  # type: ignore[union-attr]
+        if self.block_size is None:
+            return
+        pos = 0
+        while pos < view.nbytes:
+            if self._block is None:
+                self._block, self._block_left = new_hasher(self.algorithm), self.block_size  # type: ignore[arg-type]
+            n = min(self._block_left, view.nbytes - pos)
+            self._block.update(view[pos : pos + n])
+            pos += n
+            self._block_left -= n
+            if self._block_left == 0:
+                self._blocks.append(self._block.hexdigest())
+                self._block = None
 
     def tell(self) -> int:
         return self._raw.tell()  # type: ignore[no-any-return]

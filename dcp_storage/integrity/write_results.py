@@ -16,26 +16,28 @@ __all__ = ["ChecksummedStorage", "unwrap_results"]
 
 @dataclass(frozen=True)
 class ChecksummedStorage:
-    """A record's ``_StorageInfo`` plus ``(algorithm, digest)`` of its stored bytes."""
+    """A record's ``_StorageInfo`` plus ``(algorithm, digest)`` of its stored bytes, and its block digests."""
 
     info: Any
     algorithm: str
     digest: str
+    blocks: tuple[str, ...] = ()
 
 
 def unwrap_results(
     results: Iterable[Iterable[Any]],
-) -> tuple[dict[Any, Any], list[tuple[str, int, int, str]], set[str]]:
-    """``{index: _StorageInfo}``, the ``(file, offset, length, digest)`` records and the algorithms seen."""
+) -> tuple[dict[Any, Any], list[tuple[Any, ...]], set[str]]:
+    """``{index: _StorageInfo}``, the ``(file, offset, length, digest, blocks)`` records and the algorithms seen."""
     storage: dict[Any, Any] = {}
-    records: list[tuple[str, int, int, str]] = []
+    records: list[tuple[Any, ...]] = []
     algorithms: set[str] = set()
     for rank_results in results:
         for wr in rank_results:
             data = wr.storage_data
             if isinstance(data, ChecksummedStorage):
                 info = data.info
-                records.append((info.relative_path, int(info.offset), int(info.length), data.digest))
+                blocks = getattr(data, "blocks", ())  # pickled by an older dcp-storage: none
+                records.append((info.relative_path, int(info.offset), int(info.length), data.digest, blocks))
                 algorithms.add(data.algorithm)
                 data = info
             storage[wr.index] = data

@@ -49,7 +49,7 @@ from ..formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_me
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.dcp_native.transform_write import ItemEncoder
 from ..formats.paths import DATA_SUFFIX, LOCK_RE, RANK_METADATA_RE
-from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter, check_algorithm
+from ..integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, check_algorithm
 from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import Transport, TransportConfig
@@ -275,7 +275,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
 
     def _write_records(self, raw: Any, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         results = []
-        stream = HashingWriter(raw, self.checksum_algorithm)  # checksums of the stored bytes, in one pass
+        stream = HashingWriter(raw, self.checksum_algorithm, BLOCK_SIZE)  # record and block checksums, in one pass
         for item in items:
             stream.begin()
             offset = stream.tell()
@@ -291,7 +291,9 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
                     torch.save(_compact_cpu(data), out)  # type: ignore[arg-type]
             _start, length, digest = stream.end()
             stored = _StorageInfo(name, offset, length, transform_descriptors=self._encoder.descriptors)
-            info = stored if digest is None else ChecksummedStorage(stored, self.checksum_algorithm, digest)
+            info = (
+                stored if digest is None else ChecksummedStorage(stored, self.checksum_algorithm, digest, stream.blocks)
+            )
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return results
 
@@ -301,10 +303,13 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         extensions = getattr(self, "extensions", None) or ()
-        manifest = build_manifest(DCP_FORMAT.descriptor, storage_md, checksums, algorithms, extensions)
+        committed = dump_metadata(metadata)  # the manifest records its digest: a stale manifest is told apart
+        manifest = build_manifest(
+            DCP_FORMAT.descriptor, storage_md, checksums, algorithms, extensions, metadata=committed
+        )
         self._confirm_claim()  # another save took the location over: it commits, not this one
         self.transport.write_file(self._manifest_path(), manifest.to_json())  # before the commit marker
-        self.transport.write_file(self._metadata_path(), dump_metadata(metadata))
+        self.transport.write_file(self._metadata_path(), committed)
         self._release_claim()
 
     def storage_meta(self) -> StorageMeta | None:
