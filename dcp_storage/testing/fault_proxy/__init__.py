@@ -82,6 +82,7 @@ from .proxy import FaultProxy, FaultProxyError
 from .rules import (
     ALL_FAULT_MODES,
     BODY_FAULT_MODES,
+    CORRUPT_BODY_MODES,
     FAULT_MODES,
     PERMANENT_MODES,
     RANGE_FAULT_MODES,
@@ -94,6 +95,7 @@ from .rules import (
 __all__ = [
     "ALL_FAULT_MODES",
     "BODY_FAULT_MODES",
+    "CORRUPT_BODY_MODES",
     "FAULT_MODES",
     "PERMANENT_MODES",
     "RANGE_FAULT_MODES",

@@ -15,6 +15,7 @@ from .link import LinkModel
 from .rewrite import rewritten
 from .rules import (
     BODY_FAULT_MODES,
+    CORRUPT_BODY_MODES,
     RANGE_FAULT_MODES,
     FaultCounters,
     FaultMode,
@@ -284,7 +285,7 @@ class FaultProxy(StartStop):
         if self.link is not None:
             await self.link.first_byte()
         has_body = response_has_body(method, status)
-        if mode in BODY_FAULT_MODES and has_body and status == 206:
+        if mode in BODY_FAULT_MODES + CORRUPT_BODY_MODES and has_body and status == 206:
             await self._rewrite(up_reader, writer, response, mode)  # type: ignore[arg-type]
             return False
         if mode in ("truncate", "stall_body"):
