@@ -10,8 +10,8 @@ each record has 16 block digests), then times single-process ``dcp.load`` calls 
 tensors (a whole-tensor read: every block of every record checked), verify on and off interleaved in the
 same run, best of ``--repeats``: from warm local files, and from moto (S3, in-process server) unless
 ``--no-s3``. It also counts the extra bytes a 2-rank ``Shard(0)`` reshard reads for its covering blocks
-(from the manifest and the stored layout, for 1, 2 and 4 MiB blocks), which is what picked the block
-size. Prints one JSON line per case.
+(for 1, 2 and 4 MiB blocks, from the record's start or aligned to the elements), which is what picked the
+block size and the alignment. Prints one JSON line per case.
 """
 
 from __future__ import annotations
@@ -70,25 +70,23 @@ def _compare(name: str, url: str, options: dict[str, Any] | None, state: dict[st
     )
 
 
-def _extra_bytes(state: dict[str, torch.Tensor]) -> None:
-    """Bytes 2 ranks read for their covering blocks, beyond their Shard(0) halves, per block size."""
-    header = 1261 + 700  # a torch.save record's bytes before the elements (measured), and a few after
-    for block in (1 << 20, 2 << 20, 4 << 20):
-        need = extra = 0
-        for v in state.values():
-            data = v.numel() * v.element_size()
-            length = header + data + 700
-            cover = BlockCover(0, length, block, (), "xxh3_64", "")
-            half = data // 2
-            for lo, hi in ((header, header + half), (header + half, header + data)):
-                start, end = cover.covering(lo, hi)
-                need += hi - lo
-                extra += (end - start) - (hi - lo)
-        print(
-            json.dumps(
-                {"case": "2 ranks Shard(0) extra bytes", "block": block, "extra_pct": round(100 * extra / need, 2)}
-            )
-        )
+def _extra_bytes() -> None:
+    """Bytes 2 ranks read for their covering blocks beyond their ``Shard(0)`` halves, per block size, with
+    blocks from the record's start and with the first block ending where the elements start (ours)."""
+    header, tail = 704, 463  # a torch.save record of one fp32 matrix: bytes before and after its elements
+    for shape in ((1024, 4096), (1000, 4099)):
+        data = shape[0] * shape[1] * 4
+        for block in (1 << 20, 2 << 20, 4 << 20):
+            for first in (0, header):
+                cover = BlockCover(0, header + data + tail, block, (), "xxh3_64", "", first)
+                half = (shape[0] // 2) * shape[1] * 4
+                extra = 0
+                for lo, hi in ((header, header + half), (header + half, header + data)):
+                    start, end = cover.covering(lo, hi)
+                    extra += (end - start) - (hi - lo)
+                line = {"case": "2 ranks Shard(0) extra bytes", "shape": list(shape), "block": block}
+                line |= {"aligned_to_elements": bool(first), "extra_pct": round(100 * extra / data, 2)}
+                print(json.dumps(line))
 
 
 def main() -> None:
@@ -98,7 +96,7 @@ def main() -> None:
     p.add_argument("--no-s3", action="store_true")
     args = p.parse_args()
     state = _state(args.mib)
-    _extra_bytes(state)
+    _extra_bytes()
     with tempfile.TemporaryDirectory() as root:
         dcp.save(state, storage_writer=FsspecWriter(root), no_dist=True)
         _compare("local warm, 1 process, full tensors", root, None, state, args.repeats)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ShapeMismatchError
-from ..integrity.blocks import Cover
+from ..integrity.blocks import BlockCover, Cover
 from ..tensor_buffers import host_buffer, writable_bytes
 from ..transports import LocalFileAccess, LocalRunReads, RangeRequest, RunsRead, Transport
 from ..transports.local_runs import LocalRuns, Region
@@ -203,20 +203,54 @@ def _plan_covered(
         head = bytearray(lo - start)
         tail = bytearray(end - hi)
         body = writable_bytes(dest := work.dest)
-        work.requests = [RangeRequest(stored.path, lo, hi, into=body)]
+        work.requests = _landing(stored.path, lo, hi, body, cover)
         if head:
             work.requests.insert(0, RangeRequest(stored.path, start, lo, into=memoryview(head)))
         if tail:
             work.requests.append(RangeRequest(stored.path, hi, end, into=memoryview(tail)))
-        work.check = lambda _landed: cover.check(start, (head, writable_bytes(dest), tail))
+        work.check = lambda _landed: _check_edges(cover, start, end, lo, hi, head, writable_bytes(dest), tail)
         return work
     staging = host_buffer((end - start,), torch.uint8, work.dest.device)
     work.staging = staging
     work.window = (lo - start, stored.dtype)
     work.strided = tuple(stored.stride)
-    work.requests = [RangeRequest(stored.path, start, end, into=writable_bytes(staging))]
-    work.check = lambda landed: cover.check(start, (writable_bytes(landed),))
+    work.requests = _landing(stored.path, start, end, writable_bytes(staging), cover)
+    if not isinstance(cover, BlockCover):
+        work.check = lambda landed: cover.check(start, (writable_bytes(landed),))
     return work
+
+
+def _landing(path: str, lo: int, hi: int, into: memoryview, cover: Cover) -> list[RangeRequest]:
+    """Requests for ``[lo, hi)`` into ``into``: with block digests, one per block, each whole block checked by
+    its request's ``on_complete`` in the worker thread that read it, while its bytes are still in cache."""
+    if not isinstance(cover, BlockCover):
+        return [RangeRequest(path, lo, hi, into=into)]
+    requests = []
+    for a, b, whole in cover.block_ends(lo, hi):
+        view = into[a - lo : b - lo]
+        done = (lambda data, at=a: cover.check_block(at, data)) if whole else None
+        requests.append(RangeRequest(path, a, b, into=view, on_complete=done))
+    return requests
+
+
+def _check_edges(
+    cover: Cover, start: int, end: int, lo: int, hi: int, head: bytearray, body: memoryview, tail: bytearray
+) -> None:
+    """Check what the requests' own checks did not: the blocks the slice shares with the bytes around it (a
+    :class:`BlockCover`), or everything (another cover)."""
+    if not isinstance(cover, BlockCover):
+        cover.check(start, (head, body, tail))
+        return
+    pieces = cover.block_ends(lo, hi)
+    _first_lo, first_hi, first_whole = pieces[0]
+    if not first_whole:
+        if len(pieces) == 1:  # one block holds the whole slice
+            cover.check(start, (head, body, tail))
+            return
+        cover.check(start, (head, body[: first_hi - lo]))
+    last_lo, _last_hi, last_whole = pieces[-1]
+    if not last_whole and len(pieces) > 1:  # last_lo is a block boundary: the block is the body's end and tail
+        cover.check(last_lo, (body[last_lo - lo :], tail))
 
 
 def dense_gap_of(transport: object) -> int | None:

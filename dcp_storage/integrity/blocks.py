@@ -43,7 +43,11 @@ class Cover(Protocol):
 
 @dataclass(frozen=True)
 class BlockCover:
-    """The blocks of one record ``[start, start + length)`` of a file, and their recorded digests."""
+    """The blocks of one record ``[start, start + length)`` of a file, and their recorded digests.
+
+    Blocks are ``block_size`` bytes from the record's start, or, with ``first``, a first block of ``first``
+    bytes (the record's header) and ``block_size`` blocks after it (aligned to the tensor's elements).
+    """
 
     start: int  # the record's first byte in its file
     length: int
@@ -51,18 +55,42 @@ class BlockCover:
     digests: tuple[str, ...]
     algorithm: str
     where: str  # the file's URL and the keys the record holds, for errors
+    first: int = 0
+
+    def _index(self, pos: int) -> int:
+        rel = pos - self.start
+        if self.first:
+            return 0 if rel < self.first else 1 + (rel - self.first) // self.block_size
+        return rel // self.block_size
+
+    def _bounds(self, index: int) -> tuple[int, int]:
+        """The absolute byte range of block ``index``."""
+        if self.first:
+            lo = 0 if index == 0 else self.first + (index - 1) * self.block_size
+            hi = self.first if index == 0 else lo + self.block_size
+        else:
+            lo = index * self.block_size
+            hi = lo + self.block_size
+        return self.start + lo, self.start + min(hi, self.length)
 
     def covering(self, lo: int, hi: int) -> tuple[int, int]:
         """The absolute byte range of the blocks that cover ``[lo, hi)``."""
-        b = self.block_size
-        first = (lo - self.start) // b
-        last = -(-(hi - self.start) // b)
-        return self.start + first * b, min(self.start + last * b, self.start + self.length)
+        return self._bounds(self._index(lo))[0], self._bounds(self._index(hi - 1))[1]
+
+    def block_ends(self, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        """``[lo, hi)`` cut at block boundaries: ``(start, end, whole)``, ``whole`` when the piece is a block."""
+        out = []
+        pos = lo
+        while pos < hi:
+            block_lo, block_hi = self._bounds(self._index(pos))
+            end = min(block_hi, hi)
+            out.append((pos, end, pos == block_lo and end == block_hi))
+            pos = end
+        return out
 
     def check(self, start: int, pieces: Sequence[Any]) -> None:
         """Hash the consecutive ``pieces`` that tile whole blocks from ``start`` (a block boundary)."""
-        b = self.block_size
-        index = (start - self.start) // b
+        index = self._index(start)
         hasher, left = None, 0
         for piece in pieces:
             view = memoryview(piece).cast("B")
@@ -70,7 +98,8 @@ class BlockCover:
             while pos < view.nbytes:
                 if hasher is None:
                     hasher = new_hasher(self.algorithm)
-                    left = min(b, self.start + self.length - (self.start + index * b))
+                    lo, hi = self._bounds(index)
+                    left = hi - lo
                 n = min(left, view.nbytes - pos)
                 hasher.update(view[pos : pos + n])
                 pos += n
@@ -81,11 +110,16 @@ class BlockCover:
         if hasher is not None:
             raise ValueError(f"{self.where}: the pieces end inside block {index}")
 
+    def check_block(self, lo: int, data: Any) -> None:
+        """Check the one whole block that starts at ``lo`` (run where its bytes land, while in cache)."""
+        hasher = new_hasher(self.algorithm)
+        hasher.update(data)
+        self._compare(self._index(lo), hasher.hexdigest())
+
     def _compare(self, index: int, got: str) -> None:
         recorded = self.digests[index]
         if got != recorded:
-            lo = self.start + index * self.block_size
-            hi = min(lo + self.block_size, self.start + self.length)
+            lo, hi = self._bounds(index)
             raise CorruptCheckpointError(
                 f"{self.where}: bytes [{lo}, {hi}) (block {index} of the record): {mismatch(self.algorithm, recorded)}; "
                 f"the bytes read are not those written; {FIX}"

@@ -44,6 +44,7 @@ DEFAULT_ALGORITHM = "xxh3_64"
 # rank reading a slice is checked by the blocks that cover it, reading at most a block more each side.
 # Measured at 2 ranks Shard(0) over 16 MiB records: 1 MiB blocks read 6.3% more bytes, 4 MiB 25% (README).
 BLOCK_SIZE = 1 << 20
+DATA_WRITE = 64 * 1024  # a write at least this long inside an item's first block starts its elements
 
 try:  # ISA-L's CRC-32 (zip's polynomial): 11.7 GB/s against zlib's 3.5 here (under load); zlib if missing
     from isal.isal_zlib import crc32 as _fast_crc32
@@ -167,9 +168,12 @@ class HashingWriter:
     :meth:`write` refuses them. ``tell`` passes through, so ``torch.save`` sees a seekable-looking stream
     exactly as before.
 
-    With ``block_size`` each item is also hashed in blocks of that many bytes from its start; after
-    :meth:`end`, :attr:`blocks` holds their digests (empty for an item of one block, whose digest is the
-    item's).
+    With ``block_size`` each item is also hashed in blocks of that many bytes; after :meth:`end`,
+    :attr:`blocks` holds their digests (empty for an item of one block, whose digest is the item's). The
+    first write of :data:`DATA_WRITE` bytes or more inside the first block (``torch.save`` writes a
+    tensor's elements in one call, after ~1 KiB of zip headers and pickle) ends that block early, and
+    :attr:`first_block` says where (0: it did not), so the blocks after it are aligned to the elements:
+    a ``Shard(0)`` slice of whole MiBs is then covered by its own blocks exactly.
     """
 
     def __init__(self, raw: Any, algorithm: str | None = DEFAULT_ALGORITHM, block_size: int | None = None) -> None:
@@ -180,7 +184,9 @@ class HashingWriter:
         self._block: Hasher | None = None
         self._block_left = 0
         self.blocks: tuple[str, ...] = ()
+        self.first_block = 0
         self._blocks: list[str] = []
+        self._item_bytes = 0
         self._open = False
         self._start = 0
 
@@ -190,6 +196,7 @@ class HashingWriter:
         self._open = True
         self._hasher = new_hasher(self.algorithm) if self.algorithm is not None else None
         self._blocks, self._block, self._block_left = [], None, 0
+        self.first_block, self._item_bytes = 0, 0
         self._start = self._raw.tell()
 
     def end(self) -> tuple[int, int, str | None]:
@@ -200,6 +207,8 @@ class HashingWriter:
             self._blocks.append(self._block.hexdigest())
             self._block = None
         self.blocks = tuple(self._blocks) if len(self._blocks) > 1 else ()
+        if not self.blocks:
+            self.first_block = 0
         return (self._start, self._raw.tell() - self._start, hasher.hexdigest() if hasher is not None else None)
 
     PIECE = 4 * 1024 * 1024  # hashed, then written, while still in the CPU cache (one pass from memory saved)
@@ -211,18 +220,29 @@ class HashingWriter:
             return self._raw.write(data)  # type: ignore[no-any-return]
         view = memoryview(data).cast("B")
         if view.nbytes <= self.PIECE:
-            self._hash(view)
+            self._hash(view, view.nbytes)
             return self._raw.write(data)  # type: ignore[no-any-return]
         for pos in range(0, view.nbytes, self.PIECE):
             piece = view[pos : pos + self.PIECE]
-            self._hash(piece)
+            self._hash(piece, view.nbytes if pos == 0 else 0)
             self._raw.write(piece)
         return view.nbytes
 
-    def _hash(self, view: memoryview) -> None:
+    def _hash(self, view: memoryview, whole: int = 0) -> None:
         self._hasher.update(view)  # type: ignore[union-attr]
         if self.block_size is None:
             return
+        if (
+            whole >= DATA_WRITE
+            and not self._blocks
+            and not self.first_block
+            and 0 < self._item_bytes < self.block_size
+            and self._block is not None
+        ):  # the elements start here: the header is a block of its own
+            self._blocks.append(self._block.hexdigest())
+            self._block = None
+            self.first_block = self._item_bytes
+        self._item_bytes += view.nbytes
         pos = 0
         while pos < view.nbytes:
             if self._block is None:

@@ -19,9 +19,11 @@ Two optional fields, which readers before them ignore (so the schema stays 1):
   does not match (torch's ``FileSystemWriter`` saved over the checkpoint and left our manifest behind),
   with one warning naming both files (:func:`metadata_matches`). Whichever of the two files an overwrite
   writes first, a reader sees a matching pair or ignores the manifest: never a record "mismatch".
-- ``checksums.block_size`` and, per file, ``"blocks": [[offset, "<digest><digest>..."], ...]``: for each
-  record longer than one block, the digests of its consecutive ``block_size`` blocks (the last one shorter),
-  concatenated, so a slice read is checked by the blocks that cover it (:mod:`.blocks`).
+- ``checksums.block_size`` and, per file, ``"blocks": [[offset, "<digest><digest>...", first], ...]``: for
+  each record longer than one block, the digests of its consecutive blocks, concatenated: a first block of
+  ``first`` bytes when given (the record's header, so the blocks after it are aligned to the tensor's
+  elements), then ``block_size`` blocks (the last one shorter), so a slice read is checked by the blocks
+  that cover it (:mod:`.blocks`).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class ItemChecksum:
     length: int
     digest: str
     blocks: tuple[str, ...] = ()  # digests of its block_size blocks, for a record longer than one block
+    first_block: int = 0  # a short first block of this many bytes (the record's header), 0 for none
 
     @property
     def end(self) -> int:
@@ -151,7 +154,11 @@ class Manifest:
                 doc["checksums"]["block_size"] = self.block_size
             for name, f in sorted(self.files.items()):
                 entry: dict[str, Any] = {"size": f.size, "items": [[i.offset, i.length, i.digest] for i in f.items]}
-                blocks = [[i.offset, "".join(i.blocks)] for i in f.items if i.blocks]
+                blocks = [
+                    [i.offset, "".join(i.blocks), *([i.first_block] if i.first_block else [])]
+                    for i in f.items
+                    if i.blocks
+                ]
                 if blocks:
                     entry["blocks"] = blocks
                 doc["checksums"]["files"][name] = entry
@@ -275,11 +282,17 @@ def _file_entry(f: Any, url: str, name: str, block_size: int | None = None) -> F
     if blocks is not None and block_size is not None:
         by_offset = {i.offset: k for k, i in enumerate(items)}
         for b in _list(blocks, url, f"checksums.files[{name!r}].blocks"):
-            k = by_offset.get(b[0]) if isinstance(b, list) and len(b) == 2 and isinstance(b[1], str) else None
+            shaped = isinstance(b, list) and len(b) in (2, 3) and isinstance(b[1], str)
+            first = b[2] if shaped and len(b) == 3 else 0
+            k = by_offset.get(b[0]) if shaped and type(first) is int and 0 <= first < block_size else None
             if k is None:
                 raise CorruptCheckpointError(f"{url}: manifest blocks entry {str(b)[:80]} of {name!r} names no record")
             item = items[k]
-            count = -(-item.length // block_size)
+            if first >= item.length:
+                raise CorruptCheckpointError(
+                    f"{url}: manifest blocks of {name!r} at {item.offset}: first block too long"
+                )
+            count = (1 if first else 0) + -(-(item.length - first) // block_size)
             width = len(item.digest)
             if width == 0 or len(b[1]) != count * width:
                 raise CorruptCheckpointError(
@@ -287,7 +300,7 @@ def _file_entry(f: Any, url: str, name: str, block_size: int | None = None) -> F
                     f"{count} digests of {width}"
                 )
             digests = tuple(b[1][j : j + width] for j in range(0, len(b[1]), width))
-            items[k] = ItemChecksum(item.offset, item.length, item.digest, digests)
+            items[k] = ItemChecksum(item.offset, item.length, item.digest, digests, first)
     return FileChecksums(f["size"], items)
 
 
@@ -296,7 +309,8 @@ def file_checksums(items: Iterable[tuple[Any, ...]]) -> dict[str, FileChecksums]
     ends."""
     files: dict[str, FileChecksums] = {}
     for name, offset, length, digest, *blocks in items:
-        item = ItemChecksum(offset, length, digest, tuple(blocks[0]) if blocks else ())
+        first = blocks[1] if len(blocks) > 1 else 0
+        item = ItemChecksum(offset, length, digest, tuple(blocks[0]) if blocks else (), first)
         files.setdefault(name, FileChecksums(0)).items.append(item)
     for f in files.values():
         f.items.sort(key=lambda i: i.offset)

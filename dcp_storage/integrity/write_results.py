@@ -22,12 +22,13 @@ class ChecksummedStorage:
     algorithm: str
     digest: str
     blocks: tuple[str, ...] = ()
+    first_block: int = 0  # the length of a short first block (the record's header), 0 for none
 
 
 def unwrap_results(
     results: Iterable[Iterable[Any]],
 ) -> tuple[dict[Any, Any], list[tuple[Any, ...]], set[str]]:
-    """``{index: _StorageInfo}``, the ``(file, offset, length, digest, blocks)`` records and the algorithms seen."""
+    """``{index: _StorageInfo}``, the ``(file, offset, length, digest, blocks, first_block)`` records and the algorithms seen."""
     storage: dict[Any, Any] = {}
     records: list[tuple[Any, ...]] = []
     algorithms: set[str] = set()
@@ -37,7 +38,8 @@ def unwrap_results(
             if isinstance(data, ChecksummedStorage):
                 info = data.info
                 blocks = getattr(data, "blocks", ())  # pickled by an older dcp-storage: none
-                records.append((info.relative_path, int(info.offset), int(info.length), data.digest, blocks))
+                first = getattr(data, "first_block", 0)
+                records.append((info.relative_path, int(info.offset), int(info.length), data.digest, blocks, first))
                 algorithms.add(data.algorithm)
                 data = info
             storage[wr.index] = data

@@ -292,7 +292,9 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
             _start, length, digest = stream.end()
             stored = _StorageInfo(name, offset, length, transform_descriptors=self._encoder.descriptors)
             info = (
-                stored if digest is None else ChecksummedStorage(stored, self.checksum_algorithm, digest, stream.blocks)
+                stored
+                if digest is None
+                else ChecksummedStorage(stored, self.checksum_algorithm, digest, stream.blocks, stream.first_block)
             )
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return results

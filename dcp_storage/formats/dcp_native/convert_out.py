@@ -83,7 +83,7 @@ def write_dcp(
                 stream.begin()
                 stream.write(data)
                 offset, length, digest = stream.end()
-                records.append((name, offset, length, digest, stream.blocks))
+                records.append((name, offset, length, digest, stream.blocks, stream.first_block))
                 storage[MetadataIndex(value.key)] = _StorageInfo(name, offset, length)
                 state[value.key] = BytesStorageMetadata()
             for out, tensor in fetch.tensors(group):
@@ -91,7 +91,7 @@ def write_dcp(
                 torch.save(tensor, stream)  # type: ignore[arg-type]
                 offset, length, digest = stream.end()
                 del tensor
-                records.append((name, offset, length, digest, stream.blocks))
+                records.append((name, offset, length, digest, stream.blocks, stream.first_block))
                 zeros = torch.Size([0] * len(out.shape))
                 storage[MetadataIndex(out.key, zeros, 0)] = _StorageInfo(name, offset, length)
                 size = torch.Size(out.shape)

@@ -393,7 +393,10 @@ class DcpItemLoader:
         block_size = self.sums.manifest.block_size if self.sums else None
         if expected is not None and block_size is not None and self.sums is not None:
             if expected.blocks:
-                return BlockCover(start, entry.length, block_size, expected.blocks, self.sums.algorithm, where)
+                algorithm = self.sums.algorithm
+                return BlockCover(
+                    start, entry.length, block_size, expected.blocks, algorithm, where, expected.first_block
+                )
             if entry.length <= block_size:  # a record of one block: its digest is the block's
                 return BlockCover(
                     start, entry.length, max(entry.length, 1), (expected.digest,), self.sums.algorithm, where
