@@ -77,3 +77,30 @@ def test_a_bit_flipped_at_rest_is_refused(saved: tuple[Store, Any], proxy: Any) 
         data[len(data) // 2] ^= 0x04  # inside 'big''s elements: the record still decodes
         transport.write_file(name, bytes(data))
     _refused(store, state)
+
+
+# ------------------------------------------------------------------------------------ http(s)://
+def test_http_a_flipped_bit_in_transit_or_at_rest_is_refused(
+    proxied_s3: Any, fault_proxy: Any, moto_server: Any
+) -> None:
+    """The same checkpoint on moto, public, read as plain HTTP URLs through the proxy."""
+    state = _state()
+    dcp.save(state, storage_writer=FsspecWriter(proxied_s3.url, proxied_s3.storage_options), no_dist=True)
+    s3, root = open_transport(proxied_s3.url, proxied_s3.storage_options)
+    bucket, prefix = root.split("/", 1)
+    client = moto_server.client()
+    with s3:
+        names = s3.listdir(root)
+        for name in names:
+            client.put_object_acl(Bucket=bucket, Key=f"{prefix}/{name}", ACL="public-read")
+        http = Store("http", f"{fault_proxy.url}/{root}", {}, fault_proxy)
+        assert all(torch.equal(v, state[k]) for k, v in _load(http, state).items())
+        fault_proxy.set_rules([FaultRule("flip_body", path=r"\.distcp")])
+        _refused(http, state)
+        fault_proxy.clear_rules()
+        big = max((s3.join(root, n) for n in names if n.endswith(".distcp")), key=s3.size)
+        data = bytearray(s3.read_range(big, 0, s3.size(big)))
+        data[len(data) // 2] ^= 0x04
+        s3.write_file(big, bytes(data))
+        client.put_object_acl(Bucket=bucket, Key=big.split("/", 1)[1], ACL="public-read")
+        _refused(http, state)

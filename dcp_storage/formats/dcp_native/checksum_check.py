@@ -155,10 +155,10 @@ def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[A
         )
         return
     found = check_dcp_checksums(transport, root, manifest, storage, deep=deep)
-    for p in found.problems:
+    for p in found.problems:  # one problem per record: this one replaces the deep read's for the same record
         where = p.split(" (holding")[0].replace(" bytes [", " [")
-        if p not in report.problems and not any(where in q.replace(" bytes [", " [") for q in report.problems):
-            report.problems.append(p)
+        report.problems[:] = [q for q in report.problems if where not in q.replace(" bytes [", " [")]
+        report.problems.append(p)
     if deep:
         report.checked["checksum_records"] = found.records
         report.notes.append(
