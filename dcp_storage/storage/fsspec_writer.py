@@ -87,10 +87,11 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         extensions: torch ``StreamTransformExtension`` objects (compression: ``dcp_storage_zstd.ZstdSeekable()``,
             torch's ``ZStandard()``) every tensor and byte item is written through, recorded in the metadata as
             torch's ``FileSystemWriter(_extensions=...)`` records them (each side reads the other's output).
-        checksum_algorithm: checksum of every record, recorded in ``.dcp_storage.json`` (``"xxh3_64"``,
-            ``"xxh64"``, ``"crc32c"``, ``"crc32"``; see :mod:`dcp_storage.integrity.checksums`). ``None``
+        checksum_algorithm: checksum of every record and of every 1 MiB block of it, recorded in
+            ``.dcp_storage.json`` (``"xxh3_64"``, ``"xxh64"``, ``"crc32c"``, ``"crc32"``; see
+            :mod:`dcp_storage.integrity.checksums`), with the digest of the ``.metadata`` it describes. ``None``
             computes and records none (the manifest still names the format, writer and extensions); ``verify``
-            then says so, and ``FsspecReader(verify=True)`` warns and loads unchecked.
+            then says so, loads check the zip CRC-32s only, and ``FsspecReader(verify=True)`` warns.
         create_bucket: create the URL's bucket (Azure: container) if it does not exist. ``False`` (the
             default) raises :class:`~dcp_storage.errors.BucketNotFoundError` instead, so a typo in a bucket
             name never becomes a new bucket (see :mod:`dcp_storage.transports.buckets`).
