@@ -17,6 +17,7 @@ from ...integrity.checksums import mismatch, new_hasher
 from ...integrity.manifest import Manifest
 from ...integrity.read_verify import key_name
 from ...integrity.verify_notes import PIECE_BYTES, no_checksums_note
+from ...text import printable
 from ..limits import METADATA, read_limited
 from ..paths import METADATA_FILE
 from .crc_check import check_record_crcs
@@ -119,6 +120,12 @@ def _check_file(
             )
 
 
+def _same_mismatch(problem: str, where: str) -> bool:
+    """Whether ``problem`` (the deep read's) is the checksum failure of the record at ``where``."""
+    same_record = where in problem.replace(" bytes [", " [")
+    return same_record and ("checksum mismatch" in problem or "CRC-32" in problem)
+
+
 def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[Any, Any], *, deep: bool) -> None:
     """Add the checksum findings for a DCP checkpoint to a ``VerifyReport`` (problems, notes, counts).
 
@@ -149,16 +156,17 @@ def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[A
 
         checked, skipped = check_record_crcs(transport, root, storage, report.problems, seen)
         report.checked["crc32_records"] = checked
+        who = printable(manifest.writer) if manifest else "its writer (not dcp-storage, e.g. torch's)"
         report.notes.append(
-            f"zip CRC-32 of {checked} records checked (the checkpoint records no checksums of its own"
-            + (f"; {skipped} records that are not zips carry none)" if skipped else ")")
+            f"no checksums recorded by {who}; the zip CRC-32 of {checked} records checked instead"
+            + (f" ({skipped} records that are not zips carry none)" if skipped else "")
         )
         return
     found = check_dcp_checksums(transport, root, manifest, storage, deep=deep)
-    for p in found.problems:  # one problem per record: this one replaces the deep read's for the same record
+    for p in found.problems:  # the deep read (a checked load) may have reported this mismatch already
         where = p.split(" (holding")[0].replace(" bytes [", " [")
-        report.problems[:] = [q for q in report.problems if where not in q.replace(" bytes [", " [")]
-        report.problems.append(p)
+        if p not in report.problems and not any(_same_mismatch(q, where) for q in report.problems):
+            report.problems.append(p)
     if deep:
         report.checked["checksum_records"] = found.records
         report.notes.append(
