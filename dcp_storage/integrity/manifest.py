@@ -19,11 +19,12 @@ Two optional fields, which readers before them ignore (so the schema stays 1):
   does not match (torch's ``FileSystemWriter`` saved over the checkpoint and left our manifest behind),
   with one warning naming both files (:func:`metadata_matches`). Whichever of the two files an overwrite
   writes first, a reader sees a matching pair or ignores the manifest: never a record "mismatch".
-- ``checksums.block_size`` and, per file, ``"blocks": [[offset, "<digest><digest>...", first], ...]``: for
-  each record longer than one block, the digests of its consecutive blocks, concatenated: a first block of
-  ``first`` bytes when given (the record's header, so the blocks after it are aligned to the tensor's
-  elements), then ``block_size`` blocks (the last one shorter), so a slice read is checked by the blocks
-  that cover it (:mod:`.blocks`).
+- ``checksums.block_size`` and, per file, ``"blocks": [[offset, "<digest><digest>...", first, size], ...]``:
+  for each record longer than one block, the digests of its consecutive blocks, concatenated: a first block
+  of ``first`` bytes when not 0 (the record's header, so the blocks after it are aligned to the tensor's
+  elements), then blocks of ``size`` bytes (``checksums.block_size`` when absent; the last one shorter), so
+  a slice read is checked by the blocks that cover it (:mod:`.blocks`). A record without blocks in a
+  manifest with ``block_size`` is its own block.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class ItemChecksum:
     digest: str
     blocks: tuple[str, ...] = ()  # digests of its block_size blocks, for a record longer than one block
     first_block: int = 0  # a short first block of this many bytes (the record's header), 0 for none
+    block_size: int = 0  # its blocks' size (0: the manifest's block_size)
 
     @property
     def end(self) -> int:
@@ -154,11 +156,7 @@ class Manifest:
                 doc["checksums"]["block_size"] = self.block_size
             for name, f in sorted(self.files.items()):
                 entry: dict[str, Any] = {"size": f.size, "items": [[i.offset, i.length, i.digest] for i in f.items]}
-                blocks = [
-                    [i.offset, "".join(i.blocks), *([i.first_block] if i.first_block else [])]
-                    for i in f.items
-                    if i.blocks
-                ]
+                blocks = [[i.offset, "".join(i.blocks), i.first_block, i.block_size] for i in f.items if i.blocks]
                 if blocks:
                     entry["blocks"] = blocks
                 doc["checksums"]["files"][name] = entry
@@ -282,9 +280,11 @@ def _file_entry(f: Any, url: str, name: str, block_size: int | None = None) -> F
     if blocks is not None and block_size is not None:
         by_offset = {i.offset: k for k, i in enumerate(items)}
         for b in _list(blocks, url, f"checksums.files[{name!r}].blocks"):
-            shaped = isinstance(b, list) and len(b) in (2, 3) and isinstance(b[1], str)
-            first = b[2] if shaped and len(b) == 3 else 0
-            k = by_offset.get(b[0]) if shaped and type(first) is int and 0 <= first < block_size else None
+            shaped = isinstance(b, list) and len(b) in (2, 3, 4) and isinstance(b[1], str)
+            first = b[2] if shaped and len(b) >= 3 else 0
+            size = b[3] if shaped and len(b) == 4 and b[3] else block_size
+            sound = type(first) is int and type(size) is int and 4096 <= size <= 1 << 30 and 0 <= first < size
+            k = by_offset.get(b[0]) if shaped and sound else None
             if k is None:
                 raise CorruptCheckpointError(f"{url}: manifest blocks entry {str(b)[:80]} of {name!r} names no record")
             item = items[k]
@@ -292,7 +292,7 @@ def _file_entry(f: Any, url: str, name: str, block_size: int | None = None) -> F
                 raise CorruptCheckpointError(
                     f"{url}: manifest blocks of {name!r} at {item.offset}: first block too long"
                 )
-            count = (1 if first else 0) + -(-(item.length - first) // block_size)
+            count = (1 if first else 0) + -(-(item.length - first) // size)
             width = len(item.digest)
             if width == 0 or len(b[1]) != count * width:
                 raise CorruptCheckpointError(
@@ -300,7 +300,7 @@ def _file_entry(f: Any, url: str, name: str, block_size: int | None = None) -> F
                     f"{count} digests of {width}"
                 )
             digests = tuple(b[1][j : j + width] for j in range(0, len(b[1]), width))
-            items[k] = ItemChecksum(item.offset, item.length, item.digest, digests, first)
+            items[k] = ItemChecksum(item.offset, item.length, item.digest, digests, first, size)
     return FileChecksums(f["size"], items)
 
 
@@ -310,7 +310,8 @@ def file_checksums(items: Iterable[tuple[Any, ...]]) -> dict[str, FileChecksums]
     files: dict[str, FileChecksums] = {}
     for name, offset, length, digest, *blocks in items:
         first = blocks[1] if len(blocks) > 1 else 0
-        item = ItemChecksum(offset, length, digest, tuple(blocks[0]) if blocks else (), first)
+        size = blocks[2] if len(blocks) > 2 else 0
+        item = ItemChecksum(offset, length, digest, tuple(blocks[0]) if blocks else (), first, size)
         files.setdefault(name, FileChecksums(0)).items.append(item)
     for f in files.values():
         f.items.sort(key=lambda i: i.offset)

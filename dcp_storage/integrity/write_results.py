@@ -23,6 +23,7 @@ class ChecksummedStorage:
     digest: str
     blocks: tuple[str, ...] = ()
     first_block: int = 0  # the length of a short first block (the record's header), 0 for none
+    block_size: int = 0  # of its blocks (0: the manifest's)
 
 
 def unwrap_results(
@@ -38,8 +39,10 @@ def unwrap_results(
             if isinstance(data, ChecksummedStorage):
                 info = data.info
                 blocks = getattr(data, "blocks", ())  # pickled by an older dcp-storage: none
-                first = getattr(data, "first_block", 0)
-                records.append((info.relative_path, int(info.offset), int(info.length), data.digest, blocks, first))
+                first, size = getattr(data, "first_block", 0), getattr(data, "block_size", 0)
+                records.append(
+                    (info.relative_path, int(info.offset), int(info.length), data.digest, blocks, first, size)
+                )
                 algorithms.add(data.algorithm)
                 data = info
             storage[wr.index] = data

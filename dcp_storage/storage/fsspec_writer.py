@@ -49,7 +49,7 @@ from ..formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_me
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.dcp_native.transform_write import ItemEncoder
 from ..formats.paths import DATA_SUFFIX, LOCK_RE, RANK_METADATA_RE
-from ..integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, check_algorithm
+from ..integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for, check_algorithm
 from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import Transport, TransportConfig
@@ -278,9 +278,9 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         results = []
         stream = HashingWriter(raw, self.checksum_algorithm, BLOCK_SIZE)  # record and block checksums, in one pass
         for item in items:
-            stream.begin()
-            offset = stream.tell()
             data = planner.resolve_data(item)
+            stream.begin(block_size_for(_nbytes(data)))  # blocks of 1/64 of the record, 16 KiB to 1 MiB
+            offset = stream.tell()
             with self._encoder.open(stream) as out:  # through the extensions, if any
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(data, io.BytesIO):
@@ -295,7 +295,9 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
             info = (
                 stored
                 if digest is None
-                else ChecksummedStorage(stored, self.checksum_algorithm, digest, stream.blocks, stream.first_block)
+                else ChecksummedStorage(
+                    stored, self.checksum_algorithm, digest, stream.blocks, stream.first_block, stream.blocks_size
+                )
             )
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return results
@@ -328,6 +330,13 @@ def _world_size(n_plans: int, rank_local: bool) -> int:
     if not rank_local:
         return n_plans
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _nbytes(data: Any) -> int:
+    """The bytes of a resolved write item: a tensor's elements, a ``BytesIO``'s buffer."""
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return memoryview(data.getbuffer()).nbytes if isinstance(data, io.BytesIO) else 0
 
 
 def _compact_cpu(data: Any) -> torch.Tensor:

@@ -30,8 +30,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor,
     files = json.loads((root / ".dcp_storage.json").read_bytes())["checksums"]["files"]
     ((name, entry),) = files.items()
     (item,) = entry["items"]
-    (offset, digests, first) = entry["blocks"][0]
-    return root / name, w, {"offset": offset, "length": item[1], "digests": digests, "first": first}
+    (offset, digests, first, size) = entry["blocks"][0]
+    return root / name, w, {"offset": offset, "length": item[1], "digests": digests, "first": first, "size": size}
 
 
 def _read(path: Path, w: torch.Tensor, rec: dict, offsets: list[int], lengths: list[int], dest: torch.Tensor) -> int:
@@ -40,7 +40,7 @@ def _read(path: Path, w: torch.Tensor, rec: dict, offsets: list[int], lengths: l
         head = bytes(transport.read_range(fpath, rec["offset"], rec["offset"] + 4096))
         parsed = parse_tensor_record(head, rec["length"], str(path))
         digests = tuple(rec["digests"][i : i + 16] for i in range(0, len(rec["digests"]), 16))
-        cover = BlockCover(rec["offset"], rec["length"], 1 << 20, digests, "xxh3_64", str(path), rec["first"])
+        cover = BlockCover(rec["offset"], rec["length"], rec["size"], digests, "xxh3_64", str(path), rec["first"])
         stored = StoredTensor(
             fpath, rec["offset"] + parsed.data_start, parsed.dtype, parsed.shape, parsed.stride, 0, str(path)
         )
@@ -52,7 +52,8 @@ def _read(path: Path, w: torch.Tensor, rec: dict, offsets: list[int], lengths: l
 
 def test_the_first_block_is_the_header(saved: tuple[Path, torch.Tensor, dict]) -> None:
     _path, _w, rec = saved
-    assert 0 < rec["first"] < 4096 and len(rec["digests"]) == 16 * (1 + -(-(rec["length"] - rec["first"]) // (1 << 20)))
+    assert 0 < rec["first"] < 4096 and rec["size"] == 64 * 1024  # 4 MB of elements: 1/64 of them, a power of 2
+    assert len(rec["digests"]) == 16 * (1 + -(-(rec["length"] - rec["first"]) // rec["size"]))
 
 
 def test_every_slice_shape_is_bit_exact(saved: tuple[Path, torch.Tensor, dict]) -> None:
@@ -74,17 +75,13 @@ def test_a_shard0_split_on_a_block_boundary_reads_nothing_more(saved: tuple[Path
     half = 512 * 1000 * 4  # not a whole number of MiB: the two halves share one block
     for r0, r1 in ((0, 512), (512, 1024)):
         read = _read(path, w, rec, [r0, 0], [r1 - r0, 1000], torch.empty(r1 - r0, 1000))
-        assert read - half <= 1 << 20
+        assert read - half <= rec["size"]
     w2 = torch.randn(1024, 1024)  # halves of exactly 2 MiB: only the last block reads the record's zip tail
     root = path.parent / "aligned"
     dcp.save({"w": w2}, storage_writer=FsspecWriter(str(root)), no_dist=True)
     entry = next(iter(json.loads((root / ".dcp_storage.json").read_bytes())["checksums"]["files"].values()))
-    rec2 = {
-        "offset": 0,
-        "length": entry["items"][0][1],
-        "digests": entry["blocks"][0][1],
-        "first": entry["blocks"][0][2],
-    }
+    _offset, digests, first, size = entry["blocks"][0]
+    rec2 = {"offset": 0, "length": entry["items"][0][1], "digests": digests, "first": first, "size": size}
     name = next(root.glob("*.distcp"))
     assert _read(name, w2, rec2, [0, 0], [512, 1024], torch.empty(512, 1024)) == 512 * 1024 * 4
     assert _read(name, w2, rec2, [512, 0], [512, 1024], torch.empty(512, 1024)) - 512 * 1024 * 4 < 4096
@@ -98,7 +95,7 @@ def test_a_flip_anywhere_in_the_covering_blocks_is_refused(
     good = path.read_bytes()
     for _ in range(8):
         r0 = rng.randrange(1000)
-        cover = BlockCover(rec["offset"], rec["length"], 1 << 20, (), "", "", rec["first"])
+        cover = BlockCover(rec["offset"], rec["length"], rec["size"], (), "", "", rec["first"])
         lo = rec["offset"] + rec["first"] + 64 * 0 + r0 * 4000  # roughly the slice's first byte
         start, end = cover.covering(lo, lo + 4000 * 10)
         bad = bytearray(good)

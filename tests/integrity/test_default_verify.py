@@ -54,7 +54,8 @@ def test_the_manifest_records_the_metadata_digest_and_blocks(tmp_path: Path) -> 
     doc = json.loads((tmp_path / ".dcp_storage.json").read_bytes())
     assert doc["metadata"]["size"] == (tmp_path / ".metadata").stat().st_size
     assert doc["checksums"]["block_size"] == 1 << 20
-    assert any(f.get("blocks") for f in doc["checksums"]["files"].values())
+    blocks = [b for f in doc["checksums"]["files"].values() for b in f.get("blocks", ())]
+    assert [b[3] for b in blocks] == [64 * 1024]  # 'big' (3 MiB): blocks of 1/64 of it; 'small' has none
 
 
 def test_a_torch_overwritten_checkpoint_loads_verified_and_verifies_clean(

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CheckpointExistsError
-from ...integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter
+from ...integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for
 from ...integrity.manifest import MANIFEST_FILE
 from ...transports.buckets import make_output_root
 from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
@@ -80,18 +80,18 @@ def write_dcp(
             stream = HashingWriter(raw, checksum_algorithm, BLOCK_SIZE)  # record and block checksums, one pass
             for value in values if first else ():
                 data = fetch.value_bytes(value)
-                stream.begin()
+                stream.begin(block_size_for(len(data)))
                 stream.write(data)
                 offset, length, digest = stream.end()
-                records.append((name, offset, length, digest, stream.blocks, stream.first_block))
+                records.append((name, offset, length, digest, stream.blocks, stream.first_block, stream.blocks_size))
                 storage[MetadataIndex(value.key)] = _StorageInfo(name, offset, length)
                 state[value.key] = BytesStorageMetadata()
             for out, tensor in fetch.tensors(group):
-                stream.begin()
+                stream.begin(block_size_for(tensor.numel() * tensor.element_size()))
                 torch.save(tensor, stream)  # type: ignore[arg-type]
                 offset, length, digest = stream.end()
                 del tensor
-                records.append((name, offset, length, digest, stream.blocks, stream.first_block))
+                records.append((name, offset, length, digest, stream.blocks, stream.first_block, stream.blocks_size))
                 zeros = torch.Size([0] * len(out.shape))
                 storage[MetadataIndex(out.key, zeros, 0)] = _StorageInfo(name, offset, length)
                 size = torch.Size(out.shape)

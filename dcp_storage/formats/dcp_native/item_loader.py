@@ -394,10 +394,9 @@ class DcpItemLoader:
         if expected is not None and block_size is not None and self.sums is not None:
             if expected.blocks:
                 algorithm = self.sums.algorithm
-                return BlockCover(
-                    start, entry.length, block_size, expected.blocks, algorithm, where, expected.first_block
-                )
-            if entry.length <= block_size:  # a record of one block: its digest is the block's
+                size = expected.block_size or block_size
+                return BlockCover(start, entry.length, size, expected.blocks, algorithm, where, expected.first_block)
+            else:  # a record without blocks (at most WHOLE_BELOW bytes of data) is its own block
                 return BlockCover(
                     start, entry.length, max(entry.length, 1), (expected.digest,), self.sums.algorithm, where
                 )

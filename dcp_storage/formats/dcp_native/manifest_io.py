@@ -54,7 +54,7 @@ def build_manifest(
     if algorithms and records:
         manifest.algorithm = next(iter(algorithms))
         manifest.files = file_checksums(records)
-        if any(len(r) > 4 and r[4] for r in records):
+        if any(len(r) > 4 for r in records):  # our writers' records: a record without blocks is one block
             manifest.block_size = block_size
     return manifest
 
