@@ -40,7 +40,7 @@ from ..transports import LocalFileAccess, LocalRunReads, RangeRequest, RunsRead,
 from ..transports.local_runs import LocalRuns, Region
 from .slices import count_runs, is_row_major, row_major_runs, slice_runs
 
-__all__ = ["SliceRead", "StoredTensor", "dense_gap_of", "plan_slice_read", "read_slices"]
+__all__ = ["SliceRead", "StoredTensor", "dense_gap_of", "plan_slice_read", "read_slices", "slice_extent"]
 
 
 @dataclass(frozen=True)
@@ -192,11 +192,7 @@ def _plan_covered(
     cover: Cover,
 ) -> SliceRead:
     """The requests of a checked slice: its bounding bytes widened to ``cover``, and the check before delivery."""
-    itemsize = stored.itemsize
-    first = stored.storage_offset + sum(o * st for o, st in zip(offsets, stored.stride))
-    last = first + sum((n - 1) * st for n, st in zip(lengths, stored.stride))
-    lo = stored.data_offset + first * itemsize
-    hi = stored.data_offset + (last + 1) * itemsize
+    lo, hi = slice_extent(stored, offsets, lengths)
     start, end = cover.covering(lo, hi)
     one_run = stored.is_row_major and count_runs(stored.shape, offsets, lengths) == 1
     if direct and one_run:
@@ -218,6 +214,13 @@ def _plan_covered(
     if not isinstance(cover, BlockCover):
         work.check = lambda landed: cover.check(start, (writable_bytes(landed),))
     return work
+
+
+def slice_extent(stored: StoredTensor, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:
+    """The file bytes ``[lo, hi)`` from the slice's first element to its last (a non-empty slice)."""
+    first = stored.storage_offset + sum(int(o) * st for o, st in zip(offsets, stored.stride))
+    last = first + sum((int(n) - 1) * st for n, st in zip(lengths, stored.stride))
+    return stored.data_offset + first * stored.itemsize, stored.data_offset + (last + 1) * stored.itemsize
 
 
 def _landing(path: str, lo: int, hi: int, into: memoryview, cover: Cover) -> list[RangeRequest]:

@@ -45,7 +45,7 @@ from ...integrity.blocks import BlockCover, Cover, DataCrc
 from ...integrity.read_verify import RecordVerifier, batches_by_bytes, key_name
 from ...transports import RangeRequest, Transport
 from ..byte_items import deliver_byte_item
-from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
+from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices, slice_extent
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
 from .record_entry import RecordEntry
@@ -129,6 +129,7 @@ class DcpItemLoader:
         self.sums = sums
         self._digested: set[RecordEntry] = set()  # records read whole and checked against their digest
         self._unchecked_said = False
+        self._costly_said = False
         self._planner: LoadPlanner | None = None
         self._sizes: dict[str, int] = {}  # file sizes seen by this loader (load() may run once per round)
 
@@ -381,8 +382,27 @@ class DcpItemLoader:
             self.config.max_runs_per_item,
             map_runs_above=self.config.map_runs_above if self.transport.is_local else None,
             dense_gap=dense_gap_of(self.transport),
-            cover=self._cover(item, entry, rec) if self.check_zips else None,
+            cover=self._affordable(self._cover(item, entry, rec), stored, item) if self.check_zips else None,
         )
+
+    def _affordable(self, cover: Cover | None, stored: StoredTensor, item: ReadItem) -> Cover | None:
+        """``cover`` unless reading what it covers adds more than a quarter (or two blocks) to the slice's
+        bytes: a column slice (``Shard(1)``) would read its whole record on every rank. Such a slice is read
+        alone and unchecked (the debug log says so once; ``verify=True`` reads and checks whole records)."""
+        if cover is None or not isinstance(cover, BlockCover) or math.prod(item.lengths) == 0:
+            return cover
+        needed = math.prod(item.lengths) * stored.itemsize
+        start, end = cover.covering(*slice_extent(stored, item.storage_offsets, item.lengths))
+        if end - start <= needed + max(needed // 4, 2 * cover.block_size):
+            return cover
+        if not self._costly_said:
+            self._costly_said = True
+            _log.debug(
+                "%s: slices whose covering blocks would read more than a quarter beyond their bytes (column slices, "
+                "Shard(1)) are read alone and delivered unchecked; verify=True checks them by reading whole records",
+                self.transport.url(self.root),
+            )
+        return None
 
     def _cover(self, item: ReadItem, entry: RecordEntry, rec: TensorRecord) -> Cover | None:
         """What checks the slice ``item`` reads of the record ``entry``: its covering blocks when the manifest
