@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_storage import FsspecReader, FsspecWriter
 from dcp_storage.integrity.blocks import BlockCover
+from dcp_storage.integrity.checksums import block_size_for
 
 warnings.simplefilter("ignore")
 
@@ -76,7 +77,7 @@ def _extra_bytes() -> None:
     header, tail = 704, 463  # a torch.save record of one fp32 matrix: bytes before and after its elements
     for shape in ((1024, 4096), (1000, 4099)):
         data = shape[0] * shape[1] * 4
-        for block in (1 << 20, 2 << 20, 4 << 20):
+        for block in (block_size_for(data), 1 << 20, 2 << 20, 4 << 20):  # ours (1/64 of it), then fixed
             for first in (0, header):
                 cover = BlockCover(0, header + data + tail, block, (), "xxh3_64", "", first)
                 half = (shape[0] // 2) * shape[1] * 4
