@@ -26,6 +26,7 @@ __all__ = [
     "LocationMismatchError",
     "NonTensorStateError",
     "ShapeMismatchError",
+    "StaleManifestWarning",
     "StorageAccessError",
     "StorageFullError",
     "TargetError",
@@ -134,6 +135,11 @@ class LocationMismatchError(DcpStorageError, ValueError):
 
 class CorruptCheckpointError(DcpStorageError, ValueError):
     """A file exists but its bytes do not match what the metadata promises (truncated, garbled)."""
+
+
+class StaleManifestWarning(RuntimeWarning):
+    """A checkpoint's ``.dcp_storage.json`` does not describe its ``.metadata`` (another writer saved over it):
+    the manifest is ignored. ``verify`` reports it as a note instead."""
 
 
 class FileTooLargeError(CorruptCheckpointError):

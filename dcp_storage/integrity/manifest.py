@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, StaleManifestWarning
 from ..formats.paths import MANIFEST_FILE, check_relative
 from .checksums import ChecksumAlgorithmError, checksum
 
@@ -233,7 +233,7 @@ def metadata_matches(manifest: Manifest, data: Any, manifest_url: str, metadata_
             f"{manifest_url} does not describe {metadata_url} (another writer, e.g. torch's FileSystemWriter, saved "
             "over the checkpoint and left it behind); ignoring the manifest and checking the zip CRC-32s. Delete the "
             "stale manifest to silence this",
-            RuntimeWarning,
+            StaleManifestWarning,
             stacklevel=3,
         )
     return same

@@ -126,7 +126,9 @@ class SafetensorsItemLoader:
         """Whether ``item`` is read through the checked path: with ``verify=True`` every tensor of a file that
         records checksums; by default (``None``) a whole tensor of such a file (its digest covers exactly the
         bytes read), while a slice is read alone and unchecked (the file records no block digests)."""
-        if self.verify is False or not self._file_sums(entry.file).present:
+        if self.verify is False or (self.verify is None and entry.file not in self._known):
+            return False  # by default only whole safetensors files, whose sums came with the metadata
+        if not self._file_sums(entry.file).present:
             return False
         whole = not any(int(o) for o in item.storage_offsets) and tuple(int(n) for n in item.lengths) == entry.shape
         return self.verify is True or whole
