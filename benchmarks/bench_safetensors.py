@@ -174,6 +174,10 @@ def _make_reader(kind: str, url: str, storage_options: dict[str, Any]) -> Any:
         from dcp_storage import SafetensorsReader
 
         return SafetensorsReader(url, storage_options)
+    if kind == "ours-noverify":  # default verification's cost: the same reader with verify=False
+        from dcp_storage import SafetensorsReader
+
+        return SafetensorsReader(url, storage_options, verify=False)
     if kind == "ours-nobcast":  # diagnostic: every rank scans the headers itself (no metadata broadcast)
         from dcp_storage import SafetensorsReader
 
@@ -792,7 +796,7 @@ class Bench:
                 case,
                 [
                     self.raw_entry("raw readinto 1 thread", bdr.raw_local_job, files, 1),
-                    *(self.load_entry(r, path, "full", 1) for r in ("ours", "torch-hf", "torch-hf-t2")),
+                    *(self.load_entry(r, path, "full", 1) for r in ("ours", "ours-noverify", "torch-hf", "torch-hf-t2")),
                 ],
                 rounds,
             )
@@ -805,7 +809,7 @@ class Bench:
                 case,
                 [
                     self.raw_entry("raw readinto 2 threads", bdr.raw_local_job, files, 2),
-                    *(self.load_entry(r, path, "shard0", 2) for r in ("ours", "torch-hf")),
+                    *(self.load_entry(r, path, "shard0", 2) for r in ("ours", "ours-noverify", "torch-hf")),
                 ],
                 rounds,
             )
@@ -837,6 +841,7 @@ class Bench:
                         raw_label, bdr.raw_s3_job, host, port, objects, bdr.RAW_PART, bdr.RAW_CONCURRENCY, server.pid
                     ),
                     self.load_entry("ours", url, "shard0", 2, storage_options=so, s3=True),
+                    self.load_entry("ours-noverify", url, "shard0", 2, storage_options=so, s3=True),
                     *(
                         self.load_entry(
                             f"ours-w{w}",

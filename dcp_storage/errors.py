@@ -32,6 +32,7 @@ __all__ = [
     "ObjectChangedError",
     "RankMismatchError",
     "ShapeMismatchError",
+    "StaleManifestWarning",
     "StorageAccessError",
     "StorageFullError",
     "TargetError",
@@ -148,6 +149,11 @@ class RankMismatchError(DcpStorageError, ValueError):
 
 class CorruptCheckpointError(DcpStorageError, ValueError):
     """A file exists but its bytes do not match what the metadata promises (truncated, garbled)."""
+
+
+class StaleManifestWarning(RuntimeWarning):
+    """A checkpoint's ``.dcp_storage.json`` does not describe its ``.metadata`` (another writer saved over it):
+    the manifest is ignored. ``verify`` reports it as a note instead."""
 
 
 class FileTooLargeError(CorruptCheckpointError):

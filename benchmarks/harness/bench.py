@@ -179,7 +179,7 @@ class Bench:
             self.page_cache["local1"] = prepare_page_cache([p for p, _ in files], self.args.page_cache)
             case = "local 1p full"
             self.raw(case, "raw readinto 1 thread", raw_local_job, files, 1)
-            for reader in ("ours", "torch-fs", "torch-fsspec"):
+            for reader in ("ours", "ours-noverify", "torch-fs", "torch-fsspec"):
                 self.load(case, reader, path, "full", 1)
         if "local2" in cases:
             print("[local, 2 ranks]", flush=True)
@@ -190,7 +190,7 @@ class Bench:
             for reader in ("ours", "torch-fs") if self.args.quick else ("ours", "ours-gap0", "torch-fs"):
                 self.load(case, reader, path, "shard1", 2)
             case = "local 2r S0->S0"
-            for reader in ("ours", "torch-fs"):
+            for reader in ("ours", "ours-noverify", "torch-fs"):
                 self.load(case, reader, path, "shard0", 2)
 
     def run_s3(self) -> None:
@@ -234,6 +234,7 @@ class Bench:
     ) -> None:
         """Ours on everything, ours again on torch's subset (when it has one), then torch's ``FsspecReader``."""
         self.load(case, "ours", url, layout, world, storage_options=so, s3=True)
+        self.load(case, "ours-noverify", url, layout, world, storage_options=so, s3=True)  # verification's cost
         if subset is not None:
             note = subset_note + " (same subset as torch-fsspec)"
             self.load(case, "ours", url, layout, world, storage_options=so, s3=True, spec=subset, note=note)

@@ -17,6 +17,11 @@ runs under 1 MiB are copied out of a memory map with one strided ``copy_`` (:fun
 longer ones are read by a tight loop of ``preadv`` calls (:func:`_copy_mapped`); either way only the
 slice's own bytes are copied. Both are the transport's (the optional
 :class:`~dcp_storage.transports.LocalRunReads` protocol, :mod:`dcp_storage.transports.local_runs`).
+
+A slice with a ``cover`` (:mod:`dcp_storage.integrity.blocks`: the record's block digests, or a whole
+tensor's zip CRC-32) is read widened to what the cover checks, and checked before it is delivered: one
+run straight into the destination with the cover's extra bytes on each side in small buffers, anything
+else as the covering range into staging, copied out with one strided copy.
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ShapeMismatchError
+from ..integrity.blocks import BlockCover, Cover
 from ..tensor_buffers import host_buffer, writable_bytes
 from ..transports import LocalFileAccess, LocalRunReads, RangeRequest, RunsRead, Transport
 from ..transports.local_runs import LocalRuns, Region
 from .slices import count_runs, is_row_major, row_major_runs, slice_runs
 
-__all__ = ["SliceRead", "StoredTensor", "dense_gap_of", "plan_slice_read", "read_slices"]
+__all__ = ["SliceRead", "StoredTensor", "dense_gap_of", "plan_slice_read", "read_slices", "slice_extent"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class SliceRead:
     requests: list[RangeRequest] = field(default_factory=list)
     mapped: tuple[StoredTensor, tuple[int, ...]] | None = None  # (stored, offsets): local many-run read
     check: Callable[[torch.Tensor], None] | None = None  # called with the landed bytes (CPU) before delivery
+    window: tuple[int, torch.dtype] | None = None  # staging holds covering bytes: the slice starts at this byte
 
     @property
     def staging_bytes(self) -> int:
@@ -89,8 +96,14 @@ class SliceRead:
             self.check(self.staging if self.staging is not None else self.dest)
         if self.staging is not None:
             src = self.staging
+            if self.window is not None:
+                at, dtype = self.window
+                src = src[at:]
+                if at % dtype.itemsize:  # a view of another dtype must start at a multiple of its size
+                    src = src.clone()
+                src = src[: src.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
             if self.strided is not None:
-                src = src.as_strided(self.lengths, self.strided, 0)
+                src = src.as_strided(self.lengths, self.strided, src.storage_offset())
             else:
                 src = src.view(self.lengths)
             self.dest.copy_(src)
@@ -107,8 +120,11 @@ def plan_slice_read(
     max_runs: int = 65536,
     map_runs_above: int | None = None,
     dense_gap: int | None = None,
+    cover: Cover | None = None,
 ) -> SliceRead:
     """Requests that bring ``stored[offsets : offsets + lengths]`` into ``dest``.
+
+    ``cover``: what checks the slice's bytes (see the module docstring); they are read widened to it.
 
     ``map_runs_above``: for local files, read row-major slices of more runs than this with a tight pread loop.
     ``dense_gap``: the transport's coalescing gap (object stores). A slice of many runs whose gaps average
@@ -135,6 +151,8 @@ def plan_slice_read(
         return work
     itemsize = stored.itemsize
     direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == stored.dtype
+    if cover is not None:
+        return _plan_covered(work, stored, offsets, lengths, direct, cover)
     runs = count_runs(stored.shape, offsets, lengths) if stored.is_row_major else 0
     if map_runs_above is not None and stored.is_row_major and runs > map_runs_above and len(lengths) >= 2:
         work.mapped = (stored, offsets)
@@ -163,6 +181,79 @@ def plan_slice_read(
         RangeRequest(stored.path, start, start + (last - first + 1) * itemsize, into=writable_bytes(staging))
     ]
     return work
+
+
+def _plan_covered(
+    work: SliceRead,
+    stored: StoredTensor,
+    offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    direct: bool,
+    cover: Cover,
+) -> SliceRead:
+    """The requests of a checked slice: its bounding bytes widened to ``cover``, and the check before delivery."""
+    lo, hi = slice_extent(stored, offsets, lengths)
+    start, end = cover.covering(lo, hi)
+    one_run = stored.is_row_major and count_runs(stored.shape, offsets, lengths) == 1
+    if direct and one_run:
+        head = bytearray(lo - start)
+        tail = bytearray(end - hi)
+        body = writable_bytes(dest := work.dest)
+        work.requests = _landing(stored.path, lo, hi, body, cover)
+        if head:
+            work.requests.insert(0, RangeRequest(stored.path, start, lo, into=memoryview(head)))
+        if tail:
+            work.requests.append(RangeRequest(stored.path, hi, end, into=memoryview(tail)))
+        work.check = lambda _landed: _check_edges(cover, start, end, lo, hi, head, writable_bytes(dest), tail)
+        return work
+    staging = host_buffer((end - start,), torch.uint8, work.dest.device)
+    work.staging = staging
+    work.window = (lo - start, stored.dtype)
+    work.strided = tuple(stored.stride)
+    work.requests = _landing(stored.path, start, end, writable_bytes(staging), cover)
+    if not isinstance(cover, BlockCover):
+        work.check = lambda landed: cover.check(start, (writable_bytes(landed),))
+    return work
+
+
+def slice_extent(stored: StoredTensor, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:
+    """The file bytes ``[lo, hi)`` from the slice's first element to its last (a non-empty slice)."""
+    first = stored.storage_offset + sum(int(o) * st for o, st in zip(offsets, stored.stride))
+    last = first + sum((int(n) - 1) * st for n, st in zip(lengths, stored.stride))
+    return stored.data_offset + first * stored.itemsize, stored.data_offset + (last + 1) * stored.itemsize
+
+
+def _landing(path: str, lo: int, hi: int, into: memoryview, cover: Cover) -> list[RangeRequest]:
+    """Requests for ``[lo, hi)`` into ``into``: with block digests, one per block, each whole block checked by
+    its request's ``on_complete`` in the worker thread that read it, while its bytes are still in cache."""
+    if not isinstance(cover, BlockCover):
+        return [RangeRequest(path, lo, hi, into=into)]
+    requests = []
+    for a, b, whole in cover.block_ends(lo, hi):
+        view = into[a - lo : b - lo]
+        done = (lambda data, at=a: cover.check_block(at, data)) if whole else None
+        requests.append(RangeRequest(path, a, b, into=view, on_complete=done))
+    return requests
+
+
+def _check_edges(
+    cover: Cover, start: int, end: int, lo: int, hi: int, head: bytearray, body: memoryview, tail: bytearray
+) -> None:
+    """Check what the requests' own checks did not: the blocks the slice shares with the bytes around it (a
+    :class:`BlockCover`), or everything (another cover)."""
+    if not isinstance(cover, BlockCover):
+        cover.check(start, (head, body, tail))
+        return
+    pieces = cover.block_ends(lo, hi)
+    _first_lo, first_hi, first_whole = pieces[0]
+    if not first_whole:
+        if len(pieces) == 1:  # one block holds the whole slice
+            cover.check(start, (head, body, tail))
+            return
+        cover.check(start, (head, body[: first_hi - lo]))
+    last_lo, _last_hi, last_whole = pieces[-1]
+    if not last_whole and len(pieces) > 1:  # last_lo is a block boundary: the block is the body's end and tail
+        cover.check(last_lo, (body[last_lo - lo :], tail))
 
 
 def dense_gap_of(transport: object) -> int | None:

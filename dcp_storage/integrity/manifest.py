@@ -11,20 +11,45 @@ marker: a checkpoint whose ``.metadata`` exists has its manifest too (if its wri
 
 Each item checksum covers the *stored* bytes ``[offset, offset + length)`` of one record (after any stream
 transform), and a file's items tile it, so a changed byte anywhere in a data file changes some checksum.
+
+Two optional fields, which readers before them ignore (so the schema stays 1):
+
+- ``"metadata": {"algorithm": "xxh3_64", "digest": "...", "size": N}``: the digest of the ``.metadata``
+  this manifest describes. A reader compares it with the ``.metadata`` it read and ignores a manifest that
+  does not match (torch's ``FileSystemWriter`` saved over the checkpoint and left our manifest behind),
+  with one warning naming both files (:func:`metadata_matches`). Whichever of the two files an overwrite
+  writes first, a reader sees a matching pair or ignores the manifest: never a record "mismatch".
+- ``checksums.block_size`` and, per file, ``"blocks": [[offset, "<digest><digest>...", first, size], ...]``:
+  for each record longer than one block, the digests of its consecutive blocks, concatenated: a first block
+  of ``first`` bytes when not 0 (the record's header, so the blocks after it are aligned to the tensor's
+  elements), then blocks of ``size`` bytes (``checksums.block_size`` when absent; the last one shorter), so
+  a slice read is checked by the blocks that cover it (:mod:`.blocks`). A record without blocks in a
+  manifest with ``block_size`` is its own block.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, StaleManifestWarning
 from ..formats.paths import MANIFEST_FILE, check_relative
+from .checksums import ChecksumAlgorithmError, checksum
 
-__all__ = ["MANIFEST_FILE", "SCHEMA", "ExtensionInfo", "FileChecksums", "ItemChecksum", "Manifest", "install_hint"]
+__all__ = [
+    "MANIFEST_FILE",
+    "SCHEMA",
+    "ExtensionInfo",
+    "FileChecksums",
+    "ItemChecksum",
+    "Manifest",
+    "install_hint",
+    "metadata_matches",
+]
 
 SCHEMA = 1
 
@@ -67,6 +92,9 @@ class ItemChecksum:
     offset: int
     length: int
     digest: str
+    blocks: tuple[str, ...] = ()  # digests of its block_size blocks, for a record longer than one block
+    first_block: int = 0  # a short first block of this many bytes (the record's header), 0 for none
+    block_size: int = 0  # its blocks' size (0: the manifest's block_size)
 
     @property
     def end(self) -> int:
@@ -89,6 +117,8 @@ class Manifest:
     algorithm: str | None = None
     files: dict[str, FileChecksums] = field(default_factory=dict)
     format_distribution: str | None = None
+    block_size: int | None = None
+    metadata_digest: tuple[str, str, int] | None = None  # (algorithm, digest, size) of the .metadata described
 
     @property
     def format_name(self) -> str:
@@ -117,14 +147,19 @@ class Manifest:
             }
             for e in self.extensions
         ]
+        if self.metadata_digest is not None:
+            algorithm, digest, size = self.metadata_digest
+            doc["metadata"] = {"algorithm": algorithm, "digest": digest, "size": size}
         if self.algorithm is not None:
-            doc["checksums"] = {
-                "algorithm": self.algorithm,
-                "files": {
-                    name: {"size": f.size, "items": [[i.offset, i.length, i.digest] for i in f.items]}
-                    for name, f in sorted(self.files.items())
-                },
-            }
+            doc["checksums"] = {"algorithm": self.algorithm, "files": {}}
+            if self.block_size is not None:
+                doc["checksums"]["block_size"] = self.block_size
+            for name, f in sorted(self.files.items()):
+                entry: dict[str, Any] = {"size": f.size, "items": [[i.offset, i.length, i.digest] for i in f.items]}
+                blocks = [[i.offset, "".join(i.blocks), i.first_block, i.block_size] for i in f.items if i.blocks]
+                if blocks:
+                    entry["blocks"] = blocks
+                doc["checksums"]["files"][name] = entry
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -152,11 +187,18 @@ class Manifest:
                 raise CorruptCheckpointError(f"{url}: manifest extension entry {e!r} has no 'descriptor'")
             extensions.append(ExtensionInfo(e["descriptor"], _opt_str(e, "distribution"), _opt_str(e, "version")))
         manifest = cls(fmt, writer, extensions, format_distribution=_opt_str(doc, "format_distribution"))
+        manifest.metadata_digest = _metadata_digest(doc.get("metadata"), url)
         sums = doc.get("checksums")
         if sums is not None:
             if not isinstance(sums, dict) or not isinstance(sums.get("algorithm"), str):
                 raise CorruptCheckpointError(f"{url}: manifest 'checksums' needs an 'algorithm'")
             manifest.algorithm = sums["algorithm"]
+            block_size = sums.get("block_size")
+            if block_size is not None and (type(block_size) is not int or not 4096 <= block_size <= 1 << 30):
+                raise CorruptCheckpointError(
+                    f"{url}: manifest 'checksums.block_size' {block_size!r} is not 4 KiB-1 GiB"
+                )
+            manifest.block_size = block_size
             files = sums.get("files", {})
             if not isinstance(files, dict):
                 raise CorruptCheckpointError(f"{url}: manifest 'checksums.files' is not an object")
@@ -164,8 +206,50 @@ class Manifest:
                 # A name leaving the checkpoint would have verify hash a file outside it against a digest
                 # the manifest chose: a way to test guesses about that file's content.
                 check_relative(name, f"{url}: checksums entry")
-                manifest.files[name] = _file_entry(f, url, name)
+                manifest.files[name] = _file_entry(f, url, name, block_size)
         return manifest
+
+    def blocks_of(self, file: str, offset: int, length: int) -> tuple[str, ...]:
+        """The block digests of the record ``[offset, offset + length)`` of ``file`` (empty: none recorded)."""
+        item = self.item(file, offset, length)
+        return item.blocks if item is not None else ()
+
+
+def metadata_matches(manifest: Manifest, data: Any, manifest_url: str, metadata_url: str) -> bool | None:
+    """Whether ``manifest`` describes the ``.metadata`` bytes ``data`` (``None``: it records no digest).
+
+    ``False`` warns once, naming both files: the manifest is then ignored (a writer that knows nothing of
+    it, torch's, saved over the checkpoint), and the load relies on what the format carries (zip CRC-32s).
+    """
+    if manifest.metadata_digest is None:
+        return None
+    algorithm, digest, size = manifest.metadata_digest
+    try:
+        same = len(data) == size and checksum(data, algorithm) == digest
+    except ChecksumAlgorithmError:
+        same = False
+    if not same:
+        warnings.warn(
+            f"{manifest_url} does not describe {metadata_url} (another writer, e.g. torch's FileSystemWriter, saved "
+            "over the checkpoint and left it behind); ignoring the manifest and checking the zip CRC-32s. Delete the "
+            "stale manifest to silence this",
+            StaleManifestWarning,
+            stacklevel=3,
+        )
+    return same
+
+
+def _metadata_digest(value: Any, url: str) -> tuple[str, str, int] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("algorithm"), str)
+        or not isinstance(value.get("digest"), str)
+        or type(value.get("size")) is not int
+    ):
+        raise CorruptCheckpointError(f"{url}: manifest 'metadata' needs 'algorithm', 'digest' and an integer 'size'")
+    return value["algorithm"], value["digest"], value["size"]
 
 
 def _list(value: Any, url: str, name: str) -> list[Any]:
@@ -179,7 +263,7 @@ def _opt_str(doc: Mapping[str, Any], key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _file_entry(f: Any, url: str, name: str) -> FileChecksums:
+def _file_entry(f: Any, url: str, name: str, block_size: int | None = None) -> FileChecksums:
     if not isinstance(f, dict) or type(f.get("size")) is not int or f["size"] < 0:
         raise CorruptCheckpointError(f"{url}: manifest entry for {name!r} needs an integer 'size'")
     items = []
@@ -192,14 +276,43 @@ def _file_entry(f: Any, url: str, name: str) -> FileChecksums:
         ):
             raise CorruptCheckpointError(f"{url}: manifest item {it!r} of {name!r} is not [offset, length, digest]")
         items.append(ItemChecksum(it[0], it[1], it[2]))
+    blocks = f.get("blocks")
+    if blocks is not None and block_size is not None:
+        by_offset = {i.offset: k for k, i in enumerate(items)}
+        for b in _list(blocks, url, f"checksums.files[{name!r}].blocks"):
+            shaped = isinstance(b, list) and len(b) in (2, 3, 4) and isinstance(b[1], str)
+            first = b[2] if shaped and len(b) >= 3 else 0
+            size = b[3] if shaped and len(b) == 4 and b[3] else block_size
+            sound = type(first) is int and type(size) is int and 4096 <= size <= 1 << 30 and 0 <= first < size
+            k = by_offset.get(b[0]) if shaped and sound else None
+            if k is None:
+                raise CorruptCheckpointError(f"{url}: manifest blocks entry {str(b)[:80]} of {name!r} names no record")
+            item = items[k]
+            if first >= item.length:
+                raise CorruptCheckpointError(
+                    f"{url}: manifest blocks of {name!r} at {item.offset}: first block too long"
+                )
+            count = (1 if first else 0) + -(-(item.length - first) // size)
+            width = len(item.digest)
+            if width == 0 or len(b[1]) != count * width:
+                raise CorruptCheckpointError(
+                    f"{url}: manifest blocks of {name!r} at {item.offset} hold {len(b[1])} hex digits, expected "
+                    f"{count} digests of {width}"
+                )
+            digests = tuple(b[1][j : j + width] for j in range(0, len(b[1]), width))
+            items[k] = ItemChecksum(item.offset, item.length, item.digest, digests, first, size)
     return FileChecksums(f["size"], items)
 
 
-def file_checksums(items: Iterable[tuple[str, int, int, str]]) -> dict[str, FileChecksums]:
-    """Group ``(file, offset, length, digest)`` records by file; a file's size is where its last item ends."""
+def file_checksums(items: Iterable[tuple[Any, ...]]) -> dict[str, FileChecksums]:
+    """Group ``(file, offset, length, digest[, blocks])`` records by file; a file's size is where its last item
+    ends."""
     files: dict[str, FileChecksums] = {}
-    for name, offset, length, digest in items:
-        files.setdefault(name, FileChecksums(0)).items.append(ItemChecksum(offset, length, digest))
+    for name, offset, length, digest, *blocks in items:
+        first = blocks[1] if len(blocks) > 1 else 0
+        size = blocks[2] if len(blocks) > 2 else 0
+        item = ItemChecksum(offset, length, digest, tuple(blocks[0]) if blocks else (), first, size)
+        files.setdefault(name, FileChecksums(0)).items.append(item)
     for f in files.values():
         f.items.sort(key=lambda i: i.offset)
         f.size = max((i.end for i in f.items), default=0)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from .blocks import FIX
 from .checksums import Hasher, checksum, mismatch, new_hasher
 from .manifest import Manifest
 
@@ -77,7 +78,7 @@ class RecordVerifier:
         if got != expected.digest:
             raise CorruptCheckpointError(
                 f"{where} (holding {keys or 'unknown keys'}): {mismatch(self.algorithm, expected.digest)}: the stored "
-                "bytes changed after they were written"
+                f"bytes changed after they were written, or the storage returned other bytes; {FIX}"
             )
         self.checked += 1
         self.checked_bytes += length

@@ -38,8 +38,9 @@ from ..errors import CheckpointNotFoundError
 from ..formats.completeness import find_leftovers
 from ..formats.dcp_native.item_loader import DcpItemLoader, DcpLoaderConfig
 from ..formats.dcp_native.lazy_metadata import columns_of
-from ..formats.dcp_native.manifest_io import read_manifest, record_verifier
-from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from ..formats.dcp_native.manifest_io import default_sums, read_checked_manifest, record_verifier
+from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata, read_metadata_file
+from ..formats.limits import METADATA, read_limited
 from ..formats.misdirected import raise_explained
 from ..planners.key_check import check_planned_keys
 from ..strategies.dcp_call import running_planner
@@ -76,11 +77,18 @@ class FsspecReader(BoundLocation, StorageReader):
             :class:`~dcp_storage.strategies.ReadStrategy` or its name (``"per_rank"``, ``"read_once"``,
             ``"per_host"``); default: the ``"read_strategy"`` storage option, else ``read_once`` on object
             stores and ``per_rank`` on local files.
-        verify: check every record this rank reads against the checksum our writer recorded for it in
-            ``.dcp_storage.json`` (records are then fetched whole, even when resharding), raising
-            :class:`~dcp_storage.errors.CorruptCheckpointError` naming the URL, byte range and keys on a
-            mismatch. Checkpoints without recorded checksums (torch's writers) load unchecked, with a warning.
-            Every record read whole also gets its zip layout and CRC32s checked.
+        verify: ``None`` (the default) checks every byte the load delivers against what the checkpoint
+            carries, reading no more than the ranks need: a record read whole against its digest in
+            ``.dcp_storage.json`` (or its zip CRC-32s), a slice against the block digests that cover it (reading
+            at most a block more on each side), a whole tensor of a checkpoint without block digests (torch's
+            writer) against its zip CRC-32; only a slice of such a checkpoint is delivered unchecked (the debug
+            log says so). A manifest that does not describe the ``.metadata`` (another writer saved over the
+            checkpoint) is ignored with one warning; one of an older dcp-storage, which records no digest of
+            the ``.metadata``, is used only with ``verify=True``. ``True``: every record this rank reads is
+            fetched whole (even when resharding) and checked against its recorded checksum; checkpoints
+            without recorded checksums load with a warning, their records' zip CRC-32s checked. ``False``:
+            nothing is checked. A mismatch raises :class:`~dcp_storage.errors.CorruptCheckpointError` naming
+            the URL, byte range, keys and what to do.
     """
 
     def __init__(
@@ -92,7 +100,7 @@ class FsspecReader(BoundLocation, StorageReader):
         loader_config: DcpLoaderConfig | None = None,
         extension_registry: ExtensionRegistry | None = None,
         transport: Transport | None = None,
-        verify: bool = False,
+        verify: bool | None = None,
         read_strategy: ReadStrategy | str | None = None,
     ) -> None:
         super().__init__()
@@ -145,13 +153,19 @@ class FsspecReader(BoundLocation, StorageReader):
         return metadata
 
     def _read_per_load_files(self) -> tuple[Metadata, tuple[Any, ...]]:
-        """``.metadata``, and ``(manifest,)`` when ``verify`` needs it: what one rank reads for all."""
-        metadata = self._read_metadata_file(METADATA_FILE)
-        return metadata, ((read_manifest(self.transport, self.root),) if self.verify else ())
+        """``.metadata``, and ``((manifest, stale),)`` unless ``verify=False``: what one rank reads for all."""
+        raw: list[bytes] = []
+        metadata = self._read_metadata_file(METADATA_FILE, raw)
+        if self.verify is False:
+            return metadata, ()
+        return metadata, (read_checked_manifest(self.transport, self.root, raw[0], strict=self.verify is True),)
 
-    def _read_metadata_file(self, name: str) -> Metadata:
+    def _read_metadata_file(self, name: str, raw: list[bytes] | None = None) -> Metadata:
         path = self.transport.join(self.root, name)
         try:
+            if raw is not None:  # the caller keeps the bytes (the manifest records their digest)
+                raw.append(bytes(read_limited(self.transport, path, METADATA)))
+                return load_metadata(raw[-1], self.transport.url(path))
             return read_metadata_file(self.transport, path)
         except (CheckpointNotFoundError, NotADirectoryError) as exc:  # NotADirectory: the URL is a file
             leftovers = find_leftovers(self.transport, self.root)  # an interrupted save: say so
@@ -179,13 +193,13 @@ class FsspecReader(BoundLocation, StorageReader):
 
     def _splittable(self, item: ReadItem) -> bool:
         """Row blocks of a record can be fetched alone unless it is checked or decoded whole."""
-        if self.verify:
+        if self.verify is True:
             return False
         cols = columns_of(self.metadata)
         if cols is not None and not cols.transforms:  # no record is decoded whole: no entry to look up
             return True
         info = self.storage_data.get(item.storage_index)
-        return not self.verify and not getattr(info, "transform_descriptors", None)
+        return not getattr(info, "transform_descriptors", None)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return self.read_strategy.local_plan(plan)
@@ -196,10 +210,14 @@ class FsspecReader(BoundLocation, StorageReader):
         return self.read_strategy.global_plan(plans, self._stored)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        verifier = None
-        if self.verify:
-            known = {} if self._manifest is _UNREAD else {"manifest": self._manifest}
+        verifier = sums = None
+        if self.verify is True:
+            known: dict[str, Any] = {}
+            if self._manifest is not _UNREAD:
+                known = {"manifest": self._manifest[0], "warn": not self._manifest[1]}  # stale: warned already
             verifier = record_verifier(self.transport, self.root, self.storage_data, **known)
+        elif self.verify is None and self._manifest is not _UNREAD:
+            sums = default_sums(self.transport, self.root, self.storage_data, self._manifest[0])
         loader = DcpItemLoader(
             self.transport,
             self.root,
@@ -208,7 +226,8 @@ class FsspecReader(BoundLocation, StorageReader):
             self.extension_registry,
             verifier,
             metadata=self.metadata,
-            check_zips=self.verify,
+            check_zips=self.verify is not False,
+            sums=sums,
         )
         if self._stored is None:
             loader.load(plan.items, planner)

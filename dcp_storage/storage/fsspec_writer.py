@@ -63,7 +63,7 @@ from ..formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_me
 from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from ..formats.dcp_native.transform_write import ItemEncoder
 from ..formats.paths import DATA_SUFFIX, LOCK_RE, RANK_METADATA_RE
-from ..integrity.checksums import DEFAULT_ALGORITHM, HashingWriter, check_algorithm
+from ..integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for, check_algorithm
 from ..integrity.manifest import MANIFEST_FILE
 from ..integrity.write_results import ChecksummedStorage, unwrap_results
 from ..transports import Transport, TransportConfig
@@ -102,10 +102,11 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         extensions: torch ``StreamTransformExtension`` objects (compression: ``dcp_storage_zstd.ZstdSeekable()``,
             torch's ``ZStandard()``) every tensor and byte item is written through, recorded in the metadata as
             torch's ``FileSystemWriter(_extensions=...)`` records them (each side reads the other's output).
-        checksum_algorithm: checksum of every record, recorded in ``.dcp_storage.json`` (``"xxh3_64"``,
-            ``"xxh64"``, ``"crc32c"``, ``"crc32"``; see :mod:`dcp_storage.integrity.checksums`). ``None``
+        checksum_algorithm: checksum of every record and of every 1 MiB block of it, recorded in
+            ``.dcp_storage.json`` (``"xxh3_64"``, ``"xxh64"``, ``"crc32c"``, ``"crc32"``; see
+            :mod:`dcp_storage.integrity.checksums`), with the digest of the ``.metadata`` it describes. ``None``
             computes and records none (the manifest still names the format, writer and extensions); ``verify``
-            then says so, and ``FsspecReader(verify=True)`` warns and loads unchecked.
+            then says so, loads check the zip CRC-32s only, and ``FsspecReader(verify=True)`` warns.
         create_bucket: create the URL's bucket (Azure: container) if it does not exist. ``False`` (the
             default) raises :class:`~dcp_storage.errors.BucketNotFoundError` instead, so a typo in a bucket
             name never becomes a new bucket (see :mod:`dcp_storage.transports.buckets`).
@@ -335,11 +336,11 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
 
     def _write_records(self, raw: Any, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         results = []
-        stream = HashingWriter(raw, self.checksum_algorithm)  # checksums of the stored bytes, in one pass
+        stream = HashingWriter(raw, self.checksum_algorithm, BLOCK_SIZE)  # record and block checksums, in one pass
         for item in items:
-            stream.begin()
-            offset = stream.tell()
             data = planner.resolve_data(item)
+            stream.begin(block_size_for(_nbytes(data)))  # blocks of 1/64 of the record, 16 KiB to 1 MiB
+            offset = stream.tell()
             with self._encoder.open(stream) as out:  # through the extensions, if any
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(data, io.BytesIO):
@@ -351,7 +352,13 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
                     torch.save(_compact_cpu(data), out)  # type: ignore[arg-type]
             _start, length, digest = stream.end()
             stored = _StorageInfo(name, offset, length, transform_descriptors=self._encoder.descriptors)
-            info = stored if digest is None else ChecksummedStorage(stored, self.checksum_algorithm, digest)
+            info = (
+                stored
+                if digest is None
+                else ChecksummedStorage(
+                    stored, self.checksum_algorithm, digest, stream.blocks, stream.first_block, stream.blocks_size
+                )
+            )
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         return results
 
@@ -361,7 +368,10 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         extensions = getattr(self, "extensions", None) or ()
-        manifest = build_manifest(DCP_FORMAT.descriptor, storage_md, checksums, algorithms, extensions)
+        committed = dump_metadata(metadata)  # the manifest records its digest: a stale manifest is told apart
+        manifest = build_manifest(
+            DCP_FORMAT.descriptor, storage_md, checksums, algorithms, extensions, metadata=committed
+        )
         self._confirm_claim()  # another save took the location over: it commits, not this one
         data_files = sorted({info.relative_path for info in storage_md.values()})
         manifest_path, metadata_path = self._manifest_path(), self._metadata_path()
@@ -370,7 +380,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
                 self.transport.remove(manifest_path)  # the old one: never beside the new .metadata
             else:
                 self.transport.write_file(manifest_path, manifest.to_json())  # before the commit marker
-            self.transport.write_file(metadata_path, dump_metadata(metadata))  # the commit
+            self.transport.write_file(metadata_path, committed)  # the commit
         except Exception as exc:
             error = write_error(exc, self.transport.url(metadata_path))
             # Not committed, for sure on a local disk or a full store: nothing of it may stay. An object store's
@@ -418,6 +428,13 @@ def _world_size(n_plans: int, rank_local: bool) -> int:
     if not rank_local:
         return n_plans
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _nbytes(data: Any) -> int:
+    """The bytes of a resolved write item: a tensor's elements, a ``BytesIO``'s buffer."""
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return memoryview(data.getbuffer()).nbytes if isinstance(data, io.BytesIO) else 0
 
 
 def _compact_cpu(data: Any) -> torch.Tensor:

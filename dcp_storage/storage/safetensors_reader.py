@@ -79,6 +79,9 @@ class SafetensorsReader(BoundLocation, StorageReader):
             the file's header (and the header against its own digest). Each tensor touched is fetched whole
             (a slice cannot be checked); a mismatch raises :class:`~dcp_storage.errors.CorruptCheckpointError`
             naming the URL, the byte range and the key. Files without checksums load unchecked, with a warning.
+            ``None`` (the default): a tensor read whole is checked against its recorded digest, a slice is read
+            alone and unchecked (the file records no block digests); safetensors files written by others carry
+            no checksum, so only their header is checked (the debug log says so). ``False``: nothing is checked.
     """
 
     @renamed_keyword("url", "path")
@@ -94,7 +97,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         process_group: dist.ProcessGroup | None = None,
         coordinator_rank: int = 0,
         broadcast_metadata: bool = True,
-        verify: bool = False,
+        verify: bool | None = None,
         read_strategy: ReadStrategy | str | None = None,
     ) -> None:
         super().__init__()
@@ -137,7 +140,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         header bytes: a header is fetched once per load)."""
         try:
             layout = discover(self.transport, self.target)
-            found: dict[Any, Any] | None = {} if self.verify else None
+            found: dict[Any, Any] | None = {} if self.verify is not False else None
             metadata = scan_metadata(self.transport, layout, self.scan_config, found)
             sums = {
                 blob.file: FileSums(url, header.metadata, raw)
@@ -179,7 +182,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         check_planned_keys(running_planner(), metadata)
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
-        self._stored = MetadataItems(metadata, lambda item: not self.verify)  # checked tensors are read whole
+        self._stored = MetadataItems(metadata, lambda item: self.verify is not True)  # checked tensors are read whole
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return self.read_strategy.local_plan(plan)

@@ -84,8 +84,8 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
             them with ``weights_only=False``; this package's planners with ``weights_only=True`` plus their
             ``safe_globals=[...]``.
         verify: check the zip CRC32 of every tensor the coordinator reads whole (a full-tensor load; a
-            slice is not covered by the CRC), raising :class:`~dcp_storage.errors.CorruptCheckpointError`
-            naming the file and tensor. Off by default: zlib's CRC32 adds about 25% to a full-tensor load
+            slice is not covered by its record's CRC) before any byte is delivered; on by default (the CRC
+            is the format's own; ISA-L computes it at ~12 GB/s here), ``False`` turns it off
             (``dcp-storage verify --deep`` checks every record). ``data.pkl`` is always checked.
     """
 
@@ -101,7 +101,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         delivery_config: DeliveryConfig | None = None,
         transport: Transport | None = None,
         trust: bool = False,
-        verify: bool = False,
+        verify: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(trust, bool):

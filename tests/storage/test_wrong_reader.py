@@ -120,4 +120,8 @@ def test_wrong_readers_on_s3_and_no_probe_on_the_happy_path(s3_url: S3Location) 
 
     healthy = ds.FsspecReader(urls["dcp_dir"], opts)
     healthy.read_metadata()
-    assert healthy.counters["requests"] == 1, healthy.counters  # .metadata only: no sniffing when all is well
+    # .metadata and its manifest (what a default load checks the bytes with): no sniffing when all is well
+    assert healthy.counters["requests"] == 2, healthy.counters
+    unchecked = ds.FsspecReader(urls["dcp_dir"], opts, verify=False)
+    unchecked.read_metadata()
+    assert unchecked.counters["requests"] == 1, unchecked.counters  # .metadata only

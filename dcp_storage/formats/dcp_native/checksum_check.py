@@ -8,6 +8,7 @@ reported with its URL, byte range and the keys stored there, not just the first.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,10 @@ from ...integrity.checksums import mismatch, new_hasher
 from ...integrity.manifest import Manifest
 from ...integrity.read_verify import key_name
 from ...integrity.verify_notes import PIECE_BYTES, no_checksums_note
+from ...text import printable
+from ..limits import METADATA, read_limited
+from ..paths import METADATA_FILE
+from .crc_check import check_record_crcs
 from .manifest_io import read_manifest
 
 __all__ = ["ChecksumCheck", "check_dcp_checksums", "report_dcp_checksums"]
@@ -115,22 +120,53 @@ def _check_file(
             )
 
 
+def _same_mismatch(problem: str, where: str) -> bool:
+    """Whether ``problem`` (the deep read's) is the checksum failure of the record at ``where``."""
+    same_record = where in problem.replace(" bytes [", " [")
+    return same_record and ("checksum mismatch" in problem or "CRC-32" in problem)
+
+
 def report_dcp_checksums(report: Any, transport: Any, root: str, storage: dict[Any, Any], *, deep: bool) -> None:
     """Add the checksum findings for a DCP checkpoint to a ``VerifyReport`` (problems, notes, counts).
 
-    Shallow (``deep=False``): file sizes and checksum coverage. Deep: every record's checksum as well.
+    Shallow (``deep=False``): file sizes and checksum coverage. Deep: every record's checksum as well, or
+    (no manifest, or a stale one) the zip CRC-32 of every record. A manifest that does not describe the
+    ``.metadata`` (another writer saved over the checkpoint) is one note, not a problem per record.
     """
     try:
-        manifest = read_manifest(transport, root)
+        metadata = read_limited(transport, transport.join(root, METADATA_FILE), METADATA)
+        with warnings.catch_warnings(record=True) as stale:
+            warnings.simplefilter("always")
+            manifest = read_manifest(transport, root, metadata=bytes(metadata))
     except DcpStorageError as exc:
         report.problems.append(str(exc))
         return
+    for w in stale:
+        note = f"{w.message}"
+        if note not in report.notes:
+            report.notes.append(note)
     if manifest is None or manifest.algorithm is None:
         if not deep:
-            report.notes.append(no_checksums_note(manifest.writer if manifest else None))
+            if not report.deep:  # a deep run says what it checked instead
+                report.notes.append(no_checksums_note(manifest.writer if manifest else None, zip_crcs=True))
+            return
+
+        def seen(url: str, lo: int, hi: int) -> bool:
+            return any(url in p and f"[{lo}, {hi})" in p for p in report.problems)
+
+        checked, skipped = check_record_crcs(transport, root, storage, report.problems, seen)
+        report.checked["crc32_records"] = checked
+        who = printable(manifest.writer) if manifest else "its writer (not dcp-storage, e.g. torch's)"
+        report.notes.append(
+            f"no checksums recorded by {who}; the zip CRC-32 of {checked} records checked instead"
+            + (f" ({skipped} records that are not zips carry none)" if skipped else "")
+        )
         return
     found = check_dcp_checksums(transport, root, manifest, storage, deep=deep)
-    report.problems.extend(p for p in found.problems if p not in report.problems)
+    for p in found.problems:  # the deep read (a checked load) may have reported this mismatch already
+        where = p.split(" (holding")[0].replace(" bytes [", " [")
+        if p not in report.problems and not any(_same_mismatch(q, where) for q in report.problems):
+            report.problems.append(p)
     if deep:
         report.checked["checksum_records"] = found.records
         report.notes.append(

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CheckpointExistsError
-from ...integrity.checksums import DEFAULT_ALGORITHM, HashingWriter
+from ...integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for
 from ...integrity.manifest import MANIFEST_FILE
 from ...transports.buckets import make_output_root
 from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
@@ -70,28 +70,28 @@ def write_dcp(
 
     state: dict[str, object] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    records: list[tuple[str, int, int, str]] = []  # (file, offset, length, digest) of every record
+    records: list[tuple[object, ...]] = []  # (file, offset, length, digest, blocks) of every record
     for i, group in enumerate(_groups(tensors, max_shard_size)):
         name = f"__0_{i}{DATA_SUFFIX}"
         first = i == 0
         if not group and not (first and values):
             continue
         with transport.open_atomic(dest.join(name)) as raw:
-            stream = HashingWriter(raw, checksum_algorithm)  # each record's checksum, in the same pass
+            stream = HashingWriter(raw, checksum_algorithm, BLOCK_SIZE)  # record and block checksums, one pass
             for value in values if first else ():
                 data = fetch.value_bytes(value)
-                stream.begin()
+                stream.begin(block_size_for(len(data)))
                 stream.write(data)
                 offset, length, digest = stream.end()
-                records.append((name, offset, length, digest))
+                records.append((name, offset, length, digest, stream.blocks, stream.first_block, stream.blocks_size))
                 storage[MetadataIndex(value.key)] = _StorageInfo(name, offset, length)
                 state[value.key] = BytesStorageMetadata()
             for out, tensor in fetch.tensors(group):
-                stream.begin()
+                stream.begin(block_size_for(tensor.numel() * tensor.element_size()))
                 torch.save(tensor, stream)  # type: ignore[arg-type]
                 offset, length, digest = stream.end()
                 del tensor
-                records.append((name, offset, length, digest))
+                records.append((name, offset, length, digest, stream.blocks, stream.first_block, stream.blocks_size))
                 zeros = torch.Size([0] * len(out.shape))
                 storage[MetadataIndex(out.key, zeros, 0)] = _StorageInfo(name, offset, length)
                 size = torch.Size(out.shape)
@@ -110,10 +110,10 @@ def write_dcp(
         storage_meta=StorageMeta(checkpoint_id=dest.url, save_id=uuid.uuid4().hex),
     )
     metadata.version = DCP_VERSION
-    manifest = build_manifest(descriptor, storage, records, {checksum_algorithm}).to_json()
+    data = dump_metadata(metadata)
+    manifest = build_manifest(descriptor, storage, records, {checksum_algorithm}, metadata=data).to_json()
     transport.write_file(dest.join(MANIFEST_FILE), manifest)  # before the commit marker
     dest.record(MANIFEST_FILE, len(manifest))
-    data = dump_metadata(metadata)
     transport.write_file(metadata_path, data)
     dest.record(METADATA_FILE, len(data))
 

@@ -14,6 +14,12 @@ Two rounds of I/O through the transport, each sorted, coalesced and concurrent:
 Records we cannot slice (tensor subclasses, compressed zips, big-endian) are loaded whole with
 ``torch.load(weights_only=True)`` and narrowed, as torch does.
 
+Checked by default (``sums``, ``check_zips``): a record fetched whole is compared with its digest in the
+manifest, or has its zip CRC-32s checked; a slice is widened to the blocks that cover it and checked by
+their digests, and a whole tensor of a checkpoint without block digests by its zip CRC-32
+(:mod:`dcp_storage.integrity.blocks`). Only a slice of a checkpoint that records no block digests (torch's
+writer) is delivered unchecked, which the debug log says once per load.
+
 Items written through a stream extension are decoded with it (torch's, or a plugin's from the
 ``dcp_storage.extensions`` entry points: :mod:`.extensions`). When that extension is seekable (framed
 compression, :mod:`.seekable`) and this rank needs only part of the item, only the frames covering its
@@ -22,6 +28,7 @@ slice are fetched and decoded (:mod:`.framed_items`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,10 +41,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ...deprecation import renamed_attributes
 from ...errors import CorruptCheckpointError, ShapeMismatchError
-from ...integrity.read_verify import RecordVerifier, batches_by_bytes
+from ...integrity.blocks import BlockCover, Cover, DataCrc
+from ...integrity.read_verify import RecordVerifier, batches_by_bytes, key_name
 from ...transports import RangeRequest, Transport
 from ..byte_items import deliver_byte_item
-from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
+from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices, slice_extent
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
 from .record_entry import RecordEntry
@@ -54,6 +62,8 @@ from .torch_record import (
 from .verified_in_place import load_verified_in_place
 
 __all__ = ["DcpItemLoader", "DcpLoaderConfig"]
+
+_log = logging.getLogger(__name__)
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -101,6 +111,7 @@ class DcpItemLoader:
         *,
         metadata: Metadata | None = None,
         check_zips: bool = False,
+        sums: RecordVerifier | None = None,
     ) -> None:
         self.transport = transport
         self.root = root
@@ -113,6 +124,12 @@ class DcpItemLoader:
         # set: tensor records read whole get their zip layout and CRC32s checked (torch.load'd records and
         # non-tensor items always do)
         self.check_zips = check_zips
+        # set (a default load of a checkpoint whose manifest matches its .metadata): records read whole are
+        # checked by their digests, slices by their covering blocks
+        self.sums = sums
+        self._digested: set[RecordEntry] = set()  # records read whole and checked against their digest
+        self._unchecked_said = False
+        self._costly_said = False
         self._planner: LoadPlanner | None = None
         self._sizes: dict[str, int] = {}  # file sizes seen by this loader (load() may run once per round)
 
@@ -220,7 +237,7 @@ class DcpItemLoader:
                 continue
             data = self._untransform(entry, raw, keys[entry], firsts[entry])
             where = self._where(entry)
-            if self.check_zips:  # our parser reads local headers only; the rest costs >5% on small records
+            if self.check_zips and entry not in self._digested:  # CRC-32s and layout, unless its digest matched
                 check_record_zip(data, where)
             try:
                 rec = parse_tensor_record(memoryview(data), len(data), where)
@@ -259,6 +276,9 @@ class DcpItemLoader:
         for entry, buf in zip(todo, self.transport.read_ranges(reqs)):
             if self.verifier is not None:
                 self.verifier.check(entry.relative_path, entry.offset, entry.length, buf)
+            elif self.sums is not None and self.sums.manifest.item(entry.relative_path, entry.offset, entry.length):
+                self.sums.check(entry.relative_path, entry.offset, entry.length, buf)
+                self._digested.add(entry)
             whole[entry] = buf
 
     def _check_sizes(self, entries: Sequence[RecordEntry]) -> None:
@@ -362,7 +382,61 @@ class DcpItemLoader:
             self.config.max_runs_per_item,
             map_runs_above=self.config.map_runs_above if self.transport.is_local else None,
             dense_gap=dense_gap_of(self.transport),
+            cover=self._affordable(self._cover(item, entry, rec), stored, item) if self.check_zips else None,
         )
+
+    def _affordable(self, cover: Cover | None, stored: StoredTensor, item: ReadItem) -> Cover | None:
+        """``cover`` unless reading what it covers adds more than a quarter (or two blocks) to the slice's
+        bytes: a column slice (``Shard(1)``) would read its whole record on every rank. Such a slice is read
+        alone and unchecked (the debug log says so once; ``verify=True`` reads and checks whole records)."""
+        if cover is None or not isinstance(cover, BlockCover) or math.prod(item.lengths) == 0:
+            return cover
+        needed = math.prod(item.lengths) * stored.itemsize
+        start, end = cover.covering(*slice_extent(stored, item.storage_offsets, item.lengths))
+        if end - start <= needed + max(needed // 4, 2 * cover.block_size):
+            return cover
+        if not self._costly_said:
+            self._costly_said = True
+            _log.debug(
+                "%s: slices whose covering blocks would read more than a quarter beyond their bytes (column slices, "
+                "Shard(1)) are read alone and delivered unchecked; verify=True checks them by reading whole records",
+                self.transport.url(self.root),
+            )
+        return None
+
+    def _cover(self, item: ReadItem, entry: RecordEntry, rec: TensorRecord) -> Cover | None:
+        """What checks the slice ``item`` reads of the record ``entry``: its covering blocks when the manifest
+        records them, else the zip CRC-32 of a whole tensor; ``None`` (unchecked, said once) otherwise."""
+        where = f"{self._where(entry)} (holding {key_name(item.storage_index)})"
+        start = entry.offset
+        expected = self.sums.manifest.item(entry.relative_path, entry.offset, entry.length) if self.sums else None
+        block_size = self.sums.manifest.block_size if self.sums else None
+        if expected is not None and block_size is not None and self.sums is not None:
+            if expected.blocks:
+                algorithm = self.sums.algorithm
+                size = expected.block_size or block_size
+                return BlockCover(start, entry.length, size, expected.blocks, algorithm, where, expected.first_block)
+            else:  # a record without blocks (at most WHOLE_BELOW bytes of data) is its own block
+                return BlockCover(
+                    start, entry.length, max(entry.length, 1), (expected.digest,), self.sums.algorithm, where
+                )
+        whole = (
+            rec.storage_offset == 0
+            and rec.is_row_major
+            and not any(item.storage_offsets)
+            and tuple(item.lengths) == tuple(rec.shape)
+            and rec.storage_nbytes == rec.itemsize * math.prod(rec.shape)
+        )
+        if whole:
+            return DataCrc(start + rec.data_start, rec.storage_nbytes, start + entry.length, where)
+        if not self._unchecked_said:
+            self._unchecked_said = True
+            _log.debug(
+                "%s: the checkpoint records no block checksums (torch's writer, or an older dcp-storage): slices of "
+                "its records are delivered unchecked; whole records and whole tensors are checked",
+                self.transport.url(self.root),
+            )
+        return None
 
     def _run_ranged(self, works: list[SliceRead], planner: LoadPlanner) -> None:
         def commit(work: SliceRead) -> None:

@@ -94,7 +94,11 @@ def report_safetensors_checksums(report: Any, transport: Any, paths: list[str], 
             without += 1
     if with_sums == 0:
         if not deep:
-            report.notes.append(no_checksums_note(None))
+            report.notes.append(
+                no_checksums_note(
+                    "not dcp-storage's SafetensorsWriter: safetensors files written by others carry no checksum"
+                )
+            )
         return
     written_by = ", ".join(sorted(writers))
     if deep:

@@ -15,6 +15,7 @@ whole into a contiguous CPU destination of its dtype is read straight into it an
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,7 @@ from .metadata import StoredBytes, StoredChunk
 __all__ = ["SafetensorsLoaderConfig", "SafetensorsItemLoader"]
 
 MiB = 1024 * 1024
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class SafetensorsItemLoader:
         root: str,
         storage_data: Mapping[Any, Any],
         config: SafetensorsLoaderConfig | None = None,
-        verify: bool = False,
+        verify: bool | None = None,
         known_sums: Mapping[str, FileSums] | None = None,
     ) -> None:
         self.transport = transport
@@ -106,7 +108,7 @@ class SafetensorsItemLoader:
                 if not isinstance(entry, StoredBytes):
                     raise CorruptCheckpointError(f"{item.storage_index.fqn!r}: stored as a tensor, loaded as bytes")
                 byte_items.append((item, entry))
-            elif isinstance(entry, StoredChunk) and self.verify and self._file_sums(entry.file).present:
+            elif isinstance(entry, StoredChunk) and self._checked(item, entry):
                 checked.setdefault(entry, []).append(item)
             elif isinstance(entry, StoredChunk):
                 works.append(self._plan_tensor(item, entry, planner))
@@ -120,6 +122,17 @@ class SafetensorsItemLoader:
         read_slices(self.transport, works, commit, self.config.staging_bytes)
         self._load_checked(checked, planner)
 
+    def _checked(self, item: ReadItem, entry: StoredChunk) -> bool:
+        """Whether ``item`` is read through the checked path: with ``verify=True`` every tensor of a file that
+        records checksums; by default (``None``) a whole tensor of such a file (its digest covers exactly the
+        bytes read), while a slice is read alone and unchecked (the file records no block digests)."""
+        if self.verify is False or (self.verify is None and entry.file not in self._known):
+            return False  # by default only whole safetensors files, whose sums came with the metadata
+        if not self._file_sums(entry.file).present:
+            return False
+        whole = not any(int(o) for o in item.storage_offsets) and tuple(int(n) for n in item.lengths) == entry.shape
+        return self.verify is True or whole
+
     def _file_sums(self, file: str) -> FileSums:
         """The checksums ``file``'s header records (header digest checked); warns once if it records none."""
         sums = self._sums.get(file)
@@ -129,6 +142,12 @@ class SafetensorsItemLoader:
                 sums, _header = FileSums.read(self.transport, self._path(file))
             if sums.present:
                 require_checksummed(sums)
+            elif self.verify is None:
+                _log.debug(
+                    "%s: the file records no checksums (not written by dcp-storage's SafetensorsWriter: safetensors "
+                    "files written by others carry no checksum); its header is checked, its tensor bytes are not",
+                    printable(sums.url),
+                )
             else:
                 warnings.warn(
                     f"{printable(sums.url)}: verify=True, but the file records no checksums (not written by dcp-storage's "

@@ -7,10 +7,9 @@ record present, uncompressed, large enough and inside the file. Deep: the zip CR
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
-from ...integrity.checksums import mismatch
+from ...integrity.checksums import crc32, mismatch
 from ...transports.factory import open_transport
 from ..reports import VerifyReport, error_text
 from .archive import TorchSaveArchive
@@ -55,7 +54,7 @@ def _check_crc32(report: VerifyReport, url: str, storage_options: dict[str, Any]
             entry, start, crc = index.entries[name], starts[name], 0
             for lo in range(start, start + entry.compressed_size, _CRC_CHUNK):
                 hi = min(lo + _CRC_CHUNK, start + entry.compressed_size)
-                crc = zlib.crc32(transport.read_range(path, lo, hi), crc)
+                crc = crc32(transport.read_range(path, lo, hi), crc)
             if crc != entry.crc32:
                 report.problems.append(
                     f"{index.url}: record {name!r}: {mismatch('CRC32', f'{entry.crc32:08x}')}: "

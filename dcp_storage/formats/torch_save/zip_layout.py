@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ...errors import CorruptCheckpointError
+from ...integrity.checksums import crc32
 from ..limits import MAX_INFLATION_RATIO
 
 __all__ = [
@@ -265,9 +266,10 @@ def inflate(raw: bytes | memoryview, entry: ZipEntry, url: str) -> bytes:
 
 
 def check_crc(data: bytes | memoryview, entry: ZipEntry, url: str) -> None:
-    if len(data) != entry.size or zlib.crc32(data) != entry.crc32:
+    if len(data) != entry.size or crc32(data) != entry.crc32:
         raise CorruptCheckpointError(
-            f"{url}: record {entry.name!r} fails its CRC32 check (the bytes were changed after the file was written)"
+            f"{url}: record {entry.name!r} fails its CRC32 check (the bytes read are not those written): restore the "
+            "file from a good copy, or retry if the storage returned wrong bytes"
         )
 
 

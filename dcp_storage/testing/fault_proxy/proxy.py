@@ -17,6 +17,7 @@ from .rules import (
     BODY_FAULT_MODES,
     CONDITION_FAULT_MODES,
     CONDITION_HEADERS,
+    CORRUPT_BODY_MODES,
     RANGE_FAULT_MODES,
     FaultCounters,
     FaultMode,
@@ -289,7 +290,7 @@ class FaultProxy(StartStop):
         if self.link is not None:
             await self.link.first_byte()
         has_body = response_has_body(method, status)
-        if mode in BODY_FAULT_MODES and has_body and status == 206:
+        if mode in BODY_FAULT_MODES + CORRUPT_BODY_MODES and has_body and status == 206:
             await self._rewrite(up_reader, writer, response, mode)  # type: ignore[arg-type]
             return False
         if mode in ("truncate", "stall_body"):

@@ -38,4 +38,9 @@ def rewritten(mode: FaultMode, response: Head, body: bytes) -> tuple[Head, bytes
         longer = bytes(LONG_PAD) + body
         chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(longer), longer)
         return head.with_header("Content-Length", None).with_header("Transfer-Encoding", "chunked"), chunked
+    if mode == "flip_body":  # same length, same headers: one bit of the middle byte flipped
+        flipped = bytearray(body)
+        if flipped:
+            flipped[len(flipped) // 2] ^= 0x01
+        return head.with_header("Content-Length", str(len(flipped))), bytes(flipped)
     raise ValueError(f"not a body fault mode: {mode!r}")

@@ -15,6 +15,7 @@ __all__ = [
     "BODY_FAULT_MODES",
     "CONDITION_FAULT_MODES",
     "CONDITION_HEADERS",
+    "CORRUPT_BODY_MODES",
     "RANGE_FAULT_MODES",
     "STALL_MODES",
     "ByteRange",
@@ -40,6 +41,7 @@ FaultMode = Literal[
     "encoded_range",
     "long_range",
     "ignore_conditions",
+    "flip_body",
 ]
 # Faults of the transport: every request can meet them, and a retry of the same request may succeed.
 FAULT_MODES: tuple[FaultMode, ...] = ("slowdown_503", "error_500", "reset", "truncate", "slow")
@@ -48,6 +50,9 @@ RANGE_FAULT_MODES: tuple[FaultMode, ...] = ("ignore_range", "shift_range", "shor
 # Answers to ranged GETs whose headers name the range asked for while the body is not those bytes as stored
 # (the body is rewritten, the request forwarded unchanged); only requests with a range meet them.
 BODY_FAULT_MODES: tuple[FaultMode, ...] = ("encoded_range", "long_range")
+# The worst of them: a 206 whose headers are all right (status, Content-Range, Content-Length) and whose body
+# has one bit flipped. No transport check can see it; only a checksum of the bytes can.
+CORRUPT_BODY_MODES: tuple[FaultMode, ...] = ("flip_body",)
 # Refusals no retry can get past (a 403 for credentials without the permission); every request can meet them.
 PERMANENT_MODES: tuple[FaultMode, ...] = ("forbidden_403",)
 # A server that sends its headers and part of a body, then nothing more on a connection it keeps open: no
@@ -58,7 +63,13 @@ STALL_MODES: tuple[FaultMode, ...] = ("stall_body",)
 CONDITION_FAULT_MODES: tuple[FaultMode, ...] = ("ignore_conditions",)
 CONDITION_HEADERS = ("If-None-Match", "If-Match")
 ALL_FAULT_MODES: tuple[FaultMode, ...] = (
-    FAULT_MODES + RANGE_FAULT_MODES + PERMANENT_MODES + STALL_MODES + BODY_FAULT_MODES + CONDITION_FAULT_MODES
+    FAULT_MODES
+    + RANGE_FAULT_MODES
+    + PERMANENT_MODES
+    + STALL_MODES
+    + BODY_FAULT_MODES
+    + CONDITION_FAULT_MODES
+    + CORRUPT_BODY_MODES
 )
 
 # A request's ``Range: bytes=FIRST-LAST`` (LAST inclusive; ``None`` for ``bytes=FIRST-``).
@@ -93,7 +104,7 @@ def faulted_range(mode: FaultMode, first: int, last: int | None) -> str | None:
 
 def _range_eligible(mode: FaultMode, byte_range: ByteRange | None) -> bool:
     """Whether a request with ``byte_range`` can be faulted in ``mode`` (other modes: any request)."""
-    if mode not in RANGE_FAULT_MODES and mode not in BODY_FAULT_MODES:
+    if mode not in RANGE_FAULT_MODES and mode not in BODY_FAULT_MODES + CORRUPT_BODY_MODES:
         return True
     if byte_range is None:
         return False
