@@ -24,6 +24,7 @@ from ..formats.spec import FormatSpec
 from ..storage.claim import claim_location, lock_name
 from ..transports.buckets import make_output_root
 from ..transports.factory import open_transport
+from .input_guard import refuse_overwriting_input
 from .plan import Destination, OutTensor, OutValue, WrittenFile, parse_dtype
 from .source import TensorSource, byte_batches
 from .targets import infer_target, resolve_target
@@ -214,6 +215,7 @@ def convert(
     dst_opts = {**(storage_options or {}), **(dst_storage_options or {})} or None
     if same_location(src, src_opts, dst, dst_opts):
         raise TargetError(f"{dst!r} is the input itself; convert to another location")
+    refuse_overwriting_input(src, src_opts, dst, dst_opts)
     with TensorSource.open(src, src_opts, src_format, trust=trust) as source:
         tensors, values = plan_outputs(source, dtype=cast)
         return _run(

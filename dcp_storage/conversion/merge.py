@@ -26,6 +26,7 @@ from ..formats.safetensors.write_plan import parse_size
 from ..transports import Transport
 from ..transports.factory import open_transport
 from .engine import ConvertResult, _run, plan_outputs, same_location
+from .input_guard import refuse_overwriting_input
 from .plan import OutTensor
 from .source import TensorSource
 from .targets import convert_targets
@@ -150,6 +151,7 @@ def merge_fsdp_weights(
             f"{output_path!r} lies inside {checkpoint_dir!r}, which remove_checkpoint_dir would delete; "
             "write the merged weights elsewhere"
         )
+    refuse_overwriting_input(checkpoint_dir, storage_options, output_path, out_opts, tool="merge")
     # accelerate's flag names the two formats it writes (with their default file names, as here)
     target = convert_targets()["safetensors" if safe_serialization else "torch"]
     with TensorSource.open(checkpoint_dir, storage_options) as source:
