@@ -133,3 +133,39 @@ def test_cli_convert_into_the_input_directory_exits_1_with_one_line(tmp_path: Pa
     assert got.rc == 1, got
     assert "TargetError" in got.stderr and len(got.stderr.strip().splitlines()) == 1, got
     assert snapshot(tmp_path / "d") == before
+
+
+def test_merge_remove_checkpoint_dir_through_a_symlink_is_refused_before_writing(
+    tmp_path: Path, sources: dict[str, Path]
+) -> None:
+    """Before: the merge was written, then ``rmtree`` failed with a bare ``OSError`` (exit 1, output left)."""
+    import shutil
+
+    real = tmp_path / "elsewhere" / "ckpt"
+    shutil.copytree(sources["dcp_tensors"], real)
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    before = snapshot(real)
+    got = run_cli("merge", str(tmp_path / "link"), str(tmp_path / "out"), "--remove-checkpoint-dir")
+    assert got.rc == 1, got
+    assert "TargetError" in got.stderr and "symbolic link" in got.stderr, got
+    assert len(got.stderr.strip().splitlines()) == 1, got
+    assert not (tmp_path / "out").exists()  # checked before anything was written
+    assert (tmp_path / "link").is_symlink() and snapshot(real) == before
+
+
+def test_cli_merge_refuses_an_existing_output_without_overwrite(tmp_path: Path, sources: dict[str, Path]) -> None:
+    """Issue 23: ``merge`` silently replaced an existing output, where ``convert`` refuses it."""
+    from ._helpers import run_batch
+
+    out = tmp_path / "out"
+    first, again, forced = run_batch(
+        [
+            ["merge", str(sources["dcp_tensors"]), str(out)],
+            ["merge", str(sources["dcp_tensors"]), str(out)],
+            ["merge", str(sources["dcp_tensors"]), str(out), "--overwrite"],
+        ]
+    )
+    assert first.rc == 0, first
+    assert again.rc == 1 and "CheckpointExistsError" in again.stderr and "--overwrite" in again.stderr, again
+    assert forced.rc == 0, forced
+    assert (out / "model.safetensors").is_file()
