@@ -8,6 +8,7 @@ buffer, whatever the checkpoint's size. Metadata, headers and ``data.pkl`` are b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -143,15 +144,44 @@ def write_outputs(
     if writer.refuse is not None:
         writer.refuse(tensors, values, options)
     if options.single_file:
-        return writer.write(dest, tensors, values, fetch, options)
+        with _removed_on_failure(dest, single=True):
+            return writer.write(dest, tensors, values, fetch, options)
+    made_root = dest.transport.is_local and not os.path.isdir(dest.path)
     make_output_root(dest.transport, dest.path)  # a file in the way: WrongPathTypeError, before the lock
-    claim = claim_location(
-        dest.transport, dest.join(lock_name()), save_id=uuid.uuid4().hex, overwrite=dest.overwrite, markers=()
-    )
     try:
-        return writer.write(dest, tensors, values, fetch, options)
+        claim = claim_location(
+            dest.transport, dest.join(lock_name()), save_id=uuid.uuid4().hex, overwrite=dest.overwrite, markers=()
+        )
+    except BaseException:
+        _remove_empty_root(dest, made_root)
+        raise
+    try:
+        with _removed_on_failure(dest, single=False):
+            return writer.write(dest, tensors, values, fetch, options)
     finally:
         claim.release()
+        if made_root and not dest.written:
+            _remove_empty_root(dest, made_root)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(dest: Destination, single: bool) -> Iterator[None]:
+    """A conversion that fails or is interrupted (Ctrl-C, SIGTERM) leaves no output: the files it committed
+    (``dest.written``: only this run's) are removed, so nothing half-written looks like a checkpoint."""
+    try:
+        yield
+    except BaseException:
+        for f in dest.written:
+            with contextlib.suppress(Exception):
+                dest.transport.remove(dest.path if single else dest.join(f.name))
+        dest.written.clear()
+        raise
+
+
+def _remove_empty_root(dest: Destination, made_root: bool) -> None:
+    if made_root:
+        with contextlib.suppress(OSError):
+            os.rmdir(dest.path)  # only if empty: a directory this run created, nothing else in it
 
 
 def convert(

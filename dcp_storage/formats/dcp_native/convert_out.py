@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CheckpointExistsError
+from ...interrupts import held_interrupts
 from ...integrity.checksums import DEFAULT_ALGORITHM, HashingWriter
 from ...integrity.manifest import MANIFEST_FILE
 from ...transports.buckets import make_output_root
@@ -88,7 +89,8 @@ def write_dcp(
                 state[value.key] = BytesStorageMetadata()
             for out, tensor in fetch.tensors(group):
                 stream.begin()
-                torch.save(tensor, stream)  # type: ignore[arg-type]
+                with held_interrupts():  # torch's C++ zip writer calls stream.write (dcp_storage.interrupts)
+                    torch.save(tensor, stream)  # type: ignore[arg-type]
                 offset, length, digest = stream.end()
                 del tensor
                 records.append((name, offset, length, digest))
