@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CheckpointExistsError
-from ...interrupts import held_interrupts
 from ...integrity.checksums import DEFAULT_ALGORITHM, HashingWriter
 from ...integrity.manifest import MANIFEST_FILE
+from ...interrupts import held_interrupts
 from ...transports.buckets import make_output_root
 from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
 from ..paths import DATA_SUFFIX
