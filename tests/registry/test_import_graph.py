@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
     "_version": BASE,
     "errors": BASE,
     "text": BASE,
+    "interrupts": BASE,
     "redaction": BASE,
     "registry": BASE,
     "tensor_buffers": BASE,
