@@ -9,6 +9,7 @@ buffer, whatever the checkpoint's size. Metadata, headers and ``data.pkl`` are b
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 import uuid
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import TargetError  # its old home: kept importable from here
+from ..errors import StorageFullError, TargetError  # TargetError's old home: kept importable from here
 from ..formats.convert_target import ConvertTarget, WriteOptions
 from ..formats.safetensors.write_plan import parse_size
 from ..formats.spec import FormatSpec
@@ -32,6 +33,7 @@ from .targets import infer_target, resolve_target
 
 __all__ = ["ConvertResult", "TargetError", "convert", "infer_target"]
 
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})  # float8 stays quantized
 
 
@@ -138,6 +140,20 @@ def write_outputs(
     the conversion ends, also when it fails (nothing retries it; its leftovers read as an interrupted save).
     A single file is written by one atomic rename, and its directory is not claimed.
     """
+    with storage_full_named(dest.url):
+        return _write_outputs(dest, target, tensors, values, fetch, max_shard_size, drop_non_tensors, single_file)
+
+
+def _write_outputs(
+    dest: Destination,
+    target: tuple[FormatSpec, ConvertTarget],
+    tensors: Sequence[OutTensor],
+    values: Sequence[OutValue],
+    fetch: Any,
+    max_shard_size: int | None,
+    drop_non_tensors: bool,
+    single_file: bool | None,
+) -> tuple[str, list[str]]:
     spec, writer = target
     single = infer_target(dest.url) == writer.name if single_file is None else single_file
     options = WriteOptions(max_shard_size, drop_non_tensors, single and writer.single_file, spec.descriptor)
@@ -176,6 +192,40 @@ def _removed_on_failure(dest: Destination, single: bool) -> Iterator[None]:
                 dest.transport.remove(dest.path if single else dest.join(f.name))
         dest.written.clear()
         raise
+
+
+@contextlib.contextmanager
+def storage_full_named(url: str) -> Iterator[None]:
+    """A full disk or quota (``ENOSPC``, ``EDQUOT``) anywhere in a failed write, however the writer wrapped
+    it (torch's zip writer reports ``enforce fail ... unexpected pos``, the original ``OSError`` in its
+    context), raised as :class:`~dcp_storage.errors.StorageFullError` naming the file (else the output).
+    Runs after the output was removed, so the retry after space is freed finds nothing in its way."""
+    try:
+        yield
+    except StorageFullError:
+        raise
+    except Exception as exc:
+        full = _full_disk_error(exc)
+        if full is None:
+            raise
+        if isinstance(full, StorageFullError):
+            raise full from None
+        path = full.filename if isinstance(full.filename, str) else url
+        raise StorageFullError(path, errno_=full.errno, detail=f"writing the output {url} (it was removed)") from exc
+
+
+def _full_disk_error(exc: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, StorageFullError) or (isinstance(e, OSError) and e.errno in _FULL):
+            return e  # type: ignore[return-value]
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def _remove_empty_root(dest: Destination, made_root: bool) -> None:

@@ -154,6 +154,11 @@ def write_archive(stream: Any, tree: Any, on_tensor: Callable[[int], None] | Non
         _write_records(zf, data, pickler.storages, on_tensor)
     except BaseException:
         out.detach()  # the caller abandons ``stream``; the writer, freed later, must not touch it
+        # Finish the archive now, into the detached stream: after a failed write (a full disk) the writer's
+        # position checks fail, and raised from its destructor that was std::terminate (SIGABRT). torch
+        # marks the writer finished even when this raises, so the destructor then writes nothing.
+        with contextlib.suppress(Exception), held_interrupts():
+            zf.write_end_of_file()
         del zf
         raise
 
