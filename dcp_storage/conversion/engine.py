@@ -171,13 +171,16 @@ def _write_outputs(
     except BaseException:
         _remove_empty_root(dest, made_root)
         raise
+    done = False
     try:
         with _removed_on_failure(dest, single=False):
-            return writer.write(dest, tensors, values, fetch, options)
+            written = writer.write(dest, tensors, values, fetch, options)
+        done = True
+        return written
     finally:
         claim.release()
-        if made_root and not dest.written:
-            _remove_empty_root(dest, made_root)
+        if not done:
+            _remove_empty_root(dest, made_root)  # after the lock is gone: empty if nothing else was there
 
 
 @contextlib.contextmanager
