@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from ._version import __version__
 from .commands import convert, demo, inspect, merge, plugins, steps, verify
 from .commands._common import HelpFormatter, UsageError, as_typed
+from .interrupts import terminate_as_interrupt
 from .text import escaped_stdio, printable
 
 __all__ = ["build_parser", "main"]
@@ -66,8 +67,11 @@ def _run(argv: Sequence[str] | None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
+        with terminate_as_interrupt():  # a `kill` cleans up as Ctrl-C does (dcp_storage.interrupts)
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt as exc:
+        how = str(exc) if str(exc) in ("SIGTERM", "SIGINT") else "SIGINT"
+        print(f"dcp-storage {args.command}: interrupted ({how})", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `dcp-storage inspect ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -17,6 +17,7 @@ The templates are files in ``dcp_storage/plugin_template/`` with ``string.Templa
 from __future__ import annotations
 
 import re
+import shutil
 import string
 from dataclasses import dataclass
 from importlib import resources
@@ -26,7 +27,11 @@ from .errors import DcpStorageError
 
 __all__ = ["KINDS", "PluginScaffold", "ScaffoldError", "new_plugin"]
 
-_NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+# A PEP 508 project name (the distribution is ``dcp-storage-NAME``), a URL scheme and, with ``-`` as ``_``, a
+# Python package: lowercase words of letters and digits joined by '-'. Matched whole (``fullmatch``: ``$``
+# alone lets a trailing newline through, which wrote an unparsable pyproject.toml).
+_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
+MAX_NAME_CHARS = 64  # the distribution's directory name stays far below any file system's 255-byte limit
 
 
 class ScaffoldError(DcpStorageError, ValueError):
@@ -105,10 +110,15 @@ def new_plugin(name: str, directory: str | Path = ".", kind: str = "transport") 
     """
     if kind not in KINDS:
         raise ScaffoldError(f"unknown plugin kind {kind!r}; choose one of {sorted(KINDS)}")
-    if not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ScaffoldError(
             f"plugin name {name!r}: use lowercase letters and digits, words joined by '-' (it becomes a URL scheme "
             "and a Python package name)"
+        )
+    if len(name) > MAX_NAME_CHARS:
+        raise ScaffoldError(
+            f"plugin name {name[:20]!r}... has {len(name)} characters; use at most {MAX_NAME_CHARS} (it names the "
+            "distribution's directory, its package and a URL scheme)"
         )
     spec = KINDS[kind]
     distribution = f"dcp-storage-{name}"
@@ -137,19 +147,25 @@ def new_plugin(name: str, directory: str | Path = ".", kind: str = "transport") 
     }
     templates = resources.files("dcp_storage") / "plugin_template"
     written = []
-    for template, relative in layout.items():
-        text = string.Template((templates / template).read_text(encoding="utf-8")).substitute(values)
-        path = root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    init = root / package / "__init__.py"
-    init.write_text(
-        f'"""{values["description"]}"""\n\nfrom .{spec.module} import {values["target"]}\n\n'
-        f'__all__ = ["{values["target"]}"]\n',
-        encoding="utf-8",
-    )
-    written.append(init)
+    try:
+        for template, relative in layout.items():
+            text = string.Template((templates / template).read_text(encoding="utf-8")).substitute(values)
+            path = root / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            written.append(path)
+        init = root / package / "__init__.py"
+        init.write_text(
+            f'"""{values["description"]}"""\n\nfrom .{spec.module} import {values["target"]}\n\n'
+            f'__all__ = ["{values["target"]}"]\n',
+            encoding="utf-8",
+        )
+        written.append(init)
+    except OSError as exc:  # a read-only or full directory: say where, and leave no half-written plugin
+        shutil.rmtree(root, ignore_errors=True)
+        raise ScaffoldError(
+            f"{root}: cannot write the plugin there ({exc.strerror or exc}); choose another --dir"
+        ) from None
     return PluginScaffold(
         root=root,
         distribution=distribution,

@@ -23,6 +23,7 @@ def add_parser(sub: Any) -> None:
             "dcp-storage merge out/pytorch_model_fsdp_0 out/merged --no-safe-serialization --max-shard-size 2GB",
         ],
         drop_non_tensors="--drop-non-tensors",
+        overwrite="--overwrite",
         create_bucket="--create-bucket",
     )
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the DCP checkpoint directory (holds .metadata)")
@@ -39,9 +40,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--remove-checkpoint-dir",
         action="store_true",
-        help="delete CHECKPOINT_DIR once the output is written and verified",
+        help="delete CHECKPOINT_DIR once the output is written and verified (refused up front when "
+        "CHECKPOINT_DIR is a symbolic link: nothing is deleted through a link)",
     )
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest output file (default 5GB)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing merged output (without it, an existing one is refused, as convert does)",
+    )
     p.add_argument("--drop-non-tensors", action="store_true", help="leave non-tensor values out of safetensors output")
     _common.add_create_bucket(p)
     _common.add_storage_options(p, sides=True)
@@ -68,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             storage_options=_common.storage_options(args, "src"),
             output_storage_options=_common.storage_options(args, "dst"),
+            overwrite=args.overwrite,
             drop_non_tensors=args.drop_non_tensors,
             create_bucket=args.create_bucket,
             progress=bar.update,

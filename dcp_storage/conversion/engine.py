@@ -8,6 +8,8 @@ buffer, whatever the checkpoint's size. Metadata, headers and ``data.pkl`` are b
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import time
 import uuid
@@ -17,19 +19,21 @@ from typing import Any
 
 import torch
 
-from ..errors import TargetError  # its old home: kept importable from here
+from ..errors import StorageFullError, TargetError  # TargetError's old home: kept importable from here
 from ..formats.convert_target import ConvertTarget, WriteOptions
 from ..formats.safetensors.write_plan import parse_size
 from ..formats.spec import FormatSpec
 from ..storage.claim import claim_location, lock_name
 from ..transports.buckets import make_output_root
 from ..transports.factory import open_transport
+from .input_guard import refuse_overwriting_input
 from .plan import Destination, OutTensor, OutValue, WrittenFile, parse_dtype
 from .source import TensorSource, byte_batches
 from .targets import infer_target, resolve_target
 
 __all__ = ["ConvertResult", "TargetError", "convert", "infer_target"]
 
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})  # float8 stays quantized
 
 
@@ -136,21 +140,101 @@ def write_outputs(
     the conversion ends, also when it fails (nothing retries it; its leftovers read as an interrupted save).
     A single file is written by one atomic rename, and its directory is not claimed.
     """
+    with storage_full_named(dest.url):
+        return _write_outputs(dest, target, tensors, values, fetch, max_shard_size, drop_non_tensors, single_file)
+
+
+def _write_outputs(
+    dest: Destination,
+    target: tuple[FormatSpec, ConvertTarget],
+    tensors: Sequence[OutTensor],
+    values: Sequence[OutValue],
+    fetch: Any,
+    max_shard_size: int | None,
+    drop_non_tensors: bool,
+    single_file: bool | None,
+) -> tuple[str, list[str]]:
     spec, writer = target
     single = infer_target(dest.url) == writer.name if single_file is None else single_file
     options = WriteOptions(max_shard_size, drop_non_tensors, single and writer.single_file, spec.descriptor)
     if writer.refuse is not None:
         writer.refuse(tensors, values, options)
     if options.single_file:
-        return writer.write(dest, tensors, values, fetch, options)
+        with _removed_on_failure(dest, single=True):
+            return writer.write(dest, tensors, values, fetch, options)
+    made_root = dest.transport.is_local and not os.path.isdir(dest.path)
     make_output_root(dest.transport, dest.path)  # a file in the way: WrongPathTypeError, before the lock
-    claim = claim_location(
-        dest.transport, dest.join(lock_name()), save_id=uuid.uuid4().hex, overwrite=dest.overwrite, markers=()
-    )
     try:
-        return writer.write(dest, tensors, values, fetch, options)
+        claim = claim_location(
+            dest.transport, dest.join(lock_name()), save_id=uuid.uuid4().hex, overwrite=dest.overwrite, markers=()
+        )
+    except BaseException:
+        _remove_empty_root(dest, made_root)
+        raise
+    done = False
+    try:
+        with _removed_on_failure(dest, single=False):
+            written = writer.write(dest, tensors, values, fetch, options)
+        done = True
+        return written
     finally:
         claim.release()
+        if not done:
+            _remove_empty_root(dest, made_root)  # after the lock is gone: empty if nothing else was there
+
+
+@contextlib.contextmanager
+def _removed_on_failure(dest: Destination, single: bool) -> Iterator[None]:
+    """A conversion that fails or is interrupted (Ctrl-C, SIGTERM) leaves no output: the files it committed
+    (``dest.written``: only this run's) are removed, so nothing half-written looks like a checkpoint."""
+    try:
+        yield
+    except BaseException:
+        for f in dest.written:
+            with contextlib.suppress(Exception):
+                dest.transport.remove(dest.path if single else dest.join(f.name))
+        dest.written.clear()
+        raise
+
+
+@contextlib.contextmanager
+def storage_full_named(url: str) -> Iterator[None]:
+    """A full disk or quota (``ENOSPC``, ``EDQUOT``) anywhere in a failed write, however the writer wrapped
+    it (torch's zip writer reports ``enforce fail ... unexpected pos``, the original ``OSError`` in its
+    context), raised as :class:`~dcp_storage.errors.StorageFullError` naming the file (else the output).
+    Runs after the output was removed, so the retry after space is freed finds nothing in its way."""
+    try:
+        yield
+    except StorageFullError:
+        raise
+    except Exception as exc:
+        full = _full_disk_error(exc)
+        if full is None:
+            raise
+        if isinstance(full, StorageFullError):
+            raise full from None
+        path = full.filename if isinstance(full.filename, str) else url
+        raise StorageFullError(path, errno_=full.errno, detail=f"writing the output {url} (it was removed)") from exc
+
+
+def _full_disk_error(exc: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, StorageFullError) or (isinstance(e, OSError) and e.errno in _FULL):
+            return e  # type: ignore[return-value]
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _remove_empty_root(dest: Destination, made_root: bool) -> None:
+    if made_root:
+        with contextlib.suppress(OSError):
+            os.rmdir(dest.path)  # only if empty: a directory this run created, nothing else in it
 
 
 def convert(
@@ -214,6 +298,7 @@ def convert(
     dst_opts = {**(storage_options or {}), **(dst_storage_options or {})} or None
     if same_location(src, src_opts, dst, dst_opts):
         raise TargetError(f"{dst!r} is the input itself; convert to another location")
+    refuse_overwriting_input(src, src_opts, dst, dst_opts)
     with TensorSource.open(src, src_opts, src_format, trust=trust) as source:
         tensors, values = plan_outputs(source, dtype=cast)
         return _run(

@@ -10,7 +10,8 @@ This one does the same, one tensor in memory at a time, and shards the output li
 (``model-00001-of-00002.safetensors`` + ``model.safetensors.index.json``) above ``max_shard_size``
 (accelerate always writes one file). With ``remove_checkpoint_dir=True`` the input is removed only after
 the output has been written and re-read: every file's size and every header/index checked against what
-was written.
+was written; a checkpoint directory that is a symbolic link is refused up front with that option (nothing
+is deleted through a link). The output never lies in, or is, the input (:mod:`.input_guard`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..formats.safetensors.write_plan import parse_size
 from ..transports import Transport
 from ..transports.factory import open_transport
 from .engine import ConvertResult, _run, plan_outputs, same_location
+from .input_guard import refuse_overwriting_input
 from .plan import OutTensor
 from .source import TensorSource
 from .targets import convert_targets
@@ -101,6 +103,26 @@ def verify_output(result: ConvertResult, tensors: list[OutTensor], storage_optio
         transport.close()
 
 
+def _check_removable(url: str, storage_options: dict[str, Any] | None) -> None:
+    """Before anything is written: ``remove_checkpoint_dir`` deletes only a real directory, never through a link.
+
+    A checkpoint directory that is a symbolic link points at data somewhere else (often another disk, or
+    another run's checkpoint): deleting what it points at is not what "remove this directory" says, and
+    removing only the link frees nothing. So it is refused up front (before, the merge was written and then
+    ``rmtree`` failed with a bare ``OSError``).
+    """
+    transport, root = open_transport(url, storage_options)
+    try:
+        if transport.is_local and os.path.islink(root.rstrip("/") or root):
+            raise TargetError(
+                f"{url!r} is a symbolic link to {os.path.realpath(root)!r}; remove_checkpoint_dir "
+                "(--remove-checkpoint-dir) deletes only a real directory, never through a link: pass the real "
+                "path to delete the data, or drop the option and remove the link yourself"
+            )
+    finally:
+        transport.close()
+
+
 def _remove(url: str, storage_options: dict[str, Any] | None) -> None:
     transport, root = open_transport(url, storage_options)
     try:
@@ -150,6 +172,9 @@ def merge_fsdp_weights(
             f"{output_path!r} lies inside {checkpoint_dir!r}, which remove_checkpoint_dir would delete; "
             "write the merged weights elsewhere"
         )
+    refuse_overwriting_input(checkpoint_dir, storage_options, output_path, out_opts, tool="merge")
+    if remove_checkpoint_dir:
+        _check_removable(checkpoint_dir, storage_options)
     # accelerate's flag names the two formats it writes (with their default file names, as here)
     target = convert_targets()["safetensors" if safe_serialization else "torch"]
     with TensorSource.open(checkpoint_dir, storage_options) as source:

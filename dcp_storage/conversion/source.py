@@ -37,6 +37,7 @@ from ..errors import CorruptCheckpointError
 from ..formats.spec import FormatSpec
 from ..futures import wait_for
 from ..opening import detect_format, reader_of
+from .tree_paths import check_tree_paths
 
 __all__ = ["READ_BATCH_BYTES", "SourceTensor", "SourceValue", "TensorSource", "byte_batches"]
 
@@ -123,8 +124,9 @@ class _CapturePlanner(LoadPlanner):
         pass
 
 
-def _paths(metadata: Metadata) -> dict[str, Path]:
-    """Each key's nested path from ``planner_data`` (DCP's flatten mapping) where it is sound, else ``(key,)``."""
+def _paths(url: str, metadata: Metadata) -> dict[str, Path]:
+    """Each key's nested path from ``planner_data`` (DCP's flatten mapping) where it is sound, else ``(key,)``;
+    the paths together must form one tree, lists bounded (:func:`~.tree_paths.check_tree_paths`)."""
     data = metadata.planner_data
     out: dict[str, Path] = {}
     for fqn in metadata.state_dict_metadata:
@@ -136,6 +138,7 @@ def _paths(metadata: Metadata) -> dict[str, Path]:
             and ".".join(map(str, path)) == fqn
         )
         out[fqn] = path if ok else (fqn,)  # type: ignore[assignment]
+    check_tree_paths(url, out)
     return out
 
 
@@ -148,7 +151,7 @@ class TensorSource:
         self.spec = spec
         self.reader = reader
         self.metadata = metadata
-        paths = _paths(metadata)
+        paths = _paths(url, metadata)
         self.tensors: dict[str, SourceTensor] = {}
         self.values: dict[str, SourceValue] = {}
         for fqn, md in metadata.state_dict_metadata.items():

@@ -20,12 +20,18 @@ safetensors header 100 MiB     the JSON header of a safetensors file          (f
 :data:`BROADCAST_BYTES` 64 MiB  bytes a view repeats beyond its storage        ``DCP_STORAGE_MAX_BROADCAST_BYTES``
 :data:`INFLATED` 64 MiB         what a stream extension may decode beyond      ``DCP_STORAGE_MAX_INFLATED_BYTES``
                                the item's chunk size and 100x its stored size
+:data:`BYTE_ITEM` 1 GiB         one non-tensor (``BYTE_IO``) item of a DCP     ``DCP_STORAGE_MAX_BYTE_ITEM_BYTES``
+                               checkpoint, read whole and decoded in memory
 =============================  ============================================  ==========================
 
 Safetensors headers use the 100 MiB limit of the reference implementation
 (:data:`~dcp_storage.formats.safetensors.header.MAX_HEADER_BYTES`), checked against the file's size before
 the header is fetched. :data:`BROADCAST_BYTES` bounds what a saved *view* may expand to: a ``torch.save``d
 ``torch.zeros(1).expand(2**28)`` stores 4 bytes and describes 1 GiB (see :func:`check_view`).
+:data:`BYTE_ITEM` bounds a non-tensor item (a step counter, RNG or data-loader state, a config: kilobytes to a
+few megabytes in practice) before its bytes are fetched, from the length the metadata gives it
+(:func:`check_byte_item`): an 8 GiB item in a sparse file otherwise cost an 8 GiB buffer, then a decode of as
+much. 1 GiB is far above any such state and below what a decode in memory can afford on a training host.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ __all__ = [
     "MAX_INFLATION_RATIO",
     "METADATA",
     "ByteLimit",
+    "BYTE_ITEM",
+    "check_byte_item",
     "check_byte_range",
     "count_setting",
     "MAX_DIM",
@@ -84,6 +92,16 @@ MANIFEST = ByteLimit("a .dcp_storage.json manifest", 512 * MiB, "DCP_STORAGE_MAX
 INDEX = ByteLimit("a safetensors index", 256 * MiB, "DCP_STORAGE_MAX_INDEX_BYTES")
 BROADCAST_BYTES = ByteLimit("a broadcast (overlapping) view", 64 * MiB, "DCP_STORAGE_MAX_BROADCAST_BYTES")
 INFLATED = ByteLimit("an item decoded by a stream extension", 64 * MiB, "DCP_STORAGE_MAX_INFLATED_BYTES")
+BYTE_ITEM = ByteLimit("a non-tensor (BYTE_IO) item", 1024 * MiB, "DCP_STORAGE_MAX_BYTE_ITEM_BYTES")
+
+
+def check_byte_item(length: int, where: str, key: str) -> None:
+    """Refuse a non-tensor item of ``length`` bytes above :data:`BYTE_ITEM`, before anything is fetched:
+    :class:`~dcp_storage.errors.FileTooLargeError` naming the item, its size and the setting."""
+    cap = BYTE_ITEM.bytes
+    if length > cap:
+        fix = f"if it is genuine, set {BYTE_ITEM.env} to a larger number of bytes"
+        raise FileTooLargeError(f"{where} (item {key!r})", length, cap, BYTE_ITEM.what, fix)
 
 
 def read_limited(transport: Any, path: str, limit: ByteLimit) -> bytes:

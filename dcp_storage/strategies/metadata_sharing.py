@@ -99,8 +99,9 @@ def share_object(
 
 def reader_location(reader: Any) -> str | None:
     """The checkpoint ``reader`` was given (its ``path`` or ``checkpoint_id``; a wrapped reader's, for one that
-    wraps another as ``reader.reader``), in a form ranks can compare: a local path made absolute, a URL
-    without a trailing ``/``. ``None`` when the reader does not say (then nothing is compared)."""
+    wraps another as ``reader.reader``), in a form ranks can compare: a local path resolved (absolute, through
+    symlinks: a link on one rank and the real path on another are one checkpoint), a URL without a trailing
+    ``/``. ``None`` when the reader does not say (then nothing is compared)."""
     inner = getattr(reader, "reader", None)
     if inner is not None and inner is not reader:
         return reader_location(inner)
@@ -108,7 +109,7 @@ def reader_location(reader: Any) -> str | None:
     if not isinstance(given, (str, os.PathLike)):
         return None
     text = os.fspath(given)
-    return text.rstrip("/") if "://" in text else os.path.abspath(text)
+    return text.rstrip("/") if "://" in text else os.path.realpath(text)
 
 
 def share_within_load(

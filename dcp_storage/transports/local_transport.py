@@ -186,7 +186,8 @@ class LocalTransport(FsspecTransport):
             self.counters.add(requests=1)
             fsync_dir(directory)
         except BaseException:
-            raw.close()
+            with contextlib.suppress(OSError):  # a full disk fails the close's flush too: remove the temp anyway
+                raw.close()
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
             raise

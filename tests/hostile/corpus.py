@@ -901,6 +901,7 @@ class _Builder:
             "local-sizes-differ": lambda b: zm.patch_local(b, "data/0", flags=0x800, csize=4, usize=4),
             "local-flags-differ": lambda b: zm.patch_local(b, "data/2", flags=0x800),
             "local-sizes-differ-with-descriptor": lambda b: zm.patch_local(b, "data/1", csize=7, usize=7),
+            "local-extra-undeclared": lambda b: zm.shift_local_data(b, "data/0"),  # data read 4 bytes late
             "central-sizes-differ": lambda b: zm.edit_entry(b, "data/2", csize=16),
             "central-encrypted": lambda b: zm.patch_local(
                 zm.edit_entry(b, "data/0", flags=0x809), "data/0", flags=0x809

@@ -23,6 +23,7 @@ __all__ = [
     "local_offset",
     "overlapping_entry",
     "patch_local",
+    "shift_local_data",
     "rewrite_central",
     "stored_zip",
     "zero_stream",
@@ -138,7 +139,7 @@ def patch_local(data: bytes, name: str, **fields: int | bytes) -> bytes:
         values["csize"],
         values["usize"],
         nlen,
-        xlen,
+        int(fields.get("xlen", xlen)),  # type: ignore[arg-type]
     )
     new_name = fields.get("name_bytes")
     if isinstance(new_name, bytes):
@@ -146,6 +147,15 @@ def patch_local(data: bytes, name: str, **fields: int | bytes) -> bytes:
             raise ValueError("a local name patch must keep the name's length")
         out[at + _LOCAL.size : at + _LOCAL.size + nlen] = new_name
     return bytes(out)
+
+
+def shift_local_data(data: bytes, name: str, by: int = 4) -> bytes:
+    """``name``'s local header declares ``by`` more extra-field bytes than it holds, the central directory
+    unchanged: a reader that trusts the local header reads the entry's bytes ``by`` bytes late (the data still
+    fits before the next entry when the entry has a 16-byte data descriptor, read as a 12-byte one)."""
+    at = local_offset(data, name)
+    xlen = _LOCAL.unpack_from(data, at)[-1]
+    return patch_local(data, name, xlen=xlen + by)
 
 
 def edit_entry(data: bytes, name: str, **changes: int | bytes) -> bytes:

@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
     "_version": BASE,
     "errors": BASE,
     "text": BASE,
+    "interrupts": BASE,
     "redaction": BASE,
     "settings": BASE,
     "registry": BASE,

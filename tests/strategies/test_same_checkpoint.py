@@ -58,3 +58,15 @@ def test_the_same_checkpoint_named_two_ways_still_loads(tmp_path: Path) -> None:
     results = run_ranks(F.load_own_path, WORLD, "read_once", [path, relative + "/"], timeout=DEADLINE_S)
     expected = repr({key: value[0].item() for key, value in F.state(3.0).items()})
     assert results == [("loaded", expected)] * WORLD
+
+
+@pytest.mark.parametrize("kind", ["read_once", "broadcasting"])
+def test_the_same_checkpoint_through_a_symlink_on_one_rank_still_loads(tmp_path: Path, kind: str) -> None:
+    """Issue 20: a symlink on one rank and the real path on the other were refused as a mismatch (with a
+    misleading message about missing metadata). Locations are compared resolved."""
+    path = _save(tmp_path, "dcp", 4.0)
+    link = tmp_path / "latest"
+    link.symlink_to(path, target_is_directory=True)
+    results = run_ranks(F.load_own_path, WORLD, kind, [str(link), path], timeout=DEADLINE_S)
+    expected = repr({key: value[0].item() for key, value in F.state(4.0).items()})
+    assert results == [("loaded", expected)] * WORLD

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import CheckpointExistsError
 from ...integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for
 from ...integrity.manifest import MANIFEST_FILE
+from ...interrupts import held_interrupts
 from ...transports.buckets import make_output_root
 from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
 from ..paths import DATA_SUFFIX
@@ -88,7 +89,8 @@ def write_dcp(
                 state[value.key] = BytesStorageMetadata()
             for out, tensor in fetch.tensors(group):
                 stream.begin(block_size_for(tensor.numel() * tensor.element_size()))
-                torch.save(tensor, stream)  # type: ignore[arg-type]
+                with held_interrupts():  # torch's C++ zip writer calls stream.write (dcp_storage.interrupts)
+                    torch.save(tensor, stream)  # type: ignore[arg-type]
                 offset, length, digest = stream.end()
                 del tensor
                 records.append((name, offset, length, digest, stream.blocks, stream.first_block, stream.blocks_size))

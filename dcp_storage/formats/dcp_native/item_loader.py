@@ -45,6 +45,7 @@ from ...integrity.blocks import BlockCover, Cover, DataCrc
 from ...integrity.read_verify import RecordVerifier, batches_by_bytes, key_name
 from ...transports import RangeRequest, Transport
 from ..byte_items import deliver_byte_item
+from ..limits import check_byte_item
 from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices, slice_extent
 from .extensions import ExtensionResolver
 from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
@@ -221,6 +222,8 @@ class DcpItemLoader:
         for item in items:
             entry = entries[id(item)]
             small = entry.length <= max(self.config.small_item_bytes, self.config.probe_bytes)
+            if item.type == LoadItemType.BYTE_IO:
+                check_byte_item(entry.length, self._where(entry), item.storage_index.fqn)  # before any buffer
             if item.type == LoadItemType.BYTE_IO or entry.transforms or small or self.verifier is not None:
                 whole[entry] = None
             else:

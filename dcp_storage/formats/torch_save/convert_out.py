@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 
 from ...errors import CheckpointExistsError, NonTensorStateError
+from ...interrupts import held_interrupts
 from ...transports.buckets import make_output_root
 from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
 from ..safetensors.convert_out import hf_index_json, pack_by_bytes, shard_size
@@ -153,15 +154,23 @@ def write_archive(stream: Any, tree: Any, on_tensor: Callable[[int], None] | Non
         _write_records(zf, data, pickler.storages, on_tensor)
     except BaseException:
         out.detach()  # the caller abandons ``stream``; the writer, freed later, must not touch it
+        # Finish the archive now, into the detached stream: after a failed write (a full disk) the writer's
+        # position checks fail, and raised from its destructor that was std::terminate (SIGABRT). torch
+        # marks the writer finished even when this raises, so the destructor then writes nothing.
+        with contextlib.suppress(Exception), held_interrupts():
+            zf.write_end_of_file()
         del zf
         raise
 
 
 def _write_records(zf: Any, data: bytes, storages: list[_Storage], on_tensor: Callable[[int], None] | None) -> None:
-    zf.write_record("data.pkl", data, len(data))
-    zf.write_record(".format_version", "1", 1)
-    zf.write_record(".storage_alignment", str(STORAGE_ALIGNMENT), len(str(STORAGE_ALIGNMENT)))
-    zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    """The records, each written by the C++ writer with Ctrl-C held (:mod:`dcp_storage.interrupts`): it calls
+    the stream's Python ``write``, and an interrupt raised there aborted the process."""
+    with held_interrupts():
+        zf.write_record("data.pkl", data, len(data))
+        zf.write_record(".format_version", "1", 1)
+        zf.write_record(".storage_alignment", str(STORAGE_ALIGNMENT), len(str(STORAGE_ALIGNMENT)))
+        zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
     for storage in storages:
         tensor = storage.load().contiguous()
         untyped = tensor.untyped_storage()
@@ -169,11 +178,13 @@ def _write_records(zf: Any, data: bytes, storages: list[_Storage], on_tensor: Ca
         if untyped.nbytes() != nbytes or tensor.storage_offset() != 0:
             tensor = tensor.clone()
             untyped = tensor.untyped_storage()
-        zf.write_record(f"data/{storage.key}", untyped, nbytes)
+        with held_interrupts():
+            zf.write_record(f"data/{storage.key}", untyped, nbytes)
         del tensor, untyped
         if on_tensor is not None:
             on_tensor(nbytes)
-    zf.write_end_of_file()
+    with held_interrupts():
+        zf.write_end_of_file()
 
 
 def build_tree(tensors: Sequence[OutTensor], values: Sequence[OutValue], fetch: Fetch) -> dict[str, Any]:

@@ -20,11 +20,14 @@ from ...errors import CorruptCheckpointError
 from ...transports import RangeRequest, Transport
 from .zip_layout import (
     DEFLATED,
+    DESCRIPTOR_FLAG,
     LOCAL,
     STORED,
     ZipEntry,
     check_crc,
+    check_descriptor,
     check_local_header,
+    descriptor_span,
     index_from_tail,
     inflate,
     locate_end,
@@ -98,7 +101,19 @@ def data_starts(transport: Transport, index: ZipIndex, names: Iterable[str]) -> 
                 todo[n] = need - LOCAL.size - len(e.raw_name)
                 continue
             out[n] = e.header_offset + start
+    _check_descriptors(transport, index, out)
     return out
+
+
+def _check_descriptors(transport: Transport, index: ZipIndex, starts: dict[str, int]) -> None:
+    """Each flagged entry's data descriptor, where its local header places the end of its data (one batch;
+    a descriptor ends at the next entry's local header, so a transport that coalesces near ranges reads
+    them with the headers' bytes)."""
+    flagged = [n for n in starts if index.entries[n].flags & DESCRIPTOR_FLAG]
+    spans = [descriptor_span(index.entries[n], starts[n]) for n in flagged]
+    reqs = [RangeRequest(index.path, lo, hi) for lo, hi in spans]
+    for n, buf in zip(flagged, transport.read_ranges(reqs) if reqs else []):
+        check_descriptor(index.entries[n], bytes(buf), index.url)  # type: ignore[arg-type]
 
 
 def _needed(head: bytes) -> int:
@@ -114,7 +129,7 @@ def read_entry(transport: Transport, index: ZipIndex, name: str, max_bytes: int)
         raise CorruptCheckpointError(
             f"{index.url}: record {name!r} is {e.size} bytes, more than the {max_bytes} allowed"
         )
-    end = min(e.header_offset + LOCAL.size + len(e.raw_name) + _LOCAL_SLACK + e.compressed_size, e.limit)
+    end = min(e.header_offset + LOCAL.size + len(e.raw_name) + _LOCAL_SLACK + e.compressed_size + 24, e.limit)
     buf = bytes(transport.read_range(index.path, e.header_offset, end))
     start = check_local_header(e, buf, index.url)
     if start is None:
@@ -124,6 +139,12 @@ def read_entry(transport: Transport, index: ZipIndex, name: str, max_bytes: int)
     else:
         abs_start = e.header_offset + start
         raw = bytes(transport.read_range(index.path, abs_start, abs_start + e.compressed_size))
+    lo, hi = descriptor_span(e, e.header_offset + start)  # read with the entry (24 bytes more) when it fits
+    if hi - e.header_offset <= len(buf):
+        tail = buf[lo - e.header_offset : hi - e.header_offset]
+    else:
+        tail = bytes(transport.read_range(index.path, lo, hi))
+    check_descriptor(e, tail, index.url)
     data = inflate(raw, e, index.url)
     check_crc(data, e, index.url)
     return data

@@ -36,9 +36,11 @@ __all__ = [
     "STORED",
     "ZipEntry",
     "check_layout",
+    "check_descriptor",
     "check_local_header",
     "check_crc",
     "check_zip_bytes",
+    "descriptor_span",
     "find_eocd",
     "index_from_tail",
     "inflate",
@@ -56,11 +58,13 @@ EOCD64_LOCATOR_SIG = b"PK\x06\x07"
 EOCD64_SIG = b"PK\x06\x06"
 CENTRAL_SIG = b"PK\x01\x02"
 LOCAL_SIG = b"PK\x03\x04"
+DESCRIPTOR_SIG = b"PK\x07\x08"
 STORED, DEFLATED = 0, 8
 _ZIP64_EXTRA = 0x0001
 _U32_MAX = 0xFFFFFFFF
 _ENCRYPTED = 0x0001 | 0x0040  # traditional and strong encryption
 _DESCRIPTOR = 0x0008  # sizes and CRC follow the data
+DESCRIPTOR_FLAG = _DESCRIPTOR
 _UTF8 = 0x0800
 _MUST_AGREE = _DESCRIPTOR | _UTF8 | _ENCRYPTED
 _DESCRIPTOR_MAX = 24  # signature, CRC, two 8-byte sizes
@@ -232,6 +236,44 @@ def check_local_header(entry: ZipEntry, head: bytes, url: str) -> int | None:
     return start if len(head) >= start else None
 
 
+def descriptor_span(entry: ZipEntry, data_start: int) -> tuple[int, int]:
+    """Absolute ``(lo, hi)`` of the bytes :func:`check_descriptor` needs: the last 4 bytes of ``entry``'s data
+    (``data_start``: absolute, where its local header places it) and what follows, up to a 24-byte
+    descriptor, never past the next entry."""
+    end = data_start + entry.compressed_size
+    return max(data_start, end - 4), min(entry.limit, end + _DESCRIPTOR_MAX)
+
+
+def check_descriptor(entry: ZipEntry, span: bytes | memoryview, url: str) -> None:
+    """The data descriptor right after a flagged entry's data must repeat its CRC and sizes, where the
+    entry's local header places the data.
+
+    ``span``: the bytes :func:`descriptor_span` names. A local header that declares 4 extra bytes the central
+    directory does not moves the data 4 bytes later: it still fits before the next entry, and the 12 bytes
+    after it are the real descriptor without its signature, which the zip format allows. What gives it away
+    is that signature as the data's last 4 bytes: a descriptor found right after ``PK\\x07\\x08`` is refused
+    too, and so is one that does not repeat the entry's CRC and sizes.
+    """
+    if not entry.flags & _DESCRIPTOR:
+        return
+    span = bytes(span)
+    before = min(4, entry.compressed_size)
+    last, tail = span[:before], span[before:]
+    body = tail[4:] if tail[:4] == DESCRIPTOR_SIG else tail
+    want = (entry.crc32, entry.compressed_size, entry.size)
+    ok = (len(body) >= 12 and struct.unpack_from("<III", body) == want) or (
+        len(body) >= 20 and struct.unpack_from("<IQQ", body) == want
+    )
+    if ok and body is tail and last == DESCRIPTOR_SIG:
+        ok = False  # the descriptor's own signature read as data: the data starts 4 bytes late
+    if not ok:
+        raise CorruptCheckpointError(
+            f"{url}: zip entry {entry.name!r} (local header at byte {entry.header_offset}) is not followed by its "
+            "data descriptor where its local header places the data: the local extra field declares bytes the "
+            "central directory does not (the data would be read late); a corrupt or hostile archive"
+        )
+
+
 def inflate(raw: bytes | memoryview, entry: ZipEntry, url: str) -> bytes:
     """The entry's content from its compressed bytes: never more than its declared size is produced."""
     if entry.method == STORED:
@@ -347,6 +389,8 @@ def check_zip_bytes(buf: bytes | memoryview, url: str, *, crc: bool = True) -> d
         if start is None:
             raise CorruptCheckpointError(f"{url}: the local header of zip entry {e.name!r} runs past the entry")
         raw = view[e.header_offset + start : e.header_offset + start + e.compressed_size]
+        lo, hi = descriptor_span(e, e.header_offset + start)
+        check_descriptor(e, view[lo:hi], url)
         if crc:
             check_crc(inflate(raw, e, url) if e.method != STORED else raw, e, url)
         elif e.method != STORED:

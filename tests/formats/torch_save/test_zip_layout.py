@@ -57,6 +57,7 @@ ATTACKS = {
     "local sizes": (lambda b: zm.patch_local(b, "data/0", flags=0x800, csize=4, usize=4), "disagrees"),
     "local flags": (lambda b: zm.patch_local(b, "data/2", flags=0x800), "flags 0x0800"),
     "descriptor sizes": (lambda b: zm.patch_local(b, "data/1", csize=7, usize=7), "sizes 7/7"),
+    "local extra +4": (lambda b: zm.shift_local_data(b, "data/0"), "'archive/data/0' (local header at byte"),
     "stored sizes": (lambda b: zm.edit_entry(b, "data/2", csize=16), "stored uncompressed"),
     "encrypted": (lambda b: zm.edit_entry(b, "data/0", flags=0x809), "encrypted"),
     "overlap": (lambda b: zm.overlapping_entry(b, "data/2", "data/1"), "overlaps entry"),
@@ -85,6 +86,23 @@ def test_the_same_attacks_on_a_record_in_memory(good: bytes, attack: str) -> Non
     with pytest.raises(CorruptCheckpointError) as info:
         check_zip_bytes(mutate(good), "mem://__0_0.distcp [0, n)")
     assert "__0_0.distcp" in str(info.value) and says in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("reader", ["open_reader", "broadcasting"])
+def test_a_local_header_with_4_undeclared_extra_bytes_is_refused_on_load(
+    tmp_path: Path, good: bytes, reader: str
+) -> None:
+    """Issue 20 (turn 2): the tensor's bytes were read 4 bytes late and loaded silently as wrong values."""
+    from dcp_storage import open_reader
+
+    path = tmp_path / "model.pt"
+    path.write_bytes(zm.shift_local_data(good, "data/0"))
+    storage = open_reader(str(path)) if reader == "open_reader" else BroadcastingTorchSaveReader(str(path))
+    dest = {k: torch.empty_like(v) for k, v in state().items()}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(dest, storage_reader=storage, planner=DynamicMetaLoadPlanner(), no_dist=True)
+    text = str(info.value)
+    assert "CorruptCheckpointError" in text and "model.pt" in text and "archive/data/0" in text, text
 
 
 def _entries(data: bytes) -> list[tuple[str, bytes]]:
