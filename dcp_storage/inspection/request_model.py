@@ -63,6 +63,9 @@ class ModelConfig:
     max_request_bytes: int = 32 * MiB
     staging_bytes: int = 32 * MiB  # Broadcasting's read-ahead per chunk
     read_once: ReadOnceConfig = field(default_factory=ReadOnceConfig)
+    # Per-load files fetched once by the coordinator: ``.metadata``, and the manifest ``.dcp_storage.json``
+    # that a default (verified) load of a checkpoint this library wrote also reads.
+    per_load_files: int = 2
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,7 @@ def model_load(
     groups = layout.shard // len(coordinates)
     out: dict[str, LoadModel] = {}
     for name in strategies:
-        out[name] = LoadModel(name, [], groups, metadata_gets=1)
+        out[name] = LoadModel(name, [], groups, metadata_gets=config.per_load_files)
     for coordinate in coordinates:
         plan = _plan_for_shard(metadata, coordinate, layout.shard)
         ranks = [replica * layout.shard + coordinate for replica in range(layout.replicas)]

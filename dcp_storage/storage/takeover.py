@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..formats.limits import count_setting
+from ..transports import client_identity
 from .lock_holder import parse, stale_reason
 
 __all__ = ["MARKER_SUFFIX", "SETTLE_ENV", "create_exclusive", "read_lock", "rewrite_lock", "take_over"]
@@ -100,7 +101,7 @@ def create_exclusive(transport: Any, path: str, token: bytes) -> bool:
         return True
     if transport.is_local:
         return bool(create(path, token))  # O_EXCL: the kernel's word
-    store = getattr(transport, "fs", None)
+    store = client_identity(transport)
     if store is not None and _HONOURED.get(store):
         return bool(create(path, token))  # this client's store refused a probe before
     if transport.exists(path) or not create(path, token):

@@ -8,6 +8,7 @@ common base) for any other fsspec filesystem. Importing this package registers t
 
 from ..redaction import install_log_redaction
 from .azure_transport import AzureTransport
+from .client_identity import client_identity
 from .config import TransportConfig
 from .counters import TransportCounters
 from .fsspec_transport import FsspecTransport
@@ -23,6 +24,7 @@ from .s3_transport import S3Transport
 install_log_redaction()  # botocore logs signed requests (tokens, key ids) at DEBUG: mask them
 
 __all__ = [
+    "client_identity",
     "AtomicWriter",
     "AzureTransport",
     "FsspecTransport",

@@ -163,10 +163,29 @@ def stat_regular(path: str, confinement: Confinement | None = None, where: str |
     return st
 
 
+_REOPENS = 3  # a file replaced between stat and open (an atomic rename: a commit) is opened afresh this often
+
+
 def open_regular(path: str, confinement: Confinement | None = None, where: str | None = None) -> int:
     """A read-only descriptor of ``path``: a regular file (inside ``confinement`` when given), never
-    anything that could block or never end. The caller closes it; errors name ``where``."""
+    anything that could block or never end. The caller closes it; errors name ``where``.
+
+    A file replaced between the checks and ``open`` (a save committing its ``.metadata`` by rename) is
+    checked and opened again, so the reader gets the old or the new file whole; one that keeps changing
+    is refused."""
     where = where or path
+    for _ in range(_REOPENS - 1):
+        fd = _open_checked(path, confinement, where)
+        if fd is not None:
+            return fd
+    fd = _open_checked(path, confinement, where)
+    if fd is None:
+        raise CorruptCheckpointError(f"{where}: was replaced while being opened, again and again; refusing to read it")
+    return fd
+
+
+def _open_checked(path: str, confinement: Confinement | None, where: str) -> int | None:
+    """One try of :func:`open_regular`: the descriptor, or ``None`` if the file was replaced meanwhile."""
     before = stat_regular(path, confinement, where)
     target = confinement.check(path, where) if confinement is not None else path
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -183,7 +202,8 @@ def open_regular(path: str, confinement: Confinement | None = None, where: str |
         if confinement is not None:
             confinement.check_opened(path, fd, where)
         if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-            raise CorruptCheckpointError(f"{where}: was replaced while being opened; refusing to read it")
+            os.close(fd)
+            return None
     except BaseException:
         os.close(fd)
         raise

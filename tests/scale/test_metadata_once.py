@@ -28,7 +28,7 @@ DEADLINE_S = 240.0
 # Objects fetched once per load, whoever reads them (suffix -> which cases have one).
 PER_LOAD_FILES = {
     "/.metadata": {"fsspec", "fsspec-verify", "safetensors-dcp", "broadcasting-fsspec"},
-    "/.dcp_storage.json": {"fsspec-verify"},
+    "/.dcp_storage.json": {"fsspec", "fsspec-verify", "broadcasting-fsspec"},  # verified loads by default
     "/model.safetensors.index.json": {"safetensors-index", "broadcasting-safetensors"},
 }
 

@@ -43,6 +43,7 @@ from ...deprecation import renamed_attributes
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.blocks import BlockCover, Cover, DataCrc
 from ...integrity.read_verify import RecordVerifier, batches_by_bytes, key_name
+from ...redaction import redact_urls
 from ...transports import RangeRequest, Transport
 from ..byte_items import deliver_byte_item
 from ..limits import check_byte_item
@@ -403,7 +404,7 @@ class DcpItemLoader:
             _log.debug(
                 "%s: slices whose covering blocks would read more than a quarter beyond their bytes (column slices, "
                 "Shard(1)) are read alone and delivered unchecked; verify=True checks them by reading whole records",
-                self.transport.url(self.root),
+                redact_urls(self.transport.url(self.root)),
             )
         return None
 
@@ -437,7 +438,7 @@ class DcpItemLoader:
             _log.debug(
                 "%s: the checkpoint records no block checksums (torch's writer, or an older dcp-storage): slices of "
                 "its records are delivered unchecked; whole records and whole tensors are checked",
-                self.transport.url(self.root),
+                redact_urls(self.transport.url(self.root)),
             )
         return None
 

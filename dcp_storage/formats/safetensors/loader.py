@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...deprecation import renamed_attributes
 from ...errors import CorruptCheckpointError, ShapeMismatchError
 from ...integrity.read_verify import batches_by_bytes
+from ...redaction import redact_urls
 from ...tensor_buffers import writable_bytes
 from ...text import printable
 from ...transports import RangeRequest, Transport
@@ -146,11 +147,11 @@ class SafetensorsItemLoader:
                 _log.debug(
                     "%s: the file records no checksums (not written by dcp-storage's SafetensorsWriter: safetensors "
                     "files written by others carry no checksum); its header is checked, its tensor bytes are not",
-                    printable(sums.url),
+                    redact_urls(printable(sums.url)),
                 )
             else:
                 warnings.warn(
-                    f"{printable(sums.url)}: verify=True, but the file records no checksums (not written by dcp-storage's "
+                    f"{redact_urls(printable(sums.url))}: verify=True, but the file records no checksums (not written by dcp-storage's "
                     "SafetensorsWriter); loading it unchecked",
                     RuntimeWarning,
                     stacklevel=4,

@@ -77,4 +77,7 @@ def server_copy(transport: Transport, src: str, dst: str) -> bool:
     if fs is None:
         return False
     fs.copy(src, dst)
+    pins = getattr(transport, "versions", None)  # written past the transport: its version pin must go too
+    if pins is not None:
+        pins.forget(dst)
     return True

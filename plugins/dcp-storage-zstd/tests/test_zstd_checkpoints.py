@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -101,7 +102,9 @@ def test_round_trip_bit_exact_and_smaller(tmp_path: Path, url_kind: str) -> None
     assert {tuple(s.transform_descriptors) for s in md.storage_data.values()} == {(DESCRIPTOR,)}
     stored = sum(s.length for s in md.storage_data.values())
     metadata_bytes = len(dcp_metadata_bytes(reader))
-    assert bytes_read == stored + metadata_bytes  # whole items: no index or header probes
+    fs, root = fsspec.core.url_to_fs(url)
+    manifest_bytes = fs.size(f"{root}/.dcp_storage.json")  # a default load is verified: it reads the manifest
+    assert bytes_read == stored + metadata_bytes + manifest_bytes  # whole items: no index or header probes
     w = md.storage_data[next(i for i in md.storage_data if i.fqn == "w_bf16")]
     assert w.length < 0.85 * sd["w_bf16"].numel() * 2  # bf16 weights: the exponent bytes compress
 
