@@ -30,6 +30,8 @@ SIGNALS = {
     "StandInRefusal": "an allow-listed stand-in refuses; the unpickler raises UnsafeCheckpointError naming the file",
     "TruncatedReadError": "a short body, retried by the transport (an OSError to the retry classifier)",
     "RangeMismatchError": "an answer for another range, retried by the transport (as above)",
+    "StaleManifestWarning": "a warning, not an error: a manifest that belongs to another .metadata is ignored "
+    "(said once, naming both files) and the load goes on (integrity/manifest.py)",
     "_Mismatch": "a new state that does not fit the kept staging buffers; caught at once, the state is staged "
     "afresh (manager/staging.py)",
     "VersionConditionFailed": "a store refused a read conditioned on the pinned version (412); the transport "
