@@ -796,7 +796,10 @@ class Bench:
                 case,
                 [
                     self.raw_entry("raw readinto 1 thread", bdr.raw_local_job, files, 1),
-                    *(self.load_entry(r, path, "full", 1) for r in ("ours", "ours-noverify", "torch-hf", "torch-hf-t2")),
+                    *(
+                        self.load_entry(r, path, "full", 1)
+                        for r in ("ours", "ours-noverify", "torch-hf", "torch-hf-t2")
+                    ),
                 ],
                 rounds,
             )
