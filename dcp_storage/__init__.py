@@ -10,7 +10,7 @@ import importlib.util
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
+from dcp_storage._version import __version__
 
 # Imported on first use (PEP 562), not here: ``import dcp_storage`` would otherwise import torch (seconds),
 # and ``dcp-storage --help`` / ``--version`` must answer at once. Module -> the public names it defines; the
@@ -93,9 +93,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
-    from . import fsdp, registry
-    from .conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
-    from .errors import (
+    from dcp_storage import fsdp, registry
+    from dcp_storage.conversion import ConvertResult, convert, dcp_to_torch_save, merge_fsdp_weights, torch_save_to_dcp
+    from dcp_storage.errors import (
         BucketNotFoundError,
         CheckpointExistsError,
         CheckpointNotFoundError,
@@ -116,26 +116,32 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         WrongFormatError,
         WrongPathTypeError,
     )
-    from .formats.dcp_native.item_loader import DcpLoaderConfig
-    from .formats.safetensors.loader import SafetensorsLoaderConfig
-    from .formats.safetensors.scan import SafetensorsScanConfig
-    from .formats.torch_save.archive import TorchSaveArchiveConfig
-    from .inspection import describe, verify
-    from .load_save import load, save
-    from .manager import CheckpointManager, KeepPolicy, TrainState
-    from .opening import UnknownFormatError, detect_format, open_reader, open_writer
-    from .planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
-    from .storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
-    from .storage.prefixes import (
+    from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
+    from dcp_storage.formats.safetensors.loader import SafetensorsLoaderConfig
+    from dcp_storage.formats.safetensors.scan import SafetensorsScanConfig
+    from dcp_storage.formats.torch_save.archive import TorchSaveArchiveConfig
+    from dcp_storage.inspection import describe, verify
+    from dcp_storage.load_save import load, save
+    from dcp_storage.manager import CheckpointManager, KeepPolicy, TrainState
+    from dcp_storage.opening import UnknownFormatError, detect_format, open_reader, open_writer
+    from dcp_storage.planners import DtypePolicy, DynamicMetaLoadPlanner, KeyMap, KeyRules, RemappingLoadPlanner
+    from dcp_storage.storage import (
+        BroadcastingTorchSaveReader,
+        FsspecReader,
+        FsspecWriter,
+        SafetensorsReader,
+        SafetensorsWriter,
+    )
+    from dcp_storage.storage.prefixes import (
         BinaryPrefixStrategy,
         DecimalPrefixStrategy,
         HexPrefixStrategy,
         PrefixStrategy,
         RoundRobinPrefixStrategy,
     )
-    from .strategies import Broadcasting, DeliveryConfig, ReadOnceConfig, ReadStrategies
-    from .transports import FsspecTransport, RetryPolicy, Transport, TransportConfig
-    from .unwrapping import unwrap
+    from dcp_storage.strategies import Broadcasting, DeliveryConfig, ReadOnceConfig, ReadStrategies
+    from dcp_storage.transports import FsspecTransport, RetryPolicy, Transport, TransportConfig
+    from dcp_storage.unwrapping import unwrap
 
 
 __all__ = [

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from dcp_storage.cli import main
 
 sys.exit(main())

@@ -16,11 +16,11 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from ._version import __version__
-from .commands import convert, demo, inspect, merge, plugins, steps, verify
-from .commands._common import HelpFormatter, UsageError, as_typed
-from .interrupts import terminate_as_interrupt
-from .text import escaped_stdio, printable
+from dcp_storage._version import __version__
+from dcp_storage.commands import convert, demo, inspect, merge, plugins, steps, verify
+from dcp_storage.commands._common import HelpFormatter, UsageError, as_typed
+from dcp_storage.interrupts import terminate_as_interrupt
+from dcp_storage.text import escaped_stdio, printable
 
 __all__ = ["build_parser", "main"]
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from .storage import FsspecReader, FsspecWriter
-from .testing.distributed import run_ranks
-from .testing.models import build_model, fsdp2_shard, reference_state_dict
-from .testing.s3_server import MotoS3Server
+from dcp_storage.storage import FsspecReader, FsspecWriter
+from dcp_storage.testing.distributed import run_ranks
+from dcp_storage.testing.models import build_model, fsdp2_shard, reference_state_dict
+from dcp_storage.testing.s3_server import MotoS3Server
 
 __all__ = ["DemoConfig", "format_report", "run_demo"]
 

@@ -14,8 +14,8 @@ error (``path``, ``keys``, ...) stay exact. Secrets inside a URL in a message (a
 
 from __future__ import annotations
 
-from .redaction import redact_urls
-from .text import printable
+from dcp_storage.redaction import redact_urls
+from dcp_storage.text import printable
 
 __all__ = [
     "BucketNotFoundError",

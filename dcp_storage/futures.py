@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from .errors import DcpStorageError
+from dcp_storage.errors import DcpStorageError
 
 __all__ = ["FutureTypeError", "as_torch_future", "wait_for"]
 

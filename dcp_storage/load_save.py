@@ -24,9 +24,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .errors import DcpStorageError
-from .opening import open_reader, open_writer
-from .unwrapping import failing_ranks, unwrap
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.opening import open_reader, open_writer
+from dcp_storage.unwrapping import failing_ranks, unwrap
 
 __all__ = ["load", "quiet_torch_checkpoint_logs", "save"]
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import registry
-from .errors import UnknownFormatError
-from .formats.completeness import probe_or_refuse
-from .formats.detection import best_formats, registered_formats, score_formats
-from .formats.spec import FormatSpec, Probe
-from .integrity.format_check import missing_format_plugin
+from dcp_storage import registry
+from dcp_storage.errors import UnknownFormatError
+from dcp_storage.formats.completeness import probe_or_refuse
+from dcp_storage.formats.detection import best_formats, registered_formats, score_formats
+from dcp_storage.formats.spec import FormatSpec, Probe
+from dcp_storage.integrity.format_check import missing_format_plugin
 
 __all__ = ["UnknownFormatError", "detect_format", "open_reader", "open_writer", "reader_of"]
 

@@ -52,7 +52,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_storage.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["MISSING", "guard_pickle"]
 

@@ -48,8 +48,8 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from . import registry
-from .errors import (
+from dcp_storage import registry
+from dcp_storage.errors import (
     BucketNotFoundError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -71,9 +71,9 @@ from .errors import (
     WrongFormatError,
     WrongPathTypeError,
 )
-from .futures import FutureTypeError, as_torch_future
-from .registry import PluginError, PluginImportError, PluginNotFoundError, get, register, registered
-from .transports import (
+from dcp_storage.futures import FutureTypeError, as_torch_future
+from dcp_storage.registry import PluginError, PluginImportError, PluginNotFoundError, get, register, registered
+from dcp_storage.transports import (
     AtomicWriter,
     LocalFileAccess,
     LocalRunReads,
@@ -85,17 +85,17 @@ from .transports import (
     TransportCounters,
     is_transient,
 )
-from .transports.config import resolve_config
-from .transports.exclusive import holds
-from .transports.factory import open_transport
-from .transports.local_runs import LocalRuns
-from .transports.range_check import RangeMismatchError, range_mismatch
-from .transports.range_run import RangeRun
-from .transports.ranges import FetchGroup, plan_fetches
-from .transports.retry import TruncatedReadError, call_with_retry
-from .transports.s3_stream import ScatterSink
-from .transports.versions import VersionPins
-from .transports.worker_pool import WorkerPool
+from dcp_storage.transports.config import resolve_config
+from dcp_storage.transports.exclusive import holds
+from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports.local_runs import LocalRuns
+from dcp_storage.transports.range_check import RangeMismatchError, range_mismatch
+from dcp_storage.transports.range_run import RangeRun
+from dcp_storage.transports.ranges import FetchGroup, plan_fetches
+from dcp_storage.transports.retry import TruncatedReadError, call_with_retry
+from dcp_storage.transports.s3_stream import ScatterSink
+from dcp_storage.transports.versions import VersionPins
+from dcp_storage.transports.worker_pool import WorkerPool
 
 _LAZY = {
     "FormatSpec": ".formats.spec",
@@ -131,10 +131,17 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from .formats.convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
-    from .formats.dcp_native.item_loader import DcpLoaderConfig
-    from .formats.dcp_native.seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
-    from .formats.reports import (
+    from dcp_storage.formats.convert_target import (
+        ConvertTarget,
+        Fetch,
+        OutTensor,
+        OutValue,
+        WriteDestination,
+        WriteOptions,
+    )
+    from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
+    from dcp_storage.formats.dcp_native.seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
+    from dcp_storage.formats.reports import (
         CheckpointInfo,
         ChunkInfo,
         FileInfo,
@@ -143,8 +150,8 @@ if TYPE_CHECKING:
         VerifyReport,
         tensor_table,
     )
-    from .formats.spec import FormatSpec, Probe
-    from .strategies.metadata_sharing import share_object
+    from dcp_storage.formats.spec import FormatSpec, Probe
+    from dcp_storage.strategies.metadata_sharing import share_object
 
 __all__ = [
     "AtomicWriter",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .errors import DcpStorageError
+from dcp_storage.errors import DcpStorageError
 
 __all__ = ["KINDS", "PluginScaffold", "ScaffoldError", "new_plugin"]
 

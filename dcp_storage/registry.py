@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from .errors import DcpStorageError
+from dcp_storage.errors import DcpStorageError
 
 __all__ = [
     "KINDS",

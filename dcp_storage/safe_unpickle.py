@@ -14,9 +14,9 @@ import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
-from .gc_pause import gc_paused
-from .pickle_guard import MISSING, guard_pickle
+from dcp_storage.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_storage.gc_pause import gc_paused
+from dcp_storage.pickle_guard import MISSING, guard_pickle
 
 __all__ = ["AllowListUnpickler", "StandInRefusal", "safe_loads"]
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TextIO
 
-from .redaction import redact_urls
+from dcp_storage.redaction import redact_urls
 
 __all__ = ["EscapingStream", "escaped_stdio", "printable", "printable_lines", "unescaped"]
 

@@ -10,7 +10,7 @@ is returned as is. It never imports torch (``failures`` is read by duck typing),
 
 from __future__ import annotations
 
-from .errors import DcpStorageError
+from dcp_storage.errors import DcpStorageError
 
 __all__ = ["failing_ranks", "unwrap"]
 

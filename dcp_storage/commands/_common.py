@@ -15,8 +15,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import DcpStorageError
-from ..text import unescaped
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.text import unescaped
 
 __all__ = [
     "HelpFormatter",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..text import printable as shown
-from . import _common
+from dcp_storage.commands import _common
+from dcp_storage.text import printable as shown
 
 
 def add_parser(sub: Any) -> None:
@@ -66,10 +66,10 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Here, not at module level: the library imports torch, and --help must not (see dcp_storage.cli).
-    from ..conversion import convert
-    from ..conversion.plan import parse_dtype
-    from ..conversion.targets import convert_targets, resolve_target, target_names
-    from ..formats.safetensors.write_plan import parse_size
+    from dcp_storage.conversion import convert
+    from dcp_storage.conversion.plan import parse_dtype
+    from dcp_storage.conversion.targets import convert_targets, resolve_target, target_names
+    from dcp_storage.formats.safetensors.write_plan import parse_size
 
     if args.to is not None and args.to.strip().lower() not in convert_targets():  # as argparse's choices would
         shown_names = ", ".join(repr(n) for n in target_names())

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from . import _common
+from dcp_storage.commands import _common
 
 
 def add_parser(sub: Any) -> None:
@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import DemoConfig, format_report, run_demo  # imports torch: only when the demo runs
+    from dcp_storage.demo import DemoConfig, format_report, run_demo  # imports torch: only when the demo runs
 
     cfg = DemoConfig(save_ranks=args.save_ranks, load_ranks=args.load_ranks, layers=args.layers, dim=args.dim)
     result = run_demo(cfg)

@@ -7,11 +7,11 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..text import printable as shown
-from . import _common
+from dcp_storage.commands import _common
+from dcp_storage.text import printable as shown
 
 if TYPE_CHECKING:
-    from ..formats.reports import TensorSummary
+    from dcp_storage.formats.reports import TensorSummary
 
 
 def add_parser(sub: Any) -> None:
@@ -95,8 +95,10 @@ def _print_provenance(prov: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..formats.reports import tensor_summaries  # imports torch: only when the command runs, never for --help
-    from ..inspection import describe  # imports torch: only when the command runs, never for --help
+    from dcp_storage.formats.reports import (
+        tensor_summaries,  # imports torch: only when the command runs, never for --help
+    )
+    from dcp_storage.inspection import describe  # imports torch: only when the command runs, never for --help
 
     info = describe(args.url, _common.storage_options(args), format=args.format)
     if args.json:

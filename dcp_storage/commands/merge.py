@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..text import printable as shown
-from . import _common
+from dcp_storage.commands import _common
+from dcp_storage.text import printable as shown
 
 
 def add_parser(sub: Any) -> None:
@@ -59,8 +59,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Here, not at module level: the library imports torch, and --help must not (see dcp_storage.cli).
-    from ..conversion import merge_fsdp_weights
-    from ..formats.safetensors.write_plan import parse_size
+    from dcp_storage.conversion import merge_fsdp_weights
+    from dcp_storage.formats.safetensors.write_plan import parse_size
 
     try:
         parse_size(args.max_shard_size)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..text import printable
-from . import _common
+from dcp_storage.commands import _common
+from dcp_storage.text import printable
 
 
 def _add_list_options(p: argparse.ArgumentParser, *, on_action: bool) -> None:
@@ -92,7 +92,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import registry  # imports every plugin it lists: only when listing
+    from dcp_storage import registry  # imports every plugin it lists: only when listing
 
     entries = registry.list(args.kind)
     if args.load:
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _new(args: argparse.Namespace) -> int:
-    from ..plugin_scaffold import ScaffoldError, new_plugin  # only when writing a plugin, never for --help
+    from dcp_storage.plugin_scaffold import ScaffoldError, new_plugin  # only when writing a plugin, never for --help
 
     if not args.name:
         raise _common.UsageError("plugins new: give the plugin's name, e.g. 'dcp-storage plugins new myblob'")

@@ -14,8 +14,8 @@ import os
 import time
 from typing import Any
 
-from ..text import printable as shown
-from . import _common
+from dcp_storage.commands import _common
+from dcp_storage.text import printable as shown
 
 
 def add_parsers(sub: Any) -> None:
@@ -68,8 +68,8 @@ def _positive(text: str) -> int:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    from ..manager.root import StepRoot  # imports the manager's layer: only when the command runs
-    from ..transports.factory import open_transport
+    from dcp_storage.manager.root import StepRoot  # imports the manager's layer: only when the command runs
+    from dcp_storage.transports.factory import open_transport
 
     transport, path = open_transport(args.root, _common.storage_options(args))
     return StepRoot(transport, path)
@@ -150,7 +150,7 @@ def _age(seconds: float | None) -> str:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    from ..manager import KeepPolicy  # imports torch: only when the command runs
+    from dcp_storage.manager import KeepPolicy  # imports torch: only when the command runs
 
     store = _open(args)
     policy = KeepPolicy(last=args.keep_last, every=args.keep_every)

@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..text import printable as shown
-from . import _common
+from dcp_storage.commands import _common
+from dcp_storage.text import printable as shown
 
 
 def add_parser(sub: Any) -> None:
@@ -71,8 +71,8 @@ def _parse_age(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspection import abort_stale_uploads, remove_unreferenced_files, verify  # imports torch: only now
-    from ..inspection.leftovers import Cleanup, remove_stale_leftovers
+    from dcp_storage.inspection import abort_stale_uploads, remove_unreferenced_files, verify  # imports torch: only now
+    from dcp_storage.inspection.leftovers import Cleanup, remove_stale_leftovers
 
     aborted, removed = [], []
     cleaned = Cleanup()

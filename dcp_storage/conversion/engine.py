@@ -19,17 +19,17 @@ from typing import Any
 
 import torch
 
-from ..errors import StorageFullError, TargetError  # TargetError's old home: kept importable from here
-from ..formats.convert_target import ConvertTarget, WriteOptions
-from ..formats.safetensors.write_plan import parse_size
-from ..formats.spec import FormatSpec
-from ..storage.claim import claim_location, lock_name
-from ..transports.buckets import make_output_root
-from ..transports.factory import open_transport
-from .input_guard import refuse_overwriting_input
-from .plan import Destination, OutTensor, OutValue, WrittenFile, parse_dtype
-from .source import TensorSource, byte_batches
-from .targets import infer_target, resolve_target
+from dcp_storage.conversion.input_guard import refuse_overwriting_input
+from dcp_storage.conversion.plan import Destination, OutTensor, OutValue, WrittenFile, parse_dtype
+from dcp_storage.conversion.source import TensorSource, byte_batches
+from dcp_storage.conversion.targets import infer_target, resolve_target
+from dcp_storage.errors import StorageFullError, TargetError  # TargetError's old home: kept importable from here
+from dcp_storage.formats.convert_target import ConvertTarget, WriteOptions
+from dcp_storage.formats.safetensors.write_plan import parse_size
+from dcp_storage.formats.spec import FormatSpec
+from dcp_storage.storage.claim import claim_location, lock_name
+from dcp_storage.transports.buckets import make_output_root
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["ConvertResult", "TargetError", "convert", "infer_target"]
 

@@ -19,9 +19,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import TargetError
-from ..transports import Transport
-from ..transports.factory import open_transport
+from dcp_storage.errors import TargetError
+from dcp_storage.transports import Transport
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["InputFiles", "refuse_overwriting_input"]
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from ..formats.convert_target import Fetch, OutTensor, OutValue, WrittenFile
-from ..transports import Transport
-from ..transports.buckets import require_bucket
-from ..transports.factory import open_transport
-from .memory import MemoryReleaser
+from dcp_storage.conversion.memory import MemoryReleaser
+from dcp_storage.formats.convert_target import Fetch, OutTensor, OutValue, WrittenFile
+from dcp_storage.transports import Transport
+from dcp_storage.transports.buckets import require_bucket
+from dcp_storage.transports.factory import open_transport
 
 __all__ = [
     "Destination",

@@ -32,12 +32,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .. import registry
-from ..errors import CorruptCheckpointError
-from ..formats.spec import FormatSpec
-from ..futures import wait_for
-from ..opening import detect_format, reader_of
-from .tree_paths import check_tree_paths
+from dcp_storage import registry
+from dcp_storage.conversion.tree_paths import check_tree_paths
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.spec import FormatSpec
+from dcp_storage.futures import wait_for
+from dcp_storage.opening import detect_format, reader_of
 
 __all__ = ["READ_BATCH_BYTES", "SourceTensor", "SourceValue", "TensorSource", "byte_batches"]
 
@@ -247,7 +247,7 @@ class TensorSource:
     def read_value(self, fqn: str) -> Any:
         """Non-tensor value ``fqn``, decoded with ``torch.load(weights_only=True)`` (never runs code), or for a
         trusted source with ``weights_only=False``."""
-        from ..formats.dcp_native.torch_record import load_tensor_record  # maps refusals to our errors
+        from dcp_storage.formats.dcp_native.torch_record import load_tensor_record  # maps refusals to our errors
 
         data = self.read_value_bytes(fqn)
         if self.trust:

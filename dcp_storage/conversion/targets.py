@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import posixpath
 
-from ..errors import TargetError
-from ..formats.convert_target import ConvertTarget
-from ..formats.detection import registered_formats
-from ..formats.spec import FormatSpec
+from dcp_storage.errors import TargetError
+from dcp_storage.formats.convert_target import ConvertTarget
+from dcp_storage.formats.detection import registered_formats
+from dcp_storage.formats.spec import FormatSpec
 
 __all__ = ["convert_targets", "infer_target", "resolve_target", "target_names"]
 

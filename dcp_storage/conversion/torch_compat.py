@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .engine import ConvertResult, convert
+from dcp_storage.conversion.engine import ConvertResult, convert
 
 __all__ = ["dcp_to_torch_save", "torch_save_to_dcp"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from dcp_storage.errors import CorruptCheckpointError
 
 __all__ = ["LIST_HOLE_SLACK", "check_tree_paths"]
 

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from .dcp_native.record_zip import check_record_zip
+from dcp_storage.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_storage.formats.dcp_native.record_zip import check_record_zip
 
 __all__ = [
     "VettedBytes",

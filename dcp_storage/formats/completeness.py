@@ -26,9 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
-from ..transports.factory import open_transport
-from .paths import (
+from dcp_storage.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from dcp_storage.formats.paths import (
     DATA_SUFFIX,
     HF_SHARD_RE,
     INDEX_SUFFIX,
@@ -39,7 +38,8 @@ from .paths import (
     SAFETENSORS_SUFFIX,
     TEMP_RE,
 )
-from .spec import Probe
+from dcp_storage.formats.spec import Probe
+from dcp_storage.transports.factory import open_transport
 
 __all__ = [
     "Leftovers",

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..transports import Transport
+from dcp_storage.transports import Transport
 
 __all__ = [
     "ConvertTarget",

@@ -8,9 +8,9 @@ would do.
 
 from __future__ import annotations
 
-from .. import registry
-from ..errors import DcpStorageError
-from .spec import FormatSpec, Probe
+from dcp_storage import registry
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.spec import FormatSpec, Probe
 
 __all__ = ["registered_formats", "score_formats", "best_formats"]
 

@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptCheckpointError, FileTooLargeError
-from ..settings import count_setting  # the one parser (also the transports' listing bounds)
+from dcp_storage.errors import CorruptCheckpointError, FileTooLargeError
+from dcp_storage.settings import count_setting  # the one parser (also the transports' listing bounds)
 
 __all__ = [
     "BROADCAST_BYTES",

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from ..errors import DcpStorageError, IncompleteCheckpointError, WrongFormatError
-from ..transports.buckets import missing_bucket
-from .detection import best_formats, registered_formats, score_formats
-from .spec import Probe
+from dcp_storage.errors import DcpStorageError, IncompleteCheckpointError, WrongFormatError
+from dcp_storage.formats.detection import best_formats, registered_formats, score_formats
+from dcp_storage.formats.spec import Probe
+from dcp_storage.transports.buckets import missing_bucket
 
 __all__ = ["explain_missing", "raise_explained", "wrong_format"]
 

@@ -18,7 +18,7 @@ import unicodedata
 import urllib.parse
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from dcp_storage.errors import CorruptCheckpointError
 
 __all__ = [
     "DATA_SUFFIX",

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from ..errors import DcpStorageError
-from ..redaction import redact_urls
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.redaction import redact_urls
 
 __all__ = [
     "CheckpointInfo",

@@ -23,14 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import CheckpointNotFoundError
-from ..transports import Transport
-from ..transports.buckets import missing_bucket
-from ..transports.factory import open_transport
+from dcp_storage.errors import CheckpointNotFoundError
+from dcp_storage.transports import Transport
+from dcp_storage.transports.buckets import missing_bucket
+from dcp_storage.transports.factory import open_transport
 
 if TYPE_CHECKING:
-    from .convert_target import ConvertTarget
-    from .reports import CheckpointInfo, VerifyReport
+    from dcp_storage.formats.convert_target import ConvertTarget
+    from dcp_storage.formats.reports import CheckpointInfo, VerifyReport
 
 __all__ = ["CheckHook", "DescribeHook", "FormatSpec", "Probe", "trust_byte_items"]
 

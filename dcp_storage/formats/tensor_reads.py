@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ShapeMismatchError
-from ..integrity.blocks import BlockCover, Cover
-from ..tensor_buffers import host_buffer, writable_bytes
-from ..transports import LocalFileAccess, LocalRunReads, RangeRequest, RunsRead, Transport
-from ..transports.local_runs import LocalRuns, Region
-from .slices import count_runs, is_row_major, row_major_runs, slice_runs
+from dcp_storage.errors import ShapeMismatchError
+from dcp_storage.formats.slices import count_runs, is_row_major, row_major_runs, slice_runs
+from dcp_storage.integrity.blocks import BlockCover, Cover
+from dcp_storage.tensor_buffers import host_buffer, writable_bytes
+from dcp_storage.transports import LocalFileAccess, LocalRunReads, RangeRequest, RunsRead, Transport
+from dcp_storage.transports.local_runs import LocalRuns, Region
 
 __all__ = ["SliceRead", "StoredTensor", "dense_gap_of", "plan_slice_read", "read_slices", "slice_extent"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import DcpStorageError
-from ..planners.errors import format_keys
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.planners.errors import format_keys
 
 __all__ = ["FullStateDictKeysError", "UnknownModuleError"]
 

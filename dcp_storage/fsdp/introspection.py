@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from .errors import UnknownModuleError
+from dcp_storage.fsdp.errors import UnknownModuleError
 
 __all__ = ["get_fsdp_parent", "is_fsdp_model", "is_fsdp_unit", "maybe_get_wrapped", "set_wrapped_model"]
 

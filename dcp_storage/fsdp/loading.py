@@ -43,16 +43,16 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from .. import registry
-from ..errors import DcpStorageError
-from ..opening import detect_format, open_reader
-from ..planners import DtypePolicy, IncompatibleKeysError, RemappingLoadPlanner
-from ..strategies.group import GroupView, group_view
-from ..strategies.metadata_sharing import share_object
-from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats
-from .local_shards import LocalShards, model_state_dict
-from .materialize import materialize_meta
-from .scatter import agree, scatter_full_state_dict
+from dcp_storage import registry
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.fsdp.local_shards import LocalShards, model_state_dict
+from dcp_storage.fsdp.materialize import materialize_meta
+from dcp_storage.fsdp.scatter import agree, scatter_full_state_dict
+from dcp_storage.opening import detect_format, open_reader
+from dcp_storage.planners import DtypePolicy, IncompatibleKeysError, RemappingLoadPlanner
+from dcp_storage.strategies.group import GroupView, group_view
+from dcp_storage.strategies.metadata_sharing import share_object
+from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats
 
 __all__ = ["load_full_state_dict"]
 

@@ -25,9 +25,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.fsdp import StateDictType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..errors import DcpStorageError
-from ..planners.errors import ValueTypeMismatchError, format_keys
-from .introspection import WRAPPER_SEGMENTS
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.fsdp.introspection import WRAPPER_SEGMENTS
+from dcp_storage.planners.errors import ValueTypeMismatchError, format_keys
 
 __all__ = ["Chunk", "Entry", "LocalShards", "clean_key", "model_state_dict", "uses_fsdp1"]
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import DcpStorageError
-from ..planners.errors import format_keys
-from .local_shards import uses_fsdp1
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.fsdp.local_shards import uses_fsdp1
+from dcp_storage.planners.errors import format_keys
 
 __all__ = ["materialize_meta", "non_persistent_buffers"]
 

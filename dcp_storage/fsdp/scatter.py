@@ -27,14 +27,20 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ..errors import DcpStorageError, ShapeMismatchError
-from ..planners.dtype_policy import DtypePolicy
-from ..planners.errors import DtypeMismatchError, ValueTypeMismatchError, format_keys
-from ..strategies.group import GroupView
-from ..strategies.metadata_sharing import decode_error, encode_error, share_object
-from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, receive_items
-from .errors import FullStateDictKeysError
-from .local_shards import Entry, LocalShards, clean_key
+from dcp_storage.errors import DcpStorageError, ShapeMismatchError
+from dcp_storage.fsdp.errors import FullStateDictKeysError
+from dcp_storage.fsdp.local_shards import Entry, LocalShards, clean_key
+from dcp_storage.planners.dtype_policy import DtypePolicy
+from dcp_storage.planners.errors import DtypeMismatchError, ValueTypeMismatchError, format_keys
+from dcp_storage.strategies.group import GroupView
+from dcp_storage.strategies.metadata_sharing import decode_error, encode_error, share_object
+from dcp_storage.strategies.slice_delivery import (
+    DeliveryConfig,
+    DeliveryStats,
+    SliceSender,
+    canonical_order,
+    receive_items,
+)
 
 __all__ = ["agree", "scatter_full_state_dict"]
 

@@ -16,15 +16,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..conversion.memory import MemoryReleaser
-from ..conversion.source import SourceTensor, TensorSource, byte_batches
-from ..errors import StaleManifestWarning
-from ..formats.detection import registered_formats
-from ..formats.reports import VerifyReport, error_text
-from ..formats.spec import FormatSpec
-from ..text import printable
-from .leftovers import check_leftovers
-from .summary import resolve_spec
+from dcp_storage.conversion.memory import MemoryReleaser
+from dcp_storage.conversion.source import SourceTensor, TensorSource, byte_batches
+from dcp_storage.errors import StaleManifestWarning
+from dcp_storage.formats.detection import registered_formats
+from dcp_storage.formats.reports import VerifyReport, error_text
+from dcp_storage.formats.spec import FormatSpec
+from dcp_storage.inspection.leftovers import check_leftovers
+from dcp_storage.inspection.summary import resolve_spec
+from dcp_storage.text import printable
 
 __all__ = ["VerifyReport", "verify"]
 

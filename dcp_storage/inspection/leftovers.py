@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DcpStorageError
-from ..formats.completeness import find_leftovers, list_all
-from ..formats.paths import LOCK_RE, TEMP_RE
-from ..formats.reports import VerifyReport
-from ..storage.claim import hold_stale_lock
-from ..storage.takeover import MARKER_SUFFIX
-from ..transports.factory import open_transport
-from .uploads import list_pending_uploads
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.completeness import find_leftovers, list_all
+from dcp_storage.formats.paths import LOCK_RE, TEMP_RE
+from dcp_storage.formats.reports import VerifyReport
+from dcp_storage.inspection.uploads import list_pending_uploads
+from dcp_storage.storage.claim import hold_stale_lock
+from dcp_storage.storage.takeover import MARKER_SUFFIX
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["Cleanup", "check_leftovers", "remove_stale_leftovers"]
 

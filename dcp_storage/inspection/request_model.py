@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..formats.slices import count_runs, slice_runs
-from ..strategies.read_once_plan import ReadOnceConfig, plan_read_once
-from ..strategies.read_strategy import MetadataItems
-from ..transports.ranges import RangeRequest, plan_fetches
-from .synthetic_metadata import RECORD_TRAILER, even_split, synthetic_transformer
+from dcp_storage.formats.slices import count_runs, slice_runs
+from dcp_storage.inspection.synthetic_metadata import RECORD_TRAILER, even_split, synthetic_transformer
+from dcp_storage.strategies.read_once_plan import ReadOnceConfig, plan_read_once
+from dcp_storage.strategies.read_strategy import MetadataItems
+from dcp_storage.transports.ranges import RangeRequest, plan_fetches
 
 __all__ = ["STRATEGIES", "JobLayout", "LoadModel", "ModelConfig", "model_load", "synthetic_transformer"]
 

@@ -12,11 +12,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import registry
-from ..formats.reports import CheckpointInfo, ChunkInfo, FileInfo, TensorInfo, ValueInfo, dtype_name, tensor_table
-from ..formats.spec import FormatSpec
-from ..gc_pause import gc_paused
-from ..opening import detect_format
+from dcp_storage import registry
+from dcp_storage.formats.reports import (
+    CheckpointInfo,
+    ChunkInfo,
+    FileInfo,
+    TensorInfo,
+    ValueInfo,
+    dtype_name,
+    tensor_table,
+)
+from dcp_storage.formats.spec import FormatSpec
+from dcp_storage.gc_pause import gc_paused
+from dcp_storage.opening import detect_format
 
 __all__ = ["CheckpointInfo", "ChunkInfo", "FileInfo", "TensorInfo", "ValueInfo", "describe", "dtype_name"]
 

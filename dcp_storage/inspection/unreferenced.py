@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
-from ..formats.paths import LOCK_RE, RANK_METADATA_RE
-from ..storage.retire import unreferenced_data_files
-from ..transports.factory import open_transport
+from dcp_storage.formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from dcp_storage.formats.paths import LOCK_RE, RANK_METADATA_RE
+from dcp_storage.storage.retire import unreferenced_data_files
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["remove_unreferenced_files"]
 

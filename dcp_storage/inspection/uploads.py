@@ -19,9 +19,9 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..transports import MultipartUploads
-from ..transports.factory import open_transport
-from ..transports.s3_pending import PendingUpload
+from dcp_storage.transports import MultipartUploads
+from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports.s3_pending import PendingUpload
 
 __all__ = ["PendingUpload", "abort_stale_uploads", "list_pending_uploads"]
 

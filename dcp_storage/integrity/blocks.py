@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import CorruptCheckpointError
-from .checksums import crc32, mismatch, new_hasher
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.integrity.checksums import crc32, mismatch, new_hasher
 
 __all__ = ["FIX", "BlockCover", "Cover", "DataCrc"]
 

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..errors import DcpStorageError
+from dcp_storage.errors import DcpStorageError
 
 __all__ = [
     "ALGORITHMS",

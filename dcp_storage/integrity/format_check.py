@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Any
 
-from ..errors import DcpStorageError
-from ..formats.limits import MANIFEST, read_limited
-from .manifest import MANIFEST_FILE, Manifest, install_hint
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.limits import MANIFEST, read_limited
+from dcp_storage.integrity.manifest import MANIFEST_FILE, Manifest, install_hint
 
 __all__ = ["missing_format_plugin"]
 

@@ -36,9 +36,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptCheckpointError, StaleManifestWarning
-from ..formats.paths import MANIFEST_FILE, check_relative
-from .checksums import ChecksumAlgorithmError, checksum
+from dcp_storage.errors import CorruptCheckpointError, StaleManifestWarning
+from dcp_storage.formats.paths import MANIFEST_FILE, check_relative
+from dcp_storage.integrity.checksums import ChecksumAlgorithmError, checksum
 
 __all__ = [
     "MANIFEST_FILE",

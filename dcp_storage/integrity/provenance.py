@@ -12,9 +12,9 @@ import functools
 from importlib import metadata as importlib_metadata
 from typing import Any
 
-from .. import registry
-from .._version import __version__
-from .manifest import ExtensionInfo
+from dcp_storage import registry
+from dcp_storage._version import __version__
+from dcp_storage.integrity.manifest import ExtensionInfo
 
 __all__ = ["describe_extension", "distribution_of_module", "format_distribution", "writer_descriptor"]
 

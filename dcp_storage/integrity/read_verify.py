@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from ..errors import CorruptCheckpointError
-from .blocks import FIX
-from .checksums import Hasher, checksum, mismatch, new_hasher
-from .manifest import Manifest
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.integrity.blocks import FIX
+from dcp_storage.integrity.checksums import Hasher, checksum, mismatch, new_hasher
+from dcp_storage.integrity.manifest import Manifest
 
 __all__ = ["RecordVerifier", "batches_by_bytes", "key_name"]
 

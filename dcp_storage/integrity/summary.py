@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .manifest import Manifest
+from dcp_storage.integrity.manifest import Manifest
 
 __all__ = ["manifest_provenance"]
 

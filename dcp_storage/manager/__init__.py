@@ -9,8 +9,8 @@ their commit markers), :mod:`.index` (the small cache that makes the latest step
 (:class:`TrainState`) and :mod:`.manager` (:class:`CheckpointManager`, the facade).
 """
 
-from .manager import CheckpointManager
-from .retention import KeepPolicy
-from .train_state import TrainState
+from dcp_storage.manager.manager import CheckpointManager
+from dcp_storage.manager.retention import KeepPolicy
+from dcp_storage.manager.train_state import TrainState
 
 __all__ = ["CheckpointManager", "KeepPolicy", "TrainState"]

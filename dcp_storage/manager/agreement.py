@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ..strategies.metadata_sharing import share_object
+from dcp_storage.strategies.metadata_sharing import share_object
 
 __all__ = ["agreed", "is_coordinator"]
 

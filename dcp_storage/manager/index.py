@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .layout import INDEX_FILE
+from dcp_storage.manager.layout import INDEX_FILE
 
 __all__ = ["INDEX_LIMIT", "StepIndex", "read_index", "write_index"]
 

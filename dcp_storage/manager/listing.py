@@ -15,9 +15,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..formats.completeness import commit_marker, list_all
-from ..formats.paths import LOCK_RE
-from .layout import STEP_INFO_FILE, parse_step, step_name
+from dcp_storage.formats.completeness import commit_marker, list_all
+from dcp_storage.formats.paths import LOCK_RE
+from dcp_storage.manager.layout import STEP_INFO_FILE, parse_step, step_name
 
 __all__ = ["StepFolder", "list_steps", "read_step_info", "scan_step", "step_info", "step_path"]
 

@@ -25,9 +25,9 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
-from ..formats.paths import LOCK_RE
-from ..storage.lease import is_active
-from ..storage.lock_holder import stale_reason
+from dcp_storage.formats.paths import LOCK_RE
+from dcp_storage.storage.lease import is_active
+from dcp_storage.storage.lock_holder import stale_reason
 
 __all__ = ["DEFAULT_STALE_AFTER", "held_by_live_save"]
 

@@ -34,19 +34,19 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import CheckpointNotFoundError
-from ..formats.completeness import find_leftovers
-from ..opening import open_reader, open_writer
-from ..transports.buckets import prepare_output
-from ..transports.factory import open_transport
-from .agreement import agreed, is_coordinator
-from .layout import step_name
-from .listing import scan_step
-from .retention import KeepPolicy
-from .root import StepRoot
-from .saving import InFlight
-from .staging import ReusingStager
-from .train_state import _is_stateful
+from dcp_storage.errors import CheckpointNotFoundError
+from dcp_storage.formats.completeness import find_leftovers
+from dcp_storage.manager.agreement import agreed, is_coordinator
+from dcp_storage.manager.layout import step_name
+from dcp_storage.manager.listing import scan_step
+from dcp_storage.manager.retention import KeepPolicy
+from dcp_storage.manager.root import StepRoot
+from dcp_storage.manager.saving import InFlight
+from dcp_storage.manager.staging import ReusingStager
+from dcp_storage.manager.train_state import _is_stateful
+from dcp_storage.opening import open_reader, open_writer
+from dcp_storage.transports.buckets import prepare_output
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["CheckpointManager"]
 

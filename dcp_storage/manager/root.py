@@ -18,12 +18,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..formats.completeness import commit_marker
-from .index import StepIndex, read_index, write_index
-from .layout import STEP_INFO_FILE, step_name
-from .listing import StepFolder, list_steps, scan_step, step_info
-from .liveness import DEFAULT_STALE_AFTER, held_by_live_save
-from .retention import KeepPolicy
+from dcp_storage.formats.completeness import commit_marker
+from dcp_storage.manager.index import StepIndex, read_index, write_index
+from dcp_storage.manager.layout import STEP_INFO_FILE, step_name
+from dcp_storage.manager.listing import StepFolder, list_steps, scan_step, step_info
+from dcp_storage.manager.liveness import DEFAULT_STALE_AFTER, held_by_live_save
+from dcp_storage.manager.retention import KeepPolicy
 
 __all__ = ["Cleanup", "StepRoot"]
 

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
 
-from ..formats.dcp_native.columns import MetadataColumns
-from .dtype_policy import DtypePolicy
+from dcp_storage.formats.dcp_native.columns import MetadataColumns
+from dcp_storage.planners.dtype_policy import DtypePolicy
 
 __all__ = ["PLAIN_TENSORS", "plan_on_columns", "whole_single_chunk"]
 

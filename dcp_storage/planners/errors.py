@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..errors import DcpStorageError
+from dcp_storage.errors import DcpStorageError
 
 __all__ = [
     "DtypeMismatchError",

@@ -28,11 +28,11 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items
 from torch.distributed.tensor import DTensor
 
-from ..errors import ShapeMismatchError
-from ..formats.dcp_native.lazy_metadata import columns_of, rows_of
-from .column_plan import plan_on_columns
-from .dtype_policy import DtypePolicy
-from .errors import (
+from dcp_storage.errors import ShapeMismatchError
+from dcp_storage.formats.dcp_native.lazy_metadata import columns_of, rows_of
+from dcp_storage.planners.column_plan import plan_on_columns
+from dcp_storage.planners.dtype_policy import DtypePolicy
+from dcp_storage.planners.errors import (
     KEYS_SHOWN,
     DtypeMismatchError,
     IncompatibleKeysError,
@@ -40,8 +40,8 @@ from .errors import (
     UnsupportedValueError,
     ValueTypeMismatchError,
 )
-from .key_map import KeyMap
-from .report import LoadResult, suggest_key_map, warn_nothing_matched
+from dcp_storage.planners.key_map import KeyMap
+from dcp_storage.planners.report import LoadResult, suggest_key_map, warn_nothing_matched
 
 __all__ = [
     "KeyMatch",

@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from ..formats.dcp_native.lazy_metadata import rows_of
-from ..gc_pause import gc_paused
-from .column_plan import PLAIN_TENSORS
-from .dtype_policy import DtypePolicy
-from .key_map import KeyMap, KeyMapLike
-from .matching import (
+from dcp_storage.formats.dcp_native.lazy_metadata import rows_of
+from dcp_storage.gc_pause import gc_paused
+from dcp_storage.planners.column_plan import PLAIN_TENSORS
+from dcp_storage.planners.dtype_policy import DtypePolicy
+from dcp_storage.planners.key_map import KeyMap, KeyMapLike
+from dcp_storage.planners.matching import (
     KeyMatch,
     KeyRules,
     check_and_build,
@@ -48,8 +48,8 @@ from .matching import (
     metadata_from_state_dict,
     result_of,
 )
-from .report import LoadResult
-from .safe_bytes import safe_load_bytes
+from dcp_storage.planners.report import LoadResult
+from dcp_storage.planners.safe_bytes import safe_load_bytes
 
 __all__ = ["DynamicMetaLoadPlanner", "MetadataSource", "RemappingLoadPlanner", "flatten_v2_3"]
 

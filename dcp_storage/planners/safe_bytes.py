@@ -14,7 +14,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from ..formats.byte_items import decode_byte_item
+from dcp_storage.formats.byte_items import decode_byte_item
 
 __all__ = ["safe_load_bytes"]
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..formats.dcp_native.item_loader import DcpLoaderConfig
-from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
-from ..formats.safetensors.loader import SafetensorsLoaderConfig
-from ..formats.safetensors.spec import FORMAT as SAFETENSORS_FORMAT
-from ..formats.spec import trust_byte_items
-from ..formats.torch_save.spec import FORMAT as TORCH_SAVE_FORMAT
-from .fsspec_reader import FsspecReader
-from .fsspec_writer import FsspecWriter
-from .safetensors_reader import SafetensorsReader
-from .safetensors_writer import SafetensorsWriter
-from .torch_save_reader import BroadcastingTorchSaveReader
+from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
+from dcp_storage.formats.dcp_native.spec import FORMAT as DCP_FORMAT
+from dcp_storage.formats.safetensors.loader import SafetensorsLoaderConfig
+from dcp_storage.formats.safetensors.spec import FORMAT as SAFETENSORS_FORMAT
+from dcp_storage.formats.spec import trust_byte_items
+from dcp_storage.formats.torch_save.spec import FORMAT as TORCH_SAVE_FORMAT
+from dcp_storage.storage.fsspec_reader import FsspecReader
+from dcp_storage.storage.fsspec_writer import FsspecWriter
+from dcp_storage.storage.safetensors_reader import SafetensorsReader
+from dcp_storage.storage.safetensors_writer import SafetensorsWriter
+from dcp_storage.storage.torch_save_reader import BroadcastingTorchSaveReader
 
 __all__ = ["DCP", "SAFETENSORS", "TORCH_SAVE"]
 

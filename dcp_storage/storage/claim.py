@@ -42,13 +42,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointExistsError
-from ..formats.paths import LOCK_FILE
-from ..integrity.provenance import writer_descriptor
-from ..transports.local_transport import directory_in_the_way
-from .lease import Renewal, forget, is_active, pending
-from .lock_holder import claim_id_of, holder_fields, lease_seconds, parse
-from .takeover import create_exclusive, read_lock, rewrite_lock, take_over
+from dcp_storage.errors import CheckpointExistsError
+from dcp_storage.formats.paths import LOCK_FILE
+from dcp_storage.integrity.provenance import writer_descriptor
+from dcp_storage.storage.lease import Renewal, forget, is_active, pending
+from dcp_storage.storage.lock_holder import claim_id_of, holder_fields, lease_seconds, parse
+from dcp_storage.storage.takeover import create_exclusive, read_lock, rewrite_lock, take_over
+from dcp_storage.transports.local_transport import directory_in_the_way
 
 __all__ = [
     "LOCK_FILE",

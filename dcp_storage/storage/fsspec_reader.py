@@ -34,27 +34,22 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointNotFoundError
-from ..formats.completeness import find_leftovers
-from ..formats.dcp_native.item_loader import DcpItemLoader, DcpLoaderConfig
-from ..formats.dcp_native.lazy_metadata import columns_of
-from ..formats.dcp_native.manifest_io import default_sums, read_checked_manifest, record_verifier
-from ..formats.dcp_native.metadata_io import METADATA_FILE, load_metadata, read_metadata_file
-from ..formats.limits import METADATA, read_limited
-from ..formats.misdirected import raise_explained
-from ..planners.key_check import check_planned_keys
-from ..strategies.dcp_call import running_planner
-from ..strategies.metadata_sharing import reader_location, share_within_load
-from ..strategies.read_strategy import (
-    READ_STRATEGY_OPTION,
-    MetadataItems,
-    ReadStrategy,
-    choose_read_strategy,
-)
-from ..transports import Transport, TransportConfig
-from ..transports.versions import begin_load
-from .location import BoundLocation
-from .metadata_fallback import MetadataFailure
+from dcp_storage.errors import CheckpointNotFoundError
+from dcp_storage.formats.completeness import find_leftovers
+from dcp_storage.formats.dcp_native.item_loader import DcpItemLoader, DcpLoaderConfig
+from dcp_storage.formats.dcp_native.lazy_metadata import columns_of
+from dcp_storage.formats.dcp_native.manifest_io import default_sums, read_checked_manifest, record_verifier
+from dcp_storage.formats.dcp_native.metadata_io import METADATA_FILE, load_metadata, read_metadata_file
+from dcp_storage.formats.limits import METADATA, read_limited
+from dcp_storage.formats.misdirected import raise_explained
+from dcp_storage.planners.key_check import check_planned_keys
+from dcp_storage.storage.location import BoundLocation
+from dcp_storage.storage.metadata_fallback import MetadataFailure
+from dcp_storage.strategies.dcp_call import running_planner
+from dcp_storage.strategies.metadata_sharing import reader_location, share_within_load
+from dcp_storage.strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
+from dcp_storage.transports import Transport, TransportConfig
+from dcp_storage.transports.versions import begin_load
 
 __all__ = ["FsspecReader"]
 

@@ -57,26 +57,32 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import StorageFullError
-from ..formats.dcp_native.manifest_io import build_manifest
-from ..formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
-from ..formats.dcp_native.spec import FORMAT as DCP_FORMAT
-from ..formats.dcp_native.transform_write import ItemEncoder
-from ..formats.paths import DATA_SUFFIX, LOCK_RE, RANK_METADATA_RE
-from ..integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for, check_algorithm
-from ..integrity.manifest import MANIFEST_FILE
-from ..integrity.write_results import ChecksummedStorage, unwrap_results
-from ..transports import Transport, TransportConfig
-from ..transports.buckets import prepare_output
-from ..transports.budget import ByteBudget
-from ..transports.s3_upload import upload_memory
-from .claim import ClaimingWriter, lock_name, refuse_existing
-from .fsspec_reader import _is_fsspec_url
-from .location import BoundLocation
-from .prefixes import PrefixStrategy, rank_directory, resolve_prefix_strategy
-from .retire import prepare_dcp_overwrite, refuse_links_out, retire_unreferenced
-from .write_errors import RecordingWriter, write_error
-from .write_layout import MemoryFile, estimated_bytes, group_items
+from dcp_storage.errors import StorageFullError
+from dcp_storage.formats.dcp_native.manifest_io import build_manifest
+from dcp_storage.formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
+from dcp_storage.formats.dcp_native.spec import FORMAT as DCP_FORMAT
+from dcp_storage.formats.dcp_native.transform_write import ItemEncoder
+from dcp_storage.formats.paths import DATA_SUFFIX, LOCK_RE, RANK_METADATA_RE
+from dcp_storage.integrity.checksums import (
+    BLOCK_SIZE,
+    DEFAULT_ALGORITHM,
+    HashingWriter,
+    block_size_for,
+    check_algorithm,
+)
+from dcp_storage.integrity.manifest import MANIFEST_FILE
+from dcp_storage.integrity.write_results import ChecksummedStorage, unwrap_results
+from dcp_storage.storage.claim import ClaimingWriter, lock_name, refuse_existing
+from dcp_storage.storage.fsspec_reader import _is_fsspec_url
+from dcp_storage.storage.location import BoundLocation
+from dcp_storage.storage.prefixes import PrefixStrategy, rank_directory, resolve_prefix_strategy
+from dcp_storage.storage.retire import prepare_dcp_overwrite, refuse_links_out, retire_unreferenced
+from dcp_storage.storage.write_errors import RecordingWriter, write_error
+from dcp_storage.storage.write_layout import MemoryFile, estimated_bytes, group_items
+from dcp_storage.transports import Transport, TransportConfig
+from dcp_storage.transports.buckets import prepare_output
+from dcp_storage.transports.budget import ByteBudget
+from dcp_storage.transports.s3_upload import upload_memory
 
 __all__ = ["FsspecWriter"]
 

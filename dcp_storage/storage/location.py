@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..transports import TransportConfig
-from ..transports.factory import bind_transport
+from dcp_storage.transports import TransportConfig
+from dcp_storage.transports.factory import bind_transport
 
 __all__ = ["BoundLocation"]
 

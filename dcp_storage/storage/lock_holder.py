@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..formats.limits import count_setting
+from dcp_storage.formats.limits import count_setting
 
 __all__ = ["DEFAULT_LEASE_S", "LEASE_ENV", "claim_id_of", "holder_fields", "lease_seconds", "parse", "stale_reason"]
 

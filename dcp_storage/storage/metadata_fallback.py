@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import BucketNotFoundError, CheckpointNotFoundError, IncompleteCheckpointError
+from dcp_storage.errors import BucketNotFoundError, CheckpointNotFoundError, IncompleteCheckpointError
 
 __all__ = ["MetadataFailure"]
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
-from .. import registry
-from ..formats.paths import check_relative
+from dcp_storage import registry
+from dcp_storage.formats.paths import check_relative
 
 __all__ = [
     "BinaryPrefixStrategy",

@@ -24,9 +24,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import WrongPathTypeError
-from ..formats.completeness import remove_stale_temp_files
-from ..formats.paths import DATA_SUFFIX, HF_SHARD_RE, TEMP_RE, single_name
+from dcp_storage.errors import WrongPathTypeError
+from dcp_storage.formats.completeness import remove_stale_temp_files
+from dcp_storage.formats.paths import DATA_SUFFIX, HF_SHARD_RE, TEMP_RE, single_name
 
 __all__ = [
     "prepare_dcp_overwrite",

@@ -24,13 +24,13 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ..errors import CheckpointExistsError
-from ..formats.paths import temp_name
-from ..formats.safetensors.encode import as_memoryview, pwrite_all
-from ..formats.safetensors.write_plan import ChunkWrite, PieceKey, RankWrites, SavePlanResult, fill_header
-from ..integrity.checksums import checksum
-from ..transports import Transport
-from ..transports.local_io import fsync_dir
+from dcp_storage.errors import CheckpointExistsError
+from dcp_storage.formats.paths import temp_name
+from dcp_storage.formats.safetensors.encode import as_memoryview, pwrite_all
+from dcp_storage.formats.safetensors.write_plan import ChunkWrite, PieceKey, RankWrites, SavePlanResult, fill_header
+from dcp_storage.integrity.checksums import checksum
+from dcp_storage.transports import Transport
+from dcp_storage.transports.local_io import fsync_dir
 
 __all__ = ["commit_files", "create_temp_files", "fill_headers", "pwrite_chunks", "temp_path"]
 

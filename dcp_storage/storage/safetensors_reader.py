@@ -35,22 +35,22 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import errors
-from ..deprecation import renamed_keyword
-from ..errors import CheckpointNotFoundError
-from ..formats.misdirected import raise_explained
-from ..formats.safetensors.checksums import FileSums
-from ..formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
-from ..formats.safetensors.loader import SafetensorsItemLoader, SafetensorsLoaderConfig
-from ..formats.safetensors.scan import SafetensorsScanConfig, scan_metadata
-from ..planners.key_check import check_planned_keys
-from ..strategies.dcp_call import running_planner
-from ..strategies.metadata_sharing import reader_location, share_object
-from ..strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
-from ..transports import Transport, TransportConfig
-from ..transports.versions import begin_load
-from .location import BoundLocation
-from .metadata_fallback import MetadataFailure
+from dcp_storage import errors
+from dcp_storage.deprecation import renamed_keyword
+from dcp_storage.errors import CheckpointNotFoundError
+from dcp_storage.formats.misdirected import raise_explained
+from dcp_storage.formats.safetensors.checksums import FileSums
+from dcp_storage.formats.safetensors.layout import INDEX_FILE, SUFFIX, discover
+from dcp_storage.formats.safetensors.loader import SafetensorsItemLoader, SafetensorsLoaderConfig
+from dcp_storage.formats.safetensors.scan import SafetensorsScanConfig, scan_metadata
+from dcp_storage.planners.key_check import check_planned_keys
+from dcp_storage.storage.location import BoundLocation
+from dcp_storage.storage.metadata_fallback import MetadataFailure
+from dcp_storage.strategies.dcp_call import running_planner
+from dcp_storage.strategies.metadata_sharing import reader_location, share_object
+from dcp_storage.strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
+from dcp_storage.transports import Transport, TransportConfig
+from dcp_storage.transports.versions import begin_load
 
 __all__ = ["SafetensorsReader"]
 

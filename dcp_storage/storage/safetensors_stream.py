@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ..errors import DcpStorageError
-from ..formats.safetensors.encode import as_memoryview
-from ..formats.safetensors.write_plan import PieceKey, RankWrites, SavePlanResult, TensorSchedule, fill_header
-from ..strategies.chunk_exchange import ChunkSource
-from ..transports import Transport
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.safetensors.encode import as_memoryview
+from dcp_storage.formats.safetensors.write_plan import PieceKey, RankWrites, SavePlanResult, TensorSchedule, fill_header
+from dcp_storage.strategies.chunk_exchange import ChunkSource
+from dcp_storage.transports import Transport
 
 __all__ = ["stream_files"]
 

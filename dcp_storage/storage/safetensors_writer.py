@@ -37,13 +37,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..deprecation import renamed_keyword
-from ..errors import DcpStorageError
-from ..formats.completeness import remove_stale_temp_files
-from ..formats.paths import EXTRA_STATE_FILE, LOCK_FILE, check_prefix, index_name, single_name
-from ..formats.safetensors.encode import tensor_bytes
-from ..formats.safetensors.file_plan import header_metadata
-from ..formats.safetensors.write_plan import (
+from dcp_storage.deprecation import renamed_keyword
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.completeness import remove_stale_temp_files
+from dcp_storage.formats.paths import EXTRA_STATE_FILE, LOCK_FILE, check_prefix, index_name, single_name
+from dcp_storage.formats.safetensors.encode import tensor_bytes
+from dcp_storage.formats.safetensors.file_plan import header_metadata
+from dcp_storage.formats.safetensors.write_plan import (
     ChunkWrite,
     PieceKey,
     RankWrites,
@@ -52,20 +52,26 @@ from ..formats.safetensors.write_plan import (
     parse_size,
     plan_save,
 )
-from ..integrity.checksums import DEFAULT_ALGORITHM, check_algorithm
-from ..strategies.chunk_exchange import ChunkSource, exchange_digests, send_chunks
-from ..strategies.dcp_call import load_group
-from ..strategies.group import GroupView, group_view
-from ..strategies.rank_agreement import guard_finish_plan
-from ..transports import Transport, TransportConfig
-from ..transports.buckets import prepare_output
-from .claim import ClaimingWriter, refuse_existing
-from .fsspec_reader import _is_fsspec_url
-from .location import BoundLocation
-from .retire import retire_safetensors
-from .safetensors_local import commit_files, create_temp_files, fill_headers, pwrite_chunks, temp_path
-from .safetensors_stream import stream_files
-from .write_errors import write_error
+from dcp_storage.integrity.checksums import DEFAULT_ALGORITHM, check_algorithm
+from dcp_storage.storage.claim import ClaimingWriter, refuse_existing
+from dcp_storage.storage.fsspec_reader import _is_fsspec_url
+from dcp_storage.storage.location import BoundLocation
+from dcp_storage.storage.retire import retire_safetensors
+from dcp_storage.storage.safetensors_local import (
+    commit_files,
+    create_temp_files,
+    fill_headers,
+    pwrite_chunks,
+    temp_path,
+)
+from dcp_storage.storage.safetensors_stream import stream_files
+from dcp_storage.storage.write_errors import write_error
+from dcp_storage.strategies.chunk_exchange import ChunkSource, exchange_digests, send_chunks
+from dcp_storage.strategies.dcp_call import load_group
+from dcp_storage.strategies.group import GroupView, group_view
+from dcp_storage.strategies.rank_agreement import guard_finish_plan
+from dcp_storage.transports import Transport, TransportConfig
+from dcp_storage.transports.buckets import prepare_output
 
 __all__ = ["EXTRA_STATE_FILE", "SafetensorsWriter"]
 

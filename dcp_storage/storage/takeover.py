@@ -33,9 +33,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..formats.limits import count_setting
-from ..transports import client_identity
-from .lock_holder import parse, stale_reason
+from dcp_storage.formats.limits import count_setting
+from dcp_storage.storage.lock_holder import parse, stale_reason
+from dcp_storage.transports import client_identity
 
 __all__ = ["MARKER_SUFFIX", "SETTLE_ENV", "create_exclusive", "read_lock", "rewrite_lock", "take_over"]
 

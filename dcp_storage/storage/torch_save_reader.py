@@ -41,21 +41,21 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ShapeMismatchError
-from ..formats.byte_items import VettedBytes
-from ..formats.misdirected import raise_explained
-from ..formats.tensor_reads import SliceRead, plan_slice_read, read_slices
-from ..formats.torch_save import TorchSaveArchive, TorchSaveArchiveConfig
-from ..planners.key_check import check_planned_keys, enforce_for, rules_of
-from ..strategies.coordinator_served import CoordinatorServedReader
-from ..strategies.dcp_call import running_planner
-from ..strategies.group import GroupView
-from ..strategies.metadata_sharing import reader_location, share_object
-from ..strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order
-from ..tensor_buffers import host_buffer
-from ..transports import Transport, TransportConfig
-from ..transports.factory import bind_transport
-from ..transports.versions import begin_load
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, ShapeMismatchError
+from dcp_storage.formats.byte_items import VettedBytes
+from dcp_storage.formats.misdirected import raise_explained
+from dcp_storage.formats.tensor_reads import SliceRead, plan_slice_read, read_slices
+from dcp_storage.formats.torch_save import TorchSaveArchive, TorchSaveArchiveConfig
+from dcp_storage.planners.key_check import check_planned_keys, enforce_for, rules_of
+from dcp_storage.strategies.coordinator_served import CoordinatorServedReader
+from dcp_storage.strategies.dcp_call import running_planner
+from dcp_storage.strategies.group import GroupView
+from dcp_storage.strategies.metadata_sharing import reader_location, share_object
+from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order
+from dcp_storage.tensor_buffers import host_buffer
+from dcp_storage.transports import Transport, TransportConfig
+from dcp_storage.transports.factory import bind_transport
+from dcp_storage.transports.versions import begin_load
 
 __all__ = ["BroadcastingTorchSaveReader"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from ..errors import StorageFullError
+from dcp_storage.errors import StorageFullError
 
 __all__ = ["FULL_ERRNOS", "RecordingWriter", "write_error"]
 

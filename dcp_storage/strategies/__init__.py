@@ -14,11 +14,11 @@
   collectives use.
 """
 
-from .broadcasting import Broadcasting
-from .metadata_sharing import share_object
-from .read_once_plan import ReadOnceConfig
-from .read_strategy import ReadStrategies, ReadStrategy
-from .slice_delivery import DeliveryConfig, DeliveryStats
+from dcp_storage.strategies.broadcasting import Broadcasting
+from dcp_storage.strategies.metadata_sharing import share_object
+from dcp_storage.strategies.read_once_plan import ReadOnceConfig
+from dcp_storage.strategies.read_strategy import ReadStrategies, ReadStrategy
+from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats
 
 __all__ = [
     "Broadcasting",

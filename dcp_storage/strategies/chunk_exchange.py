@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import DcpStorageError
-from ..formats.safetensors.encode import as_memoryview
-from ..formats.safetensors.write_plan import ChunkWrite, PieceKey, RankWrites
-from ..integrity.checksums import checksum
-from .group import GroupView
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.safetensors.encode import as_memoryview
+from dcp_storage.formats.safetensors.write_plan import ChunkWrite, PieceKey, RankWrites
+from dcp_storage.integrity.checksums import checksum
+from dcp_storage.strategies.group import GroupView
 
 __all__ = ["ChunkBytes", "ChunkSource", "RemoteChunkError", "exchange_digests", "send_chunks"]
 

@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CorruptCheckpointError, DcpStorageError, RankMismatchError
-from ..formats.dcp_native.record_match import stored_dtype
-from .dcp_call import load_group, works_alone
-from .group import SOLO, GroupView, group_view
-from .rank_agreement import check_tags, guard_finish_plan, tag_plan
-from .slice_delivery import DeliveryStats, item_key, receive_items
+from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, RankMismatchError
+from dcp_storage.formats.dcp_native.record_match import stored_dtype
+from dcp_storage.strategies.dcp_call import load_group, works_alone
+from dcp_storage.strategies.group import SOLO, GroupView, group_view
+from dcp_storage.strategies.rank_agreement import check_tags, guard_finish_plan, tag_plan
+from dcp_storage.strategies.slice_delivery import DeliveryStats, item_key, receive_items
 
 __all__ = ["CoordinatorServedReader"]
 

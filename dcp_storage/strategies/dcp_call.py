@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .group import SOLO, GroupView, group_view
+from dcp_storage.strategies.group import SOLO, GroupView, group_view
 
 __all__ = ["DcpCall", "current_call", "load_group", "load_view", "running_planner", "working_alone", "works_alone"]
 

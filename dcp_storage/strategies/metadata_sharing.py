@@ -26,9 +26,9 @@ import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import DcpStorageError, LocationMismatchError, RankMismatchError
-from .dcp_call import current_call, load_group, works_alone
-from .group import group_view
+from dcp_storage.errors import DcpStorageError, LocationMismatchError, RankMismatchError
+from dcp_storage.strategies.dcp_call import current_call, load_group, works_alone
+from dcp_storage.strategies.group import group_view
 
 __all__ = ["decode_error", "encode_error", "reader_location", "share_object", "share_within_load"]
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from ..errors import RankMismatchError
-from .dcp_call import current_call, load_group, works_alone
-from .group import GroupView, group_view
-from .metadata_sharing import decode_error, encode_error
+from dcp_storage.errors import RankMismatchError
+from dcp_storage.strategies.dcp_call import current_call, load_group, works_alone
+from dcp_storage.strategies.group import GroupView, group_view
+from dcp_storage.strategies.metadata_sharing import decode_error, encode_error
 
 __all__ = ["StrategyTag", "agree", "check_tags", "guard_finish_plan", "tag_plan"]
 

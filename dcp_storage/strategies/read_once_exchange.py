@@ -31,11 +31,11 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import DcpStorageError, ShapeMismatchError
-from ..tensor_buffers import host_buffer
-from .group import GroupView
-from .rank_agreement import agree as _agree
-from .read_once_plan import ExchangePlan, RoundPlan, nbytes_of
+from dcp_storage.errors import DcpStorageError, ShapeMismatchError
+from dcp_storage.strategies.group import GroupView
+from dcp_storage.strategies.rank_agreement import agree as _agree
+from dcp_storage.strategies.read_once_plan import ExchangePlan, RoundPlan, nbytes_of
+from dcp_storage.tensor_buffers import host_buffer
 
 __all__ = ["run_exchange"]
 

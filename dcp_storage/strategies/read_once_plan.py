@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from .slice_delivery import DeliveryConfig
+from dcp_storage.strategies.slice_delivery import DeliveryConfig
 
 __all__ = ["ExchangePlan", "RankInfo", "ReadOnceConfig", "RoundPlan", "plan_read_once"]
 

@@ -49,18 +49,18 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from .. import registry
-from ..errors import CorruptCheckpointError, RankMismatchError
-from ..formats.dcp_native.lazy_metadata import columns_of, rows_of
-from ..gc_pause import gc_paused
-from ..registry import PluginNotFoundError
-from ..transports.factory import READ_STRATEGY_OPTION  # the storage option naming a reader's strategy
-from .dcp_call import load_view
-from .group import GroupView
-from .rank_agreement import check_tags, guard_finish_plan, tag_plan
-from .read_once_exchange import run_exchange
-from .read_once_plan import ExchangePlan, RankInfo, ReadOnceConfig, plan_read_once
-from .slice_delivery import DeliveryConfig
+from dcp_storage import registry
+from dcp_storage.errors import CorruptCheckpointError, RankMismatchError
+from dcp_storage.formats.dcp_native.lazy_metadata import columns_of, rows_of
+from dcp_storage.gc_pause import gc_paused
+from dcp_storage.registry import PluginNotFoundError
+from dcp_storage.strategies.dcp_call import load_view
+from dcp_storage.strategies.group import GroupView
+from dcp_storage.strategies.rank_agreement import check_tags, guard_finish_plan, tag_plan
+from dcp_storage.strategies.read_once_exchange import run_exchange
+from dcp_storage.strategies.read_once_plan import ExchangePlan, RankInfo, ReadOnceConfig, plan_read_once
+from dcp_storage.strategies.slice_delivery import DeliveryConfig
+from dcp_storage.transports.factory import READ_STRATEGY_OPTION  # the storage option naming a reader's strategy
 
 __all__ = [
     "HOST_KEY_ENV",

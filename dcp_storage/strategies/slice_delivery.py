@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ..errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
-from ..formats.byte_items import VettedBytes
-from ..tensor_buffers import writable_bytes
-from .group import GroupView
-from .metadata_sharing import decode_error, encode_error
+from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from dcp_storage.formats.byte_items import VettedBytes
+from dcp_storage.strategies.group import GroupView
+from dcp_storage.strategies.metadata_sharing import decode_error, encode_error
+from dcp_storage.tensor_buffers import writable_bytes
 
 __all__ = ["DeliveryConfig", "DeliveryStats", "SliceSender", "canonical_order", "item_key", "receive_items"]
 

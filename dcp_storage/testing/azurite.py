@@ -23,10 +23,10 @@ import tempfile
 import uuid
 from typing import Any, NamedTuple
 
-from ..errors import DcpStorageError
-from ._npm import npm_install, npm_script
-from ._server_process import HOST as _HOST
-from ._server_process import Launcher, ServerProcess
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.testing._npm import npm_install, npm_script
+from dcp_storage.testing._server_process import HOST as _HOST
+from dcp_storage.testing._server_process import Launcher, ServerProcess
 
 __all__ = [
     "ACCOUNT_KEY",

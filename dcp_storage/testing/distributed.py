@@ -61,7 +61,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from ._rank_process import HOST, InheritedFd, rank_main
+from dcp_storage.testing._rank_process import HOST, InheritedFd, rank_main
 
 __all__ = ["RankFailedError", "RankTimeoutError", "run_ranks", "warm_up"]
 

@@ -6,9 +6,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..opening import open_reader
-from ..storage import BroadcastingTorchSaveReader, FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
-from ..strategies import Broadcasting
+from dcp_storage.opening import open_reader
+from dcp_storage.storage import (
+    BroadcastingTorchSaveReader,
+    FsspecReader,
+    FsspecWriter,
+    SafetensorsReader,
+    SafetensorsWriter,
+)
+from dcp_storage.strategies import Broadcasting
 
 __all__ = ["every_reader", "write_every_format"]
 

@@ -36,9 +36,9 @@ import urllib.request
 import uuid
 from typing import Any, NamedTuple
 
-from ..errors import DcpStorageError
-from ._server_process import HOST as _HOST
-from ._server_process import Launcher, ServerProcess
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.testing._server_process import HOST as _HOST
+from dcp_storage.testing._server_process import Launcher, ServerProcess
 
 __all__ = ["FakeGcsServer", "FakeGcsServerError", "GcsLocation", "binary_path"]
 

@@ -24,8 +24,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from ._server_process import HOST as _HOST
-from ._server_process import Launcher, ServerProcess
+from dcp_storage.testing._server_process import HOST as _HOST
+from dcp_storage.testing._server_process import Launcher, ServerProcess
 
 __all__ = ["MotoS3Server", "MotoServerError", "S3Location"]
 

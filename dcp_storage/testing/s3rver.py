@@ -21,9 +21,9 @@ import shutil
 import tempfile
 from typing import Any
 
-from ._npm import npm_install, npm_script
-from ._server_process import HOST as _HOST
-from ._server_process import Launcher, ServerProcess
+from dcp_storage.testing._npm import npm_install, npm_script
+from dcp_storage.testing._server_process import HOST as _HOST
+from dcp_storage.testing._server_process import Launcher, ServerProcess
 
 __all__ = ["S3RVER_VERSION", "S3rverError", "S3rverServer", "ensure_installed"]
 

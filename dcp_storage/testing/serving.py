@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from ._server_process import StartStop
+from dcp_storage.testing._server_process import StartStop
 
 __all__ = ["in_ci", "serving"]
 

@@ -25,8 +25,8 @@ import contextlib
 import re
 from collections.abc import Callable, Iterator
 
-from ..errors import DcpStorageError, StorageAccessError
-from ..redaction import mask_credentials, redact_urls, scrub_chain
+from dcp_storage.errors import DcpStorageError, StorageAccessError
+from dcp_storage.redaction import mask_credentials, redact_urls, scrub_chain
 
 __all__ = ["access_error", "access_errors", "credentials_fix"]
 

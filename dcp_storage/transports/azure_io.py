@@ -20,10 +20,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import FileTooLargeError
-from .deadline import bounded_sync
-from .range_check import check_range_answer, describe_answer, is_encoded, range_mismatch
-from .versions import VersionConditionFailed
+from dcp_storage.errors import FileTooLargeError
+from dcp_storage.transports.deadline import bounded_sync
+from dcp_storage.transports.range_check import check_range_answer, describe_answer, is_encoded, range_mismatch
+from dcp_storage.transports.versions import VersionConditionFailed
 
 __all__ = ["azure_read", "azure_read_range", "check_each_answer", "is_azure"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .azure_io import azure_read, azure_read_range, is_azure
-from .backends import builtin_backend
-from .fsspec_transport import FsspecTransport
+from dcp_storage.transports.azure_io import azure_read, azure_read_range, is_azure
+from dcp_storage.transports.backends import builtin_backend
+from dcp_storage.transports.fsspec_transport import FsspecTransport
 
 __all__ = ["AzureTransport"]
 

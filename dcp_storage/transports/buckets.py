@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ..errors import BucketNotFoundError, StorageAccessError
-from .access import access_errors
+from dcp_storage.errors import BucketNotFoundError, StorageAccessError
+from dcp_storage.transports.access import access_errors
 
 __all__ = [
     "LOAD_FIX",

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from .retry import RetryPolicy
+from dcp_storage.transports.retry import RetryPolicy
 
 __all__ = ["TransportConfig", "resolve_config"]
 

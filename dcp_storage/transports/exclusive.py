@@ -33,7 +33,7 @@ from typing import Any
 
 from fsspec.implementations.memory import MemoryFileSystem
 
-from .s3_stream import s3_call
+from dcp_storage.transports.s3_stream import s3_call
 
 __all__ = ["create_local", "fsspec_put_if_absent", "holds", "s3_put_if_absent"]
 

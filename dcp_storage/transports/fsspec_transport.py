@@ -31,22 +31,22 @@ from typing import Any
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ..errors import CheckpointNotFoundError, DcpStorageError, FileTooLargeError
-from .access import access_errors
-from .backends import backend_for, class_to_build, restore
-from .config import TransportConfig, resolve_config
-from .counters import TransportCounters
-from .deadline import bounded_call
-from .exclusive import fsspec_put_if_absent, holds
-from .http_redirects import http_redirect_options
-from .local_open import Confinement
-from .range_check import RangeMismatchError, raise_if_short
-from .range_run import RangeRun
-from .ranges import FetchGroup, RangeRequest, plan_fetches
-from .retry import TruncatedReadError, call_with_retry, single_layer_client_options
-from .versions import PinnedReads, VersionPins
-from .worker_pool import WorkerPool
-from .writers import CountingWriter, abandon
+from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError, FileTooLargeError
+from dcp_storage.transports.access import access_errors
+from dcp_storage.transports.backends import backend_for, class_to_build, restore
+from dcp_storage.transports.config import TransportConfig, resolve_config
+from dcp_storage.transports.counters import TransportCounters
+from dcp_storage.transports.deadline import bounded_call
+from dcp_storage.transports.exclusive import fsspec_put_if_absent, holds
+from dcp_storage.transports.http_redirects import http_redirect_options
+from dcp_storage.transports.local_open import Confinement
+from dcp_storage.transports.range_check import RangeMismatchError, raise_if_short
+from dcp_storage.transports.range_run import RangeRun
+from dcp_storage.transports.ranges import FetchGroup, RangeRequest, plan_fetches
+from dcp_storage.transports.retry import TruncatedReadError, call_with_retry, single_layer_client_options
+from dcp_storage.transports.versions import PinnedReads, VersionPins
+from dcp_storage.transports.worker_pool import WorkerPool
+from dcp_storage.transports.writers import CountingWriter, abandon
 
 __all__ = ["FsspecTransport", "TransportConfig", "transport_class_for"]
 

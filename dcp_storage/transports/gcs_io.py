@@ -30,11 +30,11 @@ import uuid
 from collections.abc import Callable
 from typing import IO, Any
 
-from .deadline import bounded_sync
-from .http_io import read_prefix
-from .listing import ListingBound
-from .range_check import IDENTITY, read_range_body
-from .versions import VersionConditionFailed
+from dcp_storage.transports.deadline import bounded_sync
+from dcp_storage.transports.http_io import read_prefix
+from dcp_storage.transports.listing import ListingBound
+from dcp_storage.transports.range_check import IDENTITY, read_range_body
+from dcp_storage.transports.versions import VersionConditionFailed
 
 __all__ = [
     "GcsAtomicUpload",

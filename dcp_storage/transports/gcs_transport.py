@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from .backends import builtin_backend
-from .fsspec_transport import FsspecTransport
-from .gcs_io import (
+from dcp_storage.transports.backends import builtin_backend
+from dcp_storage.transports.fsspec_transport import FsspecTransport
+from dcp_storage.transports.gcs_io import (
     GcsAtomicUpload,
     gcs_create,
     gcs_delete,
@@ -24,7 +24,7 @@ from .gcs_io import (
     gcs_size_version,
     is_gcs,
 )
-from .writers import CountingWriter
+from dcp_storage.transports.writers import CountingWriter
 
 __all__ = ["GcsTransport"]
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .deadline import bounded_sync
-from .range_check import IDENTITY, read_range_body
-from .versions import VersionConditionFailed
+from dcp_storage.transports.deadline import bounded_sync
+from dcp_storage.transports.range_check import IDENTITY, read_range_body
+from dcp_storage.transports.versions import VersionConditionFailed
 
 __all__ = ["http_read", "http_read_range", "is_http", "read_prefix"]
 

@@ -23,8 +23,8 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..errors import CrossOriginRedirectError
-from ..redaction import redact_urls
+from dcp_storage.errors import CrossOriginRedirectError
+from dcp_storage.redaction import redact_urls
 
 __all__ = ["REDIRECT_OPTION", "guarded_client", "http_redirect_options"]
 

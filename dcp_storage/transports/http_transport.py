@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import CrossOriginRedirectError
-from .backends import builtin_backend
-from .deadline import bounded_call
-from .fsspec_transport import FsspecTransport
-from .http_io import answer_version, http_read, http_read_range, is_http
+from dcp_storage.errors import CrossOriginRedirectError
+from dcp_storage.transports.backends import builtin_backend
+from dcp_storage.transports.deadline import bounded_call
+from dcp_storage.transports.fsspec_transport import FsspecTransport
+from dcp_storage.transports.http_io import answer_version, http_read, http_read_range, is_http
 
 __all__ = ["HttpTransport"]
 

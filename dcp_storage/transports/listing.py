@@ -18,8 +18,8 @@ The bounds, read at each listing (so a process may change them before it lists):
 
 from __future__ import annotations
 
-from ..errors import ListingTooLongError
-from ..settings import count_setting
+from dcp_storage.errors import ListingTooLongError
+from dcp_storage.settings import count_setting
 
 __all__ = ["MAX_LIST_ENTRIES_ENV", "MAX_LIST_PAGES_ENV", "ListingBound"]
 

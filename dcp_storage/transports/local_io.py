@@ -12,8 +12,8 @@ import os
 import threading
 from collections.abc import Callable
 
-from ..errors import CorruptCheckpointError, FileTooLargeError
-from .local_open import Confinement, open_regular
+from dcp_storage.errors import CorruptCheckpointError, FileTooLargeError
+from dcp_storage.transports.local_open import Confinement, open_regular
 
 __all__ = ["LocalFiles", "fsync_dir", "preadv_exact", "read_whole"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import stat
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, TransportError
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, TransportError
 
 __all__ = ["Confinement", "open_regular", "stat_regular"]
 

@@ -23,7 +23,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from dcp_storage.errors import CorruptCheckpointError
 
 __all__ = ["LocalRuns", "Region", "RunsRead"]
 

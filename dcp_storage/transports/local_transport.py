@@ -20,17 +20,17 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CheckpointNotFoundError, WrongPathTypeError
-from .backends import builtin_backend
-from .config import MiB
-from .exclusive import create_local
-from .fsspec_transport import FsspecTransport
-from .local_io import LocalFiles, fsync_dir, preadv_exact, read_whole, start_writeback
-from .local_open import stat_regular
-from .local_runs import LocalRuns, Region, RunsRead
-from .range_run import RangeRun
-from .ranges import FetchGroup, RangeRequest, plan_fetches
-from .writers import CountingWriter
+from dcp_storage.errors import CheckpointNotFoundError, WrongPathTypeError
+from dcp_storage.transports.backends import builtin_backend
+from dcp_storage.transports.config import MiB
+from dcp_storage.transports.exclusive import create_local
+from dcp_storage.transports.fsspec_transport import FsspecTransport
+from dcp_storage.transports.local_io import LocalFiles, fsync_dir, preadv_exact, read_whole, start_writeback
+from dcp_storage.transports.local_open import stat_regular
+from dcp_storage.transports.local_runs import LocalRuns, Region, RunsRead
+from dcp_storage.transports.range_run import RangeRun
+from dcp_storage.transports.ranges import FetchGroup, RangeRequest, plan_fetches
+from dcp_storage.transports.writers import CountingWriter
 
 __all__ = ["LocalTransport", "directory_in_the_way"]
 

@@ -15,12 +15,12 @@ from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-from .config import TransportConfig
-from .counters import TransportCounters
-from .local_io import LocalFiles
-from .local_runs import Region, RunsRead
-from .ranges import RangeRequest
-from .s3_pending import PendingUpload
+from dcp_storage.transports.config import TransportConfig
+from dcp_storage.transports.counters import TransportCounters
+from dcp_storage.transports.local_io import LocalFiles
+from dcp_storage.transports.local_runs import Region, RunsRead
+from dcp_storage.transports.ranges import RangeRequest
+from dcp_storage.transports.s3_pending import PendingUpload
 
 __all__ = ["AtomicWriter", "LocalFileAccess", "LocalRunReads", "MultipartUploads", "Transport"]
 

@@ -51,8 +51,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..errors import CorruptCheckpointError
-from .deadline import bounded_call
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.transports.deadline import bounded_call
 
 __all__ = [
     "IDENTITY",

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 
-from .budget import ByteBudget
-from .ranges import FetchGroup, RangeRequest
+from dcp_storage.transports.budget import ByteBudget
+from dcp_storage.transports.ranges import FetchGroup, RangeRequest
 
 __all__ = ["FetchGroupFn", "RangeRun"]
 

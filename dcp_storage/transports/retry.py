@@ -49,8 +49,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import DcpStorageError, TransportError
-from .deadline import operation_deadline
+from dcp_storage.errors import DcpStorageError, TransportError
+from dcp_storage.transports.deadline import operation_deadline
 
 __all__ = ["RetryPolicy", "TruncatedReadError", "call_with_retry", "is_transient", "single_layer_client_options"]
 

@@ -12,9 +12,9 @@ import datetime as _dt
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DcpStorageError
-from .listing import ListingBound
-from .s3_stream import s3_call
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.transports.listing import ListingBound
+from dcp_storage.transports.s3_stream import s3_call
 
 __all__ = ["PendingUpload", "abort_pending", "list_pending"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-from .listing import ListingBound
-from .s3_stream import s3_call
+from dcp_storage.transports.listing import ListingBound
+from dcp_storage.transports.s3_stream import s3_call
 
 __all__ = ["s3_delete", "s3_exists", "s3_list_names", "s3_size", "s3_size_version"]
 

@@ -22,10 +22,10 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from ..errors import FileTooLargeError
-from .deadline import bounded_sync
-from .range_check import RangeMismatchError, check_range_answer, describe_answer, range_mismatch
-from .versions import VersionConditionFailed
+from dcp_storage.errors import FileTooLargeError
+from dcp_storage.transports.deadline import bounded_sync
+from dcp_storage.transports.range_check import RangeMismatchError, check_range_answer, describe_answer, range_mismatch
+from dcp_storage.transports.versions import VersionConditionFailed
 
 __all__ = ["ScatterSink", "can_stream", "read_object", "read_object_version", "s3_call", "stream_range"]
 

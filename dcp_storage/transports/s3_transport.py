@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from .backends import builtin_backend
-from .exclusive import s3_put_if_absent
-from .fsspec_transport import FsspecTransport
-from .ranges import FetchGroup
-from .s3_pending import PendingUpload, abort_pending, list_pending
-from .s3_queries import s3_delete, s3_exists, s3_list_names, s3_size, s3_size_version
-from .s3_stream import ScatterSink, can_stream, read_object, read_object_version, stream_range
-from .s3_upload import S3AtomicUpload, put_object
-from .writers import CountingWriter
+from dcp_storage.transports.backends import builtin_backend
+from dcp_storage.transports.exclusive import s3_put_if_absent
+from dcp_storage.transports.fsspec_transport import FsspecTransport
+from dcp_storage.transports.ranges import FetchGroup
+from dcp_storage.transports.s3_pending import PendingUpload, abort_pending, list_pending
+from dcp_storage.transports.s3_queries import s3_delete, s3_exists, s3_list_names, s3_size, s3_size_version
+from dcp_storage.transports.s3_stream import ScatterSink, can_stream, read_object, read_object_version, stream_range
+from dcp_storage.transports.s3_upload import S3AtomicUpload, put_object
+from dcp_storage.transports.writers import CountingWriter
 
 __all__ = ["S3Transport"]
 

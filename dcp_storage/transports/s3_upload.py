@@ -32,8 +32,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
-from ..errors import TransportError
-from .s3_stream import s3_call
+from dcp_storage.errors import TransportError
+from dcp_storage.transports.s3_stream import s3_call
 
 __all__ = ["MAX_PARTS", "Runner", "S3AtomicUpload", "part_size_at", "put_object", "upload_memory"]
 

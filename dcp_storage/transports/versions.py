@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from ..errors import ObjectChangedError
+from dcp_storage.errors import ObjectChangedError
 
 __all__ = ["PinnedReads", "VersionConditionFailed", "VersionPins", "begin_load"]
 

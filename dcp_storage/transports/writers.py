@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import IO, Any
 
-from .counters import TransportCounters
+from dcp_storage.transports.counters import TransportCounters
 
 __all__ = ["CountingWriter", "abandon"]
 

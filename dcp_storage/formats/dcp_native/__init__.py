@@ -1,7 +1,7 @@
 """DCP's native layout: ``.metadata`` plus ``*.distcp`` files of ``torch.save`` records."""
 
-from .metadata_io import METADATA_FILE, dump_metadata, load_metadata, metadata_allow_list
-from .torch_record import TensorRecord, parse_tensor_record
+from dcp_storage.formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata, load_metadata, metadata_allow_list
+from dcp_storage.formats.dcp_native.torch_record import TensorRecord, parse_tensor_record
 
 __all__ = [
     "METADATA_FILE",

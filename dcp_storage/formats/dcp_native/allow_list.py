@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
 
-from ...safe_unpickle import StandInRefusal, globals_of
+from dcp_storage.safe_unpickle import StandInRefusal, globals_of
 
 __all__ = ["metadata_allow_list"]
 

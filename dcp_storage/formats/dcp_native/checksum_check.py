@@ -12,16 +12,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import DcpStorageError
-from ...integrity.checksums import mismatch, new_hasher
-from ...integrity.manifest import Manifest
-from ...integrity.read_verify import key_name
-from ...integrity.verify_notes import PIECE_BYTES, no_checksums_note
-from ...text import printable
-from ..limits import METADATA, read_limited
-from ..paths import METADATA_FILE
-from .crc_check import check_record_crcs
-from .manifest_io import read_manifest
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.dcp_native.crc_check import check_record_crcs
+from dcp_storage.formats.dcp_native.manifest_io import read_manifest
+from dcp_storage.formats.limits import METADATA, read_limited
+from dcp_storage.formats.paths import METADATA_FILE
+from dcp_storage.integrity.checksums import mismatch, new_hasher
+from dcp_storage.integrity.manifest import Manifest
+from dcp_storage.integrity.read_verify import key_name
+from dcp_storage.integrity.verify_notes import PIECE_BYTES, no_checksums_note
+from dcp_storage.text import printable
 
 __all__ = ["ChecksumCheck", "check_dcp_checksums", "report_dcp_checksums"]
 _MAX_KEYS_NAMED = 5

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from ...errors import CorruptCheckpointError
-from ..limits import BROADCAST_BYTES, MAX_BYTES, MAX_NDIM
-from ..paths import check_relative
-from ..tiling import tiling_problem
-from .columns import MetadataColumns
-from .metadata_checks import _PROPERTY_TYPES, _incomplete
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.dcp_native.columns import MetadataColumns
+from dcp_storage.formats.dcp_native.metadata_checks import _PROPERTY_TYPES, _incomplete
+from dcp_storage.formats.limits import BROADCAST_BYTES, MAX_BYTES, MAX_NDIM
+from dcp_storage.formats.paths import check_relative
+from dcp_storage.formats.tiling import tiling_problem
 
 __all__ = ["columns_sound"]
 

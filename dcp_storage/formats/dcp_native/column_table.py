@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..reports import ChunkInfo, TensorInfo, TensorRows, TensorSummary, ValueInfo, dtype_name
-from .columns import MetadataColumns
+from dcp_storage.formats.dcp_native.columns import MetadataColumns
+from dcp_storage.formats.reports import ChunkInfo, TensorInfo, TensorRows, TensorSummary, ValueInfo, dtype_name
 
 __all__ = ["ColumnTensors", "column_table"]
 

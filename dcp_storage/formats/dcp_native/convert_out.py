@@ -28,16 +28,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CheckpointExistsError
-from ...integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for
-from ...integrity.manifest import MANIFEST_FILE
-from ...interrupts import held_interrupts
-from ...transports.buckets import make_output_root
-from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
-from ..paths import DATA_SUFFIX
-from ..safetensors.convert_out import pack_by_bytes
-from .manifest_io import build_manifest
-from .metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
+from dcp_storage.errors import CheckpointExistsError
+from dcp_storage.formats.convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
+from dcp_storage.formats.dcp_native.manifest_io import build_manifest
+from dcp_storage.formats.dcp_native.metadata_io import DCP_VERSION, METADATA_FILE, dump_metadata
+from dcp_storage.formats.paths import DATA_SUFFIX
+from dcp_storage.formats.safetensors.convert_out import pack_by_bytes
+from dcp_storage.integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for
+from dcp_storage.integrity.manifest import MANIFEST_FILE
+from dcp_storage.interrupts import held_interrupts
+from dcp_storage.transports.buckets import make_output_root
 
 __all__ = ["TARGET", "write_dcp"]
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import DcpStorageError
-from ...integrity.checksums import crc32
-from ...integrity.read_verify import key_name
-from ...transports import RangeRequest
-from ..torch_save.zip_index import STORED, data_starts, read_zip_index
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.torch_save.zip_index import STORED, data_starts, read_zip_index
+from dcp_storage.integrity.checksums import crc32
+from dcp_storage.integrity.read_verify import key_name
+from dcp_storage.transports import RangeRequest
 
 __all__ = ["check_record_crcs"]
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import DcpStorageError
-from ...integrity.summary import manifest_provenance
-from ...transports.factory import open_transport
-from ..paths import DATA_SUFFIX
-from ..reports import CheckpointInfo, FileInfo, TensorInfo, ValueInfo, size_or_none, tensor_table
-from ..spec import FormatSpec
-from .column_table import column_table
-from .lazy_metadata import columns_of
-from .manifest_io import read_manifest
-from .metadata_io import METADATA_FILE, read_metadata_file
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.dcp_native.column_table import column_table
+from dcp_storage.formats.dcp_native.lazy_metadata import columns_of
+from dcp_storage.formats.dcp_native.manifest_io import read_manifest
+from dcp_storage.formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from dcp_storage.formats.paths import DATA_SUFFIX
+from dcp_storage.formats.reports import CheckpointInfo, FileInfo, TensorInfo, ValueInfo, size_or_none, tensor_table
+from dcp_storage.formats.spec import FormatSpec
+from dcp_storage.integrity.summary import manifest_provenance
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["dcp_provenance", "describe_dcp"]
 

@@ -23,12 +23,12 @@ from typing import Any
 
 from torch.distributed.checkpoint._extension import Extension, ExtensionRegistry, StreamTransformExtension
 
-from ... import registry as plugin_registry
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownExtensionError
-from ...integrity.manifest import MANIFEST_FILE, install_hint
-from ..limits import INFLATED, MANIFEST, inflation_limit, read_limited
-from .framed_items import DecodesTooLarge, decode_whole
-from .seekable import SeekableTransform
+from dcp_storage import registry as plugin_registry
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownExtensionError
+from dcp_storage.formats.dcp_native.framed_items import DecodesTooLarge, decode_whole
+from dcp_storage.formats.dcp_native.seekable import SeekableTransform
+from dcp_storage.formats.limits import INFLATED, MANIFEST, inflation_limit, read_limited
+from dcp_storage.integrity.manifest import MANIFEST_FILE, install_hint
 
 __all__ = ["MANIFEST_FILE", "ExtensionResolver", "PluginExtensionRegistry", "UnknownExtensionError"]
 

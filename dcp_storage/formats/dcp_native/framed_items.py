@@ -29,11 +29,17 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ...errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
-from ...transports import RangeRequest, Transport
-from .record_match import check_record_matches, saved_chunk, stored_dtype
-from .seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
-from .torch_record import NeedMoreBytes, TensorRecord, UnsupportedRecord, load_tensor_record, parse_tensor_record
+from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
+from dcp_storage.formats.dcp_native.record_match import check_record_matches, saved_chunk, stored_dtype
+from dcp_storage.formats.dcp_native.seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
+from dcp_storage.formats.dcp_native.torch_record import (
+    NeedMoreBytes,
+    TensorRecord,
+    UnsupportedRecord,
+    load_tensor_record,
+    parse_tensor_record,
+)
+from dcp_storage.transports import RangeRequest, Transport
 
 __all__ = ["DecodesTooLarge", "FramedItem", "FramedItemLoader", "decode_whole", "needs_whole_chunk"]
 

@@ -39,29 +39,36 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ...deprecation import renamed_attributes
-from ...errors import CorruptCheckpointError, ShapeMismatchError
-from ...integrity.blocks import BlockCover, Cover, DataCrc
-from ...integrity.read_verify import RecordVerifier, batches_by_bytes, key_name
-from ...redaction import redact_urls
-from ...transports import RangeRequest, Transport
-from ..byte_items import deliver_byte_item
-from ..limits import check_byte_item
-from ..tensor_reads import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices, slice_extent
-from .extensions import ExtensionResolver
-from .framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
-from .record_entry import RecordEntry
-from .record_match import check_record_matches, saved_chunk, stored_dtype
-from .record_zip import check_record_zip
-from .seekable import SeekableTransform
-from .torch_record import (
+from dcp_storage.deprecation import renamed_attributes
+from dcp_storage.errors import CorruptCheckpointError, ShapeMismatchError
+from dcp_storage.formats.byte_items import deliver_byte_item
+from dcp_storage.formats.dcp_native.extensions import ExtensionResolver
+from dcp_storage.formats.dcp_native.framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
+from dcp_storage.formats.dcp_native.record_entry import RecordEntry
+from dcp_storage.formats.dcp_native.record_match import check_record_matches, saved_chunk, stored_dtype
+from dcp_storage.formats.dcp_native.record_zip import check_record_zip
+from dcp_storage.formats.dcp_native.seekable import SeekableTransform
+from dcp_storage.formats.dcp_native.torch_record import (
     NeedMoreBytes,
     TensorRecord,
     UnsupportedRecord,
     load_tensor_record,
     parse_tensor_record,
 )
-from .verified_in_place import load_verified_in_place
+from dcp_storage.formats.dcp_native.verified_in_place import load_verified_in_place
+from dcp_storage.formats.limits import check_byte_item
+from dcp_storage.formats.tensor_reads import (
+    SliceRead,
+    StoredTensor,
+    dense_gap_of,
+    plan_slice_read,
+    read_slices,
+    slice_extent,
+)
+from dcp_storage.integrity.blocks import BlockCover, Cover, DataCrc
+from dcp_storage.integrity.read_verify import RecordVerifier, batches_by_bytes, key_name
+from dcp_storage.redaction import redact_urls
+from dcp_storage.transports import RangeRequest, Transport
 
 __all__ = ["DcpItemLoader", "DcpLoaderConfig"]
 

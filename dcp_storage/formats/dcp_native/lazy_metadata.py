@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .columns import MetadataColumns
+from dcp_storage.formats.dcp_native.columns import MetadataColumns
 
 __all__ = ["StateDictView", "StorageDataView", "columns_of", "lazy_metadata", "rows_of"]
 

@@ -6,14 +6,14 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-from ...errors import CheckpointNotFoundError, DcpStorageError
-from ...integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, checksum
-from ...integrity.manifest import MANIFEST_FILE, ExtensionInfo, Manifest, file_checksums, metadata_matches
-from ...integrity.provenance import describe_extension, format_distribution, writer_descriptor
-from ...integrity.read_verify import RecordVerifier
-from ...text import printable
-from ..limits import MANIFEST, read_limited
-from ..paths import METADATA_FILE
+from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError
+from dcp_storage.formats.limits import MANIFEST, read_limited
+from dcp_storage.formats.paths import METADATA_FILE
+from dcp_storage.integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, checksum
+from dcp_storage.integrity.manifest import MANIFEST_FILE, ExtensionInfo, Manifest, file_checksums, metadata_matches
+from dcp_storage.integrity.provenance import describe_extension, format_distribution, writer_descriptor
+from dcp_storage.integrity.read_verify import RecordVerifier
+from dcp_storage.text import printable
 
 __all__ = ["build_manifest", "default_sums", "read_checked_manifest", "read_manifest", "record_verifier"]
 

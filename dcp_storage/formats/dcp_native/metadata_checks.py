@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CorruptCheckpointError
-from ..limits import BROADCAST_BYTES, MAX_BYTES, MAX_DIM, MAX_NDIM
-from ..paths import check_relative
-from ..tiling import tiling_problem
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.limits import BROADCAST_BYTES, MAX_BYTES, MAX_DIM, MAX_NDIM
+from dcp_storage.formats.paths import check_relative
+from dcp_storage.formats.tiling import tiling_problem
 
 __all__ = ["check_metadata", "metadata_problems"]
 

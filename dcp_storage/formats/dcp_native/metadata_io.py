@@ -16,17 +16,19 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ...gc_pause import gc_paused
-from ...safe_unpickle import safe_loads
-from ..limits import METADATA, count_setting, read_limited
-from ..paths import METADATA_FILE
-from ..safe_globals import with_registered_globals
-from .allow_list import metadata_allow_list
-from .column_checks import columns_sound
-from .columns import MetadataColumns, columns_from_metadata, metadata_from_columns
-from .lazy_metadata import lazy_metadata
-from .metadata_checks import check_metadata
-from .native_decode import decode_columns  # returns None where the C extension is not built
+from dcp_storage.formats.dcp_native.allow_list import metadata_allow_list
+from dcp_storage.formats.dcp_native.column_checks import columns_sound
+from dcp_storage.formats.dcp_native.columns import MetadataColumns, columns_from_metadata, metadata_from_columns
+from dcp_storage.formats.dcp_native.lazy_metadata import lazy_metadata
+from dcp_storage.formats.dcp_native.metadata_checks import check_metadata
+from dcp_storage.formats.dcp_native.native_decode import (
+    decode_columns,  # returns None where the C extension is not built
+)
+from dcp_storage.formats.limits import METADATA, count_setting, read_limited
+from dcp_storage.formats.paths import METADATA_FILE
+from dcp_storage.formats.safe_globals import with_registered_globals
+from dcp_storage.gc_pause import gc_paused
+from dcp_storage.safe_unpickle import safe_loads
 
 __all__ = [
     "DCP_VERSION",

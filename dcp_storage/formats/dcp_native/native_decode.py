@@ -19,11 +19,11 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, StorageMeta, TensorProperties
 
-from .allow_list import metadata_allow_list
-from .columns import MetadataColumns
+from dcp_storage.formats.dcp_native.allow_list import metadata_allow_list
+from dcp_storage.formats.dcp_native.columns import MetadataColumns
 
 try:
-    from ._metadata_decode import decode as _native_decode
+    from dcp_storage.formats.dcp_native._metadata_decode import decode as _native_decode
 except ImportError:  # built without a compiler: the general path does everything
     _native_decode = None
 

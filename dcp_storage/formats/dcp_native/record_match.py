@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
-from ...errors import CorruptCheckpointError
-from .lazy_metadata import StateDictView
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.dcp_native.lazy_metadata import StateDictView
 
 __all__ = ["check_record_matches", "saved_chunk", "stored_dtype"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 import struct
 
-from ...errors import CorruptCheckpointError
-from ..torch_save.zip_layout import check_zip_bytes
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.torch_save.zip_layout import check_zip_bytes
 
 __all__ = ["UnsupportedRecord", "check_record_zip", "walk_records"]
 

@@ -21,11 +21,11 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from ...errors import DcpStorageError
-from ..paths import DATA_SUFFIX
-from ..safetensors.layout import looks_like_safetensors
-from ..spec import HEAD_BYTES, Probe
-from .metadata_io import METADATA_FILE, read_metadata_file
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from dcp_storage.formats.paths import DATA_SUFFIX
+from dcp_storage.formats.safetensors.layout import looks_like_safetensors
+from dcp_storage.formats.spec import HEAD_BYTES, Probe
 
 __all__ = ["NATIVE", "SAFETENSORS", "dcp_data_kind"]
 

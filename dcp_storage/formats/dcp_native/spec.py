@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..spec import FormatSpec, Probe
-from .convert_out import TARGET
-from .describe import describe_dcp
-from .sniff import NATIVE, dcp_data_kind
-from .verify import check_dcp, deep_check_dcp
+from dcp_storage.formats.dcp_native.convert_out import TARGET
+from dcp_storage.formats.dcp_native.describe import describe_dcp
+from dcp_storage.formats.dcp_native.sniff import NATIVE, dcp_data_kind
+from dcp_storage.formats.dcp_native.verify import check_dcp, deep_check_dcp
+from dcp_storage.formats.spec import FormatSpec, Probe
 
 __all__ = ["FORMAT"]
 

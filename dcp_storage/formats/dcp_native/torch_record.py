@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ...safe_unpickle import AllowListUnpickler
-from ..limits import check_view
-from ..slices import is_row_major
-from .record_pickle import decode_tensor_pickle
-from .record_zip import UnsupportedRecord, check_record_zip, walk_records
+from dcp_storage.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_storage.formats.dcp_native.record_pickle import decode_tensor_pickle
+from dcp_storage.formats.dcp_native.record_zip import UnsupportedRecord, check_record_zip, walk_records
+from dcp_storage.formats.limits import check_view
+from dcp_storage.formats.slices import is_row_major
+from dcp_storage.safe_unpickle import AllowListUnpickler
 
 __all__ = [
     "NeedMoreBytes",

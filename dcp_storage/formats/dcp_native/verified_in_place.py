@@ -26,13 +26,13 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ...errors import DcpStorageError
-from ...integrity.read_verify import RecordVerifier
-from ...tensor_buffers import writable_bytes
-from ...transports import RangeRequest, Transport
-from .record_entry import RecordEntry
-from .record_match import check_record_matches
-from .torch_record import TensorRecord
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.dcp_native.record_entry import RecordEntry
+from dcp_storage.formats.dcp_native.record_match import check_record_matches
+from dcp_storage.formats.dcp_native.torch_record import TensorRecord
+from dcp_storage.integrity.read_verify import RecordVerifier
+from dcp_storage.tensor_buffers import writable_bytes
+from dcp_storage.transports import RangeRequest, Transport
 
 
 class InPlaceLoader(Protocol):

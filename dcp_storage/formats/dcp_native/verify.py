@@ -14,14 +14,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from ...errors import DcpStorageError
-from ...transports.factory import open_transport
-from ..paths import check_relative
-from ..reports import VerifyReport, error_text, named_keys
-from ..tiling import tiling_problem
-from .checksum_check import report_dcp_checksums
-from .extensions import ExtensionResolver
-from .metadata_io import METADATA_FILE, read_metadata_file
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.dcp_native.checksum_check import report_dcp_checksums
+from dcp_storage.formats.dcp_native.extensions import ExtensionResolver
+from dcp_storage.formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from dcp_storage.formats.paths import check_relative
+from dcp_storage.formats.reports import VerifyReport, error_text, named_keys
+from dcp_storage.formats.tiling import tiling_problem
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["check_dcp", "check_extensions", "deep_check_dcp"]
 

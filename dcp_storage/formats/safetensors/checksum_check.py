@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from ...errors import DcpStorageError
-from ...integrity.checksums import mismatch, new_hasher
-from ...integrity.verify_notes import PIECE_BYTES, no_checksums_note
-from .checksums import FileSums, Piece
-from .write_plan import chunk_runs
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.safetensors.checksums import FileSums, Piece
+from dcp_storage.formats.safetensors.write_plan import chunk_runs
+from dcp_storage.integrity.checksums import mismatch, new_hasher
+from dcp_storage.integrity.verify_notes import PIECE_BYTES, no_checksums_note
 
 __all__ = ["check_file", "report_safetensors_checksums", "safetensors_provenance"]
 

@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from ...errors import CorruptCheckpointError
-from ...integrity.checksums import checksum, digest_width, mismatch
-from ..tiling import tiling_problem
-from .header import LENGTH_BYTES, header_length, parse_header
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.safetensors.header import LENGTH_BYTES, header_length, parse_header
+from dcp_storage.formats.tiling import tiling_problem
+from dcp_storage.integrity.checksums import checksum, digest_width, mismatch
 
 __all__ = [
     "ALGORITHM_KEY",

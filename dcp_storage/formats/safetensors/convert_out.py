@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from ...errors import CheckpointExistsError, NonTensorStateError, UnsupportedDtypeError
-from ...transports.buckets import make_output_root
-from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
-from ..limits import INDEX, read_limited
-from .dtypes import safetensors_dtype
-from .encode import (
+from dcp_storage.errors import CheckpointExistsError, NonTensorStateError, UnsupportedDtypeError
+from dcp_storage.formats.convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
+from dcp_storage.formats.limits import INDEX, read_limited
+from dcp_storage.formats.safetensors.dtypes import safetensors_dtype
+from dcp_storage.formats.safetensors.encode import (
     HeaderEntry,
     as_memoryview,
     encode_header,
@@ -26,7 +25,15 @@ from .encode import (
     tensor_bytes,
     unstorable_keys,
 )
-from .write_plan import TensorSpec, index_name, pack_files, parse_size, shard_name, single_name
+from dcp_storage.formats.safetensors.write_plan import (
+    TensorSpec,
+    index_name,
+    pack_files,
+    parse_size,
+    shard_name,
+    single_name,
+)
+from dcp_storage.transports.buckets import make_output_root
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",

@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ...transports.factory import open_transport
-from ..paths import METADATA_FILE
-from ..reports import CheckpointInfo, FileInfo, size_or_none, tensor_table
-from ..spec import FormatSpec
-from .checksum_check import safetensors_provenance
-from .layout import discover, resolve
-from .metadata import StoredBytes, StoredChunk
-from .scan import scan_metadata
+from dcp_storage.formats.paths import METADATA_FILE
+from dcp_storage.formats.reports import CheckpointInfo, FileInfo, size_or_none, tensor_table
+from dcp_storage.formats.safetensors.checksum_check import safetensors_provenance
+from dcp_storage.formats.safetensors.layout import discover, resolve
+from dcp_storage.formats.safetensors.metadata import StoredBytes, StoredChunk
+from dcp_storage.formats.safetensors.scan import scan_metadata
+from dcp_storage.formats.spec import FormatSpec
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["describe_safetensors"]
 

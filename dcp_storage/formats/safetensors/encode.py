@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...errors import UnsupportedKeyError
+from dcp_storage.errors import UnsupportedKeyError
 
 __all__ = [
     "HeaderEntry",

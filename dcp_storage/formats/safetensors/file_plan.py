@@ -19,11 +19,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ...errors import DcpStorageError
-from ...integrity.checksums import checksum
-from ...integrity.provenance import writer_descriptor
-from . import checksums as sums
-from .encode import HeaderEntry, encode_header, safetensors_order_key
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.safetensors import checksums as sums
+from dcp_storage.formats.safetensors.encode import HeaderEntry, encode_header, safetensors_order_key
+from dcp_storage.integrity.checksums import checksum
+from dcp_storage.integrity.provenance import writer_descriptor
 
 __all__ = [
     "FileSpec",

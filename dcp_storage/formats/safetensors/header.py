@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ...errors import CorruptCheckpointError
-from ..limits import MAX_BYTES, MAX_DIM, MAX_NDIM
-from .dtypes import SAFETENSORS_TO_TORCH
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.limits import MAX_BYTES, MAX_DIM, MAX_NDIM
+from dcp_storage.formats.safetensors.dtypes import SAFETENSORS_TO_TORCH
 
 __all__ = [
     "LENGTH_BYTES",

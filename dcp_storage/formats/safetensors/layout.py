@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...transports import Transport
-from ..completeness import raise_if_incomplete
-from ..dcp_native.lazy_metadata import columns_of
-from ..dcp_native.metadata_io import METADATA_FILE, read_metadata_file
-from ..limits import INDEX, read_limited
-from ..paths import INDEX_FILE, check_relative
-from ..paths import SAFETENSORS_SUFFIX as SUFFIX
-from .header import LENGTH_BYTES, MAX_HEADER_BYTES
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError
+from dcp_storage.formats.completeness import raise_if_incomplete
+from dcp_storage.formats.dcp_native.lazy_metadata import columns_of
+from dcp_storage.formats.dcp_native.metadata_io import METADATA_FILE, read_metadata_file
+from dcp_storage.formats.limits import INDEX, read_limited
+from dcp_storage.formats.paths import INDEX_FILE, check_relative
+from dcp_storage.formats.paths import SAFETENSORS_SUFFIX as SUFFIX
+from dcp_storage.formats.safetensors.header import LENGTH_BYTES, MAX_HEADER_BYTES
+from dcp_storage.transports import Transport
 
 __all__ = [
     "INDEX_FILE",

@@ -25,19 +25,19 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ...deprecation import renamed_attributes
-from ...errors import CorruptCheckpointError, ShapeMismatchError
-from ...integrity.read_verify import batches_by_bytes
-from ...redaction import redact_urls
-from ...tensor_buffers import writable_bytes
-from ...text import printable
-from ...transports import RangeRequest, Transport
-from ..byte_items import deliver_byte_item
-from ..paths import check_relative
-from ..tensor_reads import SliceRead, dense_gap_of, plan_slice_read, read_slices
-from .checksums import FileSums, require_checksummed
-from .layout import resolve
-from .metadata import StoredBytes, StoredChunk
+from dcp_storage.deprecation import renamed_attributes
+from dcp_storage.errors import CorruptCheckpointError, ShapeMismatchError
+from dcp_storage.formats.byte_items import deliver_byte_item
+from dcp_storage.formats.paths import check_relative
+from dcp_storage.formats.safetensors.checksums import FileSums, require_checksummed
+from dcp_storage.formats.safetensors.layout import resolve
+from dcp_storage.formats.safetensors.metadata import StoredBytes, StoredChunk
+from dcp_storage.formats.tensor_reads import SliceRead, dense_gap_of, plan_slice_read, read_slices
+from dcp_storage.integrity.read_verify import batches_by_bytes
+from dcp_storage.redaction import redact_urls
+from dcp_storage.tensor_buffers import writable_bytes
+from dcp_storage.text import printable
+from dcp_storage.transports import RangeRequest, Transport
 
 __all__ = ["SafetensorsLoaderConfig", "SafetensorsItemLoader"]
 

@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CorruptCheckpointError
-from ..tensor_reads import StoredTensor
-from .header import SafetensorsHeader, TensorEntry, saved_offsets
-from .layout import Layout
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.safetensors.header import SafetensorsHeader, TensorEntry, saved_offsets
+from dcp_storage.formats.safetensors.layout import Layout
+from dcp_storage.formats.tensor_reads import StoredTensor
 
 __all__ = ["MAX_OVERLAP_CHECK_CHUNKS", "Blob", "StoredBytes", "StoredChunk", "build_metadata"]
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ...deprecation import renamed_attributes
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from ...transports import RangeRequest, Transport
-from .header import LENGTH_BYTES, SafetensorsHeader, header_length, parse_header
-from .layout import Layout, resolve
-from .metadata import Blob, build_metadata
+from dcp_storage.deprecation import renamed_attributes
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError
+from dcp_storage.formats.safetensors.header import LENGTH_BYTES, SafetensorsHeader, header_length, parse_header
+from dcp_storage.formats.safetensors.layout import Layout, resolve
+from dcp_storage.formats.safetensors.metadata import Blob, build_metadata
+from dcp_storage.transports import RangeRequest, Transport
 
 __all__ = ["SafetensorsScanConfig", "blobs_of", "read_headers", "scan_metadata"]
 

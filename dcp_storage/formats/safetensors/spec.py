@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ..dcp_native.sniff import SAFETENSORS, dcp_data_kind
-from ..paths import INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
-from ..spec import HEAD_BYTES, FormatSpec, Probe
-from .convert_out import TARGET
-from .describe import describe_safetensors
-from .layout import looks_like_safetensors
-from .verify import check_safetensors, deep_check_safetensors
+from dcp_storage.formats.dcp_native.sniff import SAFETENSORS, dcp_data_kind
+from dcp_storage.formats.paths import INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
+from dcp_storage.formats.safetensors.convert_out import TARGET
+from dcp_storage.formats.safetensors.describe import describe_safetensors
+from dcp_storage.formats.safetensors.layout import looks_like_safetensors
+from dcp_storage.formats.safetensors.verify import check_safetensors, deep_check_safetensors
+from dcp_storage.formats.spec import HEAD_BYTES, FormatSpec, Probe
 
 __all__ = ["FORMAT"]
 

@@ -14,14 +14,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ...errors import DcpStorageError
-from ...transports.factory import open_transport
-from ..paths import HF_SHARD_RE, INDEX_SUFFIX
-from ..reports import VerifyReport, error_text
-from .checksum_check import report_safetensors_checksums
-from .layout import discover, resolve
-from .metadata import build_metadata
-from .scan import blobs_of, read_headers
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.paths import HF_SHARD_RE, INDEX_SUFFIX
+from dcp_storage.formats.reports import VerifyReport, error_text
+from dcp_storage.formats.safetensors.checksum_check import report_safetensors_checksums
+from dcp_storage.formats.safetensors.layout import discover, resolve
+from dcp_storage.formats.safetensors.metadata import build_metadata
+from dcp_storage.formats.safetensors.scan import blobs_of, read_headers
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["check_safetensors", "check_shard_set", "deep_check_safetensors"]
 

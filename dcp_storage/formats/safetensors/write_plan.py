@@ -31,12 +31,20 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
-from ...errors import NonTensorStateError, UnsupportedDtypeError
-from ..paths import EXTRA_STATE_FILE, index_name, shard_name, single_name
-from ..slices import RunSet
-from ..slices import row_major_runs as chunk_runs
-from .dtypes import safetensors_dtype
-from .file_plan import FileSpec, PieceKey, TensorSpec, file_spec, fill_header, pack_files, parse_size
+from dcp_storage.errors import NonTensorStateError, UnsupportedDtypeError
+from dcp_storage.formats.paths import EXTRA_STATE_FILE, index_name, shard_name, single_name
+from dcp_storage.formats.safetensors.dtypes import safetensors_dtype
+from dcp_storage.formats.safetensors.file_plan import (
+    FileSpec,
+    PieceKey,
+    TensorSpec,
+    file_spec,
+    fill_header,
+    pack_files,
+    parse_size,
+)
+from dcp_storage.formats.slices import RunSet
+from dcp_storage.formats.slices import row_major_runs as chunk_runs
 
 __all__ = [
     "ChunkWrite",

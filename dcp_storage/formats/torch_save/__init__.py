@@ -7,9 +7,14 @@
   with such a file (the hooks of :data:`.spec.FORMAT`).
 """
 
-from ...deprecation import renamed_attributes
-from .archive import TorchSaveArchive, TorchSaveArchiveConfig, UnsupportedFormatError, flatten_tree
-from .pickle_tree import TensorDescriptor, decode_data_pkl
+from dcp_storage.deprecation import renamed_attributes
+from dcp_storage.formats.torch_save.archive import (
+    TorchSaveArchive,
+    TorchSaveArchiveConfig,
+    UnsupportedFormatError,
+    flatten_tree,
+)
+from dcp_storage.formats.torch_save.pickle_tree import TensorDescriptor, decode_data_pkl
 
 __all__ = [
     "TorchSaveArchiveConfig",

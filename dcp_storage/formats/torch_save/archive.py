@@ -27,16 +27,29 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...deprecation import renamed_attributes
-from ...errors import CorruptCheckpointError, DcpStorageError
-from ...tensor_buffers import writable_bytes
-from ...transports import Transport
-from ..limits import BROADCAST_BYTES
-from ..slices import is_row_major
-from ..tensor_reads import StoredTensor, plan_slice_read, read_slices
-from .pickle_tree import LegacyNeedsMoreBytes, TensorDescriptor, decode_data_pkl, is_legacy_head, scan_legacy
-from .zip_index import STORED, NotAZipError, ZipIndex, data_starts, read_entry, read_zip_index
-from .zip_layout import check_crc
+from dcp_storage.deprecation import renamed_attributes
+from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
+from dcp_storage.formats.limits import BROADCAST_BYTES
+from dcp_storage.formats.slices import is_row_major
+from dcp_storage.formats.tensor_reads import StoredTensor, plan_slice_read, read_slices
+from dcp_storage.formats.torch_save.pickle_tree import (
+    LegacyNeedsMoreBytes,
+    TensorDescriptor,
+    decode_data_pkl,
+    is_legacy_head,
+    scan_legacy,
+)
+from dcp_storage.formats.torch_save.zip_index import (
+    STORED,
+    NotAZipError,
+    ZipIndex,
+    data_starts,
+    read_entry,
+    read_zip_index,
+)
+from dcp_storage.formats.torch_save.zip_layout import check_crc
+from dcp_storage.tensor_buffers import writable_bytes
+from dcp_storage.transports import Transport
 
 __all__ = ["TorchSaveArchiveConfig", "TorchSaveArchive", "UnsupportedFormatError", "flatten_tree"]
 

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 
-from ...errors import CheckpointExistsError, NonTensorStateError
-from ...interrupts import held_interrupts
-from ...transports.buckets import make_output_root
-from ..convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
-from ..safetensors.convert_out import hf_index_json, pack_by_bytes, shard_size
+from dcp_storage.errors import CheckpointExistsError, NonTensorStateError
+from dcp_storage.formats.convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
+from dcp_storage.formats.safetensors.convert_out import hf_index_json, pack_by_bytes, shard_size
+from dcp_storage.interrupts import held_interrupts
+from dcp_storage.transports.buckets import make_output_root
 
 __all__ = ["TARGET", "build_tree", "write_torch_save"]
 

@@ -7,11 +7,11 @@ import os
 import posixpath
 from typing import Any
 
-from ...transports.factory import open_transport
-from ..reports import CheckpointInfo, ChunkInfo, FileInfo, TensorInfo, ValueInfo, dtype_name
-from ..spec import FormatSpec
-from .archive import TorchSaveArchive
-from .pickle_tree import TensorDescriptor
+from dcp_storage.formats.reports import CheckpointInfo, ChunkInfo, FileInfo, TensorInfo, ValueInfo, dtype_name
+from dcp_storage.formats.spec import FormatSpec
+from dcp_storage.formats.torch_save.archive import TorchSaveArchive
+from dcp_storage.formats.torch_save.pickle_tree import TensorDescriptor
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["describe_torch_save"]
 

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ...safe_unpickle import AllowListUnpickler
-from ..limits import check_view
-from ..safe_globals import with_registered_globals
+from dcp_storage.errors import CorruptCheckpointError, UnsafeCheckpointError
+from dcp_storage.formats.limits import check_view
+from dcp_storage.formats.safe_globals import with_registered_globals
+from dcp_storage.safe_unpickle import AllowListUnpickler
 
 __all__ = ["LEGACY_MAGIC", "LegacyNeedsMoreBytes", "TensorDescriptor", "decode_data_pkl", "scan_legacy"]
 

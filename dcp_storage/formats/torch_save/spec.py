@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import struct
 
-from ..spec import FormatSpec, Probe
-from .convert_out import TARGET
-from .describe import describe_torch_save
-from .verify import check_torch_save, deep_check_torch_save
+from dcp_storage.formats.spec import FormatSpec, Probe
+from dcp_storage.formats.torch_save.convert_out import TARGET
+from dcp_storage.formats.torch_save.describe import describe_torch_save
+from dcp_storage.formats.torch_save.verify import check_torch_save, deep_check_torch_save
 
 __all__ = ["FORMAT", "looks_like_legacy_torch_pickle", "looks_like_torch_zip"]
 

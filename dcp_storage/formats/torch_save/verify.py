@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...integrity.checksums import crc32, mismatch
-from ...transports.factory import open_transport
-from ..reports import VerifyReport, error_text
-from .archive import TorchSaveArchive
-from .zip_index import STORED, data_starts, read_zip_index
+from dcp_storage.formats.reports import VerifyReport, error_text
+from dcp_storage.formats.torch_save.archive import TorchSaveArchive
+from dcp_storage.formats.torch_save.zip_index import STORED, data_starts, read_zip_index
+from dcp_storage.integrity.checksums import crc32, mismatch
+from dcp_storage.transports.factory import open_transport
 
 __all__ = ["check_torch_save", "deep_check_torch_save"]
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ...errors import CorruptCheckpointError
-from ...transports import RangeRequest, Transport
-from .zip_layout import (
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.torch_save.zip_layout import (
     DEFLATED,
     DESCRIPTOR_FLAG,
     LOCAL,
@@ -32,6 +31,7 @@ from .zip_layout import (
     inflate,
     locate_end,
 )
+from dcp_storage.transports import RangeRequest, Transport
 
 __all__ = ["DEFLATED", "STORED", "NotAZipError", "ZipEntry", "ZipIndex", "data_starts", "read_entry", "read_zip_index"]
 

@@ -26,9 +26,9 @@ import zlib
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ...errors import CorruptCheckpointError
-from ...integrity.checksums import crc32
-from ..limits import MAX_INFLATION_RATIO
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.limits import MAX_INFLATION_RATIO
+from dcp_storage.integrity.checksums import crc32
 
 __all__ = [
     "DEFLATED",

@@ -5,7 +5,7 @@ provide ``location`` (and ``shared_location``) fixtures, each a plain ``(url, st
 :class:`Location`; every test then runs on that backend. The fixtures are documented in :mod:`.mixin`.
 """
 
-from .helpers import (
+from dcp_storage.testing.conformance.helpers import (
     Location,
     as_location,
     assert_state_equal,
@@ -23,7 +23,7 @@ from .helpers import (
     tensor_bytes,
     unwrap,
 )
-from .mixin import RANKS_TIMEOUT_S, TEST_CONFIG, StorageConformance
+from dcp_storage.testing.conformance.mixin import RANKS_TIMEOUT_S, TEST_CONFIG, StorageConformance
 
 __all__ = [
     "RANKS_TIMEOUT_S",

@@ -38,12 +38,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage import FsspecReader, FsspecWriter, SafetensorsWriter, open_reader
 from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError, DcpStorageError, FileTooLargeError
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
-from dcp_storage.transports.factory import open_transport
-
-from . import _rank_fns as R
-from .helpers import (
+from dcp_storage.testing.conformance import _rank_fns as R
+from dcp_storage.testing.conformance.helpers import (
     as_location,
     assert_state_equal,
     child,
@@ -59,6 +55,9 @@ from .helpers import (
     tensor_bytes,
     unwrap,
 )
+from dcp_storage.testing.distributed import run_ranks
+from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
+from dcp_storage.transports.factory import open_transport
 
 MiB = 1024 * 1024
 TEST_CONFIG = TransportConfig(

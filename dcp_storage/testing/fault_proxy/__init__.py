@@ -77,9 +77,9 @@ Rules can be replaced at any time from any thread (:meth:`FaultProxy.set_rules`)
 returns a consistent snapshot.
 """
 
-from .link import LinkModel, Pacer
-from .proxy import FaultProxy, FaultProxyError
-from .rules import (
+from dcp_storage.testing.fault_proxy.link import LinkModel, Pacer
+from dcp_storage.testing.fault_proxy.proxy import FaultProxy, FaultProxyError
+from dcp_storage.testing.fault_proxy.rules import (
     ALL_FAULT_MODES,
     BODY_FAULT_MODES,
     CONDITION_FAULT_MODES,

@@ -9,11 +9,11 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Literal
 
-from .._server_process import StartStop
-from .bodies import ANSWERED_MODES, error_body
-from .link import LinkModel
-from .rewrite import rewritten
-from .rules import (
+from dcp_storage.testing._server_process import StartStop
+from dcp_storage.testing.fault_proxy.bodies import ANSWERED_MODES, error_body
+from dcp_storage.testing.fault_proxy.link import LinkModel
+from dcp_storage.testing.fault_proxy.rewrite import rewritten
+from dcp_storage.testing.fault_proxy.rules import (
     BODY_FAULT_MODES,
     CONDITION_FAULT_MODES,
     CONDITION_HEADERS,
@@ -26,7 +26,7 @@ from .rules import (
     faulted_range,
     parse_range,
 )
-from .wire import CHUNK, MAX_HEAD, Head, read_head, relay_body, reset, response_has_body
+from dcp_storage.testing.fault_proxy.wire import CHUNK, MAX_HEAD, Head, read_head, relay_body, reset, response_has_body
 
 __all__ = ["FaultProxy", "FaultProxyError"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import struct
 import zlib
 
-from .rules import FaultMode
-from .wire import Head
+from dcp_storage.testing.fault_proxy.rules import FaultMode
+from dcp_storage.testing.fault_proxy.wire import Head
 
 __all__ = ["LONG_PAD", "rewritten"]
 

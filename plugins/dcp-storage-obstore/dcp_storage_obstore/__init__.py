@@ -4,8 +4,8 @@ Registered under the ``dcp_storage.transports`` entry-point group as ``obstore``
 ``storage_options={"transport": "obstore", ...}`` (the rest of the options are the s3fs-style ones).
 """
 
-from .options import ObstoreOptionsError, S3Settings, s3_settings
-from .transport import ObstoreTransport
+from dcp_storage_obstore.options import ObstoreOptionsError, S3Settings, s3_settings
+from dcp_storage_obstore.transport import ObstoreTransport
 
 __all__ = ["ObstoreOptionsError", "ObstoreTransport", "S3Settings", "s3_settings"]
 __version__ = "0.1.0"

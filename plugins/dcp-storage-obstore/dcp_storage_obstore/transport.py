@@ -60,7 +60,7 @@ from dcp_storage.plugin_api import (
 from obstore.exceptions import AlreadyExistsError, PreconditionError
 from obstore.store import S3Store
 
-from .errors import (
+from dcp_storage_obstore.errors import (
     is_not_found,
     is_not_partial,
     is_range_mismatch,
@@ -68,8 +68,8 @@ from .errors import (
     range_not_satisfiable,
     short_message,
 )
-from .options import S3Settings, s3_settings
-from .writer import CopyingWriter
+from dcp_storage_obstore.options import S3Settings, s3_settings
+from dcp_storage_obstore.writer import CopyingWriter
 
 __all__ = ["ObstoreTransport"]
 

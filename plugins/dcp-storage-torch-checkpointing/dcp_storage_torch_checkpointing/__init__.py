@@ -15,8 +15,8 @@ See ``README.md`` for what each ``Storage`` method does on an object store.
 
 from __future__ import annotations
 
-from .config import DcpStorageConfig
-from .storage import DcpStorage
+from dcp_storage_torch_checkpointing.config import DcpStorageConfig
+from dcp_storage_torch_checkpointing.storage import DcpStorage
 
 __all__ = ["DcpStorage", "DcpStorageConfig"]
 __version__ = "0.1.0"

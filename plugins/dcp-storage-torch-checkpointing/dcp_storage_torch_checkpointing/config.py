@@ -13,7 +13,7 @@ from typing import Any
 from dcp_storage.plugin_api import TargetError, TransportConfig
 from torch_checkpointing.storage.base_storage import StorageConfig
 
-from .storage import DcpStorage
+from dcp_storage_torch_checkpointing.storage import DcpStorage
 
 __all__ = ["DcpStorageConfig"]
 

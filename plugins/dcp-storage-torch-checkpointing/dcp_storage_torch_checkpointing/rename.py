@@ -40,7 +40,7 @@ from dcp_storage.plugin_api import (
     call_with_retry,
 )
 
-from . import _unstable
+from dcp_storage_torch_checkpointing import _unstable
 
 __all__ = ["COPY_CHUNK", "rename_local", "rename_remote"]
 

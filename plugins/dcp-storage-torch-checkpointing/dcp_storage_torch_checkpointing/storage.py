@@ -32,13 +32,13 @@ from dcp_storage.plugin_api import (
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage
 from typing_extensions import Buffer
 
-from . import _unstable
-from .paths import as_url, resolve
-from .rename import rename_local, rename_remote
-from .streams import AtomicWriteStream, MemoryReader, RangeReader
+from dcp_storage_torch_checkpointing import _unstable
+from dcp_storage_torch_checkpointing.paths import as_url, resolve
+from dcp_storage_torch_checkpointing.rename import rename_local, rename_remote
+from dcp_storage_torch_checkpointing.streams import AtomicWriteStream, MemoryReader, RangeReader
 
 if TYPE_CHECKING:
-    from .config import DcpStorageConfig
+    from dcp_storage_torch_checkpointing.config import DcpStorageConfig
 
 __all__ = ["DcpStorage"]
 

@@ -7,8 +7,8 @@ decodes only the frames a rank needs. Registered under the ``dcp_storage.extensi
 
 from __future__ import annotations
 
-from .extension import DESCRIPTOR_VERSION, REGISTRY_NAME, ZstdSeekable
-from .seek_table import SeekTableError
+from dcp_storage_zstd.extension import DESCRIPTOR_VERSION, REGISTRY_NAME, ZstdSeekable
+from dcp_storage_zstd.seek_table import SeekTableError
 
 __all__ = ["DESCRIPTOR_VERSION", "REGISTRY_NAME", "SeekTableError", "ZstdSeekable"]
 __version__ = "0.1.0"

@@ -19,7 +19,14 @@ import zstandard
 from dcp_storage.plugin_api import Frame, FrameIndex
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 
-from .seek_table import MAX_FRAME_BYTES, SeekTableError, ZstdFrame, encode_seek_table, parse_seek_table, table_bytes
+from dcp_storage_zstd.seek_table import (
+    MAX_FRAME_BYTES,
+    SeekTableError,
+    ZstdFrame,
+    encode_seek_table,
+    parse_seek_table,
+    table_bytes,
+)
 
 __all__ = ["DESCRIPTOR_VERSION", "REGISTRY_NAME", "ZstdSeekable"]
 

@@ -23,7 +23,7 @@ def make_extension(kind: str | None, options: dict[str, Any] | None = None) -> l
     if kind is None:
         return None
     if kind == "zstd-seekable":
-        from .extension import ZstdSeekable
+        from dcp_storage_zstd.extension import ZstdSeekable
 
         return [ZstdSeekable(**(options or {}))]
     if kind == "torch-zstd":
