@@ -7,7 +7,6 @@ needs, retry transient storage failures, commit atomically and never run code fr
 
 import importlib
 import importlib.util
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from dcp_storage._version import __version__
@@ -16,8 +15,8 @@ from dcp_storage._version import __version__
 # and ``dcp-storage --help`` / ``--version`` must answer at once. Module -> the public names it defines; the
 # same names are imported for type checkers below and listed in ``__all__``.
 _EXPORTS = {
-    ".conversion": ("ConvertResult", "convert", "dcp_to_torch_save", "merge_fsdp_weights", "torch_save_to_dcp"),
-    ".errors": (
+    "dcp_storage.conversion": ("ConvertResult", "convert", "dcp_to_torch_save", "merge_fsdp_weights", "torch_save_to_dcp"),
+    "dcp_storage.errors": (
         "BucketNotFoundError",
         "CheckpointExistsError",
         "CheckpointNotFoundError",
@@ -39,45 +38,39 @@ _EXPORTS = {
         "WrongPathTypeError",
     ),
     # The configs the readers take, one scheme: format-specific ones start with their format's name.
-    ".formats.dcp_native.item_loader": ("DcpLoaderConfig",),
-    ".formats.safetensors.loader": ("SafetensorsLoaderConfig",),
-    ".formats.safetensors.scan": ("SafetensorsScanConfig",),
-    ".formats.torch_save.archive": ("TorchSaveArchiveConfig",),
-    ".inspection": ("describe", "verify"),
-    ".load_save": ("load", "save"),
-    ".manager": ("CheckpointManager", "KeepPolicy", "TrainState"),
-    ".opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
-    ".planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
-    ".storage": (
+    "dcp_storage.formats.dcp_native.item_loader": ("DcpLoaderConfig",),
+    "dcp_storage.formats.safetensors.loader": ("SafetensorsLoaderConfig",),
+    "dcp_storage.formats.safetensors.scan": ("SafetensorsScanConfig",),
+    "dcp_storage.formats.torch_save.archive": ("TorchSaveArchiveConfig",),
+    "dcp_storage.inspection": ("describe", "verify"),
+    "dcp_storage.load_save": ("load", "save"),
+    "dcp_storage.manager": ("CheckpointManager", "KeepPolicy", "TrainState"),
+    "dcp_storage.opening": ("UnknownFormatError", "detect_format", "open_reader", "open_writer"),
+    "dcp_storage.planners": ("DtypePolicy", "DynamicMetaLoadPlanner", "KeyMap", "KeyRules", "RemappingLoadPlanner"),
+    "dcp_storage.storage": (
         "BroadcastingTorchSaveReader",
         "FsspecReader",
         "FsspecWriter",
         "SafetensorsReader",
         "SafetensorsWriter",
     ),
-    ".storage.prefixes": (
+    "dcp_storage.storage.prefixes": (
         "BinaryPrefixStrategy",
         "DecimalPrefixStrategy",
         "HexPrefixStrategy",
         "PrefixStrategy",
         "RoundRobinPrefixStrategy",
     ),
-    ".strategies": ("Broadcasting", "DeliveryConfig", "ReadOnceConfig", "ReadStrategies"),
+    "dcp_storage.strategies": ("Broadcasting", "DeliveryConfig", "ReadOnceConfig", "ReadStrategies"),
     # ``Transport`` is the protocol to depend on; ``FsspecTransport`` (the built-in transports' common base, which
     # builds the backend's class) stays exported for existing callers; open transports with ``open_transport``.
-    ".transports": ("FsspecTransport", "RetryPolicy", "Transport", "TransportConfig"),
-    ".unwrapping": ("unwrap",),
+    "dcp_storage.transports": ("FsspecTransport", "RetryPolicy", "Transport", "TransportConfig"),
+    "dcp_storage.unwrapping": ("unwrap",),
 }
 _LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
-# Importable still, with a DeprecationWarning: name -> (where it lives now, the module that defines it).
-_DEPRECATED = {"share_object": ("dcp_storage.plugin_api", ".strategies.metadata_sharing")}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _DEPRECATED:  # collective plumbing for readers (plugins included), not a user API
-        home, defining = _DEPRECATED[name]
-        warnings.warn(f"dcp_storage.{name} is deprecated; import it from {home}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(defining, __name__), name)
     module = _LAZY.get(name)
     if module is None:  # a submodule (``dcp_storage.fsdp``), as the eager imports used to make them attributes
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:

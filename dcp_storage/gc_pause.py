@@ -25,24 +25,24 @@ from collections.abc import Iterator
 __all__ = ["gc_paused"]
 
 _lock = threading.Lock()
-_depth = 0  # pauses running now, in every thread
+_pauses = 0  # pauses running now, in every thread
 _turned_off = False  # whether the first of them turned the collector off (and the last must turn it on)
 
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Disable the cyclic collector for the block (unless it is already off), and restore it after."""
-    global _depth, _turned_off
+    global _pauses, _turned_off
     with _lock:
-        if _depth == 0:
+        if _pauses == 0:
             _turned_off = gc.isenabled()
             gc.disable()
-        _depth += 1
+        _pauses += 1
     try:
         yield
     finally:
         with _lock:
-            _depth -= 1
-            if _depth == 0 and _turned_off:
+            _pauses -= 1
+            if _pauses == 0 and _turned_off:
                 _turned_off = False
                 gc.enable()

@@ -45,7 +45,6 @@ plugin importing this module stays cheap to load.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from dcp_storage import registry
@@ -98,30 +97,26 @@ from dcp_storage.transports.versions import VersionPins
 from dcp_storage.transports.worker_pool import WorkerPool
 
 _LAZY = {
-    "FormatSpec": ".formats.spec",
-    "Probe": ".formats.spec",
-    "Frame": ".formats.dcp_native.seekable",
-    "FrameIndex": ".formats.dcp_native.seekable",
-    "NeedMoreTail": ".formats.dcp_native.seekable",
-    "SeekableTransform": ".formats.dcp_native.seekable",
-    "DcpLoaderConfig": ".formats.dcp_native.item_loader",
-    "share_object": ".strategies.metadata_sharing",
+    "FormatSpec": "dcp_storage.formats.spec",
+    "Probe": "dcp_storage.formats.spec",
+    "Frame": "dcp_storage.formats.dcp_native.seekable",
+    "FrameIndex": "dcp_storage.formats.dcp_native.seekable",
+    "NeedMoreTail": "dcp_storage.formats.dcp_native.seekable",
+    "SeekableTransform": "dcp_storage.formats.dcp_native.seekable",
+    "DcpLoaderConfig": "dcp_storage.formats.dcp_native.item_loader",
+    "share_object": "dcp_storage.strategies.metadata_sharing",
     **dict.fromkeys(
         ("CheckpointInfo", "ChunkInfo", "FileInfo", "TensorInfo", "ValueInfo", "VerifyReport", "tensor_table"),
-        ".formats.reports",
+        "dcp_storage.formats.reports",
     ),
     **dict.fromkeys(
         ("ConvertTarget", "Fetch", "OutTensor", "OutValue", "WriteDestination", "WriteOptions"),
-        ".formats.convert_target",
+        "dcp_storage.formats.convert_target",
     ),
 }
-_RENAMED = {"ItemLoaderConfig": "DcpLoaderConfig"}  # the names before 0.2, with a DeprecationWarning
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        warnings.warn(f"{__name__}.{name} is deprecated; use {_RENAMED[name]}", DeprecationWarning, stacklevel=2)
-        return __getattr__(_RENAMED[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

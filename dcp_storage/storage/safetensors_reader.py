@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_storage import errors
-from dcp_storage.deprecation import renamed_keyword
 from dcp_storage.errors import CheckpointNotFoundError
 from dcp_storage.formats.misdirected import raise_explained
 from dcp_storage.formats.safetensors.checksums import FileSums
@@ -83,8 +82,6 @@ class SafetensorsReader(BoundLocation, StorageReader):
             alone and unchecked (the file records no block digests); safetensors files written by others carry
             no checksum, so only their header is checked (the debug log says so). ``False``: nothing is checked.
     """
-
-    @renamed_keyword("url", "path")
     def __init__(
         self,
         path: str | os.PathLike[str],

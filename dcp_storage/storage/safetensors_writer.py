@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_storage.deprecation import renamed_keyword
 from dcp_storage.errors import DcpStorageError
 from dcp_storage.formats.completeness import remove_stale_temp_files
 from dcp_storage.formats.paths import EXTRA_STATE_FILE, LOCK_FILE, check_prefix, index_name, single_name
@@ -154,8 +153,6 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
     process_group: dist.ProcessGroup | None = None
     _alone = False  # set by the coordinator's prepare_global_plan: the save's only rank
     _retired = False  # overwrite=True retired the old files before writing (same shard names)
-
-    @renamed_keyword("url", "path")
     def __init__(
         self,
         path: str | os.PathLike[str],

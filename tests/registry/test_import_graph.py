@@ -10,7 +10,7 @@ The layers, lowest first (:data:`LAYERS`; a module takes the layer of its longes
 module must have one, so a new top-level module is a decision, not an accident):
 
 1. ``base``: what every layer may use and that knows no checkpoint: the error hierarchy, message text and
-   redaction, the version, deprecation shims, the plugin registry, tensor byte views, pausing the collector,
+   redaction, the version, the plugin registry, tensor byte views, pausing the collector,
    the pickle guard and safe unpickler.
 2. ``transports``: bytes only (``transports/``).
 3. ``formats``: layout <-> DCP ``Metadata`` (``formats/``), with ``integrity/``, which the readers and
@@ -59,7 +59,6 @@ LAYERS: dict[str, int] = {
     "settings": BASE,
     "registry": BASE,
     "tensor_buffers": BASE,
-    "deprecation": BASE,
     "gc_pause": BASE,
     "pickle_guard": BASE,
     "safe_unpickle": BASE,

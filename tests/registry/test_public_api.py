@@ -1,5 +1,5 @@
 """The public surface is even: one first parameter across the storage classes, the configs the readers take
-exported under one scheme, old names still working with a ``DeprecationWarning``, and every registry kind
+exported under one scheme, the pre-0.2 names gone (no deprecation shims in 0.x), and every registry kind
 consumed by an API that takes a plugin's name (``strategies``: ``prefix_strategy=``/``read_strategy=``;
 ``planners``: ``load_full_state_dict(planner=...)``)."""
 
@@ -42,22 +42,10 @@ def test_the_torch_save_reader_keeps_torchs_signature() -> None:
 
 
 @pytest.mark.parametrize("name", ["SafetensorsReader", "SafetensorsWriter"])
-def test_the_old_url_keyword_warns_and_still_works(tmp_path, name: str) -> None:
-    from safetensors.torch import save_file
-
-    target = tmp_path / "model.safetensors" if name == "SafetensorsReader" else tmp_path / "out"
-    if name == "SafetensorsReader":
-        save_file({"w": torch.zeros(2)}, str(target))
-    cls = getattr(dcp_storage, name)
-    with pytest.warns(DeprecationWarning, match=r"url= is deprecated; pass path="):
-        old = cls(url=str(target))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        new = cls(path=str(target))
-        positional = cls(str(target))
-    assert old.path == new.path == positional.path
-    with pytest.raises(TypeError, match="pass path= only"):
-        cls(url=str(target), path=str(target))
+def test_the_old_url_keyword_is_gone(tmp_path, name: str) -> None:
+    """0.x dropped its deprecation shims (CHANGELOG): ``url=`` is an unknown keyword, not a warning."""
+    with pytest.raises(TypeError, match="url"):
+        getattr(dcp_storage, name)(url=str(tmp_path / "x"))
 
 
 def test_the_readers_configs_are_exported_under_one_scheme() -> None:
@@ -77,26 +65,22 @@ def test_the_readers_configs_are_exported_under_one_scheme() -> None:
 
 
 @pytest.mark.parametrize(
-    ("module", "old", "new"),
+    ("module", "old"),
     [
-        ("dcp_storage.formats.dcp_native.item_loader", "ItemLoaderConfig", "DcpLoaderConfig"),
-        ("dcp_storage.formats.safetensors.loader", "LoaderConfig", "SafetensorsLoaderConfig"),
-        ("dcp_storage.formats.safetensors.scan", "ScanConfig", "SafetensorsScanConfig"),
-        ("dcp_storage.formats.torch_save.archive", "ArchiveConfig", "TorchSaveArchiveConfig"),
-        ("dcp_storage.formats.torch_save", "ArchiveConfig", "TorchSaveArchiveConfig"),
-        ("dcp_storage.plugin_api", "ItemLoaderConfig", "DcpLoaderConfig"),
-        ("dcp_storage", "share_object", "share_object"),
+        ("dcp_storage.formats.dcp_native.item_loader", "ItemLoaderConfig"),
+        ("dcp_storage.formats.safetensors.loader", "LoaderConfig"),
+        ("dcp_storage.formats.safetensors.scan", "ScanConfig"),
+        ("dcp_storage.formats.torch_save.archive", "ArchiveConfig"),
+        ("dcp_storage.formats.torch_save", "ArchiveConfig"),
+        ("dcp_storage.plugin_api", "ItemLoaderConfig"),
+        ("dcp_storage", "share_object"),
     ],
 )
-def test_old_names_warn_and_resolve_to_the_new_ones(module: str, old: str, new: str) -> None:
+def test_old_names_are_gone(module: str, old: str) -> None:
     import importlib
 
-    mod = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match=old):
-        value = getattr(mod, old)
-    home = dcp_storage.plugin_api if new == "share_object" else dcp_storage
-    assert value is getattr(home, new)
-    assert old not in getattr(mod, "__all__", ())
+    with pytest.raises(AttributeError, match=old):
+        getattr(importlib.import_module(module), old)
 
 
 def test_share_object_is_plugin_plumbing_not_a_top_level_name() -> None:

@@ -39,7 +39,6 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from dcp_storage.deprecation import renamed_attributes
 from dcp_storage.errors import CorruptCheckpointError, ShapeMismatchError
 from dcp_storage.formats.byte_items import deliver_byte_item
 from dcp_storage.formats.dcp_native.extensions import ExtensionResolver
@@ -482,4 +481,3 @@ def _tensor_from_bytes(data: memoryview, rec: TensorRecord) -> torch.Tensor:
 
 
 # the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
-__getattr__ = renamed_attributes(__name__, {"ItemLoaderConfig": "DcpLoaderConfig"}, globals())

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from dcp_storage.deprecation import renamed_attributes
 from dcp_storage.errors import CorruptCheckpointError, ShapeMismatchError
 from dcp_storage.formats.byte_items import deliver_byte_item
 from dcp_storage.formats.paths import check_relative
@@ -256,4 +255,3 @@ class SafetensorsItemLoader:
 
 
 # the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
-__getattr__ = renamed_attributes(__name__, {"LoaderConfig": "SafetensorsLoaderConfig"}, globals())

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dcp_storage.deprecation import renamed_attributes
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError
 from dcp_storage.formats.safetensors.header import LENGTH_BYTES, SafetensorsHeader, header_length, parse_header
 from dcp_storage.formats.safetensors.layout import Layout, resolve
@@ -155,4 +154,3 @@ def scan_metadata(
 
 
 # the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
-__getattr__ = renamed_attributes(__name__, {"ScanConfig": "SafetensorsScanConfig"}, globals())

@@ -7,7 +7,6 @@
   with such a file (the hooks of :data:`.spec.FORMAT`).
 """
 
-from dcp_storage.deprecation import renamed_attributes
 from dcp_storage.formats.torch_save.archive import (
     TorchSaveArchive,
     TorchSaveArchiveConfig,
@@ -26,4 +25,3 @@ __all__ = [
 ]
 
 # the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
-__getattr__ = renamed_attributes(__name__, {"ArchiveConfig": "TorchSaveArchiveConfig"}, globals())

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_storage.deprecation import renamed_attributes
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
 from dcp_storage.formats.limits import BROADCAST_BYTES
 from dcp_storage.formats.slices import is_row_major
@@ -416,4 +415,3 @@ def _refuse_not_zip(
 
 
 # the names before 0.2 (one scheme for the exported configs: the format, then what it configures)
-__getattr__ = renamed_attributes(__name__, {"ArchiveConfig": "TorchSaveArchiveConfig"}, globals())
