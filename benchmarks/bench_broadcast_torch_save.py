@@ -11,7 +11,7 @@ What it does:
 * Builds (once, cached under ``$TMPDIR/dcp-storage-bench/`` keyed by size, seed and layout version) a seeded
   ``torch.save`` file of about ``--size-gib`` GiB shaped like a transformer: fp32 embedding, head and norms,
   bf16 attention and MLP matrices. ``--quick`` uses 0.25 GiB.
-* Each case runs in fresh rank processes (forks of :func:`dcp_storage.testing.distributed.run_ranks`'s
+* Each case runs in fresh rank processes (forks of :func:`dcp_storage_testing.distributed.run_ranks`'s
   forkserver), so peak-RSS numbers do not mix. Destinations are allocated and touched before the clock
   starts; the page cache is warmed by an untimed read of the file before each case.
 * Cases (``--world`` ranks, gloo on CPU, local file):
@@ -220,7 +220,7 @@ def bench_rank(rank: int, world: int, impl: str, target: str, path: str, spec: S
 
 # ============================================================================================ driver
 def run_case(impl: str, target: str, path: str, spec: Spec, world: int, verify: bool, timeout: float) -> dict[str, Any]:
-    from dcp_storage.testing.distributed import RankFailedError, RankTimeoutError, run_ranks
+    from dcp_storage_testing.distributed import RankFailedError, RankTimeoutError, run_ranks
 
     warm_page_cache(path)
     label = f"{impl} {target}"

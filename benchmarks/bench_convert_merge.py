@@ -75,7 +75,7 @@ def _run_child(case: str, args: dict[str, Any]) -> dict[str, Any]:
         )
         output = result.output
     elif case == "ours dcp_to_torch_save":
-        output = dcp_storage.dcp_to_torch_save(args["src"], args["dst"]).output
+        output = dcp_storage.conversion.dcp_to_torch_save(args["src"], args["dst"]).output
     elif case == "torch dcp_to_torch_save":
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

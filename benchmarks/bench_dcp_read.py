@@ -11,7 +11,7 @@ What it does:
   about ``--size-gib`` GiB shaped like a transformer (fp32 embedding/head/norms/biases, bf16 attention and
   MLP matrices), saved by 2 gloo ranks as ``Shard(0)`` DTensors with torch's own ``FileSystemWriter``.
 * Times only the ``dcp.load`` call, best of ``--repeats``, each repeat in a fresh process (a fork of
-  :func:`dcp_storage.testing.distributed.run_ranks`'s forkserver, torch preloaded) so peak-RSS numbers do
+  :func:`dcp_storage_testing.distributed.run_ranks`'s forkserver, torch preloaded) so peak-RSS numbers do
   not mix. Destinations are pre-allocated and touched before the clock starts; the page cache is warmed
   by an untimed read of the files before each case, optionally after dropping them to put them in a
   known folio state (``--page-cache large|small``: see :func:`prepare_page_cache`). Every load is checked against per-chunk checksums.

@@ -334,7 +334,7 @@ class Bench:
         self.server: Any = None
 
     def _run_once(self, fn: Callable[..., Any], world: int, job: dict[str, Any]) -> tuple[list | None, str | None]:
-        from dcp_storage.testing.distributed import RankFailedError, RankTimeoutError, run_ranks
+        from dcp_storage_testing.distributed import RankFailedError, RankTimeoutError, run_ranks
 
         if self.args.quiet_wait > 0:
             self.busy_before.append(base.wait_for_quiet(self.args.quiet_wait))
@@ -464,12 +464,12 @@ class Bench:
 
     @contextlib.contextmanager
     def _s3_server(self) -> Any:
-        """The S3 server, behind a :class:`~dcp_storage.testing.fault_proxy.LinkModel` proxy with ``--s3-link``."""
+        """The S3 server, behind a :class:`~dcp_storage_testing.fault_proxy.LinkModel` proxy with ``--s3-link``."""
         with self._s3_emulator() as server:
             if not self.args.s3_link:
                 yield server
                 return
-            from dcp_storage.testing.fault_proxy import FaultProxy, LinkModel
+            from dcp_storage_testing.fault_proxy import FaultProxy, LinkModel
 
             link = LinkModel.parse(self.args.s3_link)
             with FaultProxy(server.endpoint_url, link=link) as proxy:
@@ -484,7 +484,7 @@ class Bench:
         if self.args.s3_server == "moto":
             import moto
 
-            from dcp_storage.testing.s3_server import MotoS3Server
+            from dcp_storage_testing.s3_server import MotoS3Server
 
             self.s3_name = f"moto {moto.__version__}"
             with MotoS3Server() as server:
@@ -492,7 +492,7 @@ class Bench:
                 server.host = "127.0.0.1"  # type: ignore[attr-defined]
                 yield server
             return
-        from dcp_storage.testing.s3rver import S3RVER_VERSION, S3rverServer, ensure_installed
+        from dcp_storage_testing.s3rver import S3RVER_VERSION, S3rverServer, ensure_installed
 
         prefix = os.path.join(HERE, ".servers")
         ensure_installed(prefix)

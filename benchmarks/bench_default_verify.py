@@ -103,7 +103,7 @@ def main() -> None:
         _compare("local warm, 1 process, full tensors", root, None, state, args.repeats)
     if args.no_s3:
         return
-    from dcp_storage.testing.s3_server import MotoS3Server  # noqa: PLC0415 - test support, only for this case
+    from dcp_storage_testing.s3_server import MotoS3Server  # noqa: PLC0415 - test support, only for this case
 
     with MotoS3Server() as server:
         bucket = server.create_bucket("bench-verify")

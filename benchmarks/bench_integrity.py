@@ -110,7 +110,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows.append(bench_verify("local", os.path.join(tmp, "ckpt"), {}, sd, args.repeats))
     if not args.no_s3:
-        from dcp_storage.testing.s3_server import MotoS3Server
+        from dcp_storage_testing.s3_server import MotoS3Server
 
         with MotoS3Server() as server:
             loc = server.new_location("integrity", skip_instance_cache=True, use_listings_cache=False)

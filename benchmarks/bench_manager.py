@@ -99,9 +99,9 @@ def blocked_times(mib: int, repeats: int, tmp: str) -> dict[str, Any]:
 
 
 def request_counts(steps: int) -> dict[str, Any]:
-    from dcp_storage.manager.layout import INDEX_FILE, step_name
-    from dcp_storage.testing.fault_proxy import FaultProxy
-    from dcp_storage.testing.s3_server import MotoS3Server
+    from dcp_storage.manager.steps import INDEX_FILE, step_name
+    from dcp_storage_testing.fault_proxy import FaultProxy
+    from dcp_storage_testing.s3_server import MotoS3Server
 
     out: dict[str, Any] = {"steps": steps + 2}
     with MotoS3Server() as server, FaultProxy(server.endpoint_url) as proxy:

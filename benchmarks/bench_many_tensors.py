@@ -25,7 +25,7 @@ Phases, each in a fresh interpreter so time and peak memory (``VmHWM``) do not m
 * ``inspect``: ``dcp-storage inspect`` (its table printed to /dev/null).
 
 ``--given-columns``: the phases start from a lazy ``Metadata`` over the checkpoint's columns
-(:func:`~dcp_storage.formats.dcp_native.lazy_metadata.lazy_metadata`), built before the clock starts (from
+(:func:`~dcp_storage.formats.dcp_native.native.lazy_metadata`), built before the clock starts (from
 a cache of the columns beside the checkpoint, ``many-<N>-v2.columns.pkl``): ``read_metadata`` (and
 ``describe``'s read of ``.metadata``) return it instead of decoding. What the planners and tools cost on
 columns alone, whatever the decoder costs.
@@ -119,8 +119,8 @@ def given_columns(root: str) -> object:
 
 def _give_metadata(md: object) -> None:
     """Make ``FsspecReader.read_metadata`` and ``describe``'s ``.metadata`` read return ``md``."""
-    from dcp_storage.formats.dcp_native import describe as dcp_describe
-    from dcp_storage.storage import fsspec_reader
+    from dcp_storage.formats.dcp_native import reader as fsspec_reader
+    from dcp_storage.formats.dcp_native import spec as dcp_describe
 
     dcp_describe.read_metadata_file = lambda transport, path: md  # type: ignore[assignment]
     fsspec_reader.FsspecReader._read_per_load_files = lambda self: (md, ())  # type: ignore[assignment]
@@ -167,7 +167,7 @@ def phase(name: str, root: str, n: int, columns: bool = False) -> dict[str, floa
     if columns:
         import gc
 
-        from dcp_storage.formats.dcp_native.lazy_metadata import lazy_metadata
+        from dcp_storage.formats.dcp_native.native import lazy_metadata
 
         _give_metadata(lazy_metadata(given_columns(root)))  # type: ignore[arg-type]
         gc.collect()

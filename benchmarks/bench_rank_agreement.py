@@ -65,7 +65,7 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
 
     from dcp_storage import FsspecWriter
-    from dcp_storage.testing.distributed import run_ranks
+    from dcp_storage_testing.distributed import run_ranks
 
     with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -5,7 +5,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_read_once.py [--size-mib 256] [--ranks 4] [--repeats 3] [--layout ddp]
 
-Starts moto on loopback with a counting :class:`~dcp_storage.testing.fault_proxy.FaultProxy` in front of
+Starts moto on loopback with a counting :class:`~dcp_storage_testing.fault_proxy.FaultProxy` in front of
 it, saves a seeded checkpoint of about ``--size-mib`` MiB (fp32 and bf16 matrices of 4-32 MiB, norms and
 biases), and loads it on ``--ranks`` gloo ranks into DDP-replicated plain tensors (``--layout ddp``) or
 HSDP DTensors on a ``(ranks // 2, 2)`` mesh (``--layout hsdp``), with each read strategy in turn. Reported
@@ -60,7 +60,7 @@ def rank_load(
     import torch.distributed.checkpoint as dcp
 
     from dcp_storage import FsspecReader
-    from dcp_storage.testing.compare import local_slice, same_bits
+    from dcp_storage_testing.compare import local_slice, same_bits
 
     warnings.filterwarnings("ignore")
     ref = state(size_mib)
@@ -99,9 +99,9 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
 
     from dcp_storage import FsspecWriter
-    from dcp_storage.testing.distributed import run_ranks
-    from dcp_storage.testing.fault_proxy import FaultProxy
-    from dcp_storage.testing.s3_server import MotoS3Server
+    from dcp_storage_testing.distributed import run_ranks
+    from dcp_storage_testing.fault_proxy import FaultProxy
+    from dcp_storage_testing.s3_server import MotoS3Server
 
     warnings.filterwarnings("ignore")
     tmp = tempfile.mkdtemp(prefix="bench-read-once-")

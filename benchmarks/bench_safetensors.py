@@ -496,7 +496,7 @@ class Bench:
         self.profiles: dict[str, Any] = {}
 
     def _run(self, fn: Any, world: int, *a: Any, timeout: float) -> tuple[list[Any] | None, str | None]:
-        from dcp_storage.testing.distributed import RankFailedError, RankTimeoutError, run_ranks
+        from dcp_storage_testing.distributed import RankFailedError, RankTimeoutError, run_ranks
 
         wait_for_other(self.args.wait_for)
         if self.args.quiet_wait > 0:

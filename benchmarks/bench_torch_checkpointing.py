@@ -47,7 +47,7 @@ from torch_checkpointing import CheckpointManager
 from torch_checkpointing.config import SyncCheckpointSaverConfig
 from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
-from dcp_storage.testing.s3_server import MotoS3Server
+from dcp_storage_testing.s3_server import MotoS3Server
 
 MiB = 1 << 20
 

@@ -24,7 +24,7 @@ Single process, local directory (page cache), best of ``--repeats``: write GB/s 
 ``dcp.save`` seconds; read GB/s = tensor bytes / ``dcp.load`` seconds (``FsspecReader``, plain tensors: every
 item whole); ratio = uncompressed stored bytes / stored bytes. Every load is checked bit-exactly.
 
-Resharding: a bf16 transformer (``dcp_storage.testing.models``) saved by 2 FSDP2 ranks, loaded by 3 gloo
+Resharding: a bf16 transformer (``dcp_storage_testing.models``) saved by 2 FSDP2 ranks, loaded by 3 gloo
 ranks as ``Shard(0)`` DTensors: bytes read by all ranks (``reader.counters``), the slowest rank's seconds.
 For ``seekable`` the same files are also loaded with every item read whole (``small_item_bytes`` huge), which
 is what a reader without ranged frame reads (torch's) must do.
@@ -172,7 +172,7 @@ def measure_case(name: str, state: dict[str, Any], root: str, repeats: int) -> l
 def measure_reshard(root: str, quick: bool) -> list[dict[str, Any]]:
     from dcp_storage_zstd.testing import run_all
 
-    from dcp_storage.testing.distributed import run_ranks
+    from dcp_storage_testing.distributed import run_ranks
 
     shape = (
         {"vocab": 8192, "dim": 512, "hidden": 2048, "layers": 2}

@@ -122,7 +122,7 @@ def main() -> int:
     else:
         ranks = args.ranks or min(4, torch.cuda.device_count())
         os.environ["DCP_STORAGE_RUN_RANKS_BACKEND"] = "nccl"
-    from dcp_storage.testing.distributed import run_ranks
+    from dcp_storage_testing.distributed import run_ranks
 
     with tempfile.TemporaryDirectory() as root:
         results = run_ranks(_rank, ranks, root, timeout=280)

@@ -141,7 +141,7 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (HERE, REPO, os.environ.get("PYTHONPATH")) if x)
     import harness as b
 
-    from dcp_storage.testing.distributed import run_ranks
+    from dcp_storage_testing.distributed import run_ranks
 
     info = b.ensure_checkpoint(args.cache_dir, args.size_gib, args.seed)
     layout, world, s3 = CASES[args.case]

@@ -54,7 +54,7 @@ def _metadata(args: argparse.Namespace, ddp: bool) -> Any:
     from dcp_storage.inspection.request_model import synthetic_transformer
 
     if args.metadata:
-        from dcp_storage.formats.dcp_native.metadata_io import load_metadata
+        from dcp_storage.formats.dcp_native.native import load_metadata
 
         with open(args.metadata, "rb") as fh:
             return load_metadata(fh.read(), args.metadata)

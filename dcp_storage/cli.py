@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dcp_storage._version import __version__
 from dcp_storage.commands import convert, demo, inspect, merge, plugins, steps, verify
 from dcp_storage.commands._common import HelpFormatter, UsageError, as_typed
-from dcp_storage.interrupts import terminate_as_interrupt
+from dcp_storage.runtime import terminate_as_interrupt
 from dcp_storage.text import escaped_stdio, printable
 
 __all__ = ["build_parser", "main"]
@@ -67,7 +67,7 @@ def _run(argv: Sequence[str] | None) -> int:
         parser.print_help()
         return 2
     try:
-        with terminate_as_interrupt():  # a `kill` cleans up as Ctrl-C does (dcp_storage.interrupts)
+        with terminate_as_interrupt():  # a `kill` cleans up as Ctrl-C does (dcp_storage.runtime)
             return int(args.func(args) or 0)
     except KeyboardInterrupt as exc:
         how = str(exc) if str(exc) in ("SIGTERM", "SIGINT") else "SIGINT"

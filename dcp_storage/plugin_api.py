@@ -70,8 +70,8 @@ from dcp_storage.errors import (
     WrongFormatError,
     WrongPathTypeError,
 )
-from dcp_storage.futures import FutureTypeError, as_torch_future
 from dcp_storage.registry import PluginError, PluginImportError, PluginNotFoundError, get, register, registered
+from dcp_storage.runtime import FutureTypeError, as_torch_future
 from dcp_storage.transports import (
     AtomicWriter,
     LocalFileAccess,
@@ -84,34 +84,29 @@ from dcp_storage.transports import (
     TransportCounters,
     is_transient,
 )
-from dcp_storage.transports.config import resolve_config
-from dcp_storage.transports.exclusive import holds
 from dcp_storage.transports.factory import open_transport
-from dcp_storage.transports.local_runs import LocalRuns
-from dcp_storage.transports.range_check import RangeMismatchError, range_mismatch
-from dcp_storage.transports.range_run import RangeRun
-from dcp_storage.transports.ranges import FetchGroup, plan_fetches
+from dcp_storage.transports.guards import RangeMismatchError, VersionPins, range_mismatch
+from dcp_storage.transports.protocol import WorkerPool, resolve_config
+from dcp_storage.transports.ranges import FetchGroup, LocalRuns, RangeRun, plan_fetches
 from dcp_storage.transports.retry import TruncatedReadError, call_with_retry
-from dcp_storage.transports.s3_stream import ScatterSink
-from dcp_storage.transports.versions import VersionPins
-from dcp_storage.transports.worker_pool import WorkerPool
+from dcp_storage.transports.s3_stream import ScatterSink, holds
 
 _LAZY = {
     "FormatSpec": "dcp_storage.formats.spec",
     "Probe": "dcp_storage.formats.spec",
-    "Frame": "dcp_storage.formats.dcp_native.seekable",
-    "FrameIndex": "dcp_storage.formats.dcp_native.seekable",
-    "NeedMoreTail": "dcp_storage.formats.dcp_native.seekable",
-    "SeekableTransform": "dcp_storage.formats.dcp_native.seekable",
+    "Frame": "dcp_storage.formats.dcp_native.records",
+    "FrameIndex": "dcp_storage.formats.dcp_native.records",
+    "NeedMoreTail": "dcp_storage.formats.dcp_native.records",
+    "SeekableTransform": "dcp_storage.formats.dcp_native.records",
     "DcpLoaderConfig": "dcp_storage.formats.dcp_native.item_loader",
-    "share_object": "dcp_storage.strategies.metadata_sharing",
+    "share_object": "dcp_storage.strategies.collectives",
     **dict.fromkeys(
         ("CheckpointInfo", "ChunkInfo", "FileInfo", "TensorInfo", "ValueInfo", "VerifyReport", "tensor_table"),
         "dcp_storage.formats.reports",
     ),
     **dict.fromkeys(
         ("ConvertTarget", "Fetch", "OutTensor", "OutValue", "WriteDestination", "WriteOptions"),
-        "dcp_storage.formats.convert_target",
+        "dcp_storage.formats.spec",
     ),
 }
 
@@ -126,16 +121,8 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from dcp_storage.formats.convert_target import (
-        ConvertTarget,
-        Fetch,
-        OutTensor,
-        OutValue,
-        WriteDestination,
-        WriteOptions,
-    )
     from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
-    from dcp_storage.formats.dcp_native.seekable import Frame, FrameIndex, NeedMoreTail, SeekableTransform
+    from dcp_storage.formats.dcp_native.records import Frame, FrameIndex, NeedMoreTail, SeekableTransform
     from dcp_storage.formats.reports import (
         CheckpointInfo,
         ChunkInfo,
@@ -145,8 +132,17 @@ if TYPE_CHECKING:
         VerifyReport,
         tensor_table,
     )
-    from dcp_storage.formats.spec import FormatSpec, Probe
-    from dcp_storage.strategies.metadata_sharing import share_object
+    from dcp_storage.formats.spec import (
+        ConvertTarget,
+        Fetch,
+        FormatSpec,
+        OutTensor,
+        OutValue,
+        Probe,
+        WriteDestination,
+        WriteOptions,
+    )
+    from dcp_storage.strategies.collectives import share_object
 
 __all__ = [
     "AtomicWriter",

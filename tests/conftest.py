@@ -2,20 +2,20 @@
 
 Hooks
 -----
-``pytest_sessionstart`` pre-starts :func:`~dcp_storage.testing.distributed.run_ranks`'
+``pytest_sessionstart`` pre-starts :func:`~dcp_storage_testing.distributed.run_ranks`'
 forkserver in the background, so the first multi-rank test does not pay for
 its ``import torch``.
 
 Fixtures
 --------
 ``moto_server`` (session)
-    A running :class:`~dcp_storage.testing.s3_server.MotoS3Server`. One per
+    A running :class:`~dcp_storage_testing.s3_server.MotoS3Server`. One per
     session (per xdist worker) because start-up costs ~1 s; tests isolate by
     bucket instead. If it cannot start, dependent tests are skipped with the
     reason -- or failed when ``CI=true``, so CI never goes green by skipping.
 
 ``s3_url`` (function)
-    An :class:`~dcp_storage.testing.s3_server.S3Location`, i.e. the 2-tuple
+    An :class:`~dcp_storage_testing.s3_server.S3Location`, i.e. the 2-tuple
     ``(url, storage_options)``: ``url`` is ``"s3://<fresh-bucket>/ckpt"`` (the
     prefix does not exist yet) and ``storage_options`` is a new dict of
     s3fs/fsspec options for the server, safe for the test to mutate and to
@@ -30,9 +30,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from dcp_storage.testing.distributed import warm_up
-from dcp_storage.testing.s3_server import MotoS3Server, MotoServerError, S3Location
-from dcp_storage.testing.serving import serving
+from dcp_storage_testing.distributed import warm_up
+from dcp_storage_testing.s3_server import MotoS3Server, MotoServerError, S3Location
+from dcp_storage_testing.serving import serving
 
 # Tests must never reach the Hugging Face Hub (or wait on its timeouts).
 os.environ["HF_HUB_OFFLINE"] = "1"

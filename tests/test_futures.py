@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 import torch.futures
 
 import dcp_storage as ds
-from dcp_storage.futures import wait_for
 from dcp_storage.plugin_api import FutureTypeError, as_torch_future
+from dcp_storage.runtime import wait_for
 
 
 def test_wait_for_either_future_type() -> None:

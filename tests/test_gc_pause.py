@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dcp_storage.gc_pause import gc_paused
+from dcp_storage.runtime import gc_paused
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def test_describe_and_metadata_decode_pause_and_restore(tmp_path, monkeypatch: p
 
     from dcp_storage import describe
     from dcp_storage.formats.dcp_native import column_checks, metadata_checks
-    from dcp_storage.formats.dcp_native.native_decode import available
+    from dcp_storage.formats.dcp_native.native import available
 
     dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path), no_dist=True)
     paths = [("off", "check_metadata", metadata_checks)]  # the general path: guarded unpickler, object checks
@@ -56,7 +56,7 @@ def test_describe_and_metadata_decode_pause_and_restore(tmp_path, monkeypatch: p
             seen.append(gc.isenabled())
             return check(*args)
 
-        monkeypatch.setattr(f"dcp_storage.formats.dcp_native.metadata_io.{checks}", spy)
+        monkeypatch.setattr(f"dcp_storage.formats.dcp_native.native.{checks}", spy)
         info = describe(tmp_path)
         assert [t.key for t in info.tensors] == ["w"]
         assert seen == [False], decoder

@@ -1,7 +1,7 @@
 """One mechanism per concern: each of these jobs has one home in ``dcp_storage``, and these tests keep it so.
 
 * the coordinator broadcast: :func:`dcp_storage.strategies.share_object` (error on every rank, no hang);
-* the device a group's collectives use: :class:`dcp_storage.strategies.group.GroupView`;
+* the device a group's collectives use: :class:`dcp_storage.strategies.collectives.GroupView`;
 * the byte runs of a row-major slice: :func:`dcp_storage.formats.slices.row_major_runs`;
 * the checkpoint's file names: :mod:`dcp_storage.formats.paths`.
 
@@ -57,12 +57,12 @@ def _where_named(names: set[str]) -> dict[str, list[int]]:
 
 
 def test_one_coordinator_broadcast() -> None:
-    assert set(_where_named({"broadcast_object_list"})) == {"strategies/metadata_sharing.py"}
+    assert set(_where_named({"broadcast_object_list"})) == {"strategies/collectives.py"}
 
 
 def test_one_group_device_rule() -> None:
     rules = {"_get_object_coll_device", "_get_pg_default_device", "get_backend"}
-    assert set(_where_named(rules)) == {"strategies/group.py"}
+    assert set(_where_named(rules)) == {"strategies/collectives.py"}
 
 
 def test_checkpoint_file_names_are_defined_once() -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dcp_storage.testing.distributed import RankFailedError, RankTimeoutError, run_ranks
-from dcp_storage.testing.s3_server import MotoS3Server, S3Location
+from dcp_storage_testing.distributed import RankFailedError, RankTimeoutError, run_ranks
+from dcp_storage_testing.s3_server import MotoS3Server, S3Location
 
 # --- rank bodies: module level so that spawned processes can unpickle them ---
 

@@ -25,7 +25,7 @@ class Bench:
 
     # ---- running
     def _run(self, fn: Any, world: int, *a: Any, timeout: float) -> tuple[list[Any] | None, str | None]:
-        from dcp_storage.testing.distributed import RankFailedError, RankTimeoutError, run_ranks
+        from dcp_storage_testing.distributed import RankFailedError, RankTimeoutError, run_ranks
 
         if self.args.quiet_wait > 0:
             self.busy_before.append(wait_for_quiet(self.args.quiet_wait))

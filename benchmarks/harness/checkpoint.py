@@ -52,7 +52,7 @@ def _save_rank(rank: int, world: int, path: str, spec: list, seed: int) -> dict[
 
 def ensure_checkpoint(cache_root: str, size_gib: float, seed: int) -> dict[str, Any]:
     """The cached checkpoint for (size, seed, spec version): generate it if missing. Returns its info."""
-    from dcp_storage.testing.distributed import run_ranks
+    from dcp_storage_testing.distributed import run_ranks
 
     tag = f"ckpt-{size_gib:g}gib-seed{seed}-v{SPEC_VERSION}"
     root = os.path.join(cache_root, tag)

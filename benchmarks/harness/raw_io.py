@@ -171,7 +171,7 @@ def s3rver_holding(info: dict[str, Any]) -> Iterator[tuple[Any, dict[str, Any]]]
     directory (``s3rver-data``), and uploads only files missing there (uploads are slow). Yields the server
     and the set-up figures (install and upload seconds, bytes uploaded).
     """
-    from dcp_storage.testing.s3rver import S3RVER_VERSION, S3rverServer, ensure_installed
+    from dcp_storage_testing.s3rver import S3RVER_VERSION, S3rverServer, ensure_installed
 
     prefix = os.path.join(HERE, ".servers")
     t0 = time.perf_counter()

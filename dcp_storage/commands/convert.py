@@ -67,8 +67,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     # Here, not at module level: the library imports torch, and --help must not (see dcp_storage.cli).
     from dcp_storage.conversion import convert
-    from dcp_storage.conversion.plan import parse_dtype
-    from dcp_storage.conversion.targets import convert_targets, resolve_target, target_names
+    from dcp_storage.conversion.plan import convert_targets, parse_dtype, resolve_target, target_names
     from dcp_storage.formats.safetensors.write_plan import parse_size
 
     if args.to is not None and args.to.strip().lower() not in convert_targets():  # as argparse's choices would

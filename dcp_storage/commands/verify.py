@@ -72,7 +72,7 @@ def _parse_age(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from dcp_storage.inspection import abort_stale_uploads, remove_unreferenced_files, verify  # imports torch: only now
-    from dcp_storage.inspection.leftovers import Cleanup, remove_stale_leftovers
+    from dcp_storage.inspection.checks import Cleanup, remove_stale_leftovers
 
     aborted, removed = [], []
     cleaned = Cleanup()

@@ -6,11 +6,10 @@
 * :func:`merge_fsdp_weights` - drop-in for accelerate's FSDP merge (``dcp-storage merge``).
 """
 
-from dcp_storage.conversion.engine import ConvertResult, convert
+from dcp_storage.conversion.engine import ConvertResult, convert, dcp_to_torch_save, torch_save_to_dcp
 from dcp_storage.conversion.merge import merge_fsdp_weights
 from dcp_storage.conversion.plan import WrittenFile
 from dcp_storage.conversion.source import TensorSource
-from dcp_storage.conversion.torch_compat import dcp_to_torch_save, torch_save_to_dcp
 
 __all__ = [
     "ConvertResult",

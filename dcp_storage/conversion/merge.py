@@ -22,12 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from dcp_storage.conversion.engine import ConvertResult, _run, plan_outputs, same_location
-from dcp_storage.conversion.input_guard import refuse_overwriting_input
-from dcp_storage.conversion.plan import OutTensor
+from dcp_storage.conversion.plan import OutTensor, convert_targets, refuse_overwriting_input
 from dcp_storage.conversion.source import TensorSource
-from dcp_storage.conversion.targets import convert_targets
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, TargetError
-from dcp_storage.formats.dcp_native.metadata_io import METADATA_FILE
+from dcp_storage.formats.dcp_native.native import METADATA_FILE
 from dcp_storage.formats.safetensors.write_plan import parse_size
 from dcp_storage.transports import Transport
 from dcp_storage.transports.factory import open_transport

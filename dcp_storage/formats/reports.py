@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from dcp_storage.errors import DcpStorageError
-from dcp_storage.redaction import redact_urls
+from dcp_storage.text import redact_urls
 
 __all__ = [
     "CheckpointInfo",

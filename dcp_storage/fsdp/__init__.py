@@ -22,16 +22,16 @@ Works for both FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) and F
   for ``to_empty`` + ``dcp.load`` code (:mod:`.materialize`).
 """
 
-from dcp_storage.fsdp.errors import FullStateDictKeysError, UnknownModuleError
-from dcp_storage.fsdp.introspection import (
+from dcp_storage.fsdp.loading import load_full_state_dict, materialize_meta
+from dcp_storage.fsdp.local_shards import (
+    FullStateDictKeysError,
+    UnknownModuleError,
     get_fsdp_parent,
     is_fsdp_model,
     is_fsdp_unit,
     maybe_get_wrapped,
     set_wrapped_model,
 )
-from dcp_storage.fsdp.loading import load_full_state_dict
-from dcp_storage.fsdp.materialize import materialize_meta
 
 __all__ = [
     "FullStateDictKeysError",

@@ -28,12 +28,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dcp_storage.errors import DcpStorageError, ShapeMismatchError
-from dcp_storage.fsdp.errors import FullStateDictKeysError
-from dcp_storage.fsdp.local_shards import Entry, LocalShards, clean_key
-from dcp_storage.planners.dtype_policy import DtypePolicy
-from dcp_storage.planners.errors import DtypeMismatchError, ValueTypeMismatchError, format_keys
-from dcp_storage.strategies.group import GroupView
-from dcp_storage.strategies.metadata_sharing import decode_error, encode_error, share_object
+from dcp_storage.fsdp.local_shards import Entry, FullStateDictKeysError, LocalShards, clean_key
+from dcp_storage.planners.column_plan import DtypePolicy
+from dcp_storage.planners.key_map import DtypeMismatchError, ValueTypeMismatchError, format_keys
+from dcp_storage.strategies.collectives import GroupView, decode_error, encode_error, share_object
 from dcp_storage.strategies.slice_delivery import (
     DeliveryConfig,
     DeliveryStats,

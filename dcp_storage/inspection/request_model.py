@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from dcp_storage.formats.slices import count_runs, slice_runs
-from dcp_storage.inspection.synthetic_metadata import RECORD_TRAILER, even_split, synthetic_transformer
+from dcp_storage.inspection.summary import RECORD_TRAILER, even_split, synthetic_transformer
 from dcp_storage.strategies.read_once_plan import ReadOnceConfig, plan_read_once
 from dcp_storage.strategies.read_strategy import MetadataItems
 from dcp_storage.transports.ranges import RangeRequest, plan_fetches

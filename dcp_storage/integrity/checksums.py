@@ -10,7 +10,7 @@ writer reserves header space for them).
 A mismatch is reported with the digest the checkpoint recorded, never the one computed from the stored
 bytes (:func:`mismatch`): a digest of content is a fingerprint of it, and an error or ``verify`` report
 that prints it lets whoever wrote the manifest test guesses about the bytes. Reads stay inside the
-checkpoint (:mod:`dcp_storage.transports.local_open`), so this is defence in depth: nothing a computed
+checkpoint (:mod:`dcp_storage.transports.local_io`), so this is defence in depth: nothing a computed
 digest could describe lies outside the checkpoint, and the computed value tells a user nothing the
 words "mismatch" do not.
 """

@@ -10,7 +10,6 @@ their commit markers), :mod:`.index` (the small cache that makes the latest step
 """
 
 from dcp_storage.manager.manager import CheckpointManager
-from dcp_storage.manager.retention import KeepPolicy
-from dcp_storage.manager.train_state import TrainState
+from dcp_storage.manager.retention import KeepPolicy, TrainState
 
 __all__ = ["CheckpointManager", "KeepPolicy", "TrainState"]

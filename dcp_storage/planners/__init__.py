@@ -8,18 +8,18 @@ Both are one implementation (:mod:`.planner` over the pure functions of :mod:`.m
 :class:`KeyMap`, a :class:`KeyRules`, a :class:`DtypePolicy` and a :class:`MetadataSource`.
 """
 
-from dcp_storage.planners.dtype_policy import DtypePolicy
-from dcp_storage.planners.errors import (
+from dcp_storage.planners.column_plan import DtypePolicy
+from dcp_storage.planners.key_map import (
     DtypeMismatchError,
     IncompatibleKeysError,
     KeyCollisionError,
+    KeyMap,
+    LoadResult,
     UnsupportedValueError,
     ValueTypeMismatchError,
 )
-from dcp_storage.planners.key_map import KeyMap
 from dcp_storage.planners.matching import KeyRules
 from dcp_storage.planners.planner import DynamicMetaLoadPlanner, MetadataSource, RemappingLoadPlanner
-from dcp_storage.planners.report import LoadResult
 
 __all__ = [
     "DtypeMismatchError",

@@ -23,7 +23,7 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dcp_storage.formats.dcp_native.lazy_metadata import rows_of
+from dcp_storage.formats.dcp_native.native import rows_of
 from dcp_storage.planners.matching import KeyRules, match_keys
 from dcp_storage.planners.planner import DynamicMetaLoadPlanner, RemappingLoadPlanner, flatten_v2_3
 

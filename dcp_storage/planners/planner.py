@@ -35,11 +35,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from dcp_storage.formats.dcp_native.lazy_metadata import rows_of
-from dcp_storage.gc_pause import gc_paused
-from dcp_storage.planners.column_plan import PLAIN_TENSORS
-from dcp_storage.planners.dtype_policy import DtypePolicy
-from dcp_storage.planners.key_map import KeyMap, KeyMapLike
+from dcp_storage.formats.dcp_native.native import rows_of
+from dcp_storage.planners.column_plan import PLAIN_TENSORS, DtypePolicy
+from dcp_storage.planners.key_map import KeyMap, KeyMapLike, LoadResult
 from dcp_storage.planners.matching import (
     KeyMatch,
     KeyRules,
@@ -47,9 +45,9 @@ from dcp_storage.planners.matching import (
     match_keys,
     metadata_from_state_dict,
     result_of,
+    safe_load_bytes,
 )
-from dcp_storage.planners.report import LoadResult
-from dcp_storage.planners.safe_bytes import safe_load_bytes
+from dcp_storage.runtime import gc_paused
 
 __all__ = ["DynamicMetaLoadPlanner", "MetadataSource", "RemappingLoadPlanner", "flatten_v2_3"]
 

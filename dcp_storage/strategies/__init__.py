@@ -15,12 +15,24 @@
 """
 
 from dcp_storage.strategies.broadcasting import Broadcasting
-from dcp_storage.strategies.metadata_sharing import share_object
+from dcp_storage.strategies.collectives import share_object
+from dcp_storage.strategies.prefixes import (
+    BinaryPrefixStrategy,
+    DecimalPrefixStrategy,
+    HexPrefixStrategy,
+    PrefixStrategy,
+    RoundRobinPrefixStrategy,
+)
 from dcp_storage.strategies.read_once_plan import ReadOnceConfig
 from dcp_storage.strategies.read_strategy import ReadStrategies, ReadStrategy
 from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats
 
 __all__ = [
+    "BinaryPrefixStrategy",
+    "DecimalPrefixStrategy",
+    "HexPrefixStrategy",
+    "PrefixStrategy",
+    "RoundRobinPrefixStrategy",
     "Broadcasting",
     "DeliveryConfig",
     "DeliveryStats",

@@ -48,14 +48,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_storage.errors import DcpStorageError, ShapeMismatchError
 from dcp_storage.formats.byte_items import VettedBytes, ensure_vetted
-from dcp_storage.futures import wait_for
 from dcp_storage.planners.key_check import check_planned_keys
-from dcp_storage.strategies.coordinator_served import CoordinatorServedReader
-from dcp_storage.strategies.dcp_call import running_planner, working_alone
-from dcp_storage.strategies.group import GroupView
-from dcp_storage.strategies.metadata_sharing import reader_location, share_object
+from dcp_storage.runtime import host_buffer, wait_for
+from dcp_storage.strategies.collectives import GroupView, reader_location, running_planner, share_object, working_alone
+from dcp_storage.strategies.read_strategy import CoordinatorServedReader
 from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, item_key
-from dcp_storage.tensor_buffers import host_buffer
 
 __all__ = ["Broadcasting"]
 

@@ -38,9 +38,15 @@ from typing import Any
 import torch
 
 from dcp_storage.errors import RankMismatchError
-from dcp_storage.strategies.dcp_call import current_call, load_group, works_alone
-from dcp_storage.strategies.group import GroupView, group_view
-from dcp_storage.strategies.metadata_sharing import decode_error, encode_error
+from dcp_storage.strategies.collectives import (
+    GroupView,
+    current_call,
+    decode_error,
+    encode_error,
+    group_view,
+    load_group,
+    works_alone,
+)
 
 __all__ = ["StrategyTag", "agree", "check_tags", "guard_finish_plan", "tag_plan"]
 

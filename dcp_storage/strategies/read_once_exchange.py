@@ -32,10 +32,10 @@ import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from dcp_storage.errors import DcpStorageError, ShapeMismatchError
-from dcp_storage.strategies.group import GroupView
+from dcp_storage.runtime import host_buffer
+from dcp_storage.strategies.collectives import GroupView
 from dcp_storage.strategies.rank_agreement import agree as _agree
 from dcp_storage.strategies.read_once_plan import ExchangePlan, RoundPlan, nbytes_of
-from dcp_storage.tensor_buffers import host_buffer
 
 __all__ = ["run_exchange"]
 

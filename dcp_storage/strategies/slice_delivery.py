@@ -37,9 +37,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
 from dcp_storage.formats.byte_items import VettedBytes
-from dcp_storage.strategies.group import GroupView
-from dcp_storage.strategies.metadata_sharing import decode_error, encode_error
-from dcp_storage.tensor_buffers import writable_bytes
+from dcp_storage.runtime import writable_bytes
+from dcp_storage.strategies.collectives import GroupView, decode_error, encode_error
 
 __all__ = ["DeliveryConfig", "DeliveryStats", "SliceSender", "canonical_order", "item_key", "receive_items"]
 

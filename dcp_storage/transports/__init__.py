@@ -6,20 +6,25 @@ common base) for any other fsspec filesystem. Importing this package registers t
 (:func:`~.factory.open_transport`) and ``FsspecTransport(fs)`` always see every backend.
 """
 
-from dcp_storage.redaction import install_log_redaction
-from dcp_storage.transports.azure_transport import AzureTransport
-from dcp_storage.transports.client_identity import client_identity
-from dcp_storage.transports.config import TransportConfig
-from dcp_storage.transports.counters import TransportCounters
+from dcp_storage.text import install_log_redaction
+from dcp_storage.transports.azure import AzureTransport
 from dcp_storage.transports.fsspec_transport import FsspecTransport
-from dcp_storage.transports.gcs_transport import GcsTransport
-from dcp_storage.transports.http_transport import HttpTransport
-from dcp_storage.transports.local_runs import RunsRead
-from dcp_storage.transports.local_transport import LocalTransport
-from dcp_storage.transports.protocol import AtomicWriter, LocalFileAccess, LocalRunReads, MultipartUploads, Transport
-from dcp_storage.transports.ranges import RangeRequest
+from dcp_storage.transports.gcs import GcsTransport
+from dcp_storage.transports.http_store import HttpTransport
+from dcp_storage.transports.local import LocalTransport
+from dcp_storage.transports.protocol import (
+    AtomicWriter,
+    LocalFileAccess,
+    LocalRunReads,
+    MultipartUploads,
+    Transport,
+    TransportConfig,
+    TransportCounters,
+    client_identity,
+)
+from dcp_storage.transports.ranges import RangeRequest, RunsRead
 from dcp_storage.transports.retry import RetryPolicy, is_transient
-from dcp_storage.transports.s3_transport import S3Transport
+from dcp_storage.transports.s3 import S3Transport
 
 install_log_redaction()  # botocore logs signed requests (tokens, key ids) at DEBUG: mask them
 

@@ -22,14 +22,13 @@ import os
 from typing import Any
 
 from dcp_storage import registry
-from dcp_storage.transports.azure_transport import AzureTransport
-from dcp_storage.transports.config import TransportConfig
+from dcp_storage.transports.azure import AzureTransport
 from dcp_storage.transports.fsspec_transport import FsspecTransport
-from dcp_storage.transports.gcs_transport import GcsTransport
-from dcp_storage.transports.http_transport import HttpTransport
-from dcp_storage.transports.local_transport import LocalTransport
-from dcp_storage.transports.protocol import Transport
-from dcp_storage.transports.s3_transport import S3Transport
+from dcp_storage.transports.gcs import GcsTransport
+from dcp_storage.transports.http_store import HttpTransport
+from dcp_storage.transports.local import LocalTransport
+from dcp_storage.transports.protocol import Transport, TransportConfig
+from dcp_storage.transports.s3 import S3Transport
 
 __all__ = ["READ_STRATEGY_OPTION", "TRANSPORT_OPTION", "bind_transport", "open_transport"]
 

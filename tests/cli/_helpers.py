@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dcp_storage.testing.compare import same_bits
+from dcp_storage_testing.compare import same_bits
 
 BATCH = Path(__file__).with_name("_batch.py")
 REPO = Path(__file__).resolve().parents[2]

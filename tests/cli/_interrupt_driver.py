@@ -19,7 +19,7 @@ from typing import Any
 
 from dcp_storage.cli import main
 from dcp_storage.conversion.source import TensorSource
-from dcp_storage.transports.writers import CountingWriter
+from dcp_storage.transports.protocol import CountingWriter
 
 state: dict[str, Any] = {}
 

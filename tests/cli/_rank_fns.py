@@ -14,7 +14,7 @@ def save_accelerate_fsdp(rank: int, world: int, output_dir: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from dcp_storage.testing.models import build_model, fsdp2_shard
+    from dcp_storage_testing.models import build_model, fsdp2_shard
 
     model = fsdp2_shard(build_model(SEED, **SHAPE))
     ckpt_dir = os.path.join(output_dir, "pytorch_model_fsdp_0")

@@ -101,7 +101,7 @@ def test_drop_ins_match_torch_format_utils(tmp_path: Path, sources: dict[str, Pa
     import dcp_storage
 
     fu.dcp_to_torch_save(sources["dcp"], tmp_path / "torch_ref")
-    dcp_storage.dcp_to_torch_save(sources["dcp"], tmp_path / "ours")  # no suffix: still one file, as torch
+    dcp_storage.conversion.dcp_to_torch_save(sources["dcp"], tmp_path / "ours")  # no suffix: still one file, as torch
     ours = torch.load(tmp_path / "ours", weights_only=True)
     theirs = torch.load(tmp_path / "torch_ref", weights_only=True)
     assert ours.keys() == theirs.keys() and ours["step"] == theirs["step"]
@@ -113,7 +113,7 @@ def test_drop_ins_match_torch_format_utils(tmp_path: Path, sources: dict[str, Pa
 
     assert pkl(tmp_path / "ours") == pkl(tmp_path / "torch_ref")
 
-    dcp_storage.torch_save_to_dcp(tmp_path / "torch_ref", tmp_path / "dcp_ours")
+    dcp_storage.conversion.torch_save_to_dcp(tmp_path / "torch_ref", tmp_path / "dcp_ours")
     fu.torch_save_to_dcp(tmp_path / "torch_ref", tmp_path / "dcp_theirs")
     a, b = _torch_dcp_load(tmp_path / "dcp_ours"), _torch_dcp_load(tmp_path / "dcp_theirs")
     assert a.keys() == b.keys() and a["step"] == b["step"]
@@ -128,14 +128,15 @@ def test_torch_save_to_dcp_never_runs_pickled_code(tmp_path: Path) -> None:
             return (print, ("pwned",))
 
     torch.save({"w": torch.ones(2), "evil": Evil()}, tmp_path / "evil.pt")
-    with pytest.raises(dcp_storage.UnsafeCheckpointError):
-        dcp_storage.torch_save_to_dcp(tmp_path / "evil.pt", tmp_path / "out")
+    with pytest.raises(dcp_storage.errors.UnsafeCheckpointError):
+        dcp_storage.conversion.torch_save_to_dcp(tmp_path / "evil.pt", tmp_path / "out")
 
 
 def test_sharding_dtype_cast_and_refusals(tmp_path: Path, sources: dict[str, Path], reference: dict) -> None:
     from safetensors.torch import load_file
 
-    from dcp_storage import NonTensorStateError, convert
+    from dcp_storage import convert
+    from dcp_storage.errors import NonTensorStateError
 
     res = convert(
         sources["dcp"],
@@ -291,7 +292,8 @@ def test_sharded_torch_output_of_a_failing_source_leaves_no_shard_that_opens(tmp
 
     import torch.distributed.checkpoint as dcp
 
-    from dcp_storage import CorruptCheckpointError, FsspecWriter, convert
+    from dcp_storage import FsspecWriter, convert
+    from dcp_storage.errors import CorruptCheckpointError
 
     src = tmp_path / "ckpt"
     state = {f"t{i}": torch.full((512, 1024), float(i)) for i in range(8)}  # 2 MiB each

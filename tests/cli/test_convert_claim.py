@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_storage as ds
 from dcp_storage.errors import CheckpointExistsError
-from dcp_storage.storage.claim import LOCK_FILE
+from dcp_storage.formats.commit_claim import LOCK_FILE
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

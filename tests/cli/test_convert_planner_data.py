@@ -84,7 +84,8 @@ def test_a_list_index_of_2_to_the_40_is_refused_before_any_allocation(tmp_path: 
 def test_conflicting_paths_are_refused_naming_the_key(
     tmp_path: Path, state: dict[str, Any], paths: dict[str, tuple[Any, ...]], named: str, why: str
 ) -> None:
-    from dcp_storage import convert, dcp_to_torch_save
+    from dcp_storage import convert
+    from dcp_storage.conversion import dcp_to_torch_save
     from dcp_storage.errors import CorruptCheckpointError
 
     ckpt = _checkpoint(tmp_path / "ckpt", state, paths)
@@ -98,7 +99,7 @@ def test_conflicting_paths_are_refused_naming_the_key(
 
 def test_lists_with_holes_from_dropped_empty_containers_still_convert(tmp_path: Path) -> None:
     """What must keep working: torch drops an empty container from a list, leaving a hole at its index."""
-    from dcp_storage import dcp_to_torch_save
+    from dcp_storage.conversion import dcp_to_torch_save
 
     state = {"opt": {"groups": [{}, {"lr": torch.tensor(0.1)}, [torch.ones(2), torch.zeros(3)]]}}
     dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)

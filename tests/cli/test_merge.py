@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.models import reference_state_dict
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.models import reference_state_dict
 
 from . import _rank_fns
 from ._helpers import assert_same_tensors, run_batch
@@ -72,8 +72,9 @@ def test_merge_like_accelerate(tmp_path: Path, fsdp_output_dir: Path) -> None:
 def test_merge_keeps_input_when_output_fails_verification(tmp_path: Path, fsdp_output_dir: Path, monkeypatch) -> None:
     import shutil
 
-    from dcp_storage import CorruptCheckpointError, merge_fsdp_weights
+    from dcp_storage import merge_fsdp_weights
     from dcp_storage.conversion import merge as merge_mod
+    from dcp_storage.errors import CorruptCheckpointError
 
     copy = tmp_path / "copy"
     shutil.copytree(fsdp_output_dir / "pytorch_model_fsdp_0", copy)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_storage.plugin_scaffold import MAX_NAME_CHARS, ScaffoldError, new_plugin
+from dcp_storage.commands.plugins import MAX_NAME_CHARS, ScaffoldError, new_plugin
 
 from ._helpers import run_cli
 

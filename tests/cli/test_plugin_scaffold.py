@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_storage.plugin_scaffold import ScaffoldError, new_plugin
+from dcp_storage.commands.plugins import ScaffoldError, new_plugin
 
 from ._helpers import run_cli
 

@@ -31,11 +31,11 @@ from typing import Any, TypeVar
 import fsspec
 import pytest
 
-from dcp_storage.testing._server_process import StartStop
-from dcp_storage.testing.azurite import AzuriteError, AzuriteServer
-from dcp_storage.testing.conformance import Location
-from dcp_storage.testing.gcs_server import FakeGcsServer, FakeGcsServerError
-from dcp_storage.testing.serving import serving
+from dcp_storage_testing._server_process import StartStop
+from dcp_storage_testing.azurite import AzuriteError, AzuriteServer
+from dcp_storage_testing.conformance import Location
+from dcp_storage_testing.gcs_server import FakeGcsServer, FakeGcsServerError
+from dcp_storage_testing.serving import serving
 
 BACKENDS = ("local", "file", "memory", "s3", "gs", "az")
 # Backends every process on the host sees alike (memory:// lives inside one process): multi-rank tests.

@@ -7,7 +7,7 @@ where credentials come from (``storage_options``/``-o``, the environment, a prof
 ``PermissionError`` and a ``DcpStorageError``, and is not retried.
 
 The stores answer for real where they can: moto checks signatures, keys and IAM permissions inside
-:meth:`~dcp_storage.testing.s3_server.MotoS3Server.iam_auth`; azurite answers a wrong account key with a 403.
+:meth:`~dcp_storage_testing.s3_server.MotoS3Server.iam_auth`; azurite answers a wrong account key with a 403.
 fake-gcs-server checks no credentials at all, so for ``gs://`` a :class:`FaultProxy` in front of it answers
 with the 403 JSON body GCS sends (``forbidden_403``).
 """
@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_storage as ds
 from dcp_storage.errors import DcpStorageError, StorageAccessError, TransportError
-from dcp_storage.testing.azurite import ACCOUNT_KEY
-from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
-from dcp_storage.testing.gcs_server import FakeGcsServer
-from dcp_storage.testing.s3_server import MotoS3Server
+from dcp_storage_testing.azurite import ACCOUNT_KEY
+from dcp_storage_testing.fault_proxy import FaultProxy, FaultRule
+from dcp_storage_testing.gcs_server import FakeGcsServer
+from dcp_storage_testing.s3_server import MotoS3Server
 
 from .conftest import Location
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_storage.testing.conformance import StorageConformance
+from dcp_storage_testing.conformance import StorageConformance
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 import dcp_storage as ds
-from dcp_storage.manager.layout import INDEX_FILE, step_name
-from dcp_storage.testing.conformance import Location
+from dcp_storage.manager.steps import INDEX_FILE, step_name
 from dcp_storage.transports.factory import open_transport
+from dcp_storage_testing.conformance import Location
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

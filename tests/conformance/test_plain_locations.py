@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from dcp_storage import registry
-from dcp_storage.testing.conformance import Location, as_location, fsspec_knows, shown_url, stored
 from dcp_storage.transports.factory import open_transport
+from dcp_storage_testing.conformance import Location, as_location, fsspec_knows, shown_url, stored
 
 
 class KvflatTransport:

@@ -8,7 +8,7 @@ location and the fix; the location must then hold exactly the winner's files (it
 id, its manifest and the data files it references, nothing else), load bit-exact as the winner's state
 and pass ``verify(deep=True)`` (every record against the winner's checksums).
 
-Before the claim (:mod:`dcp_storage.storage.claim`) both saves reported success in nearly every round and
+Before the claim (:mod:`dcp_storage.formats.commit_claim`) both saves reported success in nearly every round and
 about a third of the rounds left a mix of both states. Also here: the same race for ``SafetensorsWriter``,
 two 2-rank gloo groups racing, the create-if-absent primitive itself (with a lost response), and what
 ``overwrite=True`` guarantees to a reader that loads while it runs.
@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage import FsspecReader, FsspecWriter, SafetensorsWriter, open_reader
 from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError
-from dcp_storage.storage.claim import LOCK_FILE
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
+from dcp_storage.formats.commit_claim import LOCK_FILE
 from dcp_storage.transports import FsspecTransport
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.fault_proxy import FaultProxy, FaultRule
 
 from . import _race_fns as RF
 from .mixin import TEST_CONFIG, assert_state_equal, child, destination_like, random_bits, shown_url, stored, unwrap

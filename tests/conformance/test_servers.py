@@ -14,9 +14,9 @@ import fsspec
 import pytest
 
 from dcp_storage.errors import DcpStorageError
-from dcp_storage.testing import gcs_server as gcs_module
-from dcp_storage.testing.azurite import AzuriteError, AzuriteServer
-from dcp_storage.testing.gcs_server import FakeGcsServer, FakeGcsServerError
+from dcp_storage_testing import gcs_server as gcs_module
+from dcp_storage_testing.azurite import AzuriteError, AzuriteServer
+from dcp_storage_testing.gcs_server import FakeGcsServer, FakeGcsServerError
 
 
 def test_fake_gcs_retries_when_its_port_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """Start 2-rank gloo jobs cheaply, many times, so that the test can SIGKILL a rank mid-save.
 
-Why not :func:`dcp_storage.testing.distributed.run_ranks`: it forks ranks from a forkserver that preloads
+Why not :func:`dcp_storage_testing.distributed.run_ranks`: it forks ranks from a forkserver that preloads
 torch only, so every rank of every trial imports s3fs/aiobotocore again (~1.1 s a rank on 2 cores), and
 it hides the rank pids. Here a *zygote* process imports torch, dcp_storage and s3fs once; each job's ranks
 are plain ``os.fork()`` children of it (it is single-threaded: imports start no threads, and fsspec starts

@@ -1,6 +1,6 @@
 """Rank bodies for the crash tests: a 2-rank DCP save that the test SIGKILLs at a random moment.
 
-They run inside :func:`dcp_storage.testing.distributed.run_ranks` processes (module-level functions of an
+They run inside :func:`dcp_storage_testing.distributed.run_ranks` processes (module-level functions of an
 importable module). Each rank announces ``pid`` and the moment its save starts in ``signal_dir`` so the
 test can aim its kill, and marks the end of its save, so a kill that came too late is told apart.
 """

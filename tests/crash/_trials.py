@@ -317,14 +317,14 @@ class CrashTrials:
 
     def _check_complete(self, target: str, seed: int, phase: str) -> None:
         self.assert_loads(target, seed, f"kill {phase}")
-        assert ds.detect_format(target, self.loc.storage_options).name == "dcp"
+        assert ds.opening.detect_format(target, self.loc.storage_options).name == "dcp"
         report = ds.verify(target, self.loc.storage_options)
         assert report.ok, report.problems
         self.tally.loaded_complete += 1
 
     def _check_refused(self, target: str, after: dict[str, Any]) -> None:
         so = self.loc.storage_options
-        expected: type[Exception] = ds.IncompleteCheckpointError if after else ds.CheckpointNotFoundError
+        expected: type[Exception] = ds.errors.IncompleteCheckpointError if after else ds.CheckpointNotFoundError
         with pytest.raises(expected) as opened:
             ds.open_reader(target, storage_options=so)
         with pytest.raises(expected):

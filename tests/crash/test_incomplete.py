@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 import dcp_storage as ds
 from dcp_storage import FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
 from dcp_storage.cli import main as cli_main
-from dcp_storage.testing.s3_server import S3Location
+from dcp_storage_testing.s3_server import S3Location
 
 from . import _rank_fns as R
 from ._launcher import Zygote
@@ -65,15 +65,15 @@ def _cli(*argv: str) -> tuple[int, str]:
 
 def _refused_everywhere(url: str, marker: str = ".metadata", storage_options: dict[str, Any] | None = None) -> str:
     """``url`` is refused as incomplete by detection, open_reader, verify and the CLI; returns the message."""
-    with pytest.raises(ds.IncompleteCheckpointError) as info:
+    with pytest.raises(ds.errors.IncompleteCheckpointError) as info:
         ds.open_reader(url, storage_options=storage_options)
     message = str(info.value)
     assert (
         message.startswith(f"incomplete checkpoint: {url.rstrip('/')} has ")
         and f"but no {marker} (an interrupted save?)" in message
     )
-    with pytest.raises(ds.IncompleteCheckpointError):
-        ds.detect_format(url, storage_options)
+    with pytest.raises(ds.errors.IncompleteCheckpointError):
+        ds.opening.detect_format(url, storage_options)
     for fmt in (None, "dcp", "safetensors"):
         report = ds.verify(url, storage_options, format=fmt)
         assert not report.ok and report.problems == [message], (fmt, report)
@@ -82,9 +82,9 @@ def _refused_everywhere(url: str, marker: str = ".metadata", storage_options: di
 
 # ---------------------------------------------------------------------------------------------- DCP
 def test_error_type_is_a_not_found_error() -> None:
-    exc = ds.IncompleteCheckpointError("/x", 2, ".metadata", " (__0_0.distcp, __0_1.distcp)")
+    exc = ds.errors.IncompleteCheckpointError("/x", 2, ".metadata", " (__0_0.distcp, __0_1.distcp)")
     assert isinstance(exc, ds.CheckpointNotFoundError) and isinstance(exc, FileNotFoundError)
-    assert not isinstance(exc, ds.CorruptCheckpointError)
+    assert not isinstance(exc, ds.errors.CorruptCheckpointError)
     assert str(exc).startswith(
         "incomplete checkpoint: /x has 2 data files (__0_0.distcp, __0_1.distcp) but no .metadata"
     )
@@ -99,9 +99,9 @@ def test_dcp_data_files_without_metadata(tmp_path: Path) -> None:
     (ckpt / ".metadata").unlink()
     message = _refused_everywhere(str(ckpt))
     assert "has 2 data files (__0_0.distcp, __0_1.distcp)" in message
-    with pytest.raises(ds.IncompleteCheckpointError):
+    with pytest.raises(ds.errors.IncompleteCheckpointError):
         FsspecReader(ckpt).read_metadata()
-    with pytest.raises(ds.IncompleteCheckpointError):
+    with pytest.raises(ds.errors.IncompleteCheckpointError):
         FsspecReader(ckpt).read_metadata(rank=0)  # dcp.load's fallback to rank-local metadata
     rc, out = _cli("verify", str(ckpt))
     assert rc == 1 and "PROBLEM: incomplete checkpoint" in out, out
@@ -113,7 +113,7 @@ def test_temp_files_only_and_manifest_only(tmp_path: Path) -> None:
     (temps / TEMP).write_bytes(b"PK\x03\x04partial")
     message = _refused_everywhere(str(temps))
     assert "has 0 data files and 1 temp file of unfinished writes (" + TEMP + ")" in message
-    with pytest.raises(ds.IncompleteCheckpointError):
+    with pytest.raises(ds.errors.IncompleteCheckpointError):
         FsspecReader(temps).read_metadata()
 
     manifest = tmp_path / "manifest"
@@ -131,7 +131,7 @@ def test_nothing_there_is_not_found_not_incomplete(tmp_path: Path) -> None:
     for url in (empty, tmp_path / "missing"):
         with pytest.raises(ds.CheckpointNotFoundError) as info:
             ds.open_reader(url)
-        assert not isinstance(info.value, ds.IncompleteCheckpointError), info.value
+        assert not isinstance(info.value, ds.errors.IncompleteCheckpointError), info.value
 
 
 def test_a_complete_checkpoint_with_leftovers_beside_it_is_complete(tmp_path: Path) -> None:
@@ -139,7 +139,7 @@ def test_a_complete_checkpoint_with_leftovers_beside_it_is_complete(tmp_path: Pa
     state = _state()
     _save(ckpt, state)
     (ckpt / TEMP).write_bytes(b"partial")
-    assert ds.detect_format(ckpt).name == "dcp"
+    assert ds.opening.detect_format(ckpt).name == "dcp"
     assert ds.verify(ckpt).ok
     got = _load(ckpt, state, ds.open_reader(ckpt))
     assert all(torch.equal(got[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
@@ -153,7 +153,7 @@ def test_overwrite_over_leftovers_references_only_its_own_files(tmp_path: Path) 
     (ckpt / TEMP).write_bytes(b"partial")
     (ckpt / ".__1_0.distcp.fedcba9876543210fedcba9876543210.tmp").write_bytes(b"partial")
     stale = {p.name for p in ckpt.glob("*.distcp")}
-    with pytest.raises(ds.IncompleteCheckpointError):
+    with pytest.raises(ds.errors.IncompleteCheckpointError):
         ds.open_reader(ckpt)
     state = _state()
     _save(ckpt, state, overwrite=True)
@@ -184,7 +184,7 @@ def test_safetensors_shards_without_their_index(tmp_path: Path) -> None:
     (ckpt / "model.safetensors.index.json").unlink()  # killed between the shard renames and the index
     message = _refused_everywhere(str(ckpt), "model.safetensors.index.json")
     assert "has 4 data files (model-00001-of-00004.safetensors" in message
-    with pytest.raises(ds.IncompleteCheckpointError):
+    with pytest.raises(ds.errors.IncompleteCheckpointError):
         SafetensorsReader(str(ckpt)).read_metadata()
 
 
@@ -193,7 +193,7 @@ def test_safetensors_temp_files_only(tmp_path: Path) -> None:
     ckpt.mkdir()
     (ckpt / ".model.safetensors.0123456789abcdef0123456789abcdef.tmp").write_bytes(b"\x00" * 64)
     _refused_everywhere(str(ckpt), "model.safetensors")
-    with pytest.raises(ds.IncompleteCheckpointError):
+    with pytest.raises(ds.errors.IncompleteCheckpointError):
         SafetensorsReader(str(ckpt)).read_metadata()
 
 
@@ -202,7 +202,7 @@ def test_safetensors_complete_layouts_stay_readable(tmp_path: Path) -> None:
     single = tmp_path / "single"
     dcp.save(state, storage_writer=SafetensorsWriter(single), no_dist=True)
     for path in (tmp_path / "hf", single):
-        assert ds.detect_format(path).name == "safetensors"
+        assert ds.opening.detect_format(path).name == "safetensors"
         assert ds.verify(path).ok, ds.verify(path).problems
         got = _load(path, state, ds.open_reader(path))
         assert all(torch.equal(got[k], v) for k, v in state.items())
@@ -314,7 +314,7 @@ def test_killed_safetensors_saves_never_look_complete(zygote: Zygote, tmp_path: 
             assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
             outcomes["complete"] += 1
             continue
-        expected = ds.IncompleteCheckpointError if names else ds.CheckpointNotFoundError
+        expected = ds.errors.IncompleteCheckpointError if names else ds.CheckpointNotFoundError
         with pytest.raises(expected):
             ds.open_reader(target)
         with pytest.raises(expected):

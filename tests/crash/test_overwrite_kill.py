@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_storage.testing.s3_server import S3Location
+from dcp_storage_testing.s3_server import S3Location
 
 from ._launcher import Zygote
 from ._trials import AFTER_COMMIT, MISSED, OLD_INTACT, CrashTrials, Location

@@ -27,8 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_storage as ds
-from dcp_storage.testing.s3_server import MotoS3Server, S3Location
 from dcp_storage.transports import RetryPolicy, TransportConfig
+from dcp_storage_testing.s3_server import MotoS3Server, S3Location
 
 REPO = Path(__file__).resolve().parents[2]
 _RUN = uuid.uuid4().hex[:8]
@@ -303,7 +303,7 @@ def test_no_leak_through_the_cli(secret_location: S3Location) -> None:
 
 
 def test_redaction_helpers() -> None:
-    from dcp_storage.redaction import CredentialLogFilter, redact, redacted_options, secret_values
+    from dcp_storage.text import CredentialLogFilter, redact, redacted_options, secret_values
 
     opts = {
         "key": KEY,
@@ -375,7 +375,7 @@ def presigned() -> Iterator[tuple[Any, str, str]]:
     """A loopback HTTP server with a safetensors file; its URL carries a password and presigned secrets."""
     from safetensors.torch import save as st_save
 
-    from dcp_storage.testing.http_store import HttpStore
+    from dcp_storage_testing.http_store import HttpStore
 
     with HttpStore({"model.safetensors": st_save({"w": torch.ones(4)})}) as server:
         host = server.base.split("://", 1)[1]
@@ -447,7 +447,7 @@ def test_no_url_secret_in_cli_output(presigned: tuple[Any, str, str]) -> None:
 
 
 def test_url_redaction_helper() -> None:
-    from dcp_storage.redaction import mask_credentials, redact_urls
+    from dcp_storage.text import mask_credentials, redact_urls
 
     for url in (
         f"https://b.s3.amazonaws.com/k{_QUERY}",

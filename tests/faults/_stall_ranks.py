@@ -9,7 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_storage.storage import FsspecReader, SafetensorsReader
+from dcp_storage.formats.dcp_native.reader import FsspecReader
+from dcp_storage.formats.safetensors.reader import SafetensorsReader
 from dcp_storage.transports import TransportConfig
 
 

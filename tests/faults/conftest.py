@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from dcp_storage.testing.azurite import AzuriteError, AzuriteServer
-from dcp_storage.testing.fault_proxy import FaultProxy
-from dcp_storage.testing.s3_server import S3Location
-from dcp_storage.testing.serving import serving
+from dcp_storage_testing.azurite import AzuriteError, AzuriteServer
+from dcp_storage_testing.fault_proxy import FaultProxy
+from dcp_storage_testing.s3_server import S3Location
+from dcp_storage_testing.serving import serving
 
 # botocore's socket read timeout in these tests: a "slow" fault (held back longer) makes the client time
 # out and retry; a healthy response from moto on a busy 2-core machine comes well within it.

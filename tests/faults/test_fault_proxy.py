@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from dcp_storage.testing.fault_proxy import RANGE_FAULT_MODES, FaultProxy, FaultRule
+from dcp_storage_testing.fault_proxy import RANGE_FAULT_MODES, FaultProxy, FaultRule
 
 
 class _Echo(BaseHTTPRequestHandler):

@@ -4,14 +4,14 @@ The same matrix as :mod:`.test_s3_faults`, with a :class:`FaultProxy` (``dialect
 bodies) in front of fake-gcs-server: ``dcp.save``/``dcp.load`` bit for bit (large reads split into ranged
 GETs), faults of that mode really injected in both phases; a store that never recovers yields a
 :class:`TransportError` naming URL, operation and attempts before the deadline, with one retry layer only
-(gcsfs's own six tries with 1-16 s sleeps are bypassed, see :mod:`dcp_storage.transports.gcs_io`).
+(gcsfs's own six tries with 1-16 s sleeps are bypassed, see :mod:`dcp_storage.transports.gcs`).
 """
 
 from __future__ import annotations
 
 import os
 
-# Before anything imports gcsfs (see dcp_storage.testing.gcs_server): plain GCSFileSystem for gs://.
+# Before anything imports gcsfs (see dcp_storage_testing.gcs_server): plain GCSFileSystem for gs://.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 import contextlib
@@ -25,9 +25,9 @@ import aiohttp
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_storage.testing.fault_proxy import FAULT_MODES, FaultProxy, FaultRule
-from dcp_storage.testing.gcs_server import FakeGcsServer, FakeGcsServerError, GcsLocation
-from dcp_storage.testing.serving import serving
+from dcp_storage_testing.fault_proxy import FAULT_MODES, FaultProxy, FaultRule
+from dcp_storage_testing.gcs_server import FakeGcsServer, FakeGcsServerError, GcsLocation
+from dcp_storage_testing.serving import serving
 
 from .conftest import READ_TIMEOUT, SLOW_DELAY
 from .test_s3_faults import (

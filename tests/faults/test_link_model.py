@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dcp_storage.testing.fault_proxy import FaultProxy, LinkModel, Pacer
+from dcp_storage_testing.fault_proxy import FaultProxy, LinkModel, Pacer
 
 from .test_fault_proxy import _Echo, _serve
 

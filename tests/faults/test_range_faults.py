@@ -4,7 +4,7 @@ that answers ranged GETs with other bytes than asked for.
 The :class:`FaultProxy`'s range modes stand for a server or cache that mishandles ``Range``:
 ``ignore_range`` (``200`` and the whole object), ``shift_range`` (a ``206`` naming as many bytes, one byte
 off) and ``short_range`` (a complete ``206`` with half the range). Without the checks of
-:mod:`dcp_storage.transports.range_check`, s3fs and gcsfs loads returned wrong tensor bytes without an error.
+:mod:`dcp_storage.transports.guards`, s3fs and gcsfs loads returned wrong tensor bytes without an error.
 Here, for each backend: with every ranged data GET answered wrongly, a read and a ``dcp.load`` fail with a
 :class:`TransportError` naming the URL, the range, what came back and the attempts; with 1 GET in 3
 answered wrongly, the retries make the load bit-exact; a ``200`` to a range that was the whole object is
@@ -23,10 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.errors import TransportError
-from dcp_storage.storage import FsspecReader, FsspecWriter
-from dcp_storage.testing.fault_proxy import BODY_FAULT_MODES, RANGE_FAULT_MODES, FaultProxy, FaultRule
+from dcp_storage.formats.dcp_native.reader import FsspecReader
+from dcp_storage.formats.dcp_native.writer import FsspecWriter
 from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
 from dcp_storage.transports.factory import open_transport
+from dcp_storage_testing.fault_proxy import BODY_FAULT_MODES, RANGE_FAULT_MODES, FaultProxy, FaultRule
 
 from .test_gcs_faults import _proxied_bucket as proxied_gs_bucket
 from .test_gcs_faults import gcs_proxy, gcs_server  # noqa: F401 - fixtures used by name below

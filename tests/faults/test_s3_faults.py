@@ -21,10 +21,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.errors import TransportError
-from dcp_storage.storage import FsspecReader, FsspecWriter, SafetensorsReader, SafetensorsWriter
-from dcp_storage.testing.fault_proxy import FAULT_MODES, FaultProxy, FaultRule
-from dcp_storage.testing.s3_server import S3Location
+from dcp_storage.formats.dcp_native.reader import FsspecReader
+from dcp_storage.formats.dcp_native.writer import FsspecWriter
+from dcp_storage.formats.safetensors.reader import SafetensorsReader
+from dcp_storage.formats.safetensors.writer import SafetensorsWriter
 from dcp_storage.transports import RetryPolicy, TransportConfig
+from dcp_storage_testing.fault_proxy import FAULT_MODES, FaultProxy, FaultRule
+from dcp_storage_testing.s3_server import S3Location
 
 from .conftest import SLOW_DELAY
 

@@ -1,6 +1,6 @@
 """A server that stalls (before its headers, or in the middle of a body) fails a load at its deadline.
 
-A stalled connection raises no socket error: before :mod:`dcp_storage.transports.deadline`, one attempt
+A stalled connection raises no socket error: before :mod:`dcp_storage.transports.retry`, one attempt
 lasted as long as the client's socket timeout (botocore's ``read_timeout``, gcsfs's ``sock_read``: 60 s
 by default), whatever ``RetryPolicy(deadline=...)`` said, and fsspec's HTTP client (aiohttp, no read
 timeout) waited 300 s per attempt: a ``dcp.load`` with ``deadline=4`` from an HTTP server that sent half a
@@ -21,10 +21,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.errors import TransportError
-from dcp_storage.storage import FsspecReader, FsspecWriter, SafetensorsWriter
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
+from dcp_storage.formats.dcp_native.reader import FsspecReader
+from dcp_storage.formats.dcp_native.writer import FsspecWriter
+from dcp_storage.formats.safetensors.writer import SafetensorsWriter
 from dcp_storage.transports import RetryPolicy, TransportConfig
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.fault_proxy import FaultProxy, FaultRule
 
 from . import _stall_ranks
 from .test_gcs_faults import gcs_proxy, gcs_server  # noqa: F401 - fixtures used by name below

@@ -19,9 +19,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_storage.storage import FsspecReader, FsspecWriter
-from dcp_storage.testing.fault_proxy import FaultRule
+from dcp_storage.formats.dcp_native.reader import FsspecReader
+from dcp_storage.formats.dcp_native.writer import FsspecWriter
 from dcp_storage.transports.factory import open_transport
+from dcp_storage_testing.fault_proxy import FaultRule
 
 from .test_gcs_faults import gcs_proxy, gcs_server  # noqa: F401 - fixtures used by name below
 from .test_range_faults import TOLERANT, Store, _config, proxy, store  # noqa: F401 - fixtures used by name

@@ -12,9 +12,9 @@ import uuid
 import pytest
 import torch
 
-from dcp_storage.formats.tensor_reads import StoredTensor, dense_gap_of, plan_slice_read, read_slices
-from dcp_storage.testing.compare import same_bits
+from dcp_storage.formats.reading import StoredTensor, dense_gap_of, plan_slice_read, read_slices
 from dcp_storage.transports import FsspecTransport
+from dcp_storage_testing.compare import same_bits
 
 ROWS, COLS, HEAD = 200, 64, 96  # HEAD: bytes before the tensor's elements in the file
 

@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage.errors import DcpStorageError
-from dcp_storage.formats.dcp_native import native_decode
+from dcp_storage.formats.dcp_native import native as native_decode
 from dcp_storage.formats.dcp_native.columns import columns_from_metadata, property_key
-from dcp_storage.formats.dcp_native.metadata_io import metadata_allow_list
+from dcp_storage.formats.dcp_native.native import metadata_allow_list
 from dcp_storage.safe_unpickle import safe_loads
 
 needs_native = pytest.mark.skipif(not native_decode.available(), reason="C extension not built (no compiler)")

@@ -8,7 +8,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_storage.formats.tiling import first_overlap, tiling_problem
+from dcp_storage.formats.reading import first_overlap, tiling_problem
 
 
 def _cells(box: tuple[list[int], list[int]]) -> set[tuple[int, ...]]:

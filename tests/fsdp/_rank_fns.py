@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dcp_storage.testing.compare import same_bits as _same_bits
+from dcp_storage_testing.compare import same_bits as _same_bits
 
 SEED = 0  # the weights loaded
 OTHER_SEED = 1  # the weights targets start with (FSDP1 targets are materialised)
@@ -25,7 +25,7 @@ HEADER_BYTES = 24  # slice delivery: an int64[3] header per block
 
 def reference() -> dict[str, torch.Tensor]:
     """The full state dict every load must reproduce: the seeded model plus a persistent buffer."""
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage_testing.models import reference_state_dict
 
     sd = reference_state_dict(SEED, **SHAPE)
     sd["blocks.0.pos"] = torch.arange(7, dtype=torch.float32) * 0.5
@@ -42,7 +42,7 @@ def meta_fsdp2(mesh: Any = None, root: bool = True) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dcp_storage.testing.models import build_model
+    from dcp_storage_testing.models import build_model
 
     with torch.device("meta"):
         model = _with_buffer(build_model(OTHER_SEED, **SHAPE))
@@ -59,7 +59,7 @@ def fsdp1_model() -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from dcp_storage.testing.models import _Block, build_model
+    from dcp_storage_testing.models import _Block, build_model
 
     model = _with_buffer(build_model(OTHER_SEED, **SHAPE))
     return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({_Block}), device_id=torch.device("cpu"), use_orig_params=True)
@@ -108,7 +108,7 @@ def mismatched_fsdp1(model: nn.Module, ref: Mapping[str, torch.Tensor]) -> list[
 
 def forward_matches(model: nn.Module) -> bool:
     """The loaded model computes what the reference model computes."""
-    from dcp_storage.testing.models import build_model
+    from dcp_storage_testing.models import build_model
 
     tokens = (torch.arange(12) * 7 % SHAPE["vocab"]).reshape(2, 6)
     with torch.no_grad():
@@ -230,7 +230,7 @@ def introspection(rank: int, world: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dcp_storage.fsdp import UnknownModuleError, get_fsdp_parent, is_fsdp_model, maybe_get_wrapped
-    from dcp_storage.testing.models import build_model
+    from dcp_storage_testing.models import build_model
 
     out: dict[str, Any] = {}
     m2 = meta_fsdp2()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _rank_fns as R
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dcp_storage import fsdp
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 TOKENS = torch.arange(12).reshape(1, 12) % 64
 

@@ -20,7 +20,7 @@ from dcp_storage.fsdp import (
     set_wrapped_model,
 )
 from dcp_storage.strategies import DeliveryStats
-from dcp_storage.testing.models import build_model, reference_state_dict
+from dcp_storage_testing.models import build_model, reference_state_dict
 
 SHAPE = {"vocab": 16, "dim": 8, "hidden": 12, "layers": 1}
 

@@ -17,9 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dcp_storage.errors import CorruptCheckpointError
-from dcp_storage.formats.limits import BROADCAST_BYTES, check_view
-from dcp_storage.formats.paths import check_relative
-from dcp_storage.formats.safetensors.layout import parse_index
+from dcp_storage.formats.paths import BROADCAST_BYTES, check_relative, check_view
+from dcp_storage.formats.safetensors.metadata import parse_index
 from dcp_storage.integrity.manifest import Manifest
 
 from .profiles import FUZZ

@@ -22,10 +22,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
-from dcp_storage.formats.safetensors.dtypes import SAFETENSORS_TO_TORCH
 from dcp_storage.formats.safetensors.header import (
     LENGTH_BYTES,
     METADATA_KEY,
+    SAFETENSORS_TO_TORCH,
     SHARDING_INFO_KEY,
     header_length,
     parse_header,

@@ -32,9 +32,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
 from dcp_storage.formats.dcp_native.columns import metadata_from_columns
-from dcp_storage.formats.dcp_native.lazy_metadata import columns_of
 from dcp_storage.formats.dcp_native.metadata_checks import metadata_problems
-from dcp_storage.formats.dcp_native.metadata_io import load_metadata
+from dcp_storage.formats.dcp_native.native import columns_of, load_metadata
 from dcp_storage.formats.dcp_native.torch_record import NeedMoreBytes, UnsupportedRecord, parse_tensor_record
 from dcp_storage.formats.torch_save.pickle_tree import decode_data_pkl
 
@@ -217,7 +216,7 @@ def test_strict_tensor_pickle_agrees_with_the_allow_list_unpickler(data: bytes) 
     import io as _io
 
     from dcp_storage.formats.dcp_native import torch_record
-    from dcp_storage.formats.dcp_native.record_pickle import decode_tensor_pickle
+    from dcp_storage.formats.dcp_native.records import decode_tensor_pickle
 
     strict = decode_tensor_pickle(data, torch_record._ALLOWED, torch_record._persistent_load)
     if strict is None:

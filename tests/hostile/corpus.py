@@ -53,7 +53,7 @@ ST_FILE, INDEX_FILE, PT_FILE, METADATA, DISTCP = (
     "__0_0.distcp",
 )
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
-BIG = 70_000  # float32 elements: 280 KB, above ItemLoaderConfig.small_item_bytes (read by header probe)
+BIG = 70_000  # float32 elements: 280 KB, above DcpLoaderConfig.small_item_bytes (read by header probe)
 
 
 def tensors() -> dict[str, torch.Tensor]:

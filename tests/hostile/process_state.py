@@ -24,7 +24,7 @@ __all__ = ["allow_lists", "snapshot", "unguarded_loads"]
 def allow_lists() -> dict[str, dict[tuple[str, str], Any]]:
     """Every allow-list the project's unpicklers use, by name."""
     from dcp_storage.formats.dcp_native import torch_record
-    from dcp_storage.formats.dcp_native.metadata_io import metadata_allow_list
+    from dcp_storage.formats.dcp_native.native import metadata_allow_list
     from dcp_storage.formats.torch_save.pickle_tree import _Decoder
 
     first, second = _Decoder("snapshot").allowed, _Decoder("snapshot").allowed

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from dcp_storage.formats.dcp_native import metadata_io, native_decode
+from dcp_storage.formats.dcp_native import native as metadata_io
+from dcp_storage.formats.dcp_native import native as native_decode
 from dcp_storage.formats.dcp_native.columns import columns_from_metadata
 
 from .corpus import Case

@@ -46,7 +46,7 @@ def _record_pickle() -> bytes:
 
 
 def _decoders() -> dict[str, Callable[[bytes], Any]]:
-    from dcp_storage.formats.dcp_native.metadata_io import load_metadata
+    from dcp_storage.formats.dcp_native.native import load_metadata
     from dcp_storage.formats.dcp_native.torch_record import UnsupportedRecord, load_tensor_record, parse_tensor_record
     from dcp_storage.formats.torch_save.pickle_tree import decode_data_pkl
     from tests.hostile.corpus import _handmade_torch_zip

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _rank_fns as R
 from .corpus import Case

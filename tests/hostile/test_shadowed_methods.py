@@ -67,7 +67,7 @@ def test_a_gap_hidden_behind_shadowed_items_is_refused(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from dcp_storage import open_reader
-    from dcp_storage.formats.dcp_native.metadata_io import load_metadata
+    from dcp_storage.formats.dcp_native.native import load_metadata
 
     plain = _gap_checkpoint(tmp_path / "plain", shadow=False)
     with pytest.raises(DcpStorageError, match="w"):  # the gap itself: refused when not hidden

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_storage.formats.dcp_native.metadata_io import load_metadata
+from dcp_storage.formats.dcp_native.native import load_metadata
 
 
 @contextlib.contextmanager

@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_storage.errors import CorruptCheckpointError
 from dcp_storage.formats.dcp_native.torch_record import parse_tensor_record
-from dcp_storage.formats.tensor_reads import StoredTensor, plan_slice_read, read_slices
+from dcp_storage.formats.dcp_native.writer import FsspecWriter
+from dcp_storage.formats.reading import StoredTensor, plan_slice_read, read_slices
 from dcp_storage.integrity.blocks import BlockCover
-from dcp_storage.storage import FsspecWriter
 from dcp_storage.transports.factory import open_transport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

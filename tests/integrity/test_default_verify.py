@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.cli import main as cli_main
-from dcp_storage.storage import FsspecReader, FsspecWriter
+from dcp_storage.formats.dcp_native.reader import FsspecReader
+from dcp_storage.formats.dcp_native.writer import FsspecWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

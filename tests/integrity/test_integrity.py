@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_storage import FsspecReader, FsspecWriter, UnknownFormatError, open_reader, verify
+from dcp_storage import FsspecReader, FsspecWriter, open_reader, verify
 from dcp_storage.cli import main as cli_main
 from dcp_storage.integrity.checksums import ALGORITHMS, HashingWriter, checksum
 from dcp_storage.integrity.manifest import MANIFEST_FILE, Manifest
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage.opening import UnknownFormatError
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _rank_fns as R
 from ._flips import dcp_records, flipped, load_error

@@ -32,7 +32,7 @@ from dcp_storage.formats.safetensors.checksums import (
     FileSums,
 )
 from dcp_storage.integrity.manifest import MANIFEST_FILE, Manifest
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _st_rank_fns as R
 from ._flips import flipped, load_error

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_storage import FsspecReader, FsspecWriter
-from dcp_storage.integrity.read_verify import RecordVerifier
+from dcp_storage.integrity.blocks import RecordVerifier
 
 from ._flips import dcp_records, flipped, load_error
 

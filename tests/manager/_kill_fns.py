@@ -23,7 +23,7 @@ SHAPE = {"vocab": 96, "dim": 32, "hidden": 64, "layers": 2}
 
 
 def _build(world: int) -> tuple[Any, Any]:
-    from dcp_storage.testing.models import build_model, fsdp2_shard
+    from dcp_storage_testing.models import build_model, fsdp2_shard
 
     model = fsdp2_shard(build_model(SEED, **SHAPE))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

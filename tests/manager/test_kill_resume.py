@@ -33,9 +33,9 @@ from typing import Any
 import pytest
 from crash._launcher import Zygote
 
-from dcp_storage.manager.root import StepRoot
-from dcp_storage.testing.s3_server import S3Location
+from dcp_storage.manager.steps import StepRoot
 from dcp_storage.transports.factory import open_transport
+from dcp_storage_testing.s3_server import S3Location
 
 HERE = str(Path(__file__).resolve().parent)
 TRIALS = int(os.environ.get("DCP_STORAGE_MANAGER_KILL_TRIALS", "1"))

@@ -22,8 +22,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_storage as ds
-from dcp_storage.manager.layout import INDEX_FILE, step_name
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage.manager.steps import INDEX_FILE, step_name
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _manager_fns
 
@@ -201,7 +201,7 @@ def test_restore_without_steps_and_of_a_torn_step(tmp_path: Path) -> None:
     try:
         _torn(root, 5, lock={"host": socket.gethostname(), "pid": live.pid, "since": "2026-01-01T00:00:00Z"})
         with ds.CheckpointManager(root) as mgr:
-            with pytest.raises(ds.IncompleteCheckpointError):
+            with pytest.raises(ds.errors.IncompleteCheckpointError):
                 mgr.restore(_state(0), step=5)
             with pytest.raises(ds.CheckpointNotFoundError, match="no complete step 6"):
                 mgr.restore(_state(0), step=6)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dcp_storage.testing.compare import same_bits
+from dcp_storage_testing.compare import same_bits
 
 SEED = 23
 SHAPE = {"vocab": 64, "dim": 32, "hidden": 48, "layers": 2}
@@ -19,7 +19,7 @@ SAVED_DTYPE = torch.bfloat16
 
 def saved_state_dict() -> dict[str, Any]:
     """What the test process saves: a DDP-named bf16 model under "model", plus a non-tensor."""
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage_testing.models import reference_state_dict
 
     ref = reference_state_dict(SEED, **SHAPE)
     return {"model": {"module." + k: v.to(SAVED_DTYPE) for k, v in ref.items()} | {"module.note": "bf16 run"}}
@@ -37,7 +37,7 @@ def fsdp2_load_remapped_cast(rank: int, world: int, paths: dict[str, str]) -> di
 
     from dcp_storage import FsspecReader
     from dcp_storage.planners import KeyMap, RemappingLoadPlanner
-    from dcp_storage.testing.models import build_model, fsdp2_shard, reference_state_dict
+    from dcp_storage_testing.models import build_model, fsdp2_shard, reference_state_dict
 
     expected = {k: v.to(SAVED_DTYPE).to(torch.float32) for k, v in reference_state_dict(SEED, **SHAPE).items()}
     readers = {"torch": FileSystemReader, "ours": FsspecReader}
@@ -86,7 +86,7 @@ def dynamic_meta_parity(rank: int, world: int, plain_path: str, ddp_path: str) -
     from torch.distributed.checkpoint.format_utils import DynamicMetaLoadPlanner as TorchDynamicMeta
 
     from dcp_storage import DynamicMetaLoadPlanner, KeyMap
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage_testing.models import reference_state_dict
 
     ref = reference_state_dict(SEED, **SHAPE)  # plain_path holds ref in bf16
 

@@ -22,9 +22,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from dcp_storage import FsspecReader, FsspecWriter, ShapeMismatchError
+from dcp_storage import FsspecReader, FsspecWriter
+from dcp_storage.errors import ShapeMismatchError
 from dcp_storage.formats.dcp_native.columns import columns_from_metadata, metadata_from_columns
-from dcp_storage.formats.dcp_native.lazy_metadata import columns_of, lazy_metadata
+from dcp_storage.formats.dcp_native.native import columns_of, lazy_metadata
 from dcp_storage.planners import (
     DtypeMismatchError,
     DtypePolicy,
@@ -34,7 +35,7 @@ from dcp_storage.planners import (
     ValueTypeMismatchError,
 )
 from dcp_storage.planners.column_plan import whole_single_chunk
-from dcp_storage.testing.columns import ENTRIES, columns_forced, synthetic_metadata
+from dcp_storage_testing.columns import ENTRIES, columns_forced, synthetic_metadata
 
 
 def _both(entries: list[Any] = ENTRIES) -> tuple[Metadata, Metadata]:

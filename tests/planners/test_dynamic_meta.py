@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 import dcp_storage
 from dcp_storage import DynamicMetaLoadPlanner, KeyMap
 from dcp_storage.planners import KeyCollisionError, MetadataSource, UnsupportedValueError
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _rank_fns as R
 

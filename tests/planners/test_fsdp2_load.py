@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_storage import FsspecWriter
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _rank_fns as R
 

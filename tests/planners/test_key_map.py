@@ -16,9 +16,8 @@ from dcp_storage.planners import (
     KeyRules,
     RemappingLoadPlanner,
 )
-from dcp_storage.planners.errors import format_keys
+from dcp_storage.planners.key_map import format_keys, suggest_key_map
 from dcp_storage.planners.matching import match_keys
-from dcp_storage.planners.report import suggest_key_map
 
 
 def test_prefix_maps() -> None:

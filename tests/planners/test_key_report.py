@@ -20,10 +20,10 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import DynamicMetaLoadPlanner as TorchDynamicMetaLoadPlanner
 
-from dcp_storage import BroadcastingTorchSaveReader, DynamicMetaLoadPlanner, FsspecReader, RemappingLoadPlanner
-from dcp_storage.planners import IncompatibleKeysError
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.every_format import every_reader, write_every_format
+from dcp_storage import BroadcastingTorchSaveReader, DynamicMetaLoadPlanner, FsspecReader
+from dcp_storage.planners import IncompatibleKeysError, RemappingLoadPlanner
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.every_format import every_reader, write_every_format
 
 HINT = "key_map=KeyMap.add_prefix('model.') would match 4 of the missing keys"
 WORLD = 2

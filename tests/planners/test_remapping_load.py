@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_storage import FsspecReader, FsspecWriter, ShapeMismatchError, UnsafeCheckpointError
+from dcp_storage import FsspecReader, FsspecWriter
+from dcp_storage.errors import ShapeMismatchError, UnsafeCheckpointError
 from dcp_storage.planners import (
     DtypeMismatchError,
     DtypePolicy,
@@ -30,8 +31,8 @@ from dcp_storage.planners import (
     RemappingLoadPlanner,
     ValueTypeMismatchError,
 )
-from dcp_storage.testing.compare import same_bits
-from dcp_storage.testing.models import build_model, reference_state_dict
+from dcp_storage_testing.compare import same_bits
+from dcp_storage_testing.models import build_model, reference_state_dict
 
 SEED = 11
 SHAPE = {"vocab": 32, "dim": 16, "hidden": 24, "layers": 2}

@@ -7,7 +7,7 @@ Walks every module of the library and checks each ``Exception`` subclass defined
   "take the slow path", "retry this read"), never raised to a caller. Making them ``DcpStorageError``s
   would let the library's own ``except DcpStorageError`` clauses between raise and catch swallow them,
   and the transport's retry layer classifies the two read signals as transient ``OSError``s;
-* ``dcp_storage.testing``: the test harness (server fixtures, rank launchers), whose errors carry
+* ``dcp_storage_testing``: the test harness (server fixtures, rank launchers), whose errors carry
   multi-line logs and tracebacks that ``DcpStorageError`` would escape onto one line.
 
 Also: the classes moved into ``errors.py`` keep their old import paths, and the version has one source.
@@ -33,9 +33,9 @@ SIGNALS = {
     "StaleManifestWarning": "a warning, not an error: a manifest that belongs to another .metadata is ignored "
     "(said once, naming both files) and the load goes on (integrity/manifest.py)",
     "_Mismatch": "a new state that does not fit the kept staging buffers; caught at once, the state is staged "
-    "afresh (manager/staging.py)",
+    "afresh (manager/retention.py)",
     "VersionConditionFailed": "a store refused a read conditioned on the pinned version (412); the transport "
-    "raises ObjectChangedError naming the URL in its place (transports/versions.py)",
+    "raises ObjectChangedError naming the URL in its place (transports/guards.py)",
     "AttemptTimeoutError": "a request still running at its operation's deadline, cancelled; the retry layer "
     "gives up with a TransportError naming the URL (raised only inside an operation's deadline)",
     "DecodesTooLarge": "a seek table claims more decoded bytes than allowed: the extension resolver raises "
@@ -45,7 +45,7 @@ SIGNALS = {
     "_PayloadPending": "a slice whose payload has not arrived yet: the delivery loop keeps draining",
     "_Refused": "the pickle guard's walk refuses a state change; guard_pickle raises UnsafeCheckpointError naming it",
 }
-HARNESS = "dcp_storage.testing"
+HARNESS = "dcp_storage_testing"
 
 
 def _modules() -> list[str]:
@@ -86,10 +86,10 @@ def test_every_named_signal_exists_and_stays_internal() -> None:
 
 
 def test_moved_errors_keep_their_old_import_paths() -> None:
-    from dcp_storage import UnknownFormatError as top
     from dcp_storage.conversion.engine import TargetError as old_target
     from dcp_storage.errors import TargetError, UnknownFormatError
     from dcp_storage.opening import UnknownFormatError as old_unknown
+    from dcp_storage.opening import UnknownFormatError as top
 
     assert top is old_unknown is UnknownFormatError
     assert old_target is TargetError and issubclass(TargetError, (DcpStorageError, ValueError))
@@ -99,5 +99,5 @@ def test_the_version_has_one_source() -> None:
     from dcp_storage import _version
 
     assert dcp_storage.__version__ == _version.__version__
-    provenance = importlib.import_module("dcp_storage.integrity.provenance")
+    provenance = importlib.import_module("dcp_storage.integrity.manifest")
     assert _version.__version__ in provenance.writer_descriptor()

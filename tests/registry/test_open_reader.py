@@ -9,8 +9,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_storage
-from dcp_storage import FsspecReader, FsspecWriter, UnknownFormatError, open_reader, open_writer, registry
+from dcp_storage import FsspecReader, FsspecWriter, open_reader, open_writer, registry
 from dcp_storage.formats.spec import FormatSpec
+from dcp_storage.opening import UnknownFormatError
 
 
 def test_detects_dcp_directory(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ Every module of the in-tree plugins (``plugins/*/``, their tests included) and e
 * plugin code: ``dcp_storage.plugin_api`` only;
 * tests and test support (``tests/``, ``test_*``, ``testing.py``, ``_rank_checks.py``): also the public
   top-level names (``from dcp_storage import FsspecReader``, those in ``dcp_storage.__all__``) and
-  ``dcp_storage.testing``, the support the project ships for plugin tests.
+  ``dcp_storage_testing``, the support the project ships for plugin tests.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def violations(path: Path, root: Path = REPO) -> list[str]:
                 continue
             if module == "dcp_storage.plugin_api":
                 continue
-            if test and (module == "dcp_storage.testing" or module.startswith("dcp_storage.testing.")):
+            if test and (module == "dcp_storage_testing" or module.startswith("dcp_storage_testing.")):
                 continue
             if test and module == "dcp_storage" and names and set(names) <= set(dcp_storage.__all__):
                 continue

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 
 import pytest
-import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import dcp_storage
@@ -67,12 +65,12 @@ def test_the_readers_configs_are_exported_under_one_scheme() -> None:
 @pytest.mark.parametrize(
     ("module", "old"),
     [
-        ("dcp_storage.formats.dcp_native.item_loader", "ItemLoaderConfig"),
-        ("dcp_storage.formats.safetensors.loader", "LoaderConfig"),
-        ("dcp_storage.formats.safetensors.scan", "ScanConfig"),
-        ("dcp_storage.formats.torch_save.archive", "ArchiveConfig"),
-        ("dcp_storage.formats.torch_save", "ArchiveConfig"),
-        ("dcp_storage.plugin_api", "ItemLoaderConfig"),
+        ("dcp_storage.formats.dcp_native.item_loader", "DcpLoaderConfig"),
+        ("dcp_storage.formats.safetensors.loader", "SafetensorsLoaderConfig"),
+        ("dcp_storage.formats.safetensors.loader", "SafetensorsScanConfig"),
+        ("dcp_storage.formats.torch_save.archive", "TorchSaveArchiveConfig"),
+        ("dcp_storage.formats.torch_save", "TorchSaveArchiveConfig"),
+        ("dcp_storage.plugin_api", "DcpLoaderConfig"),
         ("dcp_storage", "share_object"),
     ],
 )
@@ -96,7 +94,7 @@ def test_a_read_strategy_plugin_is_chosen_by_name() -> None:
     with registry.registered("strategies", "test-read", _Strategy):
         assert isinstance(ReadStrategies.named("test-read"), _Strategy)
         assert isinstance(choose_read_strategy(None, "test-read", is_local=True), _Strategy)  # the storage option
-    with registry.registered("strategies", "test-prefix", dcp_storage.HexPrefixStrategy):
+    with registry.registered("strategies", "test-prefix", dcp_storage.strategies.HexPrefixStrategy):
         with pytest.raises(
             TypeError, match=r"must be a ReadStrategy, got HexPrefixStrategy \(registered as 'test-prefix'\)"
         ):

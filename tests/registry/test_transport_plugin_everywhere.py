@@ -38,8 +38,8 @@ from dcp_storage import (
 )
 from dcp_storage.cli import main as cli_main
 from dcp_storage.fsdp import load_full_state_dict
-from dcp_storage.testing.models import build_model, reference_state_dict
 from dcp_storage.transports import FsspecTransport, LocalFileAccess, Transport
+from dcp_storage_testing.models import build_model, reference_state_dict
 
 NAME = "counting"
 SHAPE = {"vocab": 16, "dim": 8, "hidden": 12, "layers": 1}

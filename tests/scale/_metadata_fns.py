@@ -54,7 +54,7 @@ def write_sources(root: str) -> dict[str, str]:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-    from dcp_storage.testing.every_format import write_every_format
+    from dcp_storage_testing.every_format import write_every_format
 
     state = reference()
     paths = write_every_format(root, state)

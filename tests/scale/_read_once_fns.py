@@ -104,7 +104,7 @@ def load_one(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
-    from dcp_storage.testing.compare import local_slice, same_bits
+    from dcp_storage_testing.compare import local_slice, same_bits
 
     warnings.filterwarnings("ignore")
     if hosts is not None:

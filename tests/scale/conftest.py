@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-# Before anything imports gcsfs (see dcp_storage.testing.gcs_server): plain GCSFileSystem for gs://.
+# Before anything imports gcsfs (see dcp_storage_testing.gcs_server): plain GCSFileSystem for gs://.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 from collections.abc import Callable, Iterator
@@ -20,9 +20,9 @@ from typing import Any
 import fsspec
 import pytest
 
-from dcp_storage.testing.fault_proxy import FaultProxy
-from dcp_storage.testing.gcs_server import FakeGcsServer, FakeGcsServerError
-from dcp_storage.testing.serving import serving
+from dcp_storage_testing.fault_proxy import FaultProxy
+from dcp_storage_testing.gcs_server import FakeGcsServer, FakeGcsServerError
+from dcp_storage_testing.serving import serving
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _metadata_fns as F
 from .conftest import Counted

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _read_once_fns as F
 from .conftest import Counted
@@ -166,7 +166,7 @@ def test_the_request_model_agrees_with_the_server(
 ) -> None:
     """``benchmarks/scale_model.py``'s counts, from the library's own planning without processes, against what
     the server saw at 4 ranks: GET requests and bytes served within 5%, HEAD requests too."""
-    from dcp_storage.formats.dcp_native.metadata_io import read_metadata_file
+    from dcp_storage.formats.dcp_native.native import read_metadata_file
     from dcp_storage.inspection.request_model import JobLayout, ModelConfig, model_load
     from dcp_storage.strategies.read_once_plan import ReadOnceConfig
     from dcp_storage.transports import FsspecTransport

@@ -26,13 +26,13 @@ def ds_load_failing_on(rank: int, world: int, url: str, bad_rank: int) -> dict[s
 
 
 def dcp_load_unwrapped(rank: int, world: int, url: str, bad_rank: int) -> dict[str, Any]:
-    """Plain ``dcp.load`` (a ``CheckpointException`` on every rank), then ``ds.unwrap``."""
+    """Plain ``dcp.load`` (a ``CheckpointException`` on every rank), then ``ds.errors.unwrap``."""
     import torch.distributed.checkpoint as dcp
 
     try:
         dcp.load(_state(rank, bad_rank), storage_reader=ds.FsspecReader(url))
     except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
-        inner = ds.unwrap(exc)
+        inner = ds.errors.unwrap(exc)
         return {
             "outer": type(exc).__name__,
             "inner": type(inner).__name__,

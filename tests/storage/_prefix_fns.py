@@ -17,7 +17,8 @@ def save_sharded(rank: int, world: int, url: str, storage_options: dict[str, Any
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from dcp_storage import FsspecWriter, HexPrefixStrategy
+    from dcp_storage import FsspecWriter
+    from dcp_storage.strategies import HexPrefixStrategy
 
     mesh = init_device_mesh("cpu", (world,))
     sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state().items()}

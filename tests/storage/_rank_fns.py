@@ -1,6 +1,6 @@
 """Rank bodies for ``test_distributed.py``.
 
-They run inside :func:`dcp_storage.testing.distributed.run_ranks` processes, so they must be module-level
+They run inside :func:`dcp_storage_testing.distributed.run_ranks` processes, so they must be module-level
 functions of an importable module (the rank unpickles them by module and name). They do the checking
 themselves and return plain, picklable reports (mismatching keys, byte counts) for the test to assert on,
 so no tensors cross process boundaries except through ``torch.save`` files.
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from dcp_storage.testing.compare import local_slice as _local_slice
-from dcp_storage.testing.compare import same_bits as _same_bits
+from dcp_storage_testing.compare import local_slice as _local_slice
+from dcp_storage_testing.compare import same_bits as _same_bits
 
 SEED = 4321
-# Big enough that every weight matrix's saved half exceeds ItemLoaderConfig.small_item_bytes (read by
+# Big enough that every weight matrix's saved half exceeds DcpLoaderConfig.small_item_bytes (read by
 # header probe + ranged data), small enough to keep the file fast: ~18 MB of fp32.
 SHAPE = {"vocab": 4096, "dim": 256, "hidden": 2048, "layers": 2}
 MAX_READ_RATIO = 1.10  # bytes a rank reads / bytes of its local shards (local disk, 4 KiB gap)
@@ -40,8 +40,8 @@ def save_fsdp2(
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
 
-    from dcp_storage.storage import FsspecWriter
-    from dcp_storage.testing.models import build_model, fsdp2_shard
+    from dcp_storage.formats.dcp_native.writer import FsspecWriter
+    from dcp_storage_testing.models import build_model, fsdp2_shard
 
     model = fsdp2_shard(build_model(SEED, **SHAPE))
     counters = []
@@ -103,9 +103,9 @@ def load_resharded(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dcp_storage.storage import FsspecReader
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage.formats.dcp_native.reader import FsspecReader
     from dcp_storage.transports import TransportConfig
+    from dcp_storage_testing.models import reference_state_dict
 
     mesh = init_device_mesh("cpu", (world,))
     reference = reference_state_dict(SEED, **SHAPE)
@@ -128,8 +128,8 @@ def load_full(rank: int, world: int, sources: list[tuple[str, dict[str, Any]]]) 
     """World size 1: load into plain full tensors."""
     import torch.distributed.checkpoint as dcp
 
-    from dcp_storage.storage import FsspecReader
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage.formats.dcp_native.reader import FsspecReader
+    from dcp_storage_testing.models import reference_state_dict
 
     reference = reference_state_dict(SEED, **SHAPE)
     reports = []
@@ -149,8 +149,8 @@ def load_optimizer(rank: int, world: int, optim_dir: str, optim_full_path: str) 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
 
-    from dcp_storage.storage import FsspecReader
-    from dcp_storage.testing.models import build_model, fsdp2_shard
+    from dcp_storage.formats.dcp_native.reader import FsspecReader
+    from dcp_storage_testing.models import build_model, fsdp2_shard
 
     saved = torch.load(optim_full_path, weights_only=True)
     model = fsdp2_shard(build_model(SEED + 1, **SHAPE))  # different weights

@@ -19,9 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_storage import FsspecWriter, SafetensorsWriter
-from dcp_storage.testing.compare import same_bits
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.s3_server import S3Location
+from dcp_storage_testing.compare import same_bits
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.s3_server import S3Location
 
 from . import _async_fns as A
 

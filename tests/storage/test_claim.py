@@ -1,4 +1,4 @@
-"""The lock a save holds (``dcp_storage.storage.claim``): the interleavings a thread race rarely hits.
+"""The lock a save holds (``dcp_storage.formats.commit_claim``): the interleavings a thread race rarely hits.
 
 ``tests/conformance/test_races.py`` races real saves; here each dangerous ordering is forced step by step:
 a checkpoint committed between a save's early check and its claim, a save that failed and left its lock,
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import dcp_storage as ds
 from dcp_storage import FsspecReader, FsspecWriter, SafetensorsWriter
 from dcp_storage.errors import CheckpointExistsError, IncompleteCheckpointError
-from dcp_storage.storage.claim import LOCK_FILE, claim_location
+from dcp_storage.formats.commit_claim import LOCK_FILE, claim_location
 from dcp_storage.transports import FsspecTransport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.s3_server import MotoS3Server
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.s3_server import MotoS3Server
 
 from . import _rank_fns as R
 

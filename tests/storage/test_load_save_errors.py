@@ -1,5 +1,5 @@
 """Errors that reach the user once: ``ds.load``/``ds.save`` raise the library's error (the failing ranks
-named, no torch traceback printed), ``ds.unwrap`` finds it inside torch's ``CheckpointException`` whichever
+named, no torch traceback printed), ``ds.errors.unwrap`` finds it inside torch's ``CheckpointException`` whichever
 rank raised it, and the readers' metadata fallback reports one failure once."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_storage as ds
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.s3_server import MotoS3Server
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.s3_server import MotoS3Server
 
 from . import _error_rank_fns as R
 
@@ -33,7 +33,7 @@ try:
     else:
         dcp.load(state, storage_reader=ds.FsspecReader(url, opts))
 except BaseException as exc:
-    inner = ds.unwrap(exc)
+    inner = ds.errors.unwrap(exc)
     print(json.dumps({"type": type(exc).__name__, "inner": type(inner).__name__, "text": str(exc)}))
 """
 
@@ -79,7 +79,7 @@ def test_missing_checkpoint_reported_once(tmp_path: Path) -> None:
 def test_save_raises_ours(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     ds.save({"w": torch.ones(3)}, url)
-    with pytest.raises(ds.CheckpointExistsError):
+    with pytest.raises(ds.errors.CheckpointExistsError):
         ds.save({"w": torch.ones(3)}, url)  # overwrite=False is the writer's default
     ds.save({"w": torch.full((3,), 2.0)}, url, overwrite=True)
     state = {"w": torch.zeros(3)}
@@ -99,10 +99,10 @@ def test_a_failure_on_one_rank_is_ours_on_every_rank(tmp_path: Path) -> None:
 
 def test_unwrap_leaves_other_exceptions_alone() -> None:
     error = ValueError("x")
-    assert ds.unwrap(error) is error
+    assert ds.errors.unwrap(error) is error
     from torch.distributed.checkpoint.api import CheckpointException
 
-    mine = ds.CorruptCheckpointError("bad")
+    mine = ds.errors.CorruptCheckpointError("bad")
     wrapped = CheckpointException("load", {0: (ValueError("not ours"), None), 3: (mine, None)})
-    assert ds.unwrap(wrapped) is mine, "ours, whichever rank raised it"
-    assert isinstance(ds.unwrap(CheckpointException("load", {2: (KeyError("k"), None)})), KeyError)
+    assert ds.errors.unwrap(wrapped) is mine, "ours, whichever rank raised it"
+    assert isinstance(ds.errors.unwrap(CheckpointException("load", {2: (KeyError("k"), None)})), KeyError)

@@ -31,11 +31,10 @@ import dcp_storage as ds
 from dcp_storage import FsspecReader, FsspecWriter
 from dcp_storage.cli import main as cli
 from dcp_storage.errors import CheckpointExistsError
-from dcp_storage.storage.claim import LOCK_FILE, claim_location
-from dcp_storage.storage.lock_holder import LEASE_ENV
-from dcp_storage.storage.takeover import SETTLE_ENV
-from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
+from dcp_storage.formats.commit_claim import LOCK_FILE, claim_location
+from dcp_storage.formats.commit_holder import LEASE_ENV, SETTLE_ENV
 from dcp_storage.transports import FsspecTransport
+from dcp_storage_testing.fault_proxy import FaultProxy, FaultRule
 
 ROOT = Path(__file__).resolve().parents[2]
 TAKERS = int(os.environ.get("DCP_STORAGE_TAKEOVER_ROUNDS", "5"))
@@ -120,7 +119,7 @@ def test_a_sigkilled_save_is_taken_over_by_the_resumed_job(tmp_path: Path, stuck
 
 
 def _lock_of(pid: int, started: int | None, host: str | None = None, **more: Any) -> dict[str, Any]:
-    from dcp_storage.storage.lock_holder import _this_process
+    from dcp_storage.formats.commit_holder import _this_process
 
     me = _this_process()
     return {
@@ -141,7 +140,7 @@ def _lock_of(pid: int, started: int | None, host: str | None = None, **more: Any
 def test_a_reused_pid_and_a_live_one(tmp_path: Path) -> None:
     """The lock's pid is alive but was started at another time: another process has it now (taken over).
     A live process with the recorded start time holds it (refused), however old the lock."""
-    from dcp_storage.storage.lock_holder import _process_start
+    from dcp_storage.formats.commit_holder import _process_start
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -196,7 +195,7 @@ def test_a_lock_without_lease_fields_is_never_judged(tmp_path: Path) -> None:
 def test_malformed_holder_fields_never_make_a_lock_stale(changes: dict[str, Any]) -> None:
     """Only a holder that is provably gone is taken over: a pid of 0 or -1 (``kill(0, ...)`` would name a
     process group), types other than numbers, a non-finite or absurd lease are "unknown"."""
-    from dcp_storage.storage.lock_holder import stale_reason
+    from dcp_storage.formats.commit_holder import stale_reason
 
     live_elsewhere = {**_lock_of(os.getpid(), 1, host="elsewhere"), **changes}
     assert stale_reason(json.loads(json.dumps(live_elsewhere)), lambda _c: True) is None
@@ -406,6 +405,6 @@ def test_an_honest_store_costs_one_refused_probe(s3_url: Any) -> None:
 
 
 def test_hostname_is_what_the_lock_records() -> None:
-    from dcp_storage.storage.lock_holder import _this_process
+    from dcp_storage.formats.commit_holder import _this_process
 
     assert _this_process()["host"] == socket.gethostname()

@@ -20,10 +20,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_storage as ds
-from dcp_storage import FsspecReader, FsspecWriter, HexPrefixStrategy, SafetensorsWriter
+from dcp_storage import FsspecReader, FsspecWriter, SafetensorsWriter
 from dcp_storage.errors import StorageFullError, WrongPathTypeError
 from dcp_storage.formats.paths import LOCK_FILE
-from dcp_storage.testing.conformance.helpers import unwrap
+from dcp_storage.strategies import HexPrefixStrategy
+from dcp_storage_testing.conformance.helpers import unwrap
 
 MiB = 1024 * 1024
 

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcp_storage as ds
 from dcp_storage.errors import WrongPathTypeError
-from dcp_storage.testing.conformance.helpers import unwrap
+from dcp_storage_testing.conformance.helpers import unwrap
 
 WRITERS: dict[str, Callable[..., object]] = {"fsspec": ds.FsspecWriter, "safetensors": ds.SafetensorsWriter}
 

@@ -13,21 +13,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as TorchFsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_storage import (
+from dcp_storage import FsspecReader, FsspecWriter, open_reader, registry, verify
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.strategies import (
     BinaryPrefixStrategy,
     DecimalPrefixStrategy,
-    FsspecReader,
-    FsspecWriter,
     HexPrefixStrategy,
     RoundRobinPrefixStrategy,
-    open_reader,
-    registry,
-    verify,
 )
-from dcp_storage.errors import CorruptCheckpointError
-from dcp_storage.storage.prefixes import rank_directory
-from dcp_storage.testing.compare import same_bits
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage.strategies.prefixes import rank_directory
+from dcp_storage_testing.compare import same_bits
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _prefix_fns as P
 

@@ -36,8 +36,9 @@ from dcp_storage.errors import (
     DcpStorageError,
     UnsafeCheckpointError,
 )
-from dcp_storage.formats.dcp_native.item_loader import ItemLoaderConfig
-from dcp_storage.storage import FsspecReader, FsspecWriter
+from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
+from dcp_storage.formats.dcp_native.reader import FsspecReader
+from dcp_storage.formats.dcp_native.writer import FsspecWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -92,7 +93,7 @@ def sample_state_dict() -> dict[str, Any]:
         "empty_mid": torch.empty(3, 0, 2, dtype=torch.bfloat16),
         "transposed": torch.randn(24, 10, generator=g).t(),
         "sliced_view": torch.randn(50, 8, generator=g)[10:20, 2:6],
-        # Larger than ItemLoaderConfig.small_item_bytes: fetched by header probe + ranged data read.
+        # Larger than DcpLoaderConfig.small_item_bytes: fetched by header probe + ranged data read.
         "big": random_bits((300, 400), torch.float32, 5),
         "big_bf16": random_bits((700, 300), torch.bfloat16, 6),
         "big_transposed": torch.randn(400, 300, generator=g).t(),  # a strided record, ranged read
@@ -268,7 +269,7 @@ class RoundtripConformance:
         sd = sample_state_dict()
         self.save(sd, location)
         dest = destination_like(sd, preserve_strides=True)
-        cfg = ItemLoaderConfig(probe_bytes=512, small_item_bytes=0, staging_bytes=1)
+        cfg = DcpLoaderConfig(probe_bytes=512, small_item_bytes=0, staging_bytes=1)
         self.load(dest, location, loader_config=cfg)
         assert_state_equal(dest, sd)
 
@@ -298,7 +299,7 @@ class RoundtripConformance:
             "last_element": lambda r, c: ((r - 1, c - 1), (1, 1)),
             "empty": lambda r, c: ((r // 3, 0), (0, c)),
         }
-        for config in (ItemLoaderConfig(), ItemLoaderConfig(small_item_bytes=0, probe_bytes=512)):
+        for config in (DcpLoaderConfig(), DcpLoaderConfig(small_item_bytes=0, probe_bytes=512)):
             reader = FsspecReader(url, options, loader_config=config)
             reader.set_up_storage_reader(reader.read_metadata(), True)
             # One plan per kind: like a real load plan, no two items of a plan read overlapping bytes.
@@ -729,7 +730,7 @@ def test_malicious_byte_item_is_refused(tmp_path: Path) -> None:
 def test_malicious_metadata_cannot_mutate_allowed_classes(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from dcp_storage.formats.dcp_native.metadata_io import load_metadata
+    from dcp_storage.formats.dcp_native.native import load_metadata
 
     # GLOBAL Metadata; (None, {"dcp_storage_test_pwned": 1}); BUILD; POP; None; STOP
     payload = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\nN}X\x16\x00\x00\x00dcp_storage_test_pwnedK\x01s\x86b0N."
@@ -748,7 +749,7 @@ def test_many_run_slice_of_a_truncated_file_names_it(tmp_path: Path, rows: int, 
     full = torch.arange(rows * 2 * columns, dtype=torch.float32).reshape(rows, 2 * columns)
     dcp.save({"w": full}, storage_writer=FsspecWriter(str(tmp_path)))
     offsets, lengths = (0, columns // 2), (rows, columns)
-    reader = FsspecReader(str(tmp_path), loader_config=ItemLoaderConfig(small_item_bytes=0))
+    reader = FsspecReader(str(tmp_path), loader_config=DcpLoaderConfig(small_item_bytes=0))
     reader.set_up_storage_reader(reader.read_metadata(), True)
     dest = torch.empty(lengths)
     item = slice_item("w", offsets, lengths)
@@ -757,7 +758,7 @@ def test_many_run_slice_of_a_truncated_file_names_it(tmp_path: Path, rows: int, 
     data_file = next(p for p in tmp_path.iterdir() if p.suffix == ".distcp" and p.stat().st_size > 1000)
     with open(data_file, "r+b") as f:
         f.truncate(data_file.stat().st_size // 2)
-    reader = FsspecReader(str(tmp_path), loader_config=ItemLoaderConfig(small_item_bytes=0))
+    reader = FsspecReader(str(tmp_path), loader_config=DcpLoaderConfig(small_item_bytes=0))
     reader.set_up_storage_reader(reader.read_metadata(), True)
     with pytest.raises(CorruptCheckpointError, match=data_file.name):
         reader.read_data(LoadPlan([item]), SlicePlanner({id(item): torch.empty(lengths)})).wait()

@@ -12,9 +12,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 
 from dcp_storage import FsspecReader, FsspecWriter, TransportConfig, verify
-from dcp_storage.storage.write_layout import MemoryFile, estimated_bytes, group_items
-from dcp_storage.testing.compare import same_bits
+from dcp_storage.formats.writing import MemoryFile, estimated_bytes, group_items
 from dcp_storage.transports import local_io
+from dcp_storage_testing.compare import same_bits
 
 MiB = 1024 * 1024
 

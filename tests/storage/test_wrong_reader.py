@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_storage as ds
 from dcp_storage.errors import WrongFormatError
-from dcp_storage.testing.s3_server import S3Location
+from dcp_storage_testing.s3_server import S3Location
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

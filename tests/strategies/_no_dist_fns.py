@@ -44,7 +44,7 @@ def load_every_reader(rank: int, world: int, paths: dict[str, str], pattern: str
     or ``"dist"`` (every rank, a distributed load)."""
     import torch.distributed as dist
 
-    from dcp_storage.testing.every_format import every_reader
+    from dcp_storage_testing.every_format import every_reader
 
     warnings.filterwarnings("ignore")
     out: dict[str, str] = {}
@@ -59,7 +59,7 @@ def load_on_a_subgroup(rank: int, world: int, paths: dict[str, str]) -> dict[str
     """Ranks 0 and 1 load over their own group (``dcp.load(process_group=...)``); the last rank does not load."""
     import torch.distributed as dist
 
-    from dcp_storage.testing.every_format import every_reader
+    from dcp_storage_testing.every_format import every_reader
 
     warnings.filterwarnings("ignore")
     group = dist.new_group([0, 1])  # every rank takes part in creating it

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from dcp_storage.testing.compare import local_slice as _local_slice
-from dcp_storage.testing.compare import same_bits as _same_bits
+from dcp_storage_testing.compare import local_slice as _local_slice
+from dcp_storage_testing.compare import same_bits as _same_bits
 
 SEED = 2024
 # ~2.7 MB of fp32 weights: big enough that zip headers and data.pkl are noise next to tensor bytes.
@@ -24,7 +24,7 @@ MAX_RECEIVE_RATIO = 1.10  # bytes a rank receives / bytes of its own shards
 
 def build_torch_save_state() -> dict[str, Any]:
     """What the test torch.saves: a module state dict, a bf16 tensor, an int and a str."""
-    from dcp_storage.testing.models import build_model
+    from dcp_storage_testing.models import build_model
 
     state: dict[str, Any] = dict(build_model(SEED, **SHAPE).state_dict())
     g = torch.Generator().manual_seed(SEED)
@@ -105,7 +105,7 @@ def save_fsdp2_dcp(rank: int, world: int, directory: str) -> None:
     """A DCP checkpoint of ``{"model": fsdp2_model.state_dict()}`` saved by ``world`` ranks."""
     import torch.distributed.checkpoint as dcp
 
-    from dcp_storage.testing.models import build_model, fsdp2_shard
+    from dcp_storage_testing.models import build_model, fsdp2_shard
 
     warnings.filterwarnings("ignore")
     model = fsdp2_shard(build_model(SEED, **SHAPE))
@@ -125,7 +125,7 @@ def load_broadcasting_fsspec(rank: int, world: int, dcp_dir: str) -> dict[str, A
     from torch.distributed.device_mesh import init_device_mesh
 
     from dcp_storage import Broadcasting, FsspecReader
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage_testing.models import reference_state_dict
 
     reference = reference_state_dict(SEED, **SHAPE)
     mesh = init_device_mesh("cpu", (world,))
@@ -188,7 +188,7 @@ def fail_mid_transfer(rank: int, world: int, local_path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.format_utils import DynamicMetaLoadPlanner
     from torch.distributed.device_mesh import init_device_mesh
 
-    import dcp_storage.storage.torch_save_reader as module
+    import dcp_storage.formats.torch_save.reader as module
     from dcp_storage import BroadcastingTorchSaveReader
     from dcp_storage.errors import CorruptCheckpointError
     from dcp_storage.strategies import DeliveryConfig

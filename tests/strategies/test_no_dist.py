@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.every_format import every_reader, write_every_format
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.every_format import every_reader, write_every_format
 
 from . import _no_dist_fns as F
 

@@ -16,7 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from dcp_storage import FsspecReader, FsspecWriter, RankMismatchError, ReadStrategies
+from dcp_storage import FsspecReader, FsspecWriter, ReadStrategies
+from dcp_storage.errors import RankMismatchError
 from dcp_storage.strategies.rank_agreement import (
     StrategyTag,
     _FinishPlanGuard,

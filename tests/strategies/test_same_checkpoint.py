@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_storage as ds
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _location_fns as F
 

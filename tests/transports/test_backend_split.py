@@ -25,7 +25,7 @@ from dcp_storage.transports import (
     TransportConfig,
 )
 from dcp_storage.transports.factory import open_transport
-from dcp_storage.transports.local_runs import LocalRuns, Region
+from dcp_storage.transports.ranges import LocalRuns, Region
 
 PACKAGE = Path(dcp_storage.__file__).parent
 

@@ -24,7 +24,7 @@ import pytest
 
 from dcp_storage.errors import DcpStorageError, ListingTooLongError, TransportError
 from dcp_storage.transports import FsspecTransport, RetryPolicy, TransportConfig
-from dcp_storage.transports.listing import MAX_LIST_ENTRIES_ENV, MAX_LIST_PAGES_ENV, ListingBound
+from dcp_storage.transports.guards import MAX_LIST_ENTRIES_ENV, MAX_LIST_PAGES_ENV, ListingBound
 
 _S3_NS = "http://s3.amazonaws.com/doc/2006-03-01/"
 

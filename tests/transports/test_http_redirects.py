@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_storage as ds
 from dcp_storage.errors import CrossOriginRedirectError
-from dcp_storage.testing.http_store import HttpStore
 from dcp_storage.transports import FsspecTransport, RetryPolicy, TransportConfig
+from dcp_storage_testing.http_store import HttpStore
 
 API_KEY = "SENTINEL-api-key-7f3a"
 BEARER = "Bearer SENTINEL-bearer-91c2"

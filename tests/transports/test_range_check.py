@@ -10,7 +10,7 @@ import pytest
 
 from dcp_storage.errors import TransportError
 from dcp_storage.transports import RetryPolicy, is_transient
-from dcp_storage.transports.range_check import RangeMismatchError, check_range_answer
+from dcp_storage.transports.guards import RangeMismatchError, check_range_answer
 from dcp_storage.transports.retry import call_with_retry
 
 ACCEPTED = [

@@ -18,9 +18,9 @@ import pytest
 from s3fs import S3FileSystem
 
 from dcp_storage.errors import TransportError
-from dcp_storage.testing.s3_server import S3Location
 from dcp_storage.transports import TransportConfig, s3_upload
 from dcp_storage.transports.s3_upload import S3AtomicUpload, part_size_at
+from dcp_storage_testing.s3_server import S3Location
 
 MiB = 1024 * 1024
 

@@ -1,7 +1,7 @@
 """An object replaced during a load is refused, never loaded as a mix of two versions (issue 20).
 
 Each object's first read in a load pins its version (ETag on S3 and HTTP, generation on GCS); every later
-ranged read is conditional on it and its answer's version is compared (:mod:`dcp_storage.transports.versions`).
+ranged read is conditional on it and its answer's version is compared (:mod:`dcp_storage.transports.guards`).
 The attack: replace the object between the first read (a header, the metadata) and the data reads, on a
 real server (moto, fake-gcs-server, a loopback HTTP server), at the transport and through ``dcp.load``.
 The pins cost no request: the counts are asserted.
@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import dcp_storage as ds
 from dcp_storage.errors import ObjectChangedError
-from dcp_storage.testing.gcs_server import FakeGcsServer, FakeGcsServerError
-from dcp_storage.testing.http_store import HttpStore
-from dcp_storage.testing.serving import serving
 from dcp_storage.transports import FsspecTransport, RangeRequest, RetryPolicy, TransportConfig
+from dcp_storage_testing.gcs_server import FakeGcsServer, FakeGcsServerError
+from dcp_storage_testing.http_store import HttpStore
+from dcp_storage_testing.serving import serving
 
 SIZE = 1 << 20
 CONFIG = TransportConfig(retry=RetryPolicy(max_attempts=3, initial_backoff=0.01, deadline=30.0), coalesce_gap=0)

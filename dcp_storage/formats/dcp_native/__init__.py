@@ -1,6 +1,6 @@
 """DCP's native layout: ``.metadata`` plus ``*.distcp`` files of ``torch.save`` records."""
 
-from dcp_storage.formats.dcp_native.metadata_io import METADATA_FILE, dump_metadata, load_metadata, metadata_allow_list
+from dcp_storage.formats.dcp_native.native import METADATA_FILE, dump_metadata, load_metadata, metadata_allow_list
 from dcp_storage.formats.dcp_native.torch_record import TensorRecord, parse_tensor_record
 
 __all__ = [

@@ -42,11 +42,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from dcp_storage.errors import CorruptCheckpointError, ShapeMismatchError
 from dcp_storage.formats.byte_items import deliver_byte_item
 from dcp_storage.formats.dcp_native.extensions import ExtensionResolver
-from dcp_storage.formats.dcp_native.framed_items import FramedItem, FramedItemLoader, needs_whole_chunk
-from dcp_storage.formats.dcp_native.record_entry import RecordEntry
-from dcp_storage.formats.dcp_native.record_match import check_record_matches, saved_chunk, stored_dtype
-from dcp_storage.formats.dcp_native.record_zip import check_record_zip
-from dcp_storage.formats.dcp_native.seekable import SeekableTransform
+from dcp_storage.formats.dcp_native.framed_items import (
+    FramedItem,
+    FramedItemLoader,
+    RecordEntry,
+    check_record_matches,
+    needs_whole_chunk,
+    saved_chunk,
+    stored_dtype,
+)
+from dcp_storage.formats.dcp_native.manifest_io import load_verified_in_place
+from dcp_storage.formats.dcp_native.records import SeekableTransform, check_record_zip
 from dcp_storage.formats.dcp_native.torch_record import (
     NeedMoreBytes,
     TensorRecord,
@@ -54,9 +60,8 @@ from dcp_storage.formats.dcp_native.torch_record import (
     load_tensor_record,
     parse_tensor_record,
 )
-from dcp_storage.formats.dcp_native.verified_in_place import load_verified_in_place
-from dcp_storage.formats.limits import check_byte_item
-from dcp_storage.formats.tensor_reads import (
+from dcp_storage.formats.paths import check_byte_item
+from dcp_storage.formats.reading import (
     SliceRead,
     StoredTensor,
     dense_gap_of,
@@ -64,9 +69,8 @@ from dcp_storage.formats.tensor_reads import (
     read_slices,
     slice_extent,
 )
-from dcp_storage.integrity.blocks import BlockCover, Cover, DataCrc
-from dcp_storage.integrity.read_verify import RecordVerifier, batches_by_bytes, key_name
-from dcp_storage.redaction import redact_urls
+from dcp_storage.integrity.blocks import BlockCover, Cover, DataCrc, RecordVerifier, batches_by_bytes, key_name
+from dcp_storage.text import redact_urls
 from dcp_storage.transports import RangeRequest, Transport
 
 __all__ = ["DcpItemLoader", "DcpLoaderConfig"]

@@ -28,9 +28,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage.errors import CorruptCheckpointError
-from dcp_storage.formats.limits import BROADCAST_BYTES, MAX_BYTES, MAX_DIM, MAX_NDIM
-from dcp_storage.formats.paths import check_relative
-from dcp_storage.formats.tiling import tiling_problem
+from dcp_storage.formats.paths import BROADCAST_BYTES, MAX_BYTES, MAX_DIM, MAX_NDIM, check_relative
+from dcp_storage.formats.reading import tiling_problem
 
 __all__ = ["check_metadata", "metadata_problems"]
 

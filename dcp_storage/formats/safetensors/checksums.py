@@ -26,7 +26,7 @@ Why the digests fit a header written first. Hex digests have a fixed width (``di
 header is planned with zero-filled placeholders of the right width and its length never changes when
 the real digests are filled in: locally the coordinator rewrites the header of the temp file in place
 before the rename; for object stores every rank hashes its chunks before the coordinator uploads the
-header (see :mod:`dcp_storage.storage.safetensors_writer`).
+header (see :mod:`dcp_storage.formats.safetensors.writer`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.reading import tiling_problem
 from dcp_storage.formats.safetensors.header import LENGTH_BYTES, header_length, parse_header
-from dcp_storage.formats.tiling import tiling_problem
 from dcp_storage.integrity.checksums import checksum, digest_width, mismatch
 
 __all__ = [

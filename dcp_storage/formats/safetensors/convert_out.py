@@ -14,9 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from dcp_storage.errors import CheckpointExistsError, NonTensorStateError, UnsupportedDtypeError
-from dcp_storage.formats.convert_target import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
-from dcp_storage.formats.limits import INDEX, read_limited
-from dcp_storage.formats.safetensors.dtypes import safetensors_dtype
+from dcp_storage.formats.paths import INDEX, read_limited
 from dcp_storage.formats.safetensors.encode import (
     HeaderEntry,
     as_memoryview,
@@ -25,6 +23,7 @@ from dcp_storage.formats.safetensors.encode import (
     tensor_bytes,
     unstorable_keys,
 )
+from dcp_storage.formats.safetensors.header import safetensors_dtype
 from dcp_storage.formats.safetensors.write_plan import (
     TensorSpec,
     index_name,
@@ -33,7 +32,8 @@ from dcp_storage.formats.safetensors.write_plan import (
     shard_name,
     single_name,
 )
-from dcp_storage.transports.buckets import make_output_root
+from dcp_storage.formats.spec import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
+from dcp_storage.transports.access import make_output_root
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",

@@ -23,5 +23,3 @@ __all__ = [
     "decode_data_pkl",
     "flatten_tree",
 ]
-
-# the names before 0.2 (one scheme for the exported configs: the format, then what it configures)

@@ -5,7 +5,7 @@ and central directory, ``byteorder`` and ``data.pkl`` (decoded with the allow-li
 :mod:`.pickle_tree`). The result knows every tensor's dtype, shape, stride and record, and every non-tensor
 value, without having read any tensor data. From that it builds DCP ``Metadata`` (one full-size chunk per
 tensor, ``BytesStorageMetadata`` for other values, keys flattened as DCP flattens state dicts) and tells
-:func:`~dcp_storage.formats.tensor_reads.plan_slice_read` where each tensor's elements lie.
+:func:`~dcp_storage.formats.reading.plan_slice_read` where each tensor's elements lie.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
-from dcp_storage.formats.limits import BROADCAST_BYTES
+from dcp_storage.formats.paths import BROADCAST_BYTES
+from dcp_storage.formats.reading import StoredTensor, plan_slice_read, read_slices
 from dcp_storage.formats.slices import is_row_major
-from dcp_storage.formats.tensor_reads import StoredTensor, plan_slice_read, read_slices
 from dcp_storage.formats.torch_save.pickle_tree import (
     LegacyNeedsMoreBytes,
     TensorDescriptor,
@@ -47,7 +47,7 @@ from dcp_storage.formats.torch_save.zip_index import (
     read_zip_index,
 )
 from dcp_storage.formats.torch_save.zip_layout import check_crc
-from dcp_storage.tensor_buffers import writable_bytes
+from dcp_storage.runtime import writable_bytes
 from dcp_storage.transports import Transport
 
 __all__ = ["TorchSaveArchiveConfig", "TorchSaveArchive", "UnsupportedFormatError", "flatten_tree"]

@@ -34,9 +34,8 @@ from typing import Any
 import torch
 
 from dcp_storage.errors import CorruptCheckpointError, UnsafeCheckpointError
-from dcp_storage.formats.limits import check_view
-from dcp_storage.formats.safe_globals import with_registered_globals
-from dcp_storage.safe_unpickle import AllowListUnpickler
+from dcp_storage.formats.paths import check_view
+from dcp_storage.safe_unpickle import AllowListUnpickler, with_registered_globals
 
 __all__ = ["LEGACY_MAGIC", "LegacyNeedsMoreBytes", "TensorDescriptor", "decode_data_pkl", "scan_legacy"]
 

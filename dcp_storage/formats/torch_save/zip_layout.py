@@ -11,7 +11,7 @@ with bytes nobody saved. Such archives are refused here, before any entry is use
   (data descriptor, UTF-8, no encryption) and, unless the sizes follow in a data descriptor, CRC and sizes;
 * entries lie one after the other, none overlapping another or the central directory;
 * a stored entry's compressed and uncompressed sizes are equal; a deflated one declares at most
-  :data:`~dcp_storage.formats.limits.MAX_INFLATION_RATIO` times its compressed size, and is inflated into
+  :data:`~dcp_storage.formats.paths.MAX_INFLATION_RATIO` times its compressed size, and is inflated into
   at most its declared size (:func:`inflate`): a deflate bomb costs its declared size, never more;
 * zip64 fields are read from their extra field only when it holds them all.
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from dcp_storage.errors import CorruptCheckpointError
-from dcp_storage.formats.limits import MAX_INFLATION_RATIO
+from dcp_storage.formats.paths import MAX_INFLATION_RATIO
 from dcp_storage.integrity.checksums import crc32
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Rank bodies for the plugin's multi-process tests (2-rank save, 3-rank resharded load).
 
-They live in the package, not in ``tests/``, because :func:`dcp_storage.testing.distributed.run_ranks`
+They live in the package, not in ``tests/``, because :func:`dcp_storage_testing.distributed.run_ranks`
 unpickles a rank body by module name inside a forkserver whose ``sys.path`` was fixed when it started
 (often before pytest put the plugin's ``tests/`` directory on the path, and a directory named
 ``dcp-storage-obstore`` is not importable as a package). Each body checks bit-exactness itself and
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dcp_storage.testing.compare import same_bits as _same_bits
+from dcp_storage_testing.compare import same_bits as _same_bits
 
 SEED = 97
 SHAPE = {"vocab": 512, "dim": 64, "hidden": 256, "layers": 2}
@@ -22,7 +22,7 @@ def save_sharded(rank: int, world: int, url: str, storage_options: dict[str, Any
     """Save a ``Shard(0)`` DTensor state dict of the reference model through the obstore transport."""
     import torch.distributed.checkpoint as dcp
     from dcp_storage import FsspecWriter
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage_testing.models import reference_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -38,7 +38,7 @@ def load_resharded(rank: int, world: int, url: str, storage_options: dict[str, A
     """Load into ``Shard(1)`` (2-D) / ``Shard(0)`` (1-D) DTensors at this world size; compare every local shard."""
     import torch.distributed.checkpoint as dcp
     from dcp_storage import FsspecReader
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage_testing.models import reference_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

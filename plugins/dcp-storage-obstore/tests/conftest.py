@@ -11,9 +11,9 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
-from dcp_storage.testing.fault_proxy import FaultProxy
-from dcp_storage.testing.s3_server import MotoS3Server, MotoServerError, S3Location
-from dcp_storage.testing.serving import serving
+from dcp_storage_testing.fault_proxy import FaultProxy
+from dcp_storage_testing.s3_server import MotoS3Server, MotoServerError, S3Location
+from dcp_storage_testing.serving import serving
 
 
 @pytest.fixture(scope="session")

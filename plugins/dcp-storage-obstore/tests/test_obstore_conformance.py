@@ -1,4 +1,4 @@
-"""The core's storage conformance suite (:mod:`dcp_storage.testing.conformance`) on the obstore transport.
+"""The core's storage conformance suite (:mod:`dcp_storage_testing.conformance`) on the obstore transport.
 
 Every test of :class:`StorageConformance` runs against moto through ``{"transport": "obstore"}``: the
 same contract the core's own backends keep, checked by the same tests.
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from dcp_storage.testing.conformance import Location, StorageConformance
-from dcp_storage.testing.s3_server import S3Location
+from dcp_storage_testing.conformance import Location, StorageConformance
+from dcp_storage_testing.s3_server import S3Location
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

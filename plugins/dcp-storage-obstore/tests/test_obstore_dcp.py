@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_storage import FsspecReader, FsspecWriter
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.models import reference_state_dict
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.models import reference_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage_obstore import ObstoreTransport

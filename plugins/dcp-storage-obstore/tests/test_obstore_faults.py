@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dcp_storage import FsspecReader, FsspecWriter
 from dcp_storage.plugin_api import RetryPolicy, TransportConfig, TransportError
-from dcp_storage.testing.fault_proxy import FAULT_MODES, FaultProxy, FaultRule
+from dcp_storage_testing.fault_proxy import FAULT_MODES, FaultProxy, FaultRule
 from torch.distributed.checkpoint.api import CheckpointException
 
 MiB = 1024 * 1024

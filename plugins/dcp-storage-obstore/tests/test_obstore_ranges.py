@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from dcp_storage.plugin_api import RetryPolicy, TransportError, open_transport
-from dcp_storage.testing.fault_proxy import BODY_FAULT_MODES, RANGE_FAULT_MODES, FaultProxy, FaultRule
+from dcp_storage_testing.fault_proxy import BODY_FAULT_MODES, RANGE_FAULT_MODES, FaultProxy, FaultRule
 from test_obstore_faults import _config, _inner, _load, _options, _save
 from torch.distributed.checkpoint.api import CheckpointException
 

@@ -19,7 +19,7 @@ from dcp_storage.plugin_api import (
     TransportError,
     open_transport,
 )
-from dcp_storage.testing.fault_proxy import FaultProxy, FaultRule
+from dcp_storage_testing.fault_proxy import FaultProxy, FaultRule
 from obstore.store import S3Store
 
 from dcp_storage_obstore import ObstoreOptionsError, ObstoreTransport

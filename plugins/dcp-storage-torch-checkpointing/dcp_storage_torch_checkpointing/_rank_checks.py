@@ -1,7 +1,7 @@
 """Rank bodies for the plugin's multi-process tests: torch_checkpointing's ``CheckpointManager`` saving a
 2-rank FSDP2 model through :class:`DcpStorageConfig` and loading it back, bit-exact, at any world size.
 
-They live in the package, not in ``tests/``, because :func:`dcp_storage.testing.distributed.run_ranks`
+They live in the package, not in ``tests/``, because :func:`dcp_storage_testing.distributed.run_ranks`
 unpickles a rank body by module name inside a forkserver whose ``sys.path`` was fixed when it started.
 """
 
@@ -50,7 +50,7 @@ def _manager(root_url: str, storage_options: dict[str, Any], sync: bool) -> Any:
 
 
 def _model(zeros: bool) -> torch.nn.Module:
-    from dcp_storage.testing.models import build_model, fsdp2_shard
+    from dcp_storage_testing.models import build_model, fsdp2_shard
 
     model = build_model(SEED, **SHAPE)
     if zeros:
@@ -76,8 +76,8 @@ def save_fsdp2(rank: int, world: int, roots: list[tuple[str, dict[str, Any]]], s
 def load_fsdp2(rank: int, world: int, roots: list[tuple[str, dict[str, Any]]], step: str) -> list[dict[str, Any]]:
     """Load ``step`` from each root into a zeroed FSDP2 model at this world size; compare every local shard
     with the reference bit-exactly. One report per root: the keys that differ, how many, the items loaded."""
-    from dcp_storage.testing.compare import local_slice, same_bits
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage_testing.compare import local_slice, same_bits
+    from dcp_storage_testing.models import reference_state_dict
 
     reference = reference_state_dict(SEED, **SHAPE)
     reports = []

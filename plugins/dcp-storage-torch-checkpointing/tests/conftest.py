@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-# Before anything imports gcsfs: plain GCSFileSystem for gs:// (see dcp_storage.testing.gcs_server).
+# Before anything imports gcsfs: plain GCSFileSystem for gs:// (see dcp_storage_testing.gcs_server).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import contextlib
@@ -22,9 +22,9 @@ from typing import Any
 
 import fsspec
 import pytest
-from dcp_storage.testing.gcs_server import FakeGcsServer, FakeGcsServerError
-from dcp_storage.testing.s3_server import MotoS3Server, MotoServerError
-from dcp_storage.testing.serving import serving
+from dcp_storage_testing.gcs_server import FakeGcsServer, FakeGcsServerError
+from dcp_storage_testing.s3_server import MotoS3Server, MotoServerError
+from dcp_storage_testing.serving import serving
 
 BACKENDS = ("local", "memory", "s3", "gs")
 _NO_CACHES = {"skip_instance_cache": True, "use_listings_cache": False}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 from torch_checkpointing import CheckpointManager
 from torch_checkpointing.config import SyncCheckpointSaverConfig
 

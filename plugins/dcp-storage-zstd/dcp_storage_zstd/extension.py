@@ -5,7 +5,7 @@ lives there, so a reader parses it without decoding a whole frame), then frames 
 uncompressed bytes (the last one shorter), each compressed on its own (with its content size and checksum), and followed by a seek table
 (:mod:`.seek_table`). The whole stream is valid zstd, so ``transform_from`` (torch's readers, and ours for
 items read whole) simply decodes it; dcp-storage's reader also uses the
-:class:`~dcp_storage.formats.dcp_native.seekable.SeekableTransform` methods to fetch and decode only the
+:class:`~dcp_storage.formats.dcp_native.records.SeekableTransform` methods to fetch and decode only the
 frames covering the slice a rank needs.
 """
 

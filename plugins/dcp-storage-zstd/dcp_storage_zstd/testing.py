@@ -1,6 +1,6 @@
 """Rank bodies for the plugin's multi-process tests and benchmark.
 
-:func:`dcp_storage.testing.distributed.run_ranks` starts ranks from a forkserver and unpickles these
+:func:`dcp_storage_testing.distributed.run_ranks` starts ranks from a forkserver and unpickles these
 functions by module and name, so they live in this importable module rather than in ``tests/``. Each rank
 rebuilds the seeded reference weights itself and checks its own shard bit-exactly; only small reports
 (mismatching keys, byte counts, seconds) come back.
@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import torch
-from dcp_storage.testing.compare import same_bits
+from dcp_storage_testing.compare import same_bits
 
 __all__ = ["load_resharded", "make_extension", "run_all", "same_bits", "save_fsdp2"]
 
@@ -47,7 +47,7 @@ def save_fsdp2(
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from dcp_storage import FsspecWriter
-    from dcp_storage.testing.models import build_model, fsdp2_shard
+    from dcp_storage_testing.models import build_model, fsdp2_shard
 
     model = fsdp2_shard(build_model(seed, getattr(torch, dtype), **shape))
     writer = FsspecWriter(path, extensions=make_extension(extension, options))
@@ -76,7 +76,7 @@ def load_resharded(
     import torch.distributed.checkpoint as dcp
     from dcp_storage import FsspecReader
     from dcp_storage.plugin_api import DcpLoaderConfig
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage_testing.models import reference_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

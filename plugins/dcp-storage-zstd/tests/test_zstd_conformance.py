@@ -1,4 +1,4 @@
-"""The core's storage conformance suite (:mod:`dcp_storage.testing.conformance`) with every DCP save
+"""The core's storage conformance suite (:mod:`dcp_storage_testing.conformance`) with every DCP save
 compressed by the zstd extension: on a local directory and on ``memory://``, round trips stay bit-exact,
 overwrite and error rules hold (the multi-rank test's rank bodies save without extensions, so it checks the
 backend only)."""
@@ -15,7 +15,7 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_storage.testing.conformance import Location, StorageConformance, stored, tensor_bytes
+from dcp_storage_testing.conformance import Location, StorageConformance, stored, tensor_bytes
 
 from dcp_storage_zstd import ZstdSeekable
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage_testing.distributed import run_ranks
 
 from dcp_storage_zstd.testing import run_all
 

@@ -14,8 +14,9 @@ def save_and_reshard(rank: int, world: int, root: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from dcp_storage.formats.dcp_native.lazy_metadata import columns_of
-    from dcp_storage.storage import FsspecReader, FsspecWriter
+    from dcp_storage.formats.dcp_native.native import columns_of
+    from dcp_storage.formats.dcp_native.reader import FsspecReader
+    from dcp_storage.formats.dcp_native.writer import FsspecWriter
 
     mesh = init_device_mesh("cpu", (world,))
     full = {f"w{k}": torch.arange(24 * 6, dtype=torch.float32).reshape(24, 6) * (k + 1) for k in range(3)}

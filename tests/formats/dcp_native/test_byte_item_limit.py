@@ -78,7 +78,7 @@ def test_an_8_gib_byte_item_in_a_sparse_file_is_refused_before_any_allocation(tm
 
 
 def test_a_raised_setting_reaches_the_item_and_a_bad_one_is_named(tmp_path: Path) -> None:
-    from dcp_storage.formats.limits import BYTE_ITEM
+    from dcp_storage.formats.paths import BYTE_ITEM
 
     ckpt = tmp_path / "ok"
     dcp.save({"step": 7}, checkpoint_id=str(ckpt), no_dist=True)

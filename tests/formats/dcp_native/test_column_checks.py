@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_storage.formats.dcp_native.column_checks import columns_sound
 from dcp_storage.formats.dcp_native.columns import MetadataColumns, columns_from_metadata, metadata_from_columns
 from dcp_storage.formats.dcp_native.metadata_checks import metadata_problems
-from dcp_storage.formats.limits import MAX_BYTES
+from dcp_storage.formats.paths import MAX_BYTES
 
 CAP = 256  # DCP_STORAGE_MAX_BROADCAST_BYTES in these tests: broadcast totals just under and over it
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.bool, torch.complex64]

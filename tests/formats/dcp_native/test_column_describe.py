@@ -16,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_storage import FsspecWriter, describe
 from dcp_storage.cli import main
-from dcp_storage.formats.dcp_native.column_table import ColumnTensors
+from dcp_storage.formats.dcp_native.columns import ColumnTensors
 from dcp_storage.formats.reports import TensorRows
-from dcp_storage.testing.columns import columns_forced, synthetic_checkpoint
+from dcp_storage_testing.columns import columns_forced, synthetic_checkpoint
 
 
 @pytest.fixture(autouse=True)

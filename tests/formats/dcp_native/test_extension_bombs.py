@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_storage import CorruptCheckpointError, FsspecReader, FsspecWriter
+from dcp_storage import FsspecReader, FsspecWriter
+from dcp_storage.errors import CorruptCheckpointError
 
 zstandard = pytest.importorskip("zstandard")
 ZStandard = pytest.importorskip("torch.distributed.checkpoint._extension").ZStandard

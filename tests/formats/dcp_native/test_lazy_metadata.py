@@ -28,11 +28,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_storage.formats.dcp_native import metadata_io
+from dcp_storage.formats.dcp_native import native as metadata_io
 from dcp_storage.formats.dcp_native.columns import columns_from_metadata, metadata_from_columns
-from dcp_storage.formats.dcp_native.lazy_metadata import StateDictView, StorageDataView, columns_of, lazy_metadata
-from dcp_storage.storage import FsspecReader, FsspecWriter
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage.formats.dcp_native.native import StateDictView, StorageDataView, columns_of, lazy_metadata
+from dcp_storage.formats.dcp_native.reader import FsspecReader
+from dcp_storage.formats.dcp_native.writer import FsspecWriter
+from dcp_storage_testing.distributed import run_ranks
 
 from . import _lazy_rank_fns
 
@@ -156,7 +157,7 @@ def _zeros(state: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.usefixtures("lazy")
 @pytest.mark.parametrize("planner", ["torch", "ours"])
 def test_dcp_load_through_views(tmp_path: Path, planner: str) -> None:
-    from dcp_storage import RemappingLoadPlanner
+    from dcp_storage.planners import RemappingLoadPlanner
 
     root, state = _saved(tmp_path)
     assert columns_of(FsspecReader(root).read_metadata()) is not None  # the views are what the load gets

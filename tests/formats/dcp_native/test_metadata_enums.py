@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage.errors import UnsafeCheckpointError
-from dcp_storage.formats.dcp_native.metadata_io import load_metadata
+from dcp_storage.formats.dcp_native.native import load_metadata
 
 WHERE = "s3://bucket/ckpt/.metadata"
 

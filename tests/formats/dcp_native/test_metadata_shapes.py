@@ -15,8 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from dcp_storage import CorruptCheckpointError, FsspecWriter, describe
-from dcp_storage.formats.limits import checked_nbytes
+from dcp_storage import FsspecWriter, describe
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.paths import checked_nbytes
 
 SHAPES = [[2**62] * 80_000, [2**62] * 80_000 + [0]]
 
@@ -60,7 +61,7 @@ def _one_entry_under_many_keys(chunks: int, keys: int) -> bytes:
 def test_one_entry_under_many_keys_is_refused_at_once(monkeypatch: pytest.MonkeyPatch, decoder: str) -> None:
     """100 KB naming 3 million chunks: refused in well under a second, not checked chunk by chunk (minutes,
     and a message per chunk without a storage entry: gigabytes)."""
-    from dcp_storage.formats.dcp_native.metadata_io import load_metadata
+    from dcp_storage.formats.dcp_native.native import load_metadata
 
     monkeypatch.setenv("DCP_STORAGE_METADATA_DECODER", decoder)
     data = _one_entry_under_many_keys(1000, 3000)

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from dcp_storage.errors import CorruptCheckpointError, UnsafeCheckpointError
-from dcp_storage.formats.dcp_native import record_pickle, torch_record
-from dcp_storage.formats.dcp_native.record_pickle import decode_tensor_pickle
+from dcp_storage.formats.dcp_native import records as record_pickle
+from dcp_storage.formats.dcp_native import torch_record
+from dcp_storage.formats.dcp_native.records import decode_tensor_pickle
 from dcp_storage.formats.dcp_native.torch_record import UnsupportedRecord, parse_tensor_record
 from dcp_storage.safe_unpickle import safe_loads
 

@@ -19,17 +19,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_storage import (
-    NonTensorStateError,
-    UnsafeCheckpointError,
-    UnsupportedDtypeError,
-    convert,
-    describe,
-    open_reader,
-    open_writer,
-    registry,
-    verify,
-)
+from dcp_storage import convert, describe, open_reader, open_writer, registry, verify
+from dcp_storage.errors import NonTensorStateError, UnsafeCheckpointError, UnsupportedDtypeError
 from dcp_storage.inspection import FileInfo
 from dcp_storage.plugin_api import FormatSpec, TargetError
 from tests.cli._helpers import cli_env, run_batch

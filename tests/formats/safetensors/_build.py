@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dcp_storage.formats.safetensors.dtypes import TORCH_TO_SAFETENSORS
+from dcp_storage.formats.safetensors.header import TORCH_TO_SAFETENSORS
 
 
 def blob(header: Any, data: bytes = b"", *, length: int | None = None) -> bytes:

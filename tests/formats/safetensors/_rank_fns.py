@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dcp_storage.testing.compare import same_bits
+from dcp_storage_testing.compare import same_bits
 
 from ._build import torch_reference
 

@@ -24,9 +24,9 @@ from dcp_storage.formats.safetensors.header import (
     parse_header,
     saved_offsets,
 )
-from dcp_storage.formats.safetensors.layout import check_relative, looks_like_safetensors, parse_index
+from dcp_storage.formats.safetensors.metadata import check_relative, looks_like_safetensors, parse_index
 from dcp_storage.inspection.checks import verify
-from dcp_storage.testing.compare import raw_bytes
+from dcp_storage_testing.compare import raw_bytes
 
 from ._build import blob, entry, every_dtype_tensors
 

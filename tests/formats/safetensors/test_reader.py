@@ -29,11 +29,11 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from dcp_storage import SafetensorsReader
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, WrongFormatError
-from dcp_storage.formats.safetensors.scan import ScanConfig
-from dcp_storage.storage import FsspecWriter
-from dcp_storage.testing.compare import same_bits
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.s3_server import MotoS3Server
+from dcp_storage.formats.dcp_native.writer import FsspecWriter
+from dcp_storage.formats.safetensors.loader import SafetensorsScanConfig
+from dcp_storage_testing.compare import same_bits
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.s3_server import MotoS3Server
 
 from . import _rank_fns as R
 from ._build import every_dtype_tensors, torch_reference
@@ -193,7 +193,7 @@ def test_a_plain_load_reads_headers_in_one_request_per_file(ckpts: Checkpoints) 
 def test_headers_longer_than_the_probe_take_a_second_request(ckpts: Checkpoints) -> None:
     url, _ = ckpts.url(SOURCES["hf_sharded"], "local")
     whole = SafetensorsReader(url).read_metadata()
-    reader = SafetensorsReader(url, scan_config=ScanConfig(probe_bytes=64))
+    reader = SafetensorsReader(url, scan_config=SafetensorsScanConfig(probe_bytes=64))
     assert reader.read_metadata().state_dict_metadata == whole.state_dict_metadata
     assert reader.counters["requests"] == 1 + 2 * 3  # the index, then two reads per shard
 

@@ -9,7 +9,7 @@ import fsspec
 import torch
 from safetensors.torch import load as st_load
 
-from dcp_storage.testing.compare import same_bits
+from dcp_storage_testing.compare import same_bits
 
 
 def mismatches(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:

@@ -19,7 +19,7 @@ MAX_SHARD = 1_000_000  # several files for the model above
 
 def shard1_reference() -> dict[str, torch.Tensor]:
     """The model's weights (some in bf16), plus tensors that exercise uneven, empty and replicated shards."""
-    from dcp_storage.testing.models import reference_state_dict
+    from dcp_storage_testing.models import reference_state_dict
 
     ref = reference_state_dict(SEED, **SHAPE)
     for key in list(ref)[::3]:
@@ -103,7 +103,7 @@ def save_all(
     """Every 2-rank save of the module, local and S3, then the failure cases."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dcp_storage.testing.models import build_model, fsdp2_shard
+    from dcp_storage_testing.models import build_model, fsdp2_shard
 
     mesh = init_device_mesh("cpu", (world,))
     fsdp2_sd = fsdp2_shard(build_model(SEED, **SHAPE)).state_dict()

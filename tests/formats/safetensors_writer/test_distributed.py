@@ -18,9 +18,9 @@ import fsspec
 import pytest
 import torch
 
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.models import reference_state_dict
-from dcp_storage.testing.s3_server import MotoS3Server
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.models import reference_state_dict
+from dcp_storage_testing.s3_server import MotoS3Server
 
 from . import _rank_fns as R
 from ._helpers import mismatches, read_checkpoint

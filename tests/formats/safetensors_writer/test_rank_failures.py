@@ -19,9 +19,9 @@ from typing import Any
 
 import fsspec
 
-from dcp_storage.testing.compare import same_bits
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.s3_server import MotoS3Server
+from dcp_storage_testing.compare import same_bits
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.s3_server import MotoS3Server
 
 from . import _rank_failure_fns as F
 from ._helpers import read_checkpoint

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_storage import SafetensorsWriter
 from dcp_storage.errors import CheckpointExistsError, DcpStorageError, NonTensorStateError, UnsupportedDtypeError
-from dcp_storage.formats.safetensors.dtypes import SAFETENSORS_TO_TORCH
-from dcp_storage.testing.compare import same_bits
+from dcp_storage.formats.safetensors.header import SAFETENSORS_TO_TORCH
+from dcp_storage_testing.compare import same_bits
 
 from ._helpers import mismatches, read_checkpoint
 

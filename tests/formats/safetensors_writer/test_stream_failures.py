@@ -12,8 +12,8 @@ from typing import Any
 
 import fsspec
 
-from dcp_storage.testing.distributed import run_ranks
-from dcp_storage.testing.s3_server import MotoS3Server
+from dcp_storage_testing.distributed import run_ranks
+from dcp_storage_testing.s3_server import MotoS3Server
 
 from . import _stream_failure_fns as F
 

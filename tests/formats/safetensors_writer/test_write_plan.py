@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from dcp_storage.formats.safetensors.dtypes import SAFETENSORS_TO_TORCH
 from dcp_storage.formats.safetensors.encode import HeaderEntry, data_order, encode_header, tensor_bytes
+from dcp_storage.formats.safetensors.header import SAFETENSORS_TO_TORCH
 from dcp_storage.formats.safetensors.write_plan import TensorSpec, chunk_runs, pack_files, parse_size
-from dcp_storage.testing.compare import raw_bytes as raw
+from dcp_storage_testing.compare import raw_bytes as raw
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_header_and_order_match_safetensors_byte_for_byte() -> None:
 
 
 def _st_name(dtype: torch.dtype) -> str:
-    from dcp_storage.formats.safetensors.dtypes import safetensors_dtype
+    from dcp_storage.formats.safetensors.header import safetensors_dtype
 
     name = safetensors_dtype(dtype)
     assert name is not None

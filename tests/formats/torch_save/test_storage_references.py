@@ -126,8 +126,8 @@ def test_values_repeating_one_storage_are_bounded_like_broadcast_views(
     w = torch.ones(256 * 1024)  # 1 MiB
     path = tmp_path / "values.pt"
     torch.save({"w": w, **{f"v{i}": (w, i) for i in range(3)}}, path)
-    ds.torch_save_to_dcp(str(path), str(tmp_path / "ok"))  # 3 copies of 1 MiB: within 1 MiB + 4 MiB
+    ds.conversion.torch_save_to_dcp(str(path), str(tmp_path / "ok"))  # 3 copies of 1 MiB: within 1 MiB + 4 MiB
     torch.save({"w": w, **{f"v{i}": (w, i) for i in range(12)}}, path)
     with pytest.raises(CorruptCheckpointError, match="DCP_STORAGE_MAX_BROADCAST_BYTES") as caught:
-        ds.torch_save_to_dcp(str(path), str(tmp_path / "bomb"))
+        ds.conversion.torch_save_to_dcp(str(path), str(tmp_path / "bomb"))
     assert str(path) in str(caught.value) and "'v" in str(caught.value)

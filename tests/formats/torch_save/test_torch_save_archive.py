@@ -28,12 +28,12 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from dcp_storage import BroadcastingTorchSaveReader
 from dcp_storage.errors import CorruptCheckpointError, ShapeMismatchError, UnsafeCheckpointError
-from dcp_storage.formats.tensor_reads import plan_slice_read, read_slices
+from dcp_storage.formats.reading import plan_slice_read, read_slices
 from dcp_storage.formats.torch_save import TorchSaveArchive, UnsupportedFormatError
 from dcp_storage.formats.torch_save.pickle_tree import LegacyNeedsMoreBytes, scan_legacy
 from dcp_storage.planners import IncompatibleKeysError
-from dcp_storage.testing.s3_server import S3Location
 from dcp_storage.transports import FsspecTransport
+from dcp_storage_testing.s3_server import S3Location
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

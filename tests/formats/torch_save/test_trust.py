@@ -20,9 +20,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_storage import BroadcastingTorchSaveReader, FsspecReader, UnsafeCheckpointError, convert, torch_save_to_dcp
-from dcp_storage.formats.dcp_native.item_loader import ItemLoaderConfig
-from dcp_storage.testing.distributed import run_ranks
+from dcp_storage import BroadcastingTorchSaveReader, FsspecReader, convert
+from dcp_storage.conversion import torch_save_to_dcp
+from dcp_storage.errors import UnsafeCheckpointError
+from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
+from dcp_storage_testing.distributed import run_ranks
 
 ARGS = argparse.Namespace(lr=0.1, name="run-7", sizes=[1, 2])
 
@@ -123,7 +125,7 @@ def test_torch_save_to_dcp_with_trust(path: str, tmp_path: Path) -> None:
     out = str(tmp_path / "dcp")
     torch_save_to_dcp(path, out, trust=True)
     state = _blank()
-    reader = FsspecReader(out, loader_config=ItemLoaderConfig(trust_byte_items=True))
+    reader = FsspecReader(out, loader_config=DcpLoaderConfig(trust_byte_items=True))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, storage_reader=reader, no_dist=True)

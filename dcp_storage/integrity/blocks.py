@@ -1,0 +1,356 @@
+"""Checking a slice read by the checksums that cover it: record blocks, or the zip CRC-32 of a whole tensor.
+
+A rank that reads only its slice of a record cannot check the record's checksum, which covers all of it.
+Our writers also record a digest per block of :data:`~.checksums.BLOCK_SIZE` bytes from each record's start
+(:mod:`.manifest`); a slice read is widened to the blocks that cover it (:meth:`Cover.covering`, at most a
+block more on each side, often coalesced with a neighbour's read anyway), and every covering block is
+hashed before the slice is delivered. A record of one block is its own block: its digest is the record's.
+
+A checkpoint without block digests (torch's writer, an older dcp-storage) still carries the zip CRC-32 of
+each tensor's storage in the data descriptor that follows it: a rank that reads a whole tensor reads those
+16-24 bytes too and checks the CRC (:class:`DataCrc`). A slice of such a checkpoint has nothing covering
+it and is delivered unchecked (the load's debug log says so).
+
+Every mismatch raises :class:`~dcp_storage.errors.CorruptCheckpointError` naming the file, the byte
+range, the keys stored there and what to do, before any byte reaches the destination's owner.
+
+Checking records against their recorded checksums while a reader loads them.
+
+A reader with ``verify`` fetches every record it touches whole (the resharding path would read only
+slices, which cannot be checked), hashes it, and decodes from those same bytes, so what lands in the
+destination is exactly what was checked. Records are fetched in batches of at most ``budget`` bytes (the
+loader's staging limit, or one record if larger), so memory stays bounded however much a rank loads.
+
+Carrying each record's checksum from the rank that wrote it to the coordinator's ``finish``.
+
+``WriteResult.storage_data`` travels to the coordinator by pickle; :class:`ChecksummedStorage` wraps
+torch's ``_StorageInfo`` with the record's checksum on the way and is unwrapped in ``finish``, so
+``.metadata`` holds plain ``_StorageInfo`` objects that torch's readers (and its allow-list) accept.
+
+Provenance of a checkpoint for ``inspect``: format, writer, extensions and checksum algorithm.
+
+What every format's checksum checks share: the piece size they read in, and the note for no checksums.
+
+A deep check reads each file sequentially in pieces of at most :data:`PIECE_BYTES`, so memory stays
+bounded whatever the file size; a checkpoint whose writer recorded no checksums gets one note saying that
+bit flips in its tensor data cannot be detected (naming the writer when the checkpoint says who it was).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.integrity.checksums import Hasher, checksum, crc32, mismatch, new_hasher
+from dcp_storage.integrity.manifest import Manifest
+
+__all__ = [
+    "BlockCover",
+    "ChecksummedStorage",
+    "Cover",
+    "DataCrc",
+    "FIX",
+    "PIECE_BYTES",
+    "RecordVerifier",
+    "batches_by_bytes",
+    "key_name",
+    "manifest_provenance",
+    "no_checksums_note",
+    "unwrap_results",
+]
+
+
+FIX = (
+    "restore the file from a good copy or re-save the checkpoint; if the storage returned wrong bytes, retry the "
+    "load (verify=False loads it unchecked, which is not advised)"
+)
+
+
+class Cover(Protocol):
+    """What checks a slice read: the byte range to read around ``[lo, hi)``, and the check of those bytes."""
+
+    def covering(self, lo: int, hi: int) -> tuple[int, int]: ...
+
+    def check(self, start: int, pieces: Sequence[Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class BlockCover:
+    """The blocks of one record ``[start, start + length)`` of a file, and their recorded digests.
+
+    Blocks are ``block_size`` bytes from the record's start, or, with ``first``, a first block of ``first``
+    bytes (the record's header) and ``block_size`` blocks after it (aligned to the tensor's elements).
+    """
+
+    start: int  # the record's first byte in its file
+    length: int
+    block_size: int
+    digests: tuple[str, ...]
+    algorithm: str
+    where: str  # the file's URL and the keys the record holds, for errors
+    first: int = 0
+
+    def _index(self, pos: int) -> int:
+        rel = pos - self.start
+        if self.first:
+            return 0 if rel < self.first else 1 + (rel - self.first) // self.block_size
+        return rel // self.block_size
+
+    def _bounds(self, index: int) -> tuple[int, int]:
+        """The absolute byte range of block ``index``."""
+        if self.first:
+            lo = 0 if index == 0 else self.first + (index - 1) * self.block_size
+            hi = self.first if index == 0 else lo + self.block_size
+        else:
+            lo = index * self.block_size
+            hi = lo + self.block_size
+        return self.start + lo, self.start + min(hi, self.length)
+
+    def covering(self, lo: int, hi: int) -> tuple[int, int]:
+        """The absolute byte range of the blocks that cover ``[lo, hi)``."""
+        return self._bounds(self._index(lo))[0], self._bounds(self._index(hi - 1))[1]
+
+    def block_ends(self, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        """``[lo, hi)`` cut at block boundaries: ``(start, end, whole)``, ``whole`` when the piece is a block."""
+        out = []
+        pos = lo
+        while pos < hi:
+            block_lo, block_hi = self._bounds(self._index(pos))
+            end = min(block_hi, hi)
+            out.append((pos, end, pos == block_lo and end == block_hi))
+            pos = end
+        return out
+
+    def check(self, start: int, pieces: Sequence[Any]) -> None:
+        """Hash the consecutive ``pieces`` that tile whole blocks from ``start`` (a block boundary)."""
+        index = self._index(start)
+        hasher, left = None, 0
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            pos = 0
+            while pos < view.nbytes:
+                if hasher is None:
+                    hasher = new_hasher(self.algorithm)
+                    lo, hi = self._bounds(index)
+                    left = hi - lo
+                n = min(left, view.nbytes - pos)
+                hasher.update(view[pos : pos + n])
+                pos += n
+                left -= n
+                if left == 0:
+                    self._compare(index, hasher.hexdigest())
+                    hasher, index = None, index + 1
+        if hasher is not None:
+            raise ValueError(f"{self.where}: the pieces end inside block {index}")
+
+    def check_block(self, lo: int, data: Any) -> None:
+        """Check the one whole block that starts at ``lo`` (run where its bytes land, while in cache)."""
+        hasher = new_hasher(self.algorithm)
+        hasher.update(data)
+        self._compare(self._index(lo), hasher.hexdigest())
+
+    def _compare(self, index: int, got: str) -> None:
+        recorded = self.digests[index]
+        if got != recorded:
+            lo, hi = self._bounds(index)
+            raise CorruptCheckpointError(
+                f"{self.where}: bytes [{lo}, {hi}) (block {index} of the record): {mismatch(self.algorithm, recorded)}; "
+                f"the bytes read are not those written; {FIX}"
+            )
+
+
+_DESCRIPTOR = b"PK\x07\x08"
+DESCRIPTOR_BYTES = 24  # signature, CRC-32 and two 8-byte sizes (zip64); 16 with 4-byte sizes
+
+
+@dataclass(frozen=True)
+class DataCrc:
+    """The zip CRC-32 of a tensor's whole storage entry ``[data_start, data_start + nbytes)`` in its file,
+    read from the data descriptor that follows it (torch's zip writer streams its entries)."""
+
+    data_start: int
+    nbytes: int
+    record_end: int
+    where: str
+
+    def covering(self, lo: int, hi: int) -> tuple[int, int]:
+        return lo, min(hi + DESCRIPTOR_BYTES, self.record_end)
+
+    def check(self, start: int, pieces: Sequence[Any]) -> None:
+        if len(pieces) == 1:  # the covering range in one buffer
+            buf = memoryview(pieces[0]).cast("B")
+            at = self.data_start - start
+            data, tail = buf[at : at + self.nbytes], buf[at + self.nbytes :]
+        else:  # (bytes before the tensor, the tensor, the bytes after it)
+            data, tail = (memoryview(p).cast("B") for p in pieces[1:3])
+        recorded = _descriptor_crc(bytes(tail), self.nbytes)
+        if recorded is None:  # no descriptor: the CRC is in the headers we did not parse; nothing to check
+            return
+        if crc32(data) != recorded:
+            raise CorruptCheckpointError(
+                f"{self.where}: the tensor's bytes [{self.data_start}, {self.data_start + self.nbytes}) fail their zip "
+                f"CRC-32 (recorded {recorded:08x}): the bytes read are not those written; {FIX}"
+            )
+
+
+def _descriptor_crc(tail: bytes, nbytes: int) -> int | None:
+    """The CRC-32 of a data descriptor at the start of ``tail`` for an entry of ``nbytes``, if it is one."""
+    if tail[:4] != _DESCRIPTOR:
+        return None
+    for fmt in ("<QQ", "<II"):
+        end = 8 + struct.calcsize(fmt)
+        if len(tail) >= end and struct.unpack_from(fmt, tail, 8) == (nbytes, nbytes):
+            return int(struct.unpack_from("<I", tail, 4)[0])
+    return None
+
+
+_MAX_KEYS_NAMED = 5
+
+
+def key_name(index: Any) -> str:
+    """``'fqn'``, or ``'fqn' (chunk at [o, ...])`` for a shard that does not start at the origin."""
+    offsets = [int(o) for o in (index.offset or ())]
+    return repr(index.fqn) + (f" (chunk at {offsets})" if any(offsets) else "")
+
+
+def _keys(keys: Sequence[str]) -> str:
+    shown = ", ".join(keys[:_MAX_KEYS_NAMED])
+    return shown + (f" and {len(keys) - _MAX_KEYS_NAMED} more" if len(keys) > _MAX_KEYS_NAMED else "")
+
+
+class RecordVerifier:
+    """Checks whole records ``(file, offset, length)`` against a manifest's checksums.
+
+    ``keys`` maps a record to the state-dict keys stored there (for the error); ``url_of`` turns a
+    checkpoint-relative file name into the URL to report.
+    """
+
+    def __init__(self, manifest: Manifest, url_of: Callable[[str], str], keys: dict[tuple[str, int, int], list[str]]):
+        if manifest.algorithm is None:
+            raise ValueError("RecordVerifier needs a manifest with checksums")
+        self.manifest = manifest
+        self.algorithm = manifest.algorithm
+        self.url_of = url_of
+        self.keys = keys
+        self.checked = 0
+        self.checked_bytes = 0
+
+    @classmethod
+    def for_storage(cls, manifest: Manifest, url_of: Callable[[str], str], storage: dict[Any, Any]) -> RecordVerifier:
+        keys: dict[tuple[str, int, int], list[str]] = {}
+        for index, info in storage.items():
+            rec = (info.relative_path, int(info.offset), int(info.length))
+            keys.setdefault(rec, []).append(key_name(index))
+        return cls(manifest, url_of, keys)
+
+    def check(self, file: str, offset: int, length: int, data: Any) -> None:
+        """Raise :class:`CorruptCheckpointError` (URL, file, byte range, keys) unless ``data`` matches."""
+        self.check_digest(file, offset, length, checksum(data, self.algorithm))
+
+    def hasher(self) -> Hasher:
+        """A fresh incremental hasher of the manifest's algorithm (to hash a record read in pieces)."""
+        return new_hasher(self.algorithm)
+
+    def check_digest(self, file: str, offset: int, length: int, got: str) -> None:
+        """Like :meth:`check`, for a record the caller hashed (in pieces): ``got`` is its hex digest."""
+        where = f"{self.url_of(file)} bytes [{offset}, {offset + length})"
+        keys = _keys(self.keys.get((file, offset, length), []))
+        expected = self.manifest.item(file, offset, length)
+        if expected is None:
+            raise CorruptCheckpointError(
+                f"{where} (holding {keys or 'unknown keys'}): the manifest records no checksum for this record; the "
+                "metadata and the manifest disagree"
+            )
+        if got != expected.digest:
+            raise CorruptCheckpointError(
+                f"{where} (holding {keys or 'unknown keys'}): {mismatch(self.algorithm, expected.digest)}: the stored "
+                f"bytes changed after they were written, or the storage returned other bytes; {FIX}"
+            )
+        self.checked += 1
+        self.checked_bytes += length
+
+
+def batches_by_bytes(items: Iterable[Any], size_of: Callable[[Any], int], budget: int) -> Iterator[list[Any]]:
+    """Consecutive groups of ``items`` whose sizes add up to at most ``budget`` (or a single larger item)."""
+    batch: list[Any] = []
+    total = 0
+    for item in items:
+        n = size_of(item)
+        if batch and total + n > budget:
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += n
+    if batch:
+        yield batch
+
+
+@dataclass(frozen=True)
+class ChecksummedStorage:
+    """A record's ``_StorageInfo`` plus ``(algorithm, digest)`` of its stored bytes, and its block digests."""
+
+    info: Any
+    algorithm: str
+    digest: str
+    blocks: tuple[str, ...] = ()
+    first_block: int = 0  # the length of a short first block (the record's header), 0 for none
+    block_size: int = 0  # of its blocks (0: the manifest's)
+
+
+def unwrap_results(
+    results: Iterable[Iterable[Any]],
+) -> tuple[dict[Any, Any], list[tuple[Any, ...]], set[str]]:
+    """``{index: _StorageInfo}``, the ``(file, offset, length, digest, blocks, first_block)`` records and the algorithms seen."""
+    storage: dict[Any, Any] = {}
+    records: list[tuple[Any, ...]] = []
+    algorithms: set[str] = set()
+    for rank_results in results:
+        for wr in rank_results:
+            data = wr.storage_data
+            if isinstance(data, ChecksummedStorage):
+                info = data.info
+                blocks = getattr(data, "blocks", ())  # pickled by an older dcp-storage: none
+                first, size = getattr(data, "first_block", 0), getattr(data, "block_size", 0)
+                records.append(
+                    (info.relative_path, int(info.offset), int(info.length), data.digest, blocks, first, size)
+                )
+                algorithms.add(data.algorithm)
+                data = info
+            storage[wr.index] = data
+    return storage, records, algorithms
+
+
+def manifest_provenance(manifest: Manifest | None) -> dict[str, Any]:
+    """A JSON-ready summary of ``manifest`` (empty when there is none)."""
+    if manifest is None:
+        return {}
+    return {
+        "format": manifest.format,
+        "writer": manifest.writer,
+        "extensions": [
+            {"descriptor": e.descriptor, "distribution": e.distribution, "version": e.version}
+            for e in manifest.extensions
+        ],
+        "checksums": manifest.algorithm,
+        "checksummed_records": sum(len(f.items) for f in manifest.files.values()),
+    }
+
+
+PIECE_BYTES = 16 * 1024 * 1024
+
+
+def no_checksums_note(writer: str | None, zip_crcs: bool = False) -> str:
+    """The note for a checkpoint without checksums of ours; ``zip_crcs``: its records carry zip CRC-32s."""
+    who = f"its writer ({writer})" if writer else "its writer (not dcp-storage, e.g. torch's)"
+    if zip_crcs:
+        return (
+            f"no checksums recorded: {who} recorded none; the zip CRC-32 of each record is checked by --deep and by "
+            "loads that read a whole tensor or record, but a slice read alone (resharding) is not checked"
+        )
+    return (
+        f"no checksums recorded: {who} recorded none, and the format carries none: bit flips inside tensor data "
+        "cannot be detected (loads check the header only)"
+    )

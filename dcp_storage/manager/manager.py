@@ -1,0 +1,434 @@
+"""The coordinator decides, every rank gets its answer: the library's one coordinator broadcast.
+
+Without a process group (one process) the function just runs. With one, rank 0 of ``group`` runs it and
+every rank gets its value, or raises its error
+(:func:`~dcp_storage.strategies.collectives.share_object`), so no rank goes on alone after a failure
+and no collective hangs waiting for it. ``location`` (the manager's root) makes a rank given another root
+raise instead of acting on the coordinator's answer about a different root.
+
+The one save in flight: a background job, its error kept until the next ``save``/``wait``/``close``.
+
+A job is a callable that runs the whole save of one step (staged state in, durable step out) on the
+manager's single worker thread, so at most one save runs at a time and a new one first waits for the
+one before. Its exception is never swallowed: :meth:`InFlight.settle` raises it once, and records the
+step as failed (its folder is torn: the next save removes it, and it never counts as a step).
+
+``CheckpointManager``: the save/restore loop of a training job, over ``root/step-<N>/`` folders.
+
+Call order (every rank calls every method, in the same order, as with ``dcp.save``/``dcp.load``):
+
+1. ``CheckpointManager(root, ...)``: the coordinator (rank 0 of ``process_group``) recovers the root:
+   reconciles the index with a listing, finishes deletions a killed job left, removes torn step folders
+   no live save holds. With ``async_mode="thread"`` every rank also creates a gloo group for the saves,
+   so the background save's collectives never meet the training loop's or the manager's own.
+2. ``restore(state)``: the latest complete step (the coordinator decides, every rank gets its answer),
+   loaded in place by ``dcp.load``: at any world size, resharded.
+3. ``save(step, state)`` every step: saves when ``step % save_interval_steps == 0`` or ``force=True``.
+   It first waits for the save before (at most one in flight) and raises that save's error if it failed.
+   Async, the call blocks only while the state is copied to host memory (:mod:`.staging`); the write, the
+   commit, the index and the retention run in the background. Deletion starts only once the new step is
+   durable.
+4. ``wait()`` / ``close()`` at the end: until the last save is durable, raising its error.
+
+Who touches storage: each rank writes its own data (the writer's job); the coordinator alone lists,
+reads and writes the index, and deletes. Cleanup problems after a durable save (an index that could not
+be written, a step that could not be deleted) are warnings, not errors: the step is saved, the index is a
+cache, and the next save retries the deletion.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dcp_storage.errors import CheckpointNotFoundError
+from dcp_storage.formats.location import find_leftovers
+from dcp_storage.manager.retention import KeepPolicy, ReusingStager, _is_stateful
+from dcp_storage.manager.steps import StepRoot, scan_step, step_name
+from dcp_storage.opening import open_reader, open_writer
+from dcp_storage.strategies.collectives import share_object
+from dcp_storage.transports.access import prepare_output
+from dcp_storage.transports.factory import open_transport
+
+__all__ = ["CheckpointManager", "InFlight", "agreed", "is_coordinator"]
+
+
+T = TypeVar("T")
+
+
+def _distributed(group: Any) -> bool:
+    return group is not None and dist.is_available() and dist.is_initialized()
+
+
+def is_coordinator(group: Any) -> bool:
+    return not _distributed(group) or dist.get_rank(group) == 0
+
+
+def agreed(group: Any, fn: Callable[[], T], location: str | None = None) -> T:
+    """``fn()`` run on the coordinator of ``group``; its result (or its exception) on every rank."""
+    if not _distributed(group):
+        return fn()
+    return share_object(fn, group=group, src_rank=0, location=location)
+
+
+class InFlight:
+    """The save running in the background, if any."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._future: Future[Any] | None = None
+        self._step: int | None = None
+        self.failed: list[int] = []  # steps whose save failed, not yet cleaned up
+
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    def submit(self, step: int, job: Callable[[], Any]) -> None:
+        """Run ``job`` in the background; the caller has :meth:`settle`-d the previous one."""
+        if self._future is not None:
+            raise RuntimeError("a save is already in flight: settle() it first")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-storage-manager")
+        self._step = step
+        self._future = self._pool.submit(job)
+
+    def settle(self) -> Any:
+        """Wait for the save in flight; raise its exception (once). Returns its result, or ``None``."""
+        future, step = self._future, self._step
+        if future is None:
+            return None
+        try:
+            return future.result()
+        except BaseException:  # torch's CheckpointException is a BaseException
+            if future.done() and not future.cancelled() and future.exception() is not None and step is not None:
+                self.failed.append(step)  # the save failed (not an interrupt of this wait)
+            raise
+        finally:
+            if future.done():  # an interrupt while waiting leaves the save in flight
+                self._future = None
+                self._step = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+_log = logging.getLogger(__name__)
+_MODES = (None, "thread", "process")
+STATE_KEY = "state"  # a Stateful passed as the whole state is stored under this key
+
+
+class CheckpointManager:
+    """Save every N steps, keep the last K complete steps, resume from the latest complete one.
+
+    Args:
+        root: a local directory or URL (``s3://``, ``gs://``, ``az://``, ``memory://``, any fsspec URL);
+            each step is saved under ``root/step-<N zero-padded>/``.
+        storage_options: the filesystem's options (credentials, endpoint), as for the readers and writers.
+        keep: which complete steps survive a save (:class:`KeepPolicy`); the newest always does.
+        save_interval_steps: ``save(step)`` saves when ``step`` is a multiple of it (or ``force=True``).
+        async_mode: ``None`` saves before ``save()`` returns; ``"thread"`` copies the state to host memory
+            and writes in a background thread; ``"process"`` hands it to torch's checkpoint process
+            (``dcp.async_save(..., AsyncCheckpointerType.PROCESS)``; the script needs the
+            ``if __name__ == "__main__"`` guard).
+        writer: the format of each step: ``"dcp"`` (:class:`~dcp_storage.FsspecWriter`), ``"safetensors"``
+            (:class:`~dcp_storage.SafetensorsWriter`, non-tensor state in its extra-state file) or any
+            registered format with a writer.
+        process_group: the ranks that save together (default: the whole job). Every rank of the default
+            group must construct the manager (it may create a process group).
+        create_bucket: create the URL's bucket if it does not exist (else ``BucketNotFoundError``).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        *,
+        keep: KeepPolicy = KeepPolicy(last=3, every=None),  # noqa: B008 - frozen, so sharing it is safe
+        save_interval_steps: int = 1,
+        async_mode: str | None = None,
+        writer: str = "dcp",
+        process_group: Any = None,
+        create_bucket: bool = False,
+    ) -> None:
+        if async_mode not in _MODES:
+            raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
+        if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be a positive int, got {save_interval_steps!r}")
+        if not isinstance(keep, KeepPolicy):
+            raise TypeError(f"keep must be a KeepPolicy, got {type(keep).__name__}")
+        if not isinstance(writer, str):
+            raise TypeError(f"writer must be a format name such as 'dcp' or 'safetensors', got {type(writer).__name__}")
+        self.root = os.fspath(root).rstrip("/") or os.fspath(root)
+        self.storage_options = dict(storage_options or {})
+        self.keep = keep
+        self.save_interval_steps = save_interval_steps
+        self.async_mode = async_mode
+        self.writer = writer
+        self.create_bucket = create_bucket
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if async_mode == "process" and not self._distributed:
+            raise ValueError(
+                "async_mode='process' needs an initialized process group (torch's checkpoint process joins it): "
+                "call torch.distributed.init_process_group('gloo') first (torchrun sets the environment), or use "
+                "async_mode='thread'"
+            )
+        self._group = (process_group or dist.group.WORLD) if self._distributed else None
+        self._own_group = None
+        if self._distributed and async_mode == "thread":
+            self._own_group = dist.new_group(ranks=dist.get_process_group_ranks(self._group), backend="gloo")
+        self._save_group = self._own_group or self._group
+        self._coordinator = is_coordinator(self._group)
+        self._root: StepRoot | None = None
+        self._inflight = InFlight()
+        self._stager = ReusingStager()
+        self._closed = False
+        self.last_cleanup = None
+        self._complete: set[int] = set(agreed(self._group, self._recover, self.root))
+
+    # ------------------------------------------------------------------------------------ coordinator
+    def _store(self) -> StepRoot:
+        if self._root is None:
+            transport, path = open_transport(self.root, self.storage_options)
+            self._root = StepRoot(transport, path)
+        return self._root
+
+    def _recover(self) -> list[int]:
+        store = self._store()
+        prepare_output(store.transport, store.root, coordinator=True, create_bucket=self.create_bucket)
+        self.last_cleanup = store.recover()
+        if self.last_cleanup.held:
+            _log.info("step folders held by a live save, left in place: %s", self.last_cleanup.held)
+        return sorted(store.index.steps)
+
+    def _before_save(self, step: int) -> None:
+        """Coordinator, before a save's first byte: remove this manager's failed steps, mark ``step`` pending."""
+        store = self._store()
+        try:
+            for failed in list(self._inflight.failed):
+                store.remove_step(failed)
+                self._inflight.failed.remove(failed)
+            store.begin(step)
+        except Exception as exc:  # noqa: BLE001 - the index is a cache: the save goes on (see module docstring)
+            warnings.warn(f"{self.root}: could not prepare the index for step {step}: {exc}", stacklevel=2)
+
+    def _after_save(self, step: int, metrics: dict[str, float] | None) -> None:
+        """Coordinator, once ``step`` is durable: record it, then delete what the policy does not keep."""
+        store = self._store()
+        try:
+            if not store.commit(step, metrics):
+                warnings.warn(f"{self.root}: step {step} was saved but its commit marker is not there", stacklevel=2)
+                return
+            store.apply(self.keep)
+        except Exception as exc:  # noqa: BLE001 - the step is durable; the next save retries (module docstring)
+            warnings.warn(f"{self.root}: step {step} is saved, but cleaning up after it failed: {exc}", stacklevel=2)
+
+    # ------------------------------------------------------------------------------------ saving
+    def save(self, step: int, state: Any, *, metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
+        """Save ``state`` (a state dict, or a Stateful such as :class:`TrainState`) as ``step``.
+
+        Returns ``True`` when a save started (async: it runs on in the background), ``False`` when the
+        interval says no, or the step is already stored complete.
+        """
+        self._check_open()
+        step_name(step)  # refuses a step that is not a non-negative int
+        checked = _checked_metrics(metrics)
+        if not force and step % self.save_interval_steps != 0:
+            return False
+        self._settle()  # at most one save in flight; the previous one's error is raised here
+        if step in self._complete:
+            return False
+        app = _app_state(state)
+        url = self._step_url(step)
+        writer = self._make_writer(url)
+        if self.async_mode is None:
+            try:
+                self._run_save(step, app, writer, checked)
+            except BaseException:  # torch's CheckpointException is a BaseException
+                self._inflight.failed.append(step)
+                raise
+            self._complete.add(step)
+            return True
+        if self.async_mode == "thread":
+            flat = {k: v.state_dict() if _is_stateful(v) else v for k, v in app.items()}
+            staged = self._stager.stage(flat)  # the only part the training loop waits for
+            self._inflight.submit(step, lambda: self._run_save(step, staged, writer, checked))
+            return True
+        return self._submit_process_save(step, app, writer, checked)
+
+    def _run_save(self, step: int, state: dict[str, Any], writer: Any, metrics: dict[str, float] | None) -> int:
+        if self._coordinator:
+            self._before_save(step)
+        dcp.save(state, storage_writer=writer, process_group=self._save_group, no_dist=not self._distributed)
+        if self._coordinator:
+            self._after_save(step, metrics)
+        return step
+
+    def _submit_process_save(
+        self, step: int, app: dict[str, Any], writer: Any, metrics: dict[str, float] | None
+    ) -> bool:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+        if self._coordinator:
+            self._before_save(step)
+        response = dcp.async_save(
+            app,
+            storage_writer=writer,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            no_dist=not self._distributed,
+        )
+        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+
+        def job() -> int:
+            upload.result()
+            if self._coordinator:
+                self._after_save(step, metrics)
+            return step
+
+        self._inflight.submit(step, job)
+        return True
+
+    def _make_writer(self, url: str) -> Any:
+        options: dict[str, Any] = {}
+        if self.writer in ("dcp", "safetensors") or self.create_bucket:
+            options["create_bucket"] = self.create_bucket
+        if self.writer == "safetensors":
+            options["allow_extra_state"] = True  # optimizer and scheduler state are not all tensors
+            if self._save_group is not None and self.async_mode != "process":
+                options["process_group"] = self._save_group
+        return open_writer(url, self.writer, self.storage_options, **options)
+
+    def _step_url(self, step: int) -> str:
+        if "://" in self.root:
+            return posixpath.join(self.root, step_name(step))
+        return os.path.join(self.root, step_name(step))
+
+    def _settle(self) -> None:
+        step = self._inflight.step
+        self._inflight.settle()
+        if step is not None:
+            self._complete.add(step)
+
+    def wait(self) -> None:
+        """Until the save in flight is durable (and cleaned up after); raises its error if it failed."""
+        self._settle()
+
+    # ------------------------------------------------------------------------------------ questions
+    def latest_step(self) -> int | None:
+        """The newest complete step (``None``: none yet), the same on every rank; O(1) requests."""
+        self._check_open()
+        return agreed(self._group, lambda: self._store().latest(), self.root)
+
+    def all_steps(self) -> list[int]:
+        """Every complete step, ascending, the same on every rank."""
+        self._check_open()
+        return agreed(self._group, lambda: self._store().steps(), self.root)
+
+    def restore(self, state: Any, step: int | None = None, *, planner: Any = None) -> int:
+        """Load ``step`` (default: the latest complete one) into ``state`` in place; returns the step.
+
+        Raises :class:`~dcp_storage.errors.CheckpointNotFoundError` when the root holds no complete step,
+        :class:`~dcp_storage.errors.IncompleteCheckpointError` for a ``step`` that is not complete.
+        """
+        self._check_open()
+        self._settle()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"{self.root}: no complete step to restore from; start from scratch (check latest_step() "
+                    "for None first) or point the manager at the root that holds the checkpoints"
+                )
+        else:
+            step_name(step)
+            agreed(self._group, lambda: self._require_complete(step), self.root)
+        app = _app_state(state)
+        flat = {k: v.state_dict() if _is_stateful(v) else v for k, v in app.items()}
+        reader = open_reader(self._step_url(step), self.writer, self.storage_options)
+        dcp.load(flat, storage_reader=reader, planner=planner, process_group=self._group, no_dist=not self._distributed)
+        for key, value in app.items():  # dcp.load fills tensors in place; the rest is handed back here
+            if _is_stateful(value):
+                value.load_state_dict(flat[key])
+            elif isinstance(state, MutableMapping) and flat[key] is not value:
+                state[key] = flat[key]  # a non-tensor value (an int, a list): replaced in the caller's dict
+        return step
+
+    def _require_complete(self, step: int) -> None:
+        store = self._store()
+        folder = scan_step(store.transport, store.root, step, metrics=False)
+        if not folder.complete:
+            url = store.transport.url(store.folder(step))
+            leftovers = find_leftovers(store.transport, store.folder(step), list(folder.names))
+            if leftovers is not None:
+                raise leftovers.error()
+            raise CheckpointNotFoundError(f"{url}: no complete step {step} here; complete steps: {store.steps()}")
+
+    # ------------------------------------------------------------------------------------ the end
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), then release threads, buffers and groups."""
+        if self._closed:
+            return
+        try:
+            self._settle()
+        finally:
+            self._closed = True
+            self._inflight.close()
+            self._stager.close()
+            if self._own_group is not None:
+                dist.destroy_process_group(self._own_group)
+                self._own_group = None
+            if self._root is not None:
+                self._root.transport.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager({self.root!r}) is closed")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({self.root!r}, keep={self.keep}, save_interval_steps={self.save_interval_steps}, "
+            f"async_mode={self.async_mode!r}, writer={self.writer!r})"
+        )
+
+
+def _app_state(state: Any) -> dict[str, Any]:
+    if isinstance(state, Mapping):
+        return dict(state)
+    if _is_stateful(state):
+        return {STATE_KEY: state}
+    raise TypeError(
+        f"state must be a state dict (a Mapping) or a Stateful (state_dict and load_state_dict), got "
+        f"{type(state).__name__}; wrap a model and optimizer in dcp_storage.TrainState(model, optimizer)"
+    )
+
+
+def _checked_metrics(metrics: Mapping[str, float] | None) -> dict[str, float] | None:
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
+    out = {}
+    for key, value in metrics.items():
+        number = value.item() if hasattr(value, "item") else value
+        if not isinstance(key, str) or isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise TypeError(f"metrics: {key!r} must map a name to a number, got {type(value).__name__}")
+        out[key] = number
+    json.dumps(out)  # numbers only: always serialisable
+    return out

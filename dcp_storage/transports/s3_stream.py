@@ -1,0 +1,411 @@
+"""Streaming S3 ranged GETs straight into destination buffers (s3fs + aiobotocore).
+
+``s3fs.cat_file`` collects the response body into a fresh ``bytes`` (touching twice the data in new
+pages) and the caller copies it again; on a 2-core machine that client CPU is most of the cost
+(measured here: 0.3-0.4 GB/s with threads over ``cat_file`` vs 0.7-0.9 GB/s streaming, see
+``benchmarks/NOTES-s3-throughput.md``). This module issues the same signed ``GetObject`` through s3fs's
+own client (credentials, endpoint, ``s3_additional_kwargs`` and ``requester_pays`` all apply), checks that
+the answer is the range asked for (:mod:`.range_check`: status, ``Content-Range``, ``Content-Length``), then
+copies each body chunk into the caller's buffers as it arrives. A body cut short resumes from the first
+missing byte.
+
+Every call here goes to the botocore client directly, past s3fs's ``_error_wrapper``: the transport's own
+retry layer (:mod:`dcp_storage.transports.retry`) is the one that retries these calls, under its attempt
+count and deadline (see that module for which layer retries what). Client errors are still translated
+the way s3fs does it (``NoSuchKey`` -> ``FileNotFoundError``, ...), with the botocore error as the cause.
+
+In-progress S3 multipart uploads under a prefix: list them, abort one (s3fs's client).
+
+A writer that is killed cannot abort its multipart upload; its parts stay in the bucket, billed, until
+someone aborts it. :class:`~.s3_transport.S3Transport` offers these as the optional
+:class:`~.protocol.MultipartUploads` protocol, which ``verify`` (:mod:`dcp_storage.inspection.checks`)
+uses; other transports have no multipart uploads to list.
+
+Create-if-absent writes: the one primitive that lets exactly one of two writers win.
+
+A save claims its location by creating a small object that must not exist yet
+(:mod:`dcp_storage.formats.commit_claim`). Checking first and writing second is not enough: two writers both see
+"absent" and both write. Each store has an atomic primitive, which its transport's ``create_new`` uses
+(GCS's is in :mod:`.gcs_io`, the others here):
+
+* local disk: ``open(O_CREAT | O_EXCL)``, then the bytes. No ``fsync``: every process sees the file at
+  once, and a claim only has to outlive its save's process, not the machine (after a power loss no save
+  is running any more);
+* S3: ``PutObject`` with ``If-None-Match: *`` (``412 PreconditionFailed`` when the key exists; a
+  ``409 ConditionalRequestConflict`` while another conditional write to the key is in flight is retried);
+* GCS: an upload with ``ifGenerationMatch=0`` (``412``, which gcsfs maps to ``FileExistsError``);
+* anything else: fsspec's ``pipe_file(path, data, mode="create")``. adlfs sends ``If-None-Match: *``
+  (azurite and Azure answer ``409 BlobAlreadyExists``, adlfs raises ``FileExistsError``); ``memory://``
+  checks its store and then writes, so those calls hold a process-wide lock (the store lives in the
+  process, so the lock makes the pair atomic). A filesystem that does not implement ``mode="create"``
+  inherits fsspec's default, which checks and then writes: not atomic (a third-party filesystem's own
+  limit, stated in the README).
+
+A request retried after a lost response (the store created the object, the answer never arrived) sees its
+own object and would report "exists": ``create_new`` then compares the stored bytes with its own
+(:func:`holds`; the callers' bytes carry a random save id), so a lost response does not turn a winner
+into a loser.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fsspec.asyn import sync
+from fsspec.implementations.memory import MemoryFileSystem
+
+from dcp_storage.errors import DcpStorageError, FileTooLargeError
+from dcp_storage.transports.guards import (
+    ListingBound,
+    RangeMismatchError,
+    VersionConditionFailed,
+    check_range_answer,
+    describe_answer,
+    range_mismatch,
+)
+from dcp_storage.transports.retry import bounded_sync
+
+__all__ = [
+    "PendingUpload",
+    "ScatterSink",
+    "abort_pending",
+    "can_stream",
+    "create_local",
+    "fsspec_put_if_absent",
+    "holds",
+    "list_pending",
+    "read_object",
+    "read_object_version",
+    "s3_call",
+    "s3_put_if_absent",
+    "stream_range",
+]
+
+
+_CLIENT_HOOKS = ("loop", "set_session", "get_s3", "split_path", "_get_s3_method_kwargs")
+
+
+def can_stream(fs: Any) -> bool:
+    """Whether ``fs`` is an s3fs filesystem whose client we can call directly (reads and uploads)."""
+    return type(fs).__name__ == "S3FileSystem" and all(hasattr(fs, name) for name in _CLIENT_HOOKS)
+
+
+async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
+    """One S3 API call on s3fs's client, with s3fs's per-request options, without s3fs's retry wrapper."""
+    from botocore.exceptions import ClientError  # s3fs depends on botocore
+    from s3fs.errors import translate_boto_error
+
+    await fs.set_session()
+    client = await fs.get_s3(kwargs.get("Bucket"))
+    bound = getattr(client, method)
+    try:
+        return await bound(**fs._get_s3_method_kwargs(bound, **kwargs))
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") == "PreconditionFailed" and "IfMatch" in kwargs:
+            raise VersionConditionFailed(
+                f"{method} {kwargs.get('Key')}: the object is not the version read first"
+            ) from exc
+        translated = translate_boto_error(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
+
+
+def _client_ready(fs: Any) -> None:
+    """Build s3fs's client (once per filesystem) before a request's deadline starts counting.
+
+    Building it is local work (botocore loads its service model and endpoint rules), not a request in flight;
+    inside the deadline it took a share of the first request's time, all of it on a busy machine.
+    """
+    if getattr(fs, "_s3", None) is None:
+        sync(fs.loop, fs.set_session)
+
+
+def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
+    """Blocking :func:`_call`: ``s3_call(fs, "put_object", Bucket=..., Key=..., Body=...)``."""
+    _client_ready(fs)
+    return bounded_sync(fs.loop, _call, fs, method, **kwargs)
+
+
+class ScatterSink:
+    """Writes the bytes of one group range into its segments' buffers, skipping coalescing gaps.
+
+    ``pieces`` are ``(start, end, view)`` relative to the range start, sorted and non-overlapping.
+    """
+
+    def __init__(self, pieces: list[tuple[int, int, memoryview]]) -> None:
+        self._pieces = pieces
+        self._next = 0
+
+    def reset(self) -> None:
+        self._next = 0
+
+    def write(self, pos: int, chunk: memoryview) -> None:
+        end = pos + len(chunk)
+        i = self._next
+        pieces = self._pieces
+        while i < len(pieces) and pieces[i][1] <= pos:
+            i += 1
+        self._next = i
+        while i < len(pieces) and pieces[i][0] < end:
+            p_start, p_end, view = pieces[i]
+            lo, hi = max(p_start, pos), min(p_end, end)
+            view[lo - p_start : hi - p_start] = chunk[lo - pos : hi - pos]
+            if p_end > end:
+                break
+            i += 1
+
+
+async def _get_range(
+    fs: Any,
+    path: str,
+    start: int,
+    end: int,
+    emit: Callable[[int, memoryview], None],
+    if_match: str | None,
+    saw: Callable[[str | None], None] | None,
+) -> int:
+    bucket, key, version = fs.split_path(path)
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+    if version:
+        kwargs["VersionId"] = version
+    if if_match:
+        kwargs["IfMatch"] = if_match  # the version this load saw first (:mod:`.versions`)
+    response = await _call(fs, "get_object", **kwargs)
+    body = response["Body"]
+    got = 0
+    want = end - start
+    try:
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        content_range, length = response.get("ContentRange"), response.get("ContentLength")
+        check_range_answer(start, end, status, content_range, length, response.get("ContentEncoding"))
+        if saw is not None:
+            saw(response.get("ETag"))  # before any byte is emitted
+
+        def longer() -> RangeMismatchError:  # no Content-Length (chunked), and more than the range came
+            return range_mismatch(start, end, f"a longer body ({describe_answer(status, content_range, None)})")
+
+        content = getattr(getattr(body, "raw_stream", None), "content", None)
+        if content is not None and hasattr(content, "readany"):
+            while got < want:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                if len(chunk) > want - got:
+                    raise longer()
+                emit(got, memoryview(chunk))
+                got += len(chunk)
+            if got == want and length is None and await content.read(1):
+                raise longer()
+        else:  # another HTTP backend: one read, still no second copy on our side
+            data = await body.read()
+            if len(data) > want:
+                raise longer()
+            emit(0, memoryview(data))
+            got = len(data)
+    finally:
+        body.close()
+    return got
+
+
+def stream_range(
+    fs: Any,
+    path: str,
+    start: int,
+    end: int,
+    emit: Callable[[int, memoryview], None],
+    if_match: str | None = None,
+    saw: Callable[[str | None], None] | None = None,
+) -> int:
+    """GET bytes ``[start, end)`` of ``path``, calling ``emit(offset, chunk)`` per chunk; returns bytes got.
+
+    Fewer than ``end - start`` bytes means the body was cut short; the caller decides whether to resume. An
+    answer with other bytes than asked raises :class:`~.range_check.RangeMismatchError` before any ``emit``.
+    With ``if_match`` the GET is conditional on that ETag (a ``412`` raises
+    :class:`~.versions.VersionConditionFailed`); ``saw(etag)`` gets the answer's ETag before any ``emit``.
+    """
+    _client_ready(fs)
+    return int(bounded_sync(fs.loop, _get_range, fs, path, start, end, emit, if_match, saw))
+
+
+async def _get_object(fs: Any, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
+    bucket, key, version = fs.split_path(path)
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+    if version:
+        kwargs["VersionId"] = version
+    response = await _call(fs, "get_object", **kwargs)
+    body = response["Body"]
+    try:
+        size = response.get("ContentLength")
+        if max_bytes is not None and isinstance(size, int) and size > max_bytes:
+            raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)  # the body is never read
+        if max_bytes is not None and not isinstance(size, int):
+            return bytes(await body.read(max_bytes + 1)), response.get("ETag")
+        return bytes(await body.read()), response.get("ETag")  # a body cut short raises (the client checks)
+    finally:
+        body.close()
+
+
+def read_object(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
+    """GET a whole (small) object: ``.metadata``, an index file; at most ``max_bytes + 1`` bytes of it, and
+    none when the response says it is larger (:class:`~dcp_storage.errors.FileTooLargeError`)."""
+    return read_object_version(fs, path, max_bytes)[0]
+
+
+def read_object_version(fs: Any, path: str, max_bytes: int | None = None) -> tuple[bytes, str | None]:
+    """:func:`read_object` and the answer's ETag."""
+    _client_ready(fs)
+    data, etag = bounded_sync(fs.loop, _get_object, fs, path, max_bytes)
+    return bytes(data), etag
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """An in-progress (never completed, never aborted) multipart upload."""
+
+    url: str  # the object it would create
+    key: str
+    upload_id: str
+    initiated: _dt.datetime | None  # timezone-aware (UTC) when the store reports it
+
+    def age(self, now: _dt.datetime | None = None) -> _dt.timedelta | None:
+        if self.initiated is None:
+            return None
+        return (now or _dt.datetime.now(_dt.timezone.utc)) - self.initiated
+
+    def describe(self) -> str:
+        when = f", started {self.initiated.isoformat(timespec='seconds')}" if self.initiated else ""
+        return f"{self.url} (upload {self.upload_id[:16]}{'...' if len(self.upload_id) > 16 else ''}{when})"
+
+
+def list_pending(fs: Any, path: str) -> list[PendingUpload]:
+    """Every in-progress multipart upload for ``path`` or for objects under it (``path/...``), sorted.
+
+    Raises :class:`DcpStorageError` naming the bucket if the store refuses the listing (e.g. no
+    ``s3:ListBucketMultipartUploads``), :class:`~dcp_storage.errors.ListingTooLongError` if the listing passes
+    its bound (:mod:`.listing`). Each page is one request on s3fs's client (no retries of s3fs's own), under
+    the caller's deadline.
+    """
+    bucket, key, _version = fs.split_path(path)
+    key = key.rstrip("/")
+    found: list[PendingUpload] = []
+    markers: dict[str, str] = {}
+    bound = ListingBound(f"s3://{bucket}/{key}", "in-progress multipart uploads")
+    while True:
+        try:
+            page = s3_call(fs, "list_multipart_uploads", Bucket=bucket, Prefix=key, **markers)
+        except Exception as exc:
+            raise DcpStorageError(
+                f"s3://{bucket}/{key}: cannot list in-progress multipart uploads ({type(exc).__name__}: {exc})"
+            ) from exc
+        for upload in page.get("Uploads", []) or []:
+            name = upload.get("Key", "")
+            if key and name != key and not name.startswith(key + "/"):
+                continue  # "ckpt" must not match "ckpt2/..."
+            initiated = upload.get("Initiated")
+            if isinstance(initiated, _dt.datetime) and initiated.tzinfo is None:
+                initiated = initiated.replace(tzinfo=_dt.timezone.utc)
+            found.append(
+                PendingUpload(f"s3://{bucket}/{name}", name, upload["UploadId"], initiated if initiated else None)
+            )
+        truncated = bool(page.get("IsTruncated"))
+        markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+        bound.page(
+            len(page.get("Uploads", []) or []),
+            f"{markers['KeyMarker']}\0{markers['UploadIdMarker']}" if truncated else None,
+        )
+        if not truncated:
+            break
+    return sorted(found, key=lambda u: (u.key, u.initiated or _dt.datetime.min.replace(tzinfo=_dt.timezone.utc)))
+
+
+def abort_pending(fs: Any, path: str, upload: PendingUpload) -> bool:
+    """Abort ``upload`` (one found under ``path``); ``False`` if it is gone (completed or aborted meanwhile)."""
+    bucket, _key, _version = fs.split_path(path)
+    try:
+        fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload.key, UploadId=upload.upload_id)
+    except FileNotFoundError:  # s3fs maps NoSuchUpload to FileNotFoundError: it finished meanwhile
+        return False
+    except Exception as exc:
+        raise DcpStorageError(f"{upload.describe()}: cannot abort ({type(exc).__name__}: {exc})") from exc
+    return True
+
+
+_MEMORY_LOCK = threading.Lock()
+
+_OWN_CHECK_LIMIT = 64 * 1024  # a claim is a few hundred bytes: a larger object is not ours, and is not read
+
+
+def create_local(path: str, data: bytes) -> bool:
+    """``O_CREAT | O_EXCL``, then the bytes: ``True`` if this call created ``path``."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
+    finally:
+        os.close(fd)
+    return True
+
+
+def s3_put_if_absent(fs: Any, path: str, data: bytes, url: str) -> None:
+    """One conditional ``PutObject``; ``FileExistsError`` if an object is at ``path``."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        s3_call(fs, "put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+    except OSError as exc:
+        if _precondition_failed(exc):
+            raise FileExistsError(f"{url} exists") from exc
+        raise
+    fs.invalidate_cache(path)
+
+
+def fsspec_put_if_absent(fs: Any, path: str, data: bytes) -> None:
+    """fsspec's ``pipe_file(mode="create")``; ``memory://`` under the process-wide lock."""
+    if isinstance(fs, MemoryFileSystem):
+        with _MEMORY_LOCK:
+            fs.pipe_file(path, data, mode="create")
+    else:
+        fs.pipe_file(path, data, mode="create")
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether S3 refused the write because the key exists (412 ``PreconditionFailed``)."""
+    current: BaseException | None = exc
+    while current is not None:
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
+        current = current.__cause__
+    return False
+
+
+def holds(transport: Any, path: str, data: bytes) -> bool:
+    """Whether the object at ``path`` is ``data``: our own write, whose first response was lost.
+
+    For any transport with ``size`` and ``read_file`` (a plugin's ``create_new`` uses it too).
+    """
+    try:
+        if transport.size(path) != len(data) or len(data) > _OWN_CHECK_LIMIT:
+            return False
+        return bytes(transport.read_file(path)) == bytes(data)
+    except FileNotFoundError:  # removed meanwhile: still not ours
+        return False
