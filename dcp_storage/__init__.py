@@ -9,7 +9,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from dcp_storage._version import __version__
+from dcp_storage._version import __version__ as __version__
 
 # Imported on first use (PEP 562), not here: ``import dcp_storage`` would otherwise import torch (seconds),
 # and ``dcp-storage --help`` / ``--version`` must answer at once. Module -> the public names it provides; the
@@ -64,4 +64,30 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
 
 # What a user needs, no more: the tuning configs, error subclasses, prefix strategies, transports and
 # conversion helpers live in their own modules (``dcp_storage.errors``, ``dcp_storage.strategies``, ...).
-__all__ = sorted(name for names in _EXPORTS.values() for name in names)
+__all__ = [
+    "Broadcasting",
+    "BroadcastingTorchSaveReader",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "DcpStorageError",
+    "DtypePolicy",
+    "DynamicMetaLoadPlanner",
+    "FsspecReader",
+    "FsspecWriter",
+    "KeepPolicy",
+    "KeyMap",
+    "ReadStrategies",
+    "RetryPolicy",
+    "SafetensorsReader",
+    "SafetensorsWriter",
+    "TrainState",
+    "TransportConfig",
+    "convert",
+    "describe",
+    "load",
+    "merge_fsdp_weights",
+    "open_reader",
+    "open_writer",
+    "save",
+    "verify",
+]

@@ -18,7 +18,9 @@ def test_file_too_large_takes_a_message_like_its_parent() -> None:
 
 def test_file_too_large_fields_by_position_or_keyword() -> None:
     positional = ds.errors.FileTooLargeError("s3://b/.metadata", 10, 4, "metadata", "raise the limit")
-    keywords = ds.errors.FileTooLargeError(url="s3://b/.metadata", size=10, limit=4, what="metadata", fix="raise the limit")
+    keywords = ds.errors.FileTooLargeError(
+        url="s3://b/.metadata", size=10, limit=4, what="metadata", fix="raise the limit"
+    )
     assert str(positional) == str(keywords)
     assert "is 10 bytes, more than the 4-byte limit for metadata" in str(keywords)
     unknown = ds.errors.FileTooLargeError(url="x", limit=4)

@@ -49,14 +49,11 @@ if TYPE_CHECKING:
     from dcp_storage.formats.reports import CheckpointInfo, VerifyReport
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
 from dcp_storage import registry
 from dcp_storage.errors import DcpStorageError
-from dcp_storage.transports import Transport
 
 __all__ = [
     "CheckHook",

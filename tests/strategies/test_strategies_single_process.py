@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dcp_storage import Broadcasting, FsspecReader, FsspecWriter
-from dcp_storage.strategies import share_object
 from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError, UnsafeCheckpointError
+from dcp_storage.strategies import share_object
 from dcp_storage.strategies.collectives import decode_error, encode_error
 from dcp_storage.strategies.slice_delivery import canonical_order
 

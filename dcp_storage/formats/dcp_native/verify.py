@@ -27,7 +27,7 @@ from dcp_storage.errors import DcpStorageError
 from dcp_storage.formats.dcp_native.column_checks import check_record_crcs
 from dcp_storage.formats.dcp_native.extensions import ExtensionResolver
 from dcp_storage.formats.dcp_native.manifest_io import read_manifest
-from dcp_storage.formats.dcp_native.native import METADATA_FILE, read_metadata_file
+from dcp_storage.formats.dcp_native.native import read_metadata_file
 from dcp_storage.formats.paths import METADATA, METADATA_FILE, check_relative, read_limited
 from dcp_storage.formats.reading import tiling_problem
 from dcp_storage.formats.reports import VerifyReport, error_text, named_keys
