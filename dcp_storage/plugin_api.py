@@ -27,8 +27,9 @@ checks the in-tree ones. Everything here is kept stable:
   - :func:`holds`: ``create_new``'s check that an "exists" answer is its own write whose response was lost;
   - :class:`LocalRuns`, :class:`RunsRead`: the local strided-copy fast path over ``local_files()``.
 
-* formats and extensions: :class:`FormatSpec`, :class:`Probe`, and the seekable-transform pieces a
-  compressing extension needs, and :class:`DcpLoaderConfig` (the reader's ranged-read threshold its tests tune);
+* formats and extensions: :class:`FormatSpec`, :class:`Probe`, torch's :class:`StreamTransformExtension`
+  (the base class of a stream extension: a private torch name, so a plugin takes it from here), and the
+  seekable-transform pieces a compressing extension needs, and :class:`DcpLoaderConfig` (the reader's ranged-read threshold its tests tune);
 * a format's tool hooks: the reports ``describe``/``check`` fill in (:class:`CheckpointInfo` and its rows,
   :class:`VerifyReport`, :func:`tensor_table`) and what a ``convert`` target writes (:class:`ConvertTarget`,
   :class:`WriteOptions`, :class:`WriteDestination`, :class:`OutTensor`, :class:`OutValue`, :class:`Fetch`);
@@ -98,6 +99,7 @@ _LAZY = {
     "FrameIndex": "dcp_storage.formats.dcp_native.records",
     "NeedMoreTail": "dcp_storage.formats.dcp_native.records",
     "SeekableTransform": "dcp_storage.formats.dcp_native.records",
+    "StreamTransformExtension": "dcp_storage._torch",
     "DcpLoaderConfig": "dcp_storage.formats.dcp_native.item_loader",
     "share_object": "dcp_storage.strategies.collectives",
     **dict.fromkeys(
@@ -121,6 +123,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from dcp_storage._torch import StreamTransformExtension
     from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
     from dcp_storage.formats.dcp_native.records import Frame, FrameIndex, NeedMoreTail, SeekableTransform
     from dcp_storage.formats.reports import (
@@ -185,6 +188,7 @@ __all__ = [
     "SeekableTransform",
     "ShapeMismatchError",
     "StorageAccessError",
+    "StreamTransformExtension",
     "TargetError",
     "TensorInfo",
     "Transport",

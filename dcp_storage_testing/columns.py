@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_storage._torch import StorageInfo
 from dcp_storage.formats.dcp_native.columns import columns_from_metadata
 from dcp_storage.formats.dcp_native.native import columns_of, lazy_metadata
 
@@ -55,14 +55,14 @@ ENTRIES: list[tuple[str, Any, list[int], list[Box] | None]] = [
 def synthetic_metadata(entries: list[tuple[str, Any, list[int], list[Box] | None]] = ENTRIES) -> Metadata:
     """The ``Metadata`` of ``entries`` (``dtype`` ``None``: a value); records alternate between two files."""
     state: dict[str, Any] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
+    storage: dict[MetadataIndex, StorageInfo] = {}
     ends = [0, 0]
     n = 0
 
     def record(index: MetadataIndex, length: int) -> None:
         nonlocal n
         f = n % 2
-        storage[index] = _StorageInfo(f"__{f}_0.distcp", ends[f], length)
+        storage[index] = StorageInfo(f"__{f}_0.distcp", ends[f], length)
         ends[f] += length
         n += 1
 

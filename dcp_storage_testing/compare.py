@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from dcp_storage._torch import local_shape_and_offset
+
 __all__ = ["local_slice", "raw_bytes", "same_bits"]
 
 
@@ -23,9 +25,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def local_slice(full: torch.Tensor, dt: Any) -> torch.Tensor:
     """The part of ``full`` that DTensor ``dt``'s local shard holds on this rank."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(full.shape, dt.device_mesh, dt.placements)
+    shape, offset = local_shape_and_offset(full.shape, dt.device_mesh, dt.placements)
     out = full
     for dim, (off, length) in enumerate(zip(offset, shape)):
         out = out.narrow(dim, off, length)

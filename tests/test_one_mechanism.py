@@ -1,7 +1,8 @@
 """One mechanism per concern: each of these jobs has one home in ``dcp_storage``, and these tests keep it so.
 
 * the coordinator broadcast: :func:`dcp_storage.strategies.share_object` (error on every rank, no hang);
-* the device a group's collectives use: :class:`dcp_storage.strategies.collectives.GroupView`;
+* the device a group's collectives use: :class:`dcp_storage.strategies.collectives.GroupView`, which asks
+  torch's rule through :func:`dcp_storage._torch.object_coll_device` (the one module naming it);
 * the byte runs of a row-major slice: :func:`dcp_storage.formats.slices.row_major_runs`;
 * the checkpoint's file names: :mod:`dcp_storage.formats.paths`.
 
@@ -62,7 +63,8 @@ def test_one_coordinator_broadcast() -> None:
 
 def test_one_group_device_rule() -> None:
     rules = {"_get_object_coll_device", "_get_pg_default_device", "get_backend"}
-    assert set(_where_named(rules)) == {"strategies/collectives.py"}
+    assert set(_where_named(rules)) == {"_torch.py"}
+    assert set(_where_named({"object_coll_device"})) == {"strategies/collectives.py"}  # its one caller
 
 
 def test_checkpoint_file_names_are_defined_once() -> None:

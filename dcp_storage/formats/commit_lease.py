@@ -26,18 +26,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from dcp_storage._torch import on_thread_stack, save_frame
 
 __all__ = ["Renewal", "active_claims", "forget", "is_active", "pending"]
 
 _log = logging.getLogger(__name__)
 _POLL_S = 0.25  # how often the thread looks whether the save has ended
-_SAVER_MODULE = "torch.distributed.checkpoint.state_dict_saver"
 
 _ACTIVE: dict[str, Renewal | None] = {}  # claim id -> its renewal (None: being taken)
 _ACTIVE_LOCK = threading.RLock()  # re-entrant: a signal handler runs on the main thread, maybe inside it
@@ -78,26 +77,6 @@ def forget(claim_id: str) -> None:
             del _ACTIVE[claim_id]
 
 
-def _save_frame() -> types.FrameType | None:
-    """The outermost frame of a ``torch.distributed.checkpoint`` save on this thread's stack, if any."""
-    found = None
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_globals.get("__name__") == _SAVER_MODULE:
-            found = frame
-        frame = frame.f_back
-    return found
-
-
-def _on_stack(thread_id: int, target: types.FrameType) -> bool:
-    frame = sys._current_frames().get(thread_id)
-    while frame is not None:
-        if frame is target:
-            return True
-        frame = frame.f_back
-    return False
-
-
 class Renewal:
     """Renews one lock every ``interval`` seconds (module docstring). ``read_id()`` returns the claim id the
     lock carries now (``None``: gone or unreadable); ``write(data)`` replaces it; ``encode(fields)`` gives its
@@ -121,7 +100,7 @@ class Renewal:
         self._read_id, self._write, self._encode, self._remove = read_id, write, encode, remove
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._frame = _save_frame()
+        self._frame = save_frame()
         self._ended = False
         self._owner = threading.get_ident()
         self.on_main_thread = threading.current_thread() is threading.main_thread()
@@ -150,7 +129,7 @@ class Renewal:
         frame = self._frame  # read before _ended: the thread sets _ended, then drops the frame
         if self._ended or self._stop.is_set():
             return False
-        return frame is None or _on_stack(self._owner, frame)
+        return frame is None or on_thread_stack(self._owner, frame)
 
     def release_now(self) -> None:
         """From a signal handler: stop, and remove the lock."""
@@ -164,7 +143,7 @@ class Renewal:
         due = time.monotonic() + self._interval
         try:
             while not self._stop.wait(min(_POLL_S, max(0.0, due - time.monotonic()))):
-                if self._frame is not None and not _on_stack(self._owner, self._frame):
+                if self._frame is not None and not on_thread_stack(self._owner, self._frame):
                     return  # the save returned or raised without committing: stop renewing
                 if time.monotonic() >= due:
                     if not self._renew():

@@ -24,9 +24,9 @@ import errno
 from collections.abc import Sequence
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_and_type
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from dcp_storage._torch import item_size, split_by_size_and_type
 from dcp_storage.errors import StorageFullError
 
 __all__ = [
@@ -103,7 +103,7 @@ RECORD_OVERHEAD = 4096  # a torch.save record's zip headers and data.pkl, rounde
 
 def estimated_bytes(items: Sequence[WriteItem]) -> int:
     """About the stored size of ``items`` (exact for tensors up to the small per-record overhead)."""
-    return sum((_item_size(i) if i.type != WriteItemType.BYTE_IO else 0) + RECORD_OVERHEAD for i in items)
+    return sum((item_size(i) if i.type != WriteItemType.BYTE_IO else 0) + RECORD_OVERHEAD for i in items)
 
 
 def group_items(
@@ -119,7 +119,7 @@ def group_items(
     files = thread_count
     if not local:
         files = max(thread_count, -(-estimated_bytes(items) // object_bytes))
-    return [b for b in _split_by_size_and_type(files, list(items)) if b]
+    return [b for b in split_by_size_and_type(files, list(items)) if b]
 
 
 class MemoryFile:

@@ -66,6 +66,7 @@ from torch import nn
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from dcp_storage import registry
+from dcp_storage._torch import buffers, non_persistent_buffer_names
 from dcp_storage.errors import DcpStorageError
 from dcp_storage.fsdp.local_shards import LocalShards, model_state_dict, uses_fsdp1
 from dcp_storage.fsdp.scatter import agree, scatter_full_state_dict
@@ -122,8 +123,8 @@ def materialize_meta(model: nn.Module, device: torch.device | str) -> list[str]:
 def non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, nn.Module, torch.Tensor]]:
     """``(qualified name, owning module, buffer)`` of every non-persistent buffer of ``model``."""
     for prefix, module in model.named_modules():
-        for name in module._non_persistent_buffers_set:
-            buf = module._buffers.get(name)
+        for name in non_persistent_buffer_names(module):
+            buf = buffers(module).get(name)
             if buf is not None:
                 yield (f"{prefix}.{name}" if prefix else name), module, buf
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +42,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from dcp_storage._torch import child_modules, compiled_original, sharded_tensor_class
 from dcp_storage.errors import DcpStorageError
 from dcp_storage.planners.key_map import ValueTypeMismatchError, format_keys
 
@@ -145,8 +145,8 @@ def maybe_get_wrapped(model: nn.Module) -> nn.Module:
         seen.add(id(model))
         if isinstance(model, (FSDP1, DistributedDataParallel, DataParallel)):
             model = model.module
-        elif _is_compiled(model):
-            model = model._orig_mod
+        elif (original := compiled_original(model)) is not None:
+            model = original
         else:
             break
     return model
@@ -168,22 +168,16 @@ def set_wrapped_model(state: Any, wrapped_model: nn.Module) -> None:
     state.model = wrapped_model
 
 
-def _is_compiled(model: nn.Module) -> bool:
-    # OptimizedModule can only exist once torch._dynamo is imported: do not import it ourselves.
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    return dynamo is not None and isinstance(model, dynamo.OptimizedModule)
-
-
 def _module_path(model: nn.Module, name: str) -> list[nn.Module]:
     """Modules from ``model`` down to the one named ``name``, wrappers passed through included."""
     path = [model]
     current = model
     walked: list[str] = []
     for segment in (s for s in name.split(".") if s):
-        if segment in WRAPPER_SEGMENTS and segment not in current._modules:
+        if segment in WRAPPER_SEGMENTS and segment not in child_modules(current):
             continue  # a wrapper segment of a differently wrapped model: not part of the user's name
-        while segment not in current._modules:
-            inner = next((current._modules[w] for w in WRAPPER_SEGMENTS if current._modules.get(w) is not None), None)
+        while segment not in (kids := child_modules(current)):
+            inner = next((kids[w] for w in WRAPPER_SEGMENTS if kids.get(w) is not None), None)
             if inner is None:
                 where = ".".join(walked) or "the model"
                 children = ", ".join(repr(c) for c in _user_children(current)) or "none"
@@ -193,7 +187,7 @@ def _module_path(model: nn.Module, name: str) -> list[nn.Module]:
                 )
             current = inner
             path.append(current)
-        child = current._modules[segment]
+        child = child_modules(current)[segment]
         if child is None:
             raise UnknownModuleError(f"{name!r}: submodule {segment!r} of {'.'.join(walked) or 'the model'} is None")
         current = child
@@ -205,7 +199,7 @@ def _module_path(model: nn.Module, name: str) -> list[nn.Module]:
 def _user_children(module: nn.Module) -> list[str]:
     """Child names, looking through wrapper children (what a user would type)."""
     names: list[str] = []
-    for child_name, child in module._modules.items():
+    for child_name, child in child_modules(module).items():
         if child_name in WRAPPER_SEGMENTS and child is not None:
             names.extend(_user_children(child))
         else:
@@ -276,8 +270,6 @@ class LocalShards:
 
 
 def _local_pieces(key: str, value: Any) -> tuple[tuple[int, ...], list[tuple[Chunk, torch.Tensor]]] | None:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
     if isinstance(value, DTensor):
         odd = [p for p in value.placements if type(p) not in (Shard, Replicate)]
         if odd:
@@ -291,7 +283,7 @@ def _local_pieces(key: str, value: Any) -> tuple[tuple[int, ...], list[tuple[Chu
         if tuple(local.shape) != chunk.sizes:
             raise DcpStorageError(f"internal error: {key!r} local shard {list(local.shape)} is not {list(chunk.sizes)}")
         return tuple(value.shape), ([(chunk, local)] if chunk.numel else [])
-    if isinstance(value, ShardedTensor):
+    if isinstance(value, sharded_tensor_class()):
         pieces = []
         for shard in value.local_shards():
             chunk = Chunk(

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from dcp_storage._torch import sharded_tensor_class
 from dcp_storage.errors import DcpStorageError, ShapeMismatchError
 from dcp_storage.fsdp.local_shards import Entry, FullStateDictKeysError, LocalShards, clean_key
 from dcp_storage.planners.column_plan import DtypePolicy
@@ -179,10 +180,9 @@ def _check(
 
 
 def _is_distributed(value: torch.Tensor) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
-    return isinstance(value, (DTensor, ShardedTensor))
+    return isinstance(value, (DTensor, sharded_tensor_class()))
 
 
 def _items(entries: Mapping[str, Entry]) -> list[ReadItem]:

@@ -20,7 +20,6 @@ import os
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage import registry
+from dcp_storage._torch import StorageInfo
 from dcp_storage.formats.reports import (
     CheckpointInfo,
     ChunkInfo,
@@ -123,7 +123,7 @@ def synthetic_transformer(
             sizes = torch.Size([rows, *shape[1:]])
             chunks.append(ChunkStorageMetadata(offsets, sizes))
             length = RECORD_HEADER + math.prod(sizes) * dtype.itemsize + RECORD_TRAILER
-            storage[MetadataIndex(fqn, offsets)] = _StorageInfo(f"__{r}_0.distcp", ends[r], length)
+            storage[MetadataIndex(fqn, offsets)] = StorageInfo(f"__{r}_0.distcp", ends[r], length)
             ends[r] += length
         state[fqn] = TensorStorageMetadata(props, torch.Size(shape), chunks)
     return Metadata(state_dict_metadata=state, storage_data=storage)

@@ -46,9 +46,9 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
-from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
 
+from dcp_storage._torch import create_read_items
 from dcp_storage.formats.dcp_native.columns import MetadataColumns
 
 __all__ = ["DtypePolicy", "PLAIN_TENSORS", "plan_on_columns", "whole_single_chunk"]
@@ -242,7 +242,7 @@ def plan_on_columns(
         # A DTensor on a submesh this rank is not part of has nothing to load here (as in torch).
         if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
             continue
-        for item in _create_read_items(ckpt_key, entry(r), value):
+        for item in create_read_items(ckpt_key, entry(r), value):
             if key != ckpt_key:
                 d = item.dest_index
                 item = dataclasses.replace(item, dest_index=MetadataIndex(key, d.offset, d.index))

@@ -23,9 +23,10 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from dcp_storage._torch import flatten_v2_3
 from dcp_storage.formats.dcp_native.native import rows_of
 from dcp_storage.planners.matching import KeyRules, match_keys
-from dcp_storage.planners.planner import DynamicMetaLoadPlanner, RemappingLoadPlanner, flatten_v2_3
+from dcp_storage.planners.planner import DynamicMetaLoadPlanner, RemappingLoadPlanner
 
 __all__ = ["check_planned_keys", "enforce_for", "rules_of"]
 

@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items
 from torch.distributed.tensor import DTensor
 
+from dcp_storage._torch import create_chunk_list, create_read_items
 from dcp_storage.errors import ShapeMismatchError
 from dcp_storage.formats.byte_items import decode_byte_item
 from dcp_storage.formats.dcp_native.native import columns_of, rows_of
@@ -285,7 +285,7 @@ def build_read_items(state_dict: Mapping[str, Any], metadata: Metadata, pairs: M
         # A DTensor on a submesh this rank is not part of has nothing to load here (as in torch).
         if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
             continue
-        for item in _create_read_items(ckpt_key, metadata.state_dict_metadata[ckpt_key], value):
+        for item in create_read_items(ckpt_key, metadata.state_dict_metadata[ckpt_key], value):
             if key != ckpt_key:
                 dest = item.dest_index
                 item = replace(item, dest_index=MetadataIndex(key, dest.offset, dest.index))
@@ -310,7 +310,7 @@ def metadata_from_state_dict(
                 f"Tensors (found a {type(value).__name__}); leave it out of the state dict or load it separately"
             )
         described[key_map(key)] = TensorStorageMetadata(
-            TensorProperties(dtype=value.dtype), value.size(), _create_chunk_list(value)
+            TensorProperties(dtype=value.dtype), value.size(), create_chunk_list(value)
         )
     return Metadata(state_dict_metadata=described)
 

@@ -28,13 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint import _version
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict as _flatten
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
+from dcp_storage._torch import flatten_v2_3, set_element
 from dcp_storage.formats.dcp_native.native import rows_of
 from dcp_storage.planners.column_plan import PLAIN_TENSORS, DtypePolicy
 from dcp_storage.planners.key_map import KeyMap, KeyMapLike, LoadResult
@@ -49,7 +47,7 @@ from dcp_storage.planners.matching import (
 )
 from dcp_storage.runtime import gc_paused
 
-__all__ = ["DynamicMetaLoadPlanner", "MetadataSource", "RemappingLoadPlanner", "flatten_v2_3"]
+__all__ = ["DynamicMetaLoadPlanner", "MetadataSource", "RemappingLoadPlanner"]
 
 
 @dataclass(frozen=True)
@@ -252,15 +250,6 @@ def _flat_copy(state_dict: Any) -> tuple[dict[str, Any], dict[str, tuple[str, ..
 
 
 _SCALARS = (int, float, bool, str, bytes, type(None))
-
-
-def flatten_v2_3(state_dict: STATE_DICT_TYPE) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``state_dict`` flattened as torch < 2.4 saved it (what DCP's planners fall back to for old checkpoints)."""
-    _version._derived_version = "2_3"
-    try:
-        return _flatten(state_dict)
-    finally:
-        _version._derived_version = None
 
 
 class DynamicMetaLoadPlanner(RemappingLoadPlanner):

@@ -16,8 +16,9 @@ rank under ``no_dist``, which on rank 0 looks exactly like a distributed load; `
 sees one plan instead of one per rank, but runs only on the coordinator, after the metadata step. What
 does say it is DCP's own ``_DistWrapper`` (``torch.distributed.checkpoint.utils``): ``_load_state_dict``
 builds one per call, ``_DistWrapper(process_group, not no_dist, coordinator_rank)``, keeps it in its local
-``distW`` and drives every reader step from there. :func:`current_call` finds it in the calling frames
-(only frames of ``torch.distributed.checkpoint`` modules are looked at), with the call's planner, whose
+``distW`` and drives every reader step from there. :func:`dcp_storage._torch.current_call` (the one module
+that reads torch's frames) finds it in the calling frames (only frames of ``torch.distributed.checkpoint``
+modules are looked at), with the call's planner, whose
 ``set_up_planner`` has already run when the reader is set up (see :mod:`dcp_storage.planners.key_check`).
 torch has built its loads this way since DCP's first release; if a future torch stops doing so,
 :func:`current_call` returns ``None`` and readers fall back to what they did before: a process group of
@@ -57,20 +58,18 @@ import contextvars
 import importlib
 import os
 import pickle
-import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from dcp_storage._torch import current_call, object_coll_device
 from dcp_storage.errors import DcpStorageError, LocationMismatchError, RankMismatchError
 
 __all__ = [
-    "DcpCall",
     "GroupView",
     "SOLO",
-    "current_call",
     "decode_error",
     "encode_error",
     "group_view",
@@ -114,9 +113,7 @@ def group_view(group: Any = None) -> GroupView:
 
     if not (dist.is_available() and dist.is_initialized()):
         return SOLO
-    from torch.distributed.distributed_c10d import _get_object_coll_device
-
-    kind = _get_object_coll_device(group)
+    kind = object_coll_device(group)
     if kind == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -125,42 +122,6 @@ def group_view(group: Any = None) -> GroupView:
 
 
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("dcp_storage_working_alone", default=False)
-_MAX_FRAMES = 64  # dcp.load -> _load_state_dict -> reduce_scatter -> local_step -> a reader: a dozen at most
-_DCP_MODULES = "torch.distributed.checkpoint"
-
-
-@dataclass(frozen=True)
-class DcpCall:
-    """The DCP call a reader is serving: ``distributed`` is ``False`` under ``no_dist``."""
-
-    distributed: bool
-    group: Any  # the call's process group; None: the default group
-    planner: Any  # the call's LoadPlanner (or SavePlanner), when found
-    wrapper: Any = field(default=None, compare=False, repr=False)  # the call's _DistWrapper: which call it is
-
-
-def current_call() -> DcpCall | None:
-    """The innermost running DCP load or save, from its ``_DistWrapper``; ``None`` outside one."""
-    try:
-        from torch.distributed.checkpoint.utils import _DistWrapper
-    except ImportError:  # a torch without it: no signal, readers keep their process-group rule
-        return None
-    frame = sys._getframe(1)
-    planner: Any = None
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return None
-        if str(frame.f_globals.get("__name__", "")).startswith(_DCP_MODULES):
-            local_vars = frame.f_locals
-            if planner is None:
-                planner = local_vars.get("planner")
-            wrapper = local_vars.get("distW")
-            if not isinstance(wrapper, _DistWrapper):
-                wrapper = local_vars.get("self")
-            if isinstance(wrapper, _DistWrapper):
-                return DcpCall(bool(wrapper.use_dist), wrapper.group, planner, wrapper)
-        frame = frame.f_back
-    return None
 
 
 def running_planner() -> Any:

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
+from dcp_storage._torch import current_call
 from dcp_storage.errors import RankMismatchError
 from dcp_storage.strategies.collectives import (
     GroupView,
-    current_call,
     decode_error,
     encode_error,
     group_view,

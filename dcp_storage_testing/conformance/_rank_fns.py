@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from dcp_storage import FsspecReader, FsspecWriter
+from dcp_storage._torch import local_shape_and_offset
 from dcp_storage_testing.models import build_model, fsdp2_shard, reference_state_dict
 
 SEED = 2024
@@ -35,7 +36,6 @@ def load_resharded(rank: int, world: int, url: str, options: dict[str, Any]) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
@@ -51,7 +51,7 @@ def load_resharded(rank: int, world: int, url: str, options: dict[str, Any]) -> 
     mismatched = []
     for key, full in reference.items():
         local = state[key].to_local()
-        shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, state[key].placements)
+        shape, offset = local_shape_and_offset(full.shape, mesh, state[key].placements)
         expected = full
         for dim, (off, length) in enumerate(zip(offset, shape)):
             expected = expected.narrow(dim, off, length)

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage import FsspecReader, FsspecWriter, SafetensorsWriter, open_reader
+from dcp_storage._torch import torch_fsspec_classes
 from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError, DcpStorageError, FileTooLargeError
 from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
 from dcp_storage.transports.factory import open_transport
@@ -130,8 +131,7 @@ class StorageConformance:
 
     def test_torch_writer_output_read_by_ours(self, location: Any) -> None:
         """torch's own writer for the backend (FileSystemWriter locally, its FsspecWriter elsewhere)."""
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as TorchFsspecReader
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as TorchFsspecWriter
+        TorchFsspecReader, TorchFsspecWriter = torch_fsspec_classes()
 
         url, options, backend = as_location(location)
         if not fsspec_knows(location):

@@ -11,7 +11,7 @@ module must have one, so a new top-level module is a decision, not an accident):
 
 1. ``base``: what every layer may use and that knows no checkpoint: the error hierarchy, message text and
    redaction, the version, the plugin registry, tensor byte views, pausing the collector,
-   the pickle guard and safe unpickler.
+   the pickle guard and safe unpickler, and ``_torch`` (every private torch name, the DCP call detection).
 2. ``transports``: bytes only (``transports/``).
 3. ``formats``: layout <-> DCP ``Metadata`` (``formats/``), with ``integrity/``, which the readers and
    writers of every format run while they move records (checksum algorithms, the manifest, provenance
@@ -52,6 +52,7 @@ LAYER_NAMES = ("base", "transports", "formats", "storage", "tools", "api", "app"
 # module prefix -> layer; the longest matching prefix wins (see the module docstring for what each layer is)
 LAYERS: dict[str, int] = {
     "_version": BASE,
+    "_torch": BASE,  # every private torch name, and the DCP call read from the stack
     "errors": BASE,
     "runtime": BASE,
     "text": BASE,

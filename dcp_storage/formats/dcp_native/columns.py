@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_storage._torch import StorageInfo
 from dcp_storage.formats.reports import ChunkInfo, TensorInfo, TensorRows, TensorSummary, ValueInfo, dtype_name
 
 __all__ = [
@@ -284,8 +285,6 @@ def _columns_from_metadata(md: Metadata) -> MetadataColumns | None:
 
 def metadata_from_columns(cols: MetadataColumns) -> Metadata:
     """A plain torch ``Metadata`` holding every entry (for small checkpoints and for comparing in tests)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     for i, fqn in enumerate(cols.names):
@@ -299,7 +298,7 @@ def metadata_from_columns(cols: MetadataColumns) -> Metadata:
             keys = [MetadataIndex(fqn, chunk.offsets, n) for n, chunk in enumerate(chunks)]
         for c, key in zip(range(first, last), keys):
             t = int(cols.transform[c])
-            storage[key] = _StorageInfo(
+            storage[key] = StorageInfo(
                 cols.files[int(cols.file[c])],
                 int(cols.byte_offset[c]),
                 int(cols.byte_length[c]),

@@ -45,8 +45,6 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint._extension import Extension, ExtensionRegistry, StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -58,6 +56,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage import registry as plugin_registry
+from dcp_storage._torch import Extension, ExtensionRegistry, StorageInfo, StreamTransformExtension
 from dcp_storage.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -335,7 +334,7 @@ def write_dcp(
     make_output_root(transport, dest.path)  # object stores: nothing to make (Destination checked the bucket)
 
     state: dict[str, object] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
+    storage: dict[MetadataIndex, StorageInfo] = {}
     records: list[tuple[object, ...]] = []  # (file, offset, length, digest, blocks) of every record
     for i, group in enumerate(_groups(tensors, max_shard_size)):
         name = f"__0_{i}{DATA_SUFFIX}"
@@ -350,7 +349,7 @@ def write_dcp(
                 stream.write(data)
                 offset, length, digest = stream.end()
                 records.append((name, offset, length, digest, stream.blocks, stream.first_block, stream.blocks_size))
-                storage[MetadataIndex(value.key)] = _StorageInfo(name, offset, length)
+                storage[MetadataIndex(value.key)] = StorageInfo(name, offset, length)
                 state[value.key] = BytesStorageMetadata()
             for out, tensor in fetch.tensors(group):
                 stream.begin(block_size_for(tensor.numel() * tensor.element_size()))
@@ -360,7 +359,7 @@ def write_dcp(
                 del tensor
                 records.append((name, offset, length, digest, stream.blocks, stream.first_block, stream.blocks_size))
                 zeros = torch.Size([0] * len(out.shape))
-                storage[MetadataIndex(out.key, zeros, 0)] = _StorageInfo(name, offset, length)
+                storage[MetadataIndex(out.key, zeros, 0)] = StorageInfo(name, offset, length)
                 size = torch.Size(out.shape)
                 state[out.key] = TensorStorageMetadata(
                     TensorProperties(dtype=out.dtype), size, [ChunkStorageMetadata(offsets=zeros, sizes=size)]

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from dcp_storage._torch import ExtensionRegistry
 from dcp_storage.errors import CorruptCheckpointError, ShapeMismatchError
 from dcp_storage.formats.byte_items import deliver_byte_item
 from dcp_storage.formats.dcp_native.extensions import ExtensionResolver

@@ -17,7 +17,6 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_storage._torch import StorageInfo
 from dcp_storage.errors import CorruptCheckpointError
 from dcp_storage.formats.paths import BROADCAST_BYTES, MAX_BYTES, MAX_DIM, MAX_NDIM, check_relative
 from dcp_storage.formats.reading import tiling_problem
@@ -242,7 +242,7 @@ def _problems(metadata: Metadata, path: str) -> list[str]:
     excess: str | Exception | None = None
     for index, info in storage.items():
         sound = False
-        if type(index) is MetadataIndex and type(info) is _StorageInfo:  # what torch writes: checked inline
+        if type(index) is MetadataIndex and type(info) is StorageInfo:  # what torch writes: checked inline
             fqn, rel, offset, length = index.fqn, info.relative_path, info.offset, info.length
             sound = (  # exactly what _storage_problems accepts without a word, for a file name already judged
                 type(fqn) is str

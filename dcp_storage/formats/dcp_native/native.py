@@ -42,9 +42,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -54,6 +52,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_storage._torch import MemoryFormatEncoding, StorageInfo
 from dcp_storage.formats.dcp_native.column_checks import columns_sound
 from dcp_storage.formats.dcp_native.columns import MetadataColumns, columns_from_metadata, metadata_from_columns
 from dcp_storage.formats.dcp_native.metadata_checks import check_metadata
@@ -122,7 +121,7 @@ def _build_tables() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
             kind = _CLASS_KINDS[name]
         elif module == dcp_md.__name__ and name == "_MEM_FORMAT_ENCODING":
             kind = _MEMFMT
-        elif module == dcp_fs.__name__ and name == "_StorageInfo" and obj is dcp_fs._StorageInfo:
+        elif module == dcp_fs.__name__ and name == "_StorageInfo" and obj is StorageInfo:
             kind = 6
         elif (module, name) == ("torch", "Size"):
             kind = _SIZE
@@ -160,7 +159,7 @@ def _columns(raw: tuple[Any, ...]) -> MetadataColumns:
     properties = []
     for dtype, layout, requires_grad, mem_format, pin_memory in props:
         tp = TensorProperties.__new__(TensorProperties)  # as pickle makes it: __new__, then __setstate__
-        tp.__setstate__((dtype, layout, requires_grad, _MEM_FORMAT_ENCODING(mem_format), pin_memory))
+        tp.__setstate__((dtype, layout, requires_grad, MemoryFormatEncoding(mem_format), pin_memory))
         properties.append(tp)
     if storage_meta is not None:
         state = storage_meta
@@ -236,9 +235,9 @@ class _Rows:
         return None
 
 
-def _storage_info(cols: MetadataColumns, c: int) -> _StorageInfo:
+def _storage_info(cols: MetadataColumns, c: int) -> StorageInfo:
     t = int(cols.transform[c])
-    return _StorageInfo(
+    return StorageInfo(
         cols.files[int(cols.file[c])],
         int(cols.byte_offset[c]),
         int(cols.byte_length[c]),
@@ -303,7 +302,7 @@ class StateDictView(Mapping[str, Any]):
         return (StateDictView, (self.columns,))
 
 
-class StorageDataView(Mapping[MetadataIndex, _StorageInfo]):
+class StorageDataView(Mapping[MetadataIndex, StorageInfo]):
     """``Metadata.storage_data`` over columns: one ``MetadataIndex`` per chunk (and per value)."""
 
     def __init__(self, cols: MetadataColumns, rows: _Rows | None = None) -> None:
@@ -316,7 +315,7 @@ class StorageDataView(Mapping[MetadataIndex, _StorageInfo]):
         i = self._rows.row(index.fqn)
         return None if i is None else self._rows.chunk(i, index.offset)
 
-    def __getitem__(self, index: MetadataIndex) -> _StorageInfo:
+    def __getitem__(self, index: MetadataIndex) -> StorageInfo:
         c = self._chunk(index)
         if c is None:
             raise KeyError(index)

@@ -43,12 +43,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from dcp_storage._torch import ExtensionRegistry
 from dcp_storage.errors import BucketNotFoundError, CheckpointNotFoundError, IncompleteCheckpointError
 from dcp_storage.formats.dcp_native.item_loader import DcpItemLoader, DcpLoaderConfig
 from dcp_storage.formats.dcp_native.manifest_io import default_sums, read_checked_manifest, record_verifier

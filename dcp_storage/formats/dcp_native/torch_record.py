@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
 
+from dcp_storage._torch import StorageInfo
 from dcp_storage.errors import CorruptCheckpointError, UnsafeCheckpointError
 from dcp_storage.formats.dcp_native.records import (
     UnsupportedRecord,
@@ -104,7 +104,7 @@ def metadata_allow_list() -> dict[tuple[str, str], Any]:
             ],
         )
     )
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_fs._StorageInfo
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = StorageInfo
     allowed[("collections", "OrderedDict")] = collections.OrderedDict
     # torch's FileSystemWriter records the checkpoint path as a pathlib object in StorageMeta.
     for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"):

@@ -50,13 +50,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from dcp_storage._torch import StorageInfo, StoragePrefix, StreamTransformExtension
 from dcp_storage.errors import StorageFullError
 from dcp_storage.formats.commit_claim import (
     ClaimingWriter,
@@ -245,7 +244,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         except BaseException:
             self._release_claim()  # no rank has written anything yet
             raise
-        prefixes = [_StoragePrefix(f"{d}/__{r}_{tag}" if d else f"__{r}_{tag}") for d, r in zip(directories, ranks)]
+        prefixes = [StoragePrefix(f"{d}/__{r}_{tag}" if d else f"__{r}_{tag}") for d, r in zip(directories, ranks)]
         return [
             plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=prefix)
             for prefix, plan in zip(prefixes, plans)
@@ -362,7 +361,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
                 else:
                     torch.save(_compact_cpu(data), out)  # type: ignore[arg-type]
             _start, length, digest = stream.end()
-            stored = _StorageInfo(name, offset, length, transform_descriptors=self._encoder.descriptors)
+            stored = StorageInfo(name, offset, length, transform_descriptors=self._encoder.descriptors)
             info = (
                 stored
                 if digest is None

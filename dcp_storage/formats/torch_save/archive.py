@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_storage._torch import traverse_for_current_version
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
 from dcp_storage.formats.paths import BROADCAST_BYTES
 from dcp_storage.formats.reading import StoredTensor, plan_slice_read, read_slices
@@ -339,9 +340,6 @@ def flatten_tree(tree: Mapping[str, Any], url: str = "") -> tuple[dict[str, Any]
     Keys are the object paths joined by dots; lists holding tensors or mappings are traversed, other
     values (tuples, lists of plain values, scalars) are leaves.
     """
-    from torch.distributed.checkpoint import _version
-    from torch.distributed.checkpoint._traverse import traverse_state_dict, traverse_state_dict_v_2_3
-
     flat: dict[str, Any] = {}
     mappings: dict[str, tuple[str | int, ...]] = {}
 
@@ -352,7 +350,7 @@ def flatten_tree(tree: Mapping[str, Any], url: str = "") -> tuple[dict[str, Any]
         flat[fqn] = value
         mappings[fqn] = path
 
-    traverse = traverse_state_dict_v_2_3 if _version._derived_version == "2_3" else traverse_state_dict
+    traverse = traverse_for_current_version()
     traverse(tree, visit, keep_traversing=lambda v: isinstance(v, TensorDescriptor))  # type: ignore[arg-type]
     return flat, mappings
 

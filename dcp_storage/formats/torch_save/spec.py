@@ -41,8 +41,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
 
+from dcp_storage._torch import legacy_storage_type, set_element, tensor_rebuilders, zip_writer
 from dcp_storage.errors import CheckpointExistsError, NonTensorStateError
 from dcp_storage.formats.reports import (
     CheckpointInfo,
@@ -108,16 +108,6 @@ class TensorRef:
         self.dtype, self.shape, self.load = dtype, tuple(shape), load
 
 
-def _legacy_storage_type(dtype: torch.dtype) -> Any:
-    """``torch.FloatStorage`` & co. for dtypes torch still pickles that way, else ``None`` (v3 dtypes)."""
-    from torch.storage import _dtype_to_storage_type_map, _new_dtypes
-
-    if dtype in _new_dtypes():
-        return None
-    name = _dtype_to_storage_type_map().get(dtype)
-    return getattr(torch, name) if name else None
-
-
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):
@@ -148,25 +138,18 @@ class _Pickler(pickle.Pickler):
         numel = 1
         for s in obj.shape:
             numel *= s
-        legacy = _legacy_storage_type(obj.dtype)
+        legacy = legacy_storage_type(obj.dtype)
         hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         if legacy is not None:
             storage = _Storage(key, numel, legacy, obj.load)
             args: tuple[Any, ...] = (storage, 0, obj.shape, _contiguous_stride(obj.shape), False, hooks)
-            rebuild = torch._utils._rebuild_tensor_v2
+            rebuild = tensor_rebuilders()[0]
         else:
             storage = _Storage(key, numel * obj.dtype.itemsize, torch.UntypedStorage, obj.load)
             args = (storage, 0, obj.shape, _contiguous_stride(obj.shape), False, hooks, obj.dtype)
-            rebuild = torch._utils._rebuild_tensor_v3
+            rebuild = tensor_rebuilders()[1]
         self.storages.append(storage)
         return rebuild, args
-
-
-def _zip_writer(stream: Any) -> Any:
-    try:
-        return torch._C.PyTorchFileWriter(stream, True, STORAGE_ALIGNMENT)
-    except TypeError:  # older signatures
-        return torch._C.PyTorchFileWriter(stream)
 
 
 class _Detachable:
@@ -201,7 +184,7 @@ def write_archive(stream: Any, tree: Any, on_tensor: Callable[[int], None] | Non
     pickler.dump(tree)
     data = buf.getvalue()
     out = _Detachable(stream)
-    zf = _zip_writer(out)
+    zf = zip_writer(out, STORAGE_ALIGNMENT)
     try:
         _write_records(zf, data, pickler.storages, on_tensor)
     except BaseException:

@@ -16,8 +16,7 @@ import threading
 from typing import IO, Any
 
 import zstandard
-from dcp_storage.plugin_api import Frame, FrameIndex
-from torch.distributed.checkpoint._extension import StreamTransformExtension
+from dcp_storage.plugin_api import Frame, FrameIndex, StreamTransformExtension
 
 from dcp_storage_zstd.seek_table import (
     MAX_FRAME_BYTES,
