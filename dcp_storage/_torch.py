@@ -14,7 +14,9 @@ a private ``sys`` function, and :data:`PRIVATE_NAMES` lists exactly what this mo
 Versions checked: torch 2.13.0 (the pin; the suite runs on it), and the sources of 2.14.1 and of 2.6.0
 (the floor in ``pyproject.toml``): every name below exists with the signature used here in all three,
 except ``torch.distributed.checkpoint._extension`` and ``_StorageInfo.transform_descriptors``, which 2.6.0
-does not have yet (so the DCP reader and writer need a later torch than the declared floor).
+does not have yet (they came with torch's stream extensions, pytorch PR 143358, merged in 2025 after the 2.6
+branch cut): on 2.6.0 this module, and so the DCP reader and writer, does not import, as the reader and writer
+did not before it existed. The declared floor is older than what the package runs on.
 
 The stack (:func:`current_call`, :func:`save_frame`, :func:`on_thread_stack`): DCP tells a storage reader
 neither whether the running ``dcp.load`` is distributed (``no_dist``) nor its planner nor its process
@@ -117,7 +119,7 @@ PRIVATE_NAMES: tuple[str, ...] = (
 
 #: Where one stored item lives (file, offset, length, transform descriptors): the values of
 #: ``Metadata.storage_data``, pickled under this very class name, so readers and writers of DCP's layout
-#: must build and recognise it. Since DCP's first release.
+#: must build and recognise it.
 StorageInfo = _StorageInfo
 #: The file-name prefix DCP's writers carry per rank (``__{rank}_``) in their storage plans.
 StoragePrefix = _StoragePrefix
@@ -186,8 +188,8 @@ def legacy_storage_type(dtype: torch.dtype) -> Any:
 
 def zip_writer(stream: Any, alignment: int) -> Any:
     """torch's own zip writer (``torch._C.PyTorchFileWriter``, what ``torch.save`` writes with) over
-    ``stream``, with CRC32s and ``alignment``-byte aligned records where this torch takes them (2.6.0's
-    takes no alignment: its records are aligned as its own ``torch.save`` aligns them)."""
+    ``stream``, with CRC32s and ``alignment``-byte aligned records where this torch takes an alignment
+    (2.6.0's takes none: then the writer's own default alignment)."""
     try:
         return torch._C.PyTorchFileWriter(stream, True, alignment)
     except TypeError:  # older signatures

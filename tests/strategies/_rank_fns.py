@@ -139,7 +139,7 @@ def load_broadcasting_fsspec(rank: int, world: int, dcp_dir: str) -> dict[str, A
 
 def check_share_object(rank: int, world: int) -> dict[str, Any]:
     """share_object: a value, one of our errors (same class, same attributes), a foreign error (wrapped)."""
-    from dcp_storage import share_object
+    from dcp_storage.plugin_api import share_object
     from dcp_storage.errors import DcpStorageError, UnsafeCheckpointError
 
     out: dict[str, Any] = {}
