@@ -56,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dcp_storage.formats.paths import count_setting
-from dcp_storage.transports import protocol as client_identity
+from dcp_storage.transports.protocol import client_identity
 
 __all__ = [
     "DEFAULT_LEASE_S",
