@@ -195,6 +195,19 @@ def test_a_header_claiming_more_bytes_than_the_member_or_file_is_refused(npz_plu
         _load_all(huge)
 
 
+def test_a_zip_directory_claiming_more_bytes_than_the_file_is_refused(npz_plugin: None, tmp_path: Path) -> None:
+    path = tmp_path / "grown.npz"
+    np.savez(path, a=np.arange(100.0), b=np.ones(10))
+    raw = bytearray(path.read_bytes())
+    record = raw.rfind(b"PK\x01\x02")  # b.npy's central record: its sizes now say a megabyte
+    struct.pack_into("<II", raw, record + 20, 1 << 20, 1 << 20)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(
+        CorruptCheckpointError, match=r"grown\.npz: zip entry 'b\.npy' .* overlaps the central directory"
+    ):
+        _load_all(path)
+
+
 def _past_the_end(transport: object, path: str) -> list[RawTensor]:
     return [RawTensor("w", 16, torch.float32, (1000,))]
 
