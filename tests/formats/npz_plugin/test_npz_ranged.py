@@ -65,7 +65,8 @@ def test_two_ranks_shard0_read_the_bytes_of_their_slices(npz_plugin: None, tmp_p
     data = sum(a.nbytes for a in R.arrays().values())
     headers = _header_bytes(path)
 
-    per_rank = run_ranks(R.load_sharded, 2, str(path), str(SITE), "shard0", "per_rank", timeout=120.0)
+    ranks = run_ranks(R.load_both, 2, str(path), str(SITE), timeout=120.0)
+    per_rank = [r["shard0"] for r in ranks]
     read = sum(r["bytes_read"] for r in per_rank)
     needed = sum(r["needed"] for r in per_rank)
     assert needed == data  # Shard(0) over 2 ranks: together they need every byte once
@@ -77,8 +78,8 @@ def test_two_ranks_shard0_read_the_bytes_of_their_slices(npz_plugin: None, tmp_p
     assert headers < 0.01 * needed
     assert per_rank[1]["bytes_read"] <= 1.05 * per_rank[1]["needed"]  # not the arrays whole: half of them
 
-    # Replicate(): each rank needs everything; read_once fetches each byte for both ranks once.
-    once = run_ranks(R.load_sharded, 2, str(path), str(SITE), "replicate", "read_once", timeout=120.0)
+    # Replicate(): each rank needs everything; read_once fetches each byte once for both ranks.
+    once = [r["replicate"] for r in ranks]
     assert sum(r["needed"] for r in once) == 2 * data
     assert sum(r["bytes_read"] for r in once) <= 1.05 * data, once
 
