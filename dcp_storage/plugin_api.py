@@ -109,7 +109,7 @@ _LAZY = {
     "share_object": "dcp_storage.strategies.collectives",
     **dict.fromkeys(("RawTensor", "RawTensorReader", "Scan"), "dcp_storage.formats.raw_reader"),
     **dict.fromkeys(
-        ("NotAZipError", "ZipEntry", "ZipIndex", "data_starts", "read_zip_index"),
+        ("NotAZipError", "ZipIndex", "data_starts", "read_zip_index"),
         "dcp_storage.formats.torch_save.zip_index",
     ),
     **dict.fromkeys(
@@ -155,7 +155,7 @@ if TYPE_CHECKING:
         WriteDestination,
         WriteOptions,
     )
-    from dcp_storage.formats.torch_save.zip_index import NotAZipError, ZipEntry, ZipIndex, data_starts, read_zip_index
+    from dcp_storage.formats.torch_save.zip_index import NotAZipError, ZipIndex, data_starts, read_zip_index
     from dcp_storage.strategies.collectives import share_object
 
 __all__ = [
@@ -223,7 +223,6 @@ __all__ = [
     "WriteOptions",
     "WrongFormatError",
     "WrongPathTypeError",
-    "ZipEntry",
     "ZipIndex",
     "as_torch_future",
     "call_with_retry",
