@@ -1,4 +1,6 @@
-"""The project's exception hierarchy.
+"""Every exception of the project, and getting ours back out of torch's ``CheckpointException``.
+
+The project's exception hierarchy.
 
 Every error raised on purpose derives from :class:`DcpStorageError`, which derives from
 :class:`Exception`, so callers can catch "anything this library refused" in one clause. Subclasses also

@@ -1,4 +1,6 @@
-"""``open_reader`` / ``open_writer``: pick the right reader or writer for a URL.
+"""The entry points: ``open_reader``/``open_writer``, ``load``/``save``, and the built-in formats' registry entries.
+
+``open_reader`` / ``open_writer``: pick the right reader or writer for a URL.
 
 Formats come from the registry (``dcp_storage.formats`` entry points), so an installed plugin's format is
 detected like the built-in ones.

@@ -30,6 +30,13 @@ checks the in-tree ones. Everything here is kept stable:
 * formats and extensions: :class:`FormatSpec`, :class:`Probe`, torch's :class:`StreamTransformExtension`
   (the base class of a stream extension: a private torch name, so a plugin takes it from here), and the
   seekable-transform pieces a compressing extension needs, and :class:`DcpLoaderConfig` (the reader's ranged-read threshold its tests tune);
+* a format's reader, for free: a format whose tensors are raw elements at known byte offsets writes a
+  :data:`Scan` (its headers -> one :class:`RawTensor` per tensor: key, file, offset, dtype, shape, byte
+  order) and returns :class:`RawTensorReader` ``(url, scan, storage_options)`` from its ``open_reader``: ranged,
+  coalesced reads of exactly the slices each rank needs, every read strategy, metadata read once per load;
+  for zip-based formats, :func:`read_zip_index` (-> :class:`ZipIndex`, raising :class:`NotAZipError`) and
+  :func:`data_starts` read a zip's directory and its members' data offsets with a few ranged reads, refusing
+  overlapping or inconsistent entries;
 * a format's tool hooks: the reports ``describe``/``check`` fill in (:class:`CheckpointInfo` and its rows,
   :class:`VerifyReport`, :func:`tensor_table`) and what a ``convert`` target writes (:class:`ConvertTarget`,
   :class:`WriteOptions`, :class:`WriteDestination`, :class:`OutTensor`, :class:`OutValue`, :class:`Fetch`);
@@ -102,6 +109,11 @@ _LAZY = {
     "StreamTransformExtension": "dcp_storage._torch",
     "DcpLoaderConfig": "dcp_storage.formats.dcp_native.item_loader",
     "share_object": "dcp_storage.strategies.collectives",
+    **dict.fromkeys(("RawTensor", "RawTensorReader", "Scan"), "dcp_storage.formats.raw_reader"),
+    **dict.fromkeys(
+        ("NotAZipError", "ZipIndex", "data_starts", "read_zip_index"),
+        "dcp_storage.formats.torch_save.zip_index",
+    ),
     **dict.fromkeys(
         ("CheckpointInfo", "ChunkInfo", "FileInfo", "TensorInfo", "ValueInfo", "VerifyReport", "tensor_table"),
         "dcp_storage.formats.reports",
@@ -126,6 +138,7 @@ if TYPE_CHECKING:
     from dcp_storage._torch import StreamTransformExtension
     from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
     from dcp_storage.formats.dcp_native.records import Frame, FrameIndex, NeedMoreTail, SeekableTransform
+    from dcp_storage.formats.raw_reader import RawTensor, RawTensorReader, Scan
     from dcp_storage.formats.reports import (
         CheckpointInfo,
         ChunkInfo,
@@ -145,6 +158,7 @@ if TYPE_CHECKING:
         WriteDestination,
         WriteOptions,
     )
+    from dcp_storage.formats.torch_save.zip_index import NotAZipError, ZipIndex, data_starts, read_zip_index
     from dcp_storage.strategies.collectives import share_object
 
 __all__ = [
@@ -171,6 +185,7 @@ __all__ = [
     "LocalRunReads",
     "LocalRuns",
     "NeedMoreTail",
+    "NotAZipError",
     "NonTensorStateError",
     "OutTensor",
     "OutValue",
@@ -181,8 +196,11 @@ __all__ = [
     "RangeMismatchError",
     "RangeRequest",
     "RangeRun",
+    "RawTensor",
+    "RawTensorReader",
     "RetryPolicy",
     "RunsRead",
+    "Scan",
     "ObjectChangedError",
     "ScatterSink",
     "SeekableTransform",
@@ -209,14 +227,17 @@ __all__ = [
     "WriteOptions",
     "WrongFormatError",
     "WrongPathTypeError",
+    "ZipIndex",
     "as_torch_future",
     "call_with_retry",
+    "data_starts",
     "get",
     "holds",
     "is_transient",
     "open_transport",
     "plan_fetches",
     "range_mismatch",
+    "read_zip_index",
     "register",
     "registered",
     "registry",

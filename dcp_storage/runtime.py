@@ -1,4 +1,7 @@
-"""Ctrl-C and SIGTERM while C++ code calls back into Python: held until the C++ call returns.
+"""Process-level helpers every layer uses: held interrupts, collector pauses, reader futures, environment settings,
+tensor byte views.
+
+Ctrl-C and SIGTERM while C++ code calls back into Python: held until the C++ call returns.
 
 torch's zip writer (``torch._C.PyTorchFileWriter``, used by ``torch.save`` and by ``convert``'s streaming
 ``.pt`` writer) calls the output stream's Python ``write`` from C++. Python runs signal handlers between
@@ -66,11 +69,12 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dcp_storage.errors import DcpStorageError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FutureTypeError",
@@ -237,5 +241,7 @@ def host_buffer(
     shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype, for_device: torch.device
 ) -> torch.Tensor:
     """A contiguous host tensor to stage bytes for ``for_device`` (pinned when that is a GPU)."""
+    import torch  # heavy: the command line imports this module (held interrupts) and must not import torch
+
     pin = for_device.type == "cuda" and torch.cuda.is_available()
     return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)

@@ -1,4 +1,6 @@
-"""Keeping credentials out of what we print: storage-option values, and botocore's debug log records.
+"""Text we show: untrusted text made printable, and credentials kept out of it.
+
+Keeping credentials out of what we print: storage-option values, and botocore's debug log records.
 
 ``storage_options`` carry secrets (``secret``, ``token``, ``password``, connection strings, account keys).
 Nothing in dcp-storage puts option values into a message, a repr or a file; this module is for the few

@@ -1,4 +1,6 @@
-"""Giving freed tensor memory back to the OS between tensors.
+"""What ``convert`` writes and where: output entries, the target format, input protection, memory given back.
+
+Giving freed tensor memory back to the OS between tensors.
 
 Streaming allocates and frees one tensor-sized block per tensor. glibc raises its mmap threshold after the
 first large block is freed (up to 32 MiB), so later tensors come from the heap, and freed heap blocks are not

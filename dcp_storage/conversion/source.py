@@ -1,4 +1,7 @@
-"""The nested paths of a checkpoint's ``planner_data``, checked as one tree before any container is built.
+"""The source side of ``convert``: tensors of any checkpoint, one at a time, and its ``planner_data`` tree checked
+first.
+
+The nested paths of a checkpoint's ``planner_data``, checked as one tree before any container is built.
 
 DCP records each key's place in the nested state dict (``("model", "layers", 0, "w")``) in the
 metadata's ``planner_data``, and the writers of ``convert`` rebuild the tree from those paths with torch's

@@ -1,4 +1,7 @@
-"""Claiming a location for one save, so that of two saves to one place exactly one wins.
+"""Claiming a location for one save (exactly one of two saves wins), and retiring what an ``overwrite=True`` save
+replaces.
+
+Claiming a location for one save, so that of two saves to one place exactly one wins.
 
 Checking for ``.metadata`` and then writing is a race: two saves both find nothing, both write the same
 file names, and the survivor can be a mix of both. So a save's coordinator, in ``prepare_global_plan``,

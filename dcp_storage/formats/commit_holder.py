@@ -1,4 +1,6 @@
-"""Who holds a save's lock, and whether that holder is provably gone.
+"""Who holds a save's lock, whether that holder is provably gone, and taking over a stale lock so that one taker wins.
+
+Who holds a save's lock, and whether that holder is provably gone.
 
 A lock (:mod:`.claim`) is a small JSON object naming its holder. Besides the fields shown in messages
 (``save_id``, ``writer``, ``host``, ``pid``, ``since``) it records what a later save needs to judge it:
@@ -54,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dcp_storage.formats.paths import count_setting
-from dcp_storage.transports import protocol as client_identity
+from dcp_storage.transports.protocol import client_identity
 
 __all__ = [
     "DEFAULT_LEASE_S",

@@ -1,4 +1,7 @@
-"""What every reader and writer of a URL shares: binding the URL to a transport, and reporting on it.
+"""Where a checkpoint is: a URL bound to a transport, why no checkpoint was found there, and whether a save there
+completed.
+
+What every reader and writer of a URL shares: binding the URL to a transport, and reporting on it.
 
 A class using :class:`BoundLocation` sets ``storage_options``, ``transport_config`` and ``_given_transport``
 in its constructor, then calls :meth:`~BoundLocation._open` with the URL (again from ``reset`` when DCP

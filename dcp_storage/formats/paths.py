@@ -1,4 +1,6 @@
-"""The file names of a checkpoint, defined once, and the check of the names a checkpoint records.
+"""The file names of a checkpoint and the bounds on the sizes it declares, defined once.
+
+The file names of a checkpoint, defined once, and the check of the names a checkpoint records.
 
 Names. Every module that writes, finds or lists a checkpoint's files takes their names from here:
 DCP's ``.metadata`` and ``.distcp`` data files, dcp-storage's manifest and lock, Hugging Face safetensors

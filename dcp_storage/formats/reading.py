@@ -1,4 +1,7 @@
-"""Whether the chunks of a tensor tile it exactly: every element in one chunk, none in two.
+"""Reading slices of stored tensors with ranged reads straight into their destinations: the core read machinery of
+every format.
+
+Whether the chunks of a tensor tile it exactly: every element in one chunk, none in two.
 
 A checkpoint lists each tensor's chunks (DCP ``ChunkStorageMetadata``: offsets and sizes). Counting
 elements is not enough: two chunks that overlap while others leave a gap add up to the tensor's volume,

@@ -1,4 +1,7 @@
-"""What a format plugin provides: a sniffer, reader/writer factories, and the hooks the tools call.
+"""What a format plugin provides (a sniffer, reader/writer factories, tool hooks), how a location's format is
+detected, and what a convert target is.
+
+What a format plugin provides: a sniffer, reader/writer factories, and the hooks the tools call.
 
 The built-in formats define their own half here in ``formats/<name>/spec.py`` (name, version, sniffer);
 their readers and writers live a layer above (``dcp_storage.storage``), which binds them into the specs the

@@ -1,4 +1,6 @@
-"""Write errors as a save reports them: the storage's own error, naming the path, not what torch made of it.
+"""How a rank's save is laid out in data files, and how its write errors are reported.
+
+Write errors as a save reports them: the storage's own error, naming the path, not what torch made of it.
 
 ``torch.save`` into a Python stream swallows the stream's ``OSError`` and fails later with ``RuntimeError:
 [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598``, which names neither the cause nor

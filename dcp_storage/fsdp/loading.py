@@ -1,4 +1,6 @@
-"""Materialise a meta-device model completely: ``to_empty``, then put back what no state dict holds.
+"""Loading into FSDP models: ``load_full_state_dict`` and materialising meta-device models.
+
+Materialise a meta-device model completely: ``to_empty``, then put back what no state dict holds.
 
 ``model.to_empty(device=...)`` gives every parameter and buffer fresh, uninitialised memory. Parameters
 and persistent buffers are then filled by the load; *non-persistent* buffers (``register_buffer(...,

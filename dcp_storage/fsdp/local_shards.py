@@ -1,4 +1,6 @@
-"""Errors of :mod:`dcp_storage.fsdp`; all derive from :class:`~dcp_storage.errors.DcpStorageError`.
+"""FSDP model introspection and the local shards a rank holds, with the errors of :mod:`dcp_storage.fsdp`.
+
+Errors of :mod:`dcp_storage.fsdp`; all derive from :class:`~dcp_storage.errors.DcpStorageError`.
 
 Shape mismatches raise :class:`~dcp_storage.errors.ShapeMismatchError`, refused dtype casts
 :class:`~dcp_storage.planners.DtypeMismatchError` and non-tensor values

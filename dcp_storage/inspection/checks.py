@@ -1,4 +1,6 @@
-"""Data files a killed ``overwrite=True`` save left beside a committed checkpoint (``verify --cleanup``).
+"""``verify``'s whole-checkpoint checks: leftovers, unreferenced files and pending uploads.
+
+Data files a killed ``overwrite=True`` save left beside a committed checkpoint (``verify --cleanup``).
 
 Such a save writes its data files under new names and commits by replacing ``.metadata``
 (:mod:`dcp_storage.formats.commit_claim`); killed before the commit, its files sit beside the old checkpoint,

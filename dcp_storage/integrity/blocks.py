@@ -1,4 +1,6 @@
-"""Checking a slice read by the checksums that cover it: record blocks, or the zip CRC-32 of a whole tensor.
+"""Block checksums on read and write, and the notes a verified load leaves.
+
+Checking a slice read by the checksums that cover it: record blocks, or the zip CRC-32 of a whole tensor.
 
 A rank that reads only its slice of a record cannot check the record's checksum, which covers all of it.
 Our writers also record a digest per block of :data:`~.checksums.BLOCK_SIZE` bytes from each record's start

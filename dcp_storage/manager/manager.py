@@ -1,4 +1,6 @@
-"""The coordinator decides, every rank gets its answer: the library's one coordinator broadcast.
+"""``CheckpointManager``: saves over time, with the coordinator deciding and every rank getting its answer.
+
+The coordinator decides, every rank gets its answer: the library's one coordinator broadcast.
 
 Without a process group (one process) the function just runs. With one, rank 0 of ``group`` runs it and
 every rank gets its value, or raises its error

@@ -1,4 +1,6 @@
-"""What to keep: :class:`KeepPolicy` decides which complete steps survive a save.
+"""What to keep and what to clean up: ``KeepPolicy``, liveness of saves, staging, and ``TrainState``.
+
+What to keep: :class:`KeepPolicy` decides which complete steps survive a save.
 
 Only complete steps are ever passed in (torn folders are cleanup's business, never counted), and the
 newest complete step always survives, whatever the policy says: a policy can never leave a root without

@@ -1,4 +1,6 @@
-"""Where each step lives: ``root/step-<N>/``, N zero-padded so that a listing sorts by step.
+"""A manager root's steps: their layout, the index cache and listing them.
+
+Where each step lives: ``root/step-<N>/``, N zero-padded so that a listing sorts by step.
 
 Ten digits cover any step count a job reaches; a larger step gets more digits (still parsed, and still
 sorted by the listing code, which sorts by the number, never by the name).

@@ -1,4 +1,7 @@
-"""``DtypePolicy``: which stored-dtype -> destination-dtype conversions a load accepts.
+"""Planning loads over metadata columns, and ``DtypePolicy`` (the stored -> destination dtype conversions a load
+accepts).
+
+``DtypePolicy``: which stored-dtype -> destination-dtype conversions a load accepts.
 
 Loading *is* casting already: every DCP reader ends in ``dest.copy_(src)``, which converts to the
 destination's dtype (ours read straight into the destination when the dtypes agree, else into a staging

@@ -1,4 +1,6 @@
-"""Errors the load planners raise, all before any checkpoint byte is read (except unsafe ``BYTE_IO``).
+"""``KeyMap`` (renaming keys), the load report, and the errors the planners raise before any byte is read.
+
+Errors the load planners raise, all before any checkpoint byte is read (except unsafe ``BYTE_IO``).
 
 They derive from :class:`~dcp_storage.errors.DcpStorageError` and from the builtin torch's planners raise
 for the same condition (``RuntimeError`` for missing keys and non-tensor values, ``ValueError`` for bad

@@ -1,4 +1,6 @@
-"""Decoding ``BYTE_IO`` items without running code from the checkpoint.
+"""Matching state-dict keys to stored entries, and decoding ``BYTE_IO`` items without running checkpoint code.
+
+Decoding ``BYTE_IO`` items without running code from the checkpoint.
 
 torch's ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(value, weights_only=False)``: a checkpoint
 can run code on every rank that loads it. Our planners decode with

@@ -1,4 +1,7 @@
-"""Where this process stands in a process group: rank, size, transfer device, or no group at all.
+"""The collectives every reader and writer uses: a rank's place in its group, DCP call detection, and ``share_object``
+(the one coordinator broadcast).
+
+Where this process stands in a process group: rank, size, transfer device, or no group at all.
 
 The one rule for the device a group's collectives use lives here (:func:`group_view`): every strategy and
 writer that sends tensors over a group asks its :class:`GroupView` rather than the backend.

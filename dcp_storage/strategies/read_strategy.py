@@ -1,4 +1,6 @@
-"""The read step of every reader in which only the coordinator touches storage.
+"""Read strategies: which rank fetches the stored bytes several ranks need, including the coordinator-served one.
+
+The read step of every reader in which only the coordinator touches storage.
 
 :class:`~dcp_storage.strategies.Broadcasting` (any reader, wrapped) and
 :class:`~dcp_storage.storage.BroadcastingTorchSaveReader` (a ``torch.save`` file) differ in how the

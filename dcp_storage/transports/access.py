@@ -1,4 +1,6 @@
-"""Credential and permission failures of a storage call, as one :class:`~dcp_storage.errors.StorageAccessError`.
+"""Access to a store: credential and permission failures as one error, and buckets checked once per save.
+
+Credential and permission failures of a storage call, as one :class:`~dcp_storage.errors.StorageAccessError`.
 
 Each client words them its own way and none names the URL or says where credentials come from:
 

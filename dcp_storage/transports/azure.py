@@ -1,4 +1,6 @@
-"""Ranged Azure Blob downloads (adlfs) with every answer checked against the range its request asked for.
+"""The Azure Blob transport (adlfs): ranged downloads whose every answer is checked against the range asked for.
+
+Ranged Azure Blob downloads (adlfs) with every answer checked against the range its request asked for.
 
 adlfs's ``cat_file(path, start, end)`` calls the Azure SDK's ``download_blob(offset, length)``, which
 takes the object's size from the first answer's ``Content-Range`` but never checks that the answer starts

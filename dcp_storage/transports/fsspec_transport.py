@@ -1,4 +1,6 @@
-"""Which built-in transport class serves a filesystem: the registry of fsspec backends.
+"""The fsspec transports' common base, and the registry of which built-in class serves which filesystem.
+
+Which built-in transport class serves a filesystem: the registry of fsspec backends.
 
 Each backend module (:mod:`.local_transport`, :mod:`.s3_transport`, ...) registers its class with
 :func:`builtin_backend`; importing :mod:`dcp_storage.transports` loads them all. A class serves the

@@ -1,4 +1,6 @@
-"""GCS requests on gcsfs's session, one attempt each, so that the transport's retry layer is the only one.
+"""The GCS transport (gcsfs): JSON-API requests one attempt each, under our retries.
+
+GCS requests on gcsfs's session, one attempt each, so that the transport's retry layer is the only one.
 
 gcsfs wraps every JSON-API request (``GCSFileSystem._request``) in ``retry_request``: 6 tries with sleeps
 of 1, 2, 4, 8, 16 s on 5xx, 429 and connection errors. The count is fixed when the class is defined

@@ -1,4 +1,6 @@
-"""Pinning every object of a load to the version its first read saw, so a load never mixes two versions.
+"""Checks on what a store answers: ranges, versions pinned per load, bounded listings, no cross-origin redirects.
+
+Pinning every object of a load to the version its first read saw, so a load never mixes two versions.
 
 A checkpoint object is read in many ranged requests (a header, then slices, on several threads). If it is
 replaced in between (a save with ``overwrite=True``, a sync job), the later requests return the new

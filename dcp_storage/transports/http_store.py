@@ -1,4 +1,6 @@
-"""Ranged GETs over fsspec's HTTP filesystem with the answer checked before its body is read.
+"""The HTTP transport: read-only checkpoints over ``http(s)://``, ranged GETs checked before their body is read.
+
+Ranged GETs over fsspec's HTTP filesystem with the answer checked before its body is read.
 
 ``HTTPFileSystem.cat_file(url, start, end)`` returns the body of whatever came back: a server that ignores
 ``Range`` sends ``200`` and the whole object, one that answers another range sends those bytes, and the

@@ -1,4 +1,6 @@
-"""Opening checkpoint files on a local disk: regular files only, and only inside the checkpoint.
+"""Local-disk I/O: opening files inside the checkpoint only, and vectored positioned reads.
+
+Opening checkpoint files on a local disk: regular files only, and only inside the checkpoint.
 
 A local checkpoint is a directory anyone may have prepared, so a name in it may be anything the file system
 allows:

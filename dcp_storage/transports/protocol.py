@@ -1,4 +1,7 @@
-"""Which store client a transport talks through, for caches of what a store was seen to do.
+"""The :class:`Transport` protocol, its config, and the small pieces every transport shares (client identity,
+counters, pool, writers).
+
+Which store client a transport talks through, for caches of what a store was seen to do.
 
 A fact learnt about a store (for example, that it honours ``If-None-Match``, see
 :mod:`dcp_storage.formats.commit_holder`) holds for every transport sharing one client. Only this layer knows

@@ -1,4 +1,7 @@
-"""A blocking budget on bytes in flight, so concurrent reads cannot exhaust memory.
+"""Byte-range reads: planning (sort, coalesce, split), running them under a byte budget, and the local strided fast
+path.
+
+A blocking budget on bytes in flight, so concurrent reads cannot exhaust memory.
 
 Planning byte-range reads: sort, coalesce near ranges, split large ones.
 

@@ -1,4 +1,7 @@
-"""The deadline of the storage operation running on this thread, applied to each request in flight.
+"""Retrying transient storage failures with backoff and jitter, under the deadline of the operation running on this
+thread.
+
+The deadline of the storage operation running on this thread, applied to each request in flight.
 
 :class:`~dcp_storage.transports.retry.RetryPolicy` ``deadline`` bounds a whole operation, retries included.
 Checking it between attempts is not enough: a server that stalls before its headers, or in the middle of a

@@ -1,4 +1,6 @@
-"""S3 metadata requests (exists, size, list, delete) on s3fs's client, one attempt each.
+"""The S3 transport (s3fs): metadata requests and writes on s3fs's client, one attempt at a time, under our retries.
+
+S3 metadata requests (exists, size, list, delete) on s3fs's client, one attempt each.
 
 s3fs runs these through its own retry wrapper (5 tries on connection errors and ``SlowDown``, unaware of
 any deadline), under ours. Calling the botocore client directly leaves the transport's retry layer as the

@@ -1,4 +1,6 @@
-"""Streaming S3 ranged GETs straight into destination buffers (s3fs + aiobotocore).
+"""S3 reads and conditional writes: ranged GETs straight into buffers, create-if-absent, pending multipart uploads.
+
+Streaming S3 ranged GETs straight into destination buffers (s3fs + aiobotocore).
 
 ``s3fs.cat_file`` collects the response body into a fresh ``bytes`` (touching twice the data in new
 pages) and the caller copies it again; on a 2-core machine that client CPU is most of the cost

@@ -70,6 +70,7 @@ LAYERS: dict[str, int] = {
     "formats.safetensors.reader": STORAGE,
     "formats.safetensors.writer": STORAGE,
     "formats.torch_save.reader": STORAGE,
+    "formats.raw_reader": STORAGE,  # the reader format plugins get: raw tensors at known offsets, any strategy
     "integrity": FORMATS,
     "planners": STORAGE,
     "strategies": STORAGE,

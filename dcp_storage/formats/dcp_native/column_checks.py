@@ -1,4 +1,6 @@
-"""``verify --deep`` of a DCP checkpoint without usable checksums: the zip CRC-32 of every record.
+"""Checking a DCP checkpoint's columns and records: zip CRC-32s for ``verify --deep`` and the column-level checks.
+
+``verify --deep`` of a DCP checkpoint without usable checksums: the zip CRC-32 of every record.
 
 Each tensor record of a ``.distcp`` file is a ``torch.save`` zip, whose central directory records the CRC-32
 of every entry. A checkpoint that torch's writer saved (no manifest), or whose manifest is stale, is still

@@ -1,4 +1,6 @@
-"""A DCP ``.metadata`` as columns: arrays of shapes, chunk boxes and byte ranges, one string table.
+"""A DCP ``.metadata`` as columns (arrays of shapes, chunk boxes, byte ranges) and their tables.
+
+A DCP ``.metadata`` as columns: arrays of shapes, chunk boxes and byte ranges, one string table.
 
 torch's ``Metadata`` object graph costs about 2 KB per tensor (six dataclass instances, each with its
 ``__dict__``, and three ``torch.Size``), 2 GB at a million tensors, before any planning. These columns

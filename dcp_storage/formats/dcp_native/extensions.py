@@ -1,4 +1,6 @@
-"""Stream-transform extensions on the read side: finding them, and decoding items with them.
+"""Stream-transform extensions (compression) on read and write, and ``convert`` into the native layout.
+
+Stream-transform extensions on the read side: finding them, and decoding items with them.
 
 torch records, for each item written through ``_extensions`` (compression, ...), the list of transform
 descriptors (``"name/version"``) in ``_StorageInfo.transform_descriptors``, and its reader resolves them

@@ -1,4 +1,6 @@
-"""One saved record of a DCP checkpoint, as the item loader and its in-place path address it.
+"""The saved records of a DCP checkpoint as byte frames: where each item's bytes lie, and matching them to reads.
+
+One saved record of a DCP checkpoint, as the item loader and its in-place path address it.
 
 Whether a decoded DCP record is the chunk the metadata says it is.
 

@@ -1,4 +1,6 @@
-"""Building and reading the manifest of a DCP native checkpoint (see :mod:`dcp_storage.integrity.manifest`).
+"""The manifest of a DCP native checkpoint: building it, reading it, and verifying records in place with it.
+
+Building and reading the manifest of a DCP native checkpoint (see :mod:`dcp_storage.integrity.manifest`).
 
 Verified loads of whole records straight into their destinations, hashed where they land.
 

@@ -1,4 +1,6 @@
-"""Native decoding of a DCP ``.metadata`` pickle into :class:`~.columns.MetadataColumns`.
+"""Reading a ``.metadata``: the native C decoder, the allow-list fallback, and lazy views of the result.
+
+Native decoding of a DCP ``.metadata`` pickle into :class:`~.columns.MetadataColumns`.
 
 :func:`decode_columns` runs the C decoder (``_metadata_decode.c``) on the raw bytes: it understands only the
 regular, canonical pickles torch's ``pickle.dump(Metadata)`` writes and never imports or calls anything named

@@ -1,4 +1,6 @@
-"""torch's rank-local metadata fallback, made to fail once.
+"""``FsspecReader``: a drop-in DCP ``StorageReader`` for the native layout on any fsspec URL.
+
+torch's rank-local metadata fallback, made to fail once.
 
 ``dcp.load`` first calls ``reader.read_metadata()``; if that raises, it logs a traceback ("Global metadata is
 not found. Falling back to rank local metadata."), calls ``reader.read_metadata(rank=r)`` (for checkpoints

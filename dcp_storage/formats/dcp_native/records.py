@@ -1,4 +1,6 @@
-"""Seekable stream transforms: a transform that can serve uncompressed byte ranges of a stored item.
+"""Decoding one stored record safely: its zip frame, its pickle, and seekable transforms of its bytes.
+
+Seekable stream transforms: a transform that can serve uncompressed byte ranges of a stored item.
 
 A DCP item written through a stream extension (torch's ``_extensions``, our ``FsspecWriter(extensions=...)``)
 is opaque to a reader: torch's reader, and ours by default, fetch the whole stored item and run the

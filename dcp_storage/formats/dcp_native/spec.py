@@ -1,4 +1,6 @@
-"""Which reader a directory holding ``.metadata`` needs: DCP's native records, or torch's safetensors layout.
+"""The DCP native format's spec: detecting a ``.metadata`` directory, and ``inspect`` of one.
+
+Which reader a directory holding ``.metadata`` needs: DCP's native records, or torch's safetensors layout.
 
 Both layouts are ``.metadata`` plus ``__R_N.distcp`` files. In the native one (``FileSystemWriter``,
 ``FsspecWriter``) every item is a ``torch.save`` zip record; in torch's

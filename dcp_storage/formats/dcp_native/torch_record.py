@@ -1,4 +1,6 @@
-"""The globals a DCP ``.metadata`` pickle may name, and the stand-ins that replace torch's risky ones.
+"""A ``torch.save`` record of a tensor, parsed without running it, and the globals a ``.metadata`` pickle may name.
+
+The globals a DCP ``.metadata`` pickle may name, and the stand-ins that replace torch's risky ones.
 
 Shared by the guarded unpickler (:mod:`.metadata_io`) and the native decoder (:mod:`.native_decode`), which
 matches globals by module and name against this table and never imports or calls what a file names.

@@ -1,4 +1,6 @@
-"""Checking a DCP checkpoint against its manifest's checksums, for ``verify`` (``dcp-storage verify``).
+"""``verify`` of a DCP checkpoint: files, sizes and checksums against its manifest.
+
+Checking a DCP checkpoint against its manifest's checksums, for ``verify`` (``dcp-storage verify``).
 
 Shallow: every file the manifest lists is present with exactly the size recorded, and every record of the
 metadata has a checksum. Deep: every file is read sequentially in pieces of at most ``piece_bytes`` (so

@@ -1,4 +1,6 @@
-"""Bytes of a safetensors file: the header, the order of tensors, and tensors as raw little-endian bytes.
+"""Bytes of a safetensors file and the plan of each file a save writes.
+
+Bytes of a safetensors file: the header, the order of tensors, and tensors as raw little-endian bytes.
 
 The layout this module produces is the one ``safetensors.serialize`` produces, so a file written here from
 full tensors is byte-identical to ``safetensors.torch.save(tensors, metadata)``:

@@ -1,4 +1,6 @@
-"""safetensors dtype names <-> torch dtypes (every dtype the format defines that torch has).
+"""The safetensors header: its dtypes, parsing and validation.
+
+safetensors dtype names <-> torch dtypes (every dtype the format defines that torch has).
 
 Parsing and validating safetensors headers: pure functions over bytes.
 

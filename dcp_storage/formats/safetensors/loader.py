@@ -1,4 +1,6 @@
-"""Fetching every safetensors header of a checkpoint with a few small ranged reads.
+"""Scanning every safetensors header with a few ranged reads, and loading tensors from the files.
+
+Fetching every safetensors header of a checkpoint with a few small ranged reads.
 
 Per blob: the first ``probe_bytes`` (64 KiB by default) in one request, all blobs in one concurrent
 :meth:`~dcp_storage.transports.Transport.read_ranges` call; then, only for headers longer than the

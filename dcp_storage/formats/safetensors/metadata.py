@@ -1,4 +1,7 @@
-"""Finding the safetensors blobs of a checkpoint: one file, a directory, an HF index, torch's DCP layouts.
+"""A safetensors checkpoint as DCP ``Metadata``: finding its blobs (one file, a directory, an HF index, torch's
+layouts).
+
+Finding the safetensors blobs of a checkpoint: one file, a directory, an HF index, torch's DCP layouts.
 
 What a URL can point at, and how each is recognised (no guessing beyond this list):
 

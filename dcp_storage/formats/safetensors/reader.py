@@ -1,4 +1,7 @@
-"""Raw local I/O of a safetensors save (``pwrite`` mode): temp files, chunks written in place, headers, commit.
+"""``SafetensorsReader`` and the I/O of safetensors saves (``pwrite`` on local disks, streamed uploads on object
+stores).
+
+Raw local I/O of a safetensors save (``pwrite`` mode): temp files, chunks written in place, headers, commit.
 
 Local filesystems (shared by all ranks, as for torch's ``FileSystemWriter``) take positioned writes, so
 every byte is written once, by the rank that holds it, with nothing sent between ranks:

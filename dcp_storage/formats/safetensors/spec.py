@@ -1,4 +1,6 @@
-"""``inspect`` for safetensors checkpoints: every header's entries, the files, and the header provenance.
+"""The safetensors format's spec: ``inspect`` and ``verify`` of safetensors checkpoints.
+
+``inspect`` for safetensors checkpoints: every header's entries, the files, and the header provenance.
 
 ``verify`` for safetensors checkpoints (a file, a directory, an HF index, torch's DCP layouts).
 

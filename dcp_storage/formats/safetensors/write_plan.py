@@ -1,4 +1,7 @@
-"""Global planning of a Hugging Face safetensors save: which file holds each tensor, where, and who writes what.
+"""Global planning of a safetensors save (which file holds each tensor, where, who writes what) and checking its
+checksums.
+
+Global planning of a Hugging Face safetensors save: which file holds each tensor, where, and who writes what.
 
 Pure functions over DCP ``SavePlan``s; no I/O. The coordinator calls :func:`plan_save` with every rank's
 plan and gets back the files (names, headers, sizes), the index, and for every rank the byte runs its

@@ -1,4 +1,6 @@
-"""Streaming ``torch.save`` output: the zip built record by record, one tensor in memory at a time.
+"""The ``torch.save`` format's spec: ``inspect``, ``verify`` and ``convert`` output (the zip built record by record).
+
+Streaming ``torch.save`` output: the zip built record by record, one tensor in memory at a time.
 
 ``torch.save`` pickles the whole object first and then writes every storage, so it needs every tensor in
 memory at once. Here ``data.pkl`` is pickled from the metadata alone: each tensor is a placeholder that

@@ -2,19 +2,19 @@
 
 It exists to prove that a plugin format gets every tool the built-in formats get - ``open_reader``/
 ``dcp.load``, ``inspect`` (its ``describe`` hook), ``verify`` and ``verify --deep`` (``check``,
-``deep_check``), ``convert`` from it and to it (``convert_target``) - through the API and the CLI. It
-imports dcp-storage through ``dcp_storage.plugin_api`` only. ``tests/formats/npz_plugin/site`` holds it
+``deep_check``), ``convert`` from it and to it (``convert_target``) - through the API and the CLI. Its
+reader is dcp-storage's :class:`~dcp_storage.plugin_api.RawTensorReader` over the format's scan (``archive``):
+every rank reads only the bytes of its slices, under any read strategy. It imports dcp-storage through
+``dcp_storage.plugin_api`` only. ``tests/formats/npz_plugin/site`` holds it
 with its ``.dist-info`` (entry point ``dcp_storage.formats: npz``); tests put that folder on the path.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from dcp_storage.plugin_api import FormatSpec, Probe
 
 from .hooks import check_npz, deep_check_npz, describe_npz
-from .reader import NpzReader
+from .reader import open_npz
 from .writer import TARGET
 
 __all__ = ["FORMAT"]
@@ -31,17 +31,12 @@ def _sniff(probe: Probe) -> int | None:
     return 100 if first.endswith(b".npy") or (probe.basename.endswith(".npz") and b"data.pkl" not in first) else None
 
 
-def _reader(url: str, storage_options: dict[str, Any] | None = None, **options: Any) -> Any:
-    options.pop("trust", None)  # convert(trust=True): nothing in an .npz is decoded by pickle anyway
-    return NpzReader(url, storage_options, **options)
-
-
 FORMAT = FormatSpec(
     name="npz",
     version="1",
     sniff=_sniff,
-    open_reader=_reader,
-    description="NumPy .npz archives (numpy.savez), read with numpy.load(allow_pickle=False)",
+    open_reader=open_npz,
+    description="NumPy .npz archives (numpy.savez), read by byte range: no pickle, no compressed members",
     describe=describe_npz,
     check=check_npz,
     deep_check=deep_check_npz,

@@ -1,64 +1,52 @@
 """An ``.npz`` archive read through a dcp-storage transport: members, ``.npy`` headers, byte ranges.
 
-``numpy.savez`` writes a zip whose members are ``<key>.npy`` files. The zip's central directory and each
-member's ``.npy`` header say every array's key, dtype, shape and (for stored members) where its bytes
-lie, so metadata costs a few small ranged reads. Arrays are decoded by ``numpy.load(allow_pickle=False)``:
-an object array (which needs pickle, and so could run code) is refused, never loaded.
+``numpy.savez`` writes a zip whose members are ``<key>.npy`` files, stored uncompressed: each member is a
+short ``.npy`` header (dtype, shape, order) followed by the array's raw elements. So the whole format is a
+scan (:func:`scan_npz`): the zip's end records and central directory (dcp-storage's zip index, which also
+refuses archives whose entries overlap or whose local headers disagree with the directory), then every
+member's local header and ``.npy`` header, in two batches of small ranged reads; no array byte is read.
+The scan's :class:`~dcp_storage.plugin_api.RawTensor` rows are all :class:`~dcp_storage.plugin_api.RawTensorReader`
+needs to load any slice of any array with ranged reads of exactly its bytes, under any read strategy.
+
+Refused, with an error naming the file and the member: compressed members (``numpy.savez_compressed``:
+no byte range of a deflate stream holds a slice), object arrays (they need pickle, which could run code),
+dtypes torch lacks, and members whose header promises other than the bytes they hold.
 """
 
 from __future__ import annotations
 
-import io
+import ast
 import math
-import struct
-import zipfile
+import sys
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from dcp_storage.plugin_api import CorruptCheckpointError, Transport, UnsafeCheckpointError
+from dcp_storage.plugin_api import (
+    CorruptCheckpointError,
+    DcpStorageError,
+    NotAZipError,
+    RangeRequest,
+    RawTensor,
+    Transport,
+    UnsafeCheckpointError,
+    ZipIndex,
+    data_starts,
+    read_zip_index,
+)
 
-__all__ = ["NpzArchive", "NpzMember", "TransportFile", "torch_dtype"]
+__all__ = ["NpzArchive", "NpzMember", "scan_npz", "torch_dtype"]
 
-_LOCAL_HEADER = 30  # fixed part of a zip local file header
-_NPY_PREFIX = 12  # magic (6), version (2), header length (2 in format 1.0, 4 in 2.0 and 3.0)
-
-
-class TransportFile(io.RawIOBase):
-    """A read-only, seekable file over ``transport.read_range``: zipfile and numpy read only what they need."""
-
-    def __init__(self, transport: Transport, path: str) -> None:
-        super().__init__()
-        self.transport, self.path = transport, path
-        self.length = transport.size(path)
-        self.pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self.length - self.pos))
-        if n:
-            memoryview(buffer).cast("B")[:n] = self.transport.read_range(self.path, self.pos, self.pos + n)
-            self.pos += n
-        return n
+_STORED = 0  # zip compression method: none
+_MAGIC = b"\x93NUMPY"
+_PREFIX = 12  # magic (6), version (2), header length (2 in format 1.0, 4 in 2.0 and 3.0)
+_FIRST_READ = 256  # .npy header bytes fetched on the first try (numpy pads its headers to 64 or 128)
+_MAX_HEADER = 10_000  # numpy's own bound on a .npy header (numpy.lib.format.read_array_header_1_0)
 
 
 def torch_dtype(dtype: np.dtype, where: str) -> torch.dtype:
-    """The torch dtype of a (native byte order) numpy dtype; our error for one torch has no dtype for."""
+    """The torch dtype of a numpy dtype (either byte order); our error for one torch has no dtype for."""
     if dtype.hasobject:
         raise UnsafeCheckpointError(where, "an object array", "it needs pickle to load; .npz arrays are read without")
     try:
@@ -69,17 +57,26 @@ def torch_dtype(dtype: np.dtype, where: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class NpzMember:
-    """One array: its key, numpy dtype, shape, and the byte range of its data (``None``: compressed)."""
+    """One array: its key, numpy dtype, shape, order, and the byte offset of its data in the file."""
 
     key: str
     member: str
     dtype: np.dtype
     shape: tuple[int, ...]
-    data_offset: int | None
+    fortran_order: bool
+    data_offset: int
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    def raw(self, where: str) -> RawTensor:
+        """Where its elements lie, for :class:`~dcp_storage.plugin_api.RawTensorReader`."""
+        order = {">": "big", "<": "little"}.get(self.dtype.byteorder, sys.byteorder)
+        stride = None
+        if self.fortran_order and len(self.shape) > 1:
+            stride = tuple(math.prod(self.shape[:d]) for d in range(len(self.shape)))
+        return RawTensor(self.key, self.data_offset, torch_dtype(self.dtype, where), self.shape, "", order, stride)
 
 
 class NpzArchive:
@@ -87,80 +84,121 @@ class NpzArchive:
 
     def __init__(self, transport: Transport, path: str) -> None:
         self.transport, self.path, self.url = transport, path, transport.url(path)
-        self.file = TransportFile(transport, path)
         try:
-            self.zip = zipfile.ZipFile(self.file)
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
-            raise CorruptCheckpointError(f"{self.url}: not a readable .npz (zip) archive: {exc}") from exc
+            self.index: ZipIndex = read_zip_index(transport, path)
+        except NotAZipError as exc:
+            raise CorruptCheckpointError(f"{self.url}: not an .npz archive (no zip end record; truncated?)") from exc
 
     @property
     def size(self) -> int:
-        return self.file.length
+        return self.index.file_size
+
+    def names(self) -> list[str]:
+        """Member names, in the order of the zip's central directory (``numpy.savez``'s argument order)."""
+        return list(self.index.entries)
+
+    def where(self, name: str) -> str:
+        return f"{self.url} (member {name!r})"
 
     def members(self) -> list[NpzMember]:
-        return [self.member(info) for info in self.zip.infolist()]
+        """Every member, or the first member's error."""
+        parsed = self.parse()
+        for found in parsed.values():
+            if isinstance(found, DcpStorageError):
+                raise found
+        return list(parsed.values())  # type: ignore[arg-type]
 
-    def member(self, info: zipfile.ZipInfo) -> NpzMember:
-        where = f"{self.url} (member {info.filename!r})"
-        if not info.filename.endswith(".npy"):
-            raise CorruptCheckpointError(f"{where}: not a .npy array; an .npz archive holds only those")
-        data_offset = None
-        try:
-            if info.compress_type == zipfile.ZIP_STORED:  # the header alone, by ranges: no array byte is read
-                start = self._member_start(info)
-                stream: Any = io.BytesIO(self._read(start, start + min(info.file_size, _NPY_PREFIX)))
-                version = np.lib.format.read_magic(stream)
-                size_bytes = 2 if version == (1, 0) else 4
-                header_len = int.from_bytes(stream.read(size_bytes), "little")
-                stream = io.BytesIO(self._read(start, start + min(info.file_size, 8 + size_bytes + header_len)))
-            else:  # compressed (numpy.savez_compressed): the header is the start of the inflated stream
-                stream = self.zip.open(info)
-            with stream:
-                version = np.lib.format.read_magic(stream)
-                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                shape, _fortran, dtype = read(stream)
-                header_bytes = stream.tell()
-        except (ValueError, zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise CorruptCheckpointError(f"{where}: unreadable .npy header: {exc}") from exc
-        torch_dtype(dtype, where)  # refuses object arrays and dtypes torch lacks
-        nbytes = math.prod(shape) * dtype.itemsize
-        if info.compress_type == zipfile.ZIP_STORED:
-            data_offset = start + header_bytes
-            if info.file_size != header_bytes + nbytes:
-                raise CorruptCheckpointError(
-                    f"{where}: holds {info.file_size - header_bytes} data bytes, but its header says "
-                    f"{nbytes} ({dtype}, shape {list(shape)})"
+    def parse(self) -> dict[str, NpzMember | DcpStorageError]:
+        """Every member, or the error that member raised (``verify`` reports one problem per member)."""
+        out: dict[str, NpzMember | DcpStorageError] = {}
+        good = []
+        for name, entry in self.index.entries.items():
+            if not name.endswith(".npy"):
+                out[name] = CorruptCheckpointError(
+                    f"{self.where(name)}: not a .npy array; an .npz archive holds only those"
                 )
-        return NpzMember(info.filename[: -len(".npy")], info.filename, dtype, tuple(shape), data_offset)
+            elif entry.method != _STORED:
+                out[name] = DcpStorageError(
+                    f"{self.where(name)}: the member is compressed (numpy.savez_compressed), so no byte range of "
+                    "the file holds a slice of the array; save it with numpy.savez (uncompressed) to load it here"
+                )
+            else:
+                good.append(name)
+        starts = data_starts(self.transport, self.index, good)  # the local headers, in one batch
+        for name, head in self._headers(good, starts).items():
+            try:
+                if isinstance(head, DcpStorageError):
+                    raise head
+                out[name] = self._member(name, starts[name], head)
+            except DcpStorageError as exc:
+                out[name] = exc
+        return {name: out[name] for name in self.index.entries}
 
-    def _read(self, start: int, end: int) -> bytes:
-        if end > self.size:
+    def _headers(self, names: list[str], starts: dict[str, int]) -> dict[str, bytes | DcpStorageError]:
+        """Each member's ``.npy`` header bytes (magic to the end of the header dict), in at most two batches."""
+        sizes = {n: self.index.entries[n].size for n in names}
+        first = [RangeRequest(self.path, starts[n], starts[n] + min(sizes[n], _FIRST_READ)) for n in names]
+        heads = {n: bytes(b) for n, b in zip(names, self.transport.read_ranges(first))}  # type: ignore[arg-type]
+        out: dict[str, bytes | DcpStorageError] = {}
+        need: dict[str, int] = {}
+        for n in names:
+            try:
+                need[n] = self._header_end(n, heads[n])
+            except DcpStorageError as exc:
+                out[n] = exc
+        more = [n for n in need if need[n] > len(heads[n])]
+        rest = [RangeRequest(self.path, starts[n] + len(heads[n]), starts[n] + need[n]) for n in more]
+        for n, b in zip(more, self.transport.read_ranges(rest) if rest else []):
+            heads[n] += bytes(b)  # type: ignore[arg-type]
+        out.update({n: heads[n][: need[n]] for n in need})
+        return out
+
+    def _header_end(self, name: str, head: bytes) -> int:
+        """Where the ``.npy`` header that ``head`` starts with ends (bounded by the member's size)."""
+        where, size = self.where(name), self.index.entries[name].size
+        if len(head) < _PREFIX or not head.startswith(_MAGIC):
+            raise CorruptCheckpointError(f"{where}: not a .npy array (no .npy magic; {size} bytes)")
+        major = head[6]
+        if major not in (1, 2, 3):
+            raise CorruptCheckpointError(f"{where}: .npy format version {major}.{head[7]} is not one numpy writes")
+        width = 2 if major == 1 else 4
+        end = 8 + width + int.from_bytes(head[8 : 8 + width], "little")
+        if end - 8 - width > _MAX_HEADER or end > size:
             raise CorruptCheckpointError(
-                f"{self.url}: ends at byte {self.size}, before byte {end} its zip directory names"
+                f"{where}: its .npy header claims {end - 8 - width} bytes, but the member holds {size} "
+                "(truncated or corrupt)"
             )
-        return bytes(self.transport.read_range(self.path, start, end))
+        return end
 
-    def _member_start(self, info: zipfile.ZipInfo) -> int:
-        """Where a member's bytes begin: after its local header, whose extra field may differ from the
-        central directory's."""
-        head = self._read(info.header_offset, info.header_offset + _LOCAL_HEADER)
-        if not head.startswith(b"PK\x03\x04"):
-            raise CorruptCheckpointError(f"{self.url}: no local header for member {info.filename!r}")
-        name_len, extra_len = struct.unpack_from("<HH", head, 26)
-        return info.header_offset + _LOCAL_HEADER + name_len + extra_len
-
-    def load(self, key: str) -> torch.Tensor:
-        """One array, decoded by ``numpy.load(allow_pickle=False)``, as a tensor in native byte order."""
-        where = f"{self.url} (member {key + '.npy'!r})"
+    def _member(self, name: str, start: int, head: bytes) -> NpzMember:
+        where = self.where(name)
+        width = 2 if head[6] == 1 else 4
         try:
-            self.file.seek(0)  # numpy reads the zip magic where the file stands
-            with np.load(self.file, allow_pickle=False) as npz:
-                array = npz[key]
-        except (ValueError, zipfile.BadZipFile, OSError, EOFError, KeyError) as exc:
-            raise CorruptCheckpointError(f"{where}: {type(exc).__name__}: {exc}") from exc
-        torch_dtype(array.dtype, where)
-        native = array.astype(array.dtype.newbyteorder("="), order="C", copy=False)  # keeps 0-d arrays 0-d
-        return torch.from_numpy(native)
+            text = head[8 + width :].decode("latin1" if head[6] < 3 else "utf-8")
+            header = ast.literal_eval(text)  # a dict of literals: numpy's own parser (safe_eval) does the same
+            dtype = np.lib.format.descr_to_dtype(header["descr"])
+            shape, fortran = tuple(header["shape"]), header["fortran_order"]
+        except (ValueError, SyntaxError, TypeError, KeyError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
+            raise CorruptCheckpointError(f"{where}: unreadable .npy header: {exc}") from exc
+        if not all(isinstance(n, int) and n >= 0 for n in shape) or not isinstance(fortran, bool):
+            raise CorruptCheckpointError(f"{where}: unreadable .npy header: shape {shape!r}, order {fortran!r}")
+        torch_dtype(dtype, where)  # refuses object arrays and dtypes torch lacks
+        member = NpzMember(name[: -len(".npy")], name, dtype, shape, fortran, start + len(head))
+        held = self.index.entries[name].size - len(head)
+        if held != member.nbytes:
+            raise CorruptCheckpointError(
+                f"{where}: holds {held} data bytes, but its header says {member.nbytes} ({dtype}, shape "
+                f"{list(shape)}): the member is truncated or its header is wrong"
+            )
+        return member
 
-    def close(self) -> None:
-        self.zip.close()
+    def data_range(self, name: str) -> tuple[int, int]:
+        """``[start, end)`` of a member's stored bytes (header and data), for the CRC check."""
+        start = data_starts(self.transport, self.index, [name])[name]
+        return start, start + self.index.entries[name].compressed_size
+
+
+def scan_npz(transport: Transport, path: str) -> list[RawTensor]:
+    """The format's scan: where every array of the ``.npz`` at ``path`` lies (its headers only are read)."""
+    archive = NpzArchive(transport, path)
+    return [m.raw(archive.where(m.member)) for m in archive.members()]
