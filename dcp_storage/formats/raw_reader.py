@@ -49,7 +49,7 @@ from dcp_storage.errors import CorruptCheckpointError
 from dcp_storage.formats.location import BoundLocation
 from dcp_storage.formats.paths import check_relative
 from dcp_storage.formats.reading import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
-from dcp_storage.planners.key_check import check_planned_keys
+from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_object
 from dcp_storage.strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from dcp_storage.transports import Transport, TransportConfig

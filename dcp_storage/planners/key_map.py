@@ -90,7 +90,7 @@ class IncompatibleKeysError(DcpStorageError, RuntimeError):
     ``missing_keys`` are state-dict keys the checkpoint lacks; ``unexpected_keys`` are checkpoint keys no
     state-dict key maps to (the meanings of ``nn.Module.load_state_dict``). ``hint`` is a key map that would
     match (:func:`~.report.suggest_key_map`); ``fix`` replaces the closing advice (for other planners).
-    Raised the same way whatever the planner (:mod:`.key_check` covers torch's) and whatever the reader.
+    Raised the same way whatever the planner (:func:`~.planner.check_planned_keys` covers torch's) and whatever the reader.
     """
 
     def __init__(

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_storage.errors import DcpStorageError, ShapeMismatchError
 from dcp_storage.formats.byte_items import VettedBytes, ensure_vetted
-from dcp_storage.planners.key_check import check_planned_keys
+from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.runtime import host_buffer, wait_for
 from dcp_storage.strategies.collectives import GroupView, reader_location, running_planner, share_object, working_alone
 from dcp_storage.strategies.read_strategy import CoordinatorServedReader

@@ -22,7 +22,7 @@ builds one per call, ``_DistWrapper(process_group, not no_dist, coordinator_rank
 ``distW`` and drives every reader step from there. :func:`dcp_storage._torch.current_call` (the one module
 that reads torch's frames) finds it in the calling frames (only frames of ``torch.distributed.checkpoint``
 modules are looked at), with the call's planner, whose
-``set_up_planner`` has already run when the reader is set up (see :mod:`dcp_storage.planners.key_check`).
+``set_up_planner`` has already run when the reader is set up (see :mod:`dcp_storage.planners.planner`).
 torch has built its loads this way since DCP's first release; if a future torch stops doing so,
 :func:`current_call` returns ``None`` and readers fall back to what they did before: a process group of
 more than one rank means a distributed load.

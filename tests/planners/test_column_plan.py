@@ -232,7 +232,7 @@ def test_readers_plan_steps_on_columns(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     from dcp_storage.errors import CorruptCheckpointError
-    from dcp_storage.planners.key_check import check_planned_keys
+    from dcp_storage.planners.planner import check_planned_keys
     from dcp_storage.strategies.read_strategy import MetadataItems
 
     md = synthetic_metadata()

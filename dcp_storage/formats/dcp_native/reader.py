@@ -26,7 +26,7 @@ Call order (torch's ``dcp.load`` drives it; every rank calls every step unless n
    collectives) is read by each rank alone, as is any call outside ``dcp.load``.
 3. ``set_up_storage_reader(metadata, is_coordinator)`` - keeps the storage map; with torch's planners,
    reports key mismatches as :class:`~dcp_storage.planners.IncompatibleKeysError`
-   (:mod:`dcp_storage.planners.key_check`).
+   (:mod:`dcp_storage.planners.planner`).
 4. ``prepare_local_plan`` / ``prepare_global_plan`` (coordinator only) - the read strategy's: with
    ``read_once`` (the default on object stores) the coordinator assigns every stored slice that several
    ranks need to one of them (see :mod:`dcp_storage.strategies.read_strategy`).
@@ -57,7 +57,7 @@ from dcp_storage.formats.dcp_native.manifest_io import default_sums, read_checke
 from dcp_storage.formats.dcp_native.native import METADATA_FILE, columns_of, load_metadata, read_metadata_file
 from dcp_storage.formats.location import BoundLocation, find_leftovers, raise_explained
 from dcp_storage.formats.paths import METADATA, read_limited
-from dcp_storage.planners.key_check import check_planned_keys
+from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_within_load
 from dcp_storage.strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from dcp_storage.transports import Transport, TransportConfig

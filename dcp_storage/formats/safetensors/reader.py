@@ -91,7 +91,7 @@ from dcp_storage.formats.safetensors.write_plan import (
     fill_header,
 )
 from dcp_storage.integrity.checksums import checksum
-from dcp_storage.planners.key_check import check_planned_keys
+from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_object
 from dcp_storage.strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from dcp_storage.transports import Transport, TransportConfig

@@ -46,7 +46,7 @@ from dcp_storage.formats.byte_items import VettedBytes
 from dcp_storage.formats.location import raise_explained
 from dcp_storage.formats.reading import SliceRead, plan_slice_read, read_slices
 from dcp_storage.formats.torch_save import TorchSaveArchive, TorchSaveArchiveConfig
-from dcp_storage.planners.key_check import check_planned_keys, enforce_for, rules_of
+from dcp_storage.planners.planner import check_planned_keys, enforce_for, rules_of
 from dcp_storage.runtime import host_buffer
 from dcp_storage.strategies.collectives import GroupView, reader_location, running_planner, share_object
 from dcp_storage.strategies.read_strategy import CoordinatorServedReader
