@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import inspect
 import io
 import os
 import posixpath
@@ -126,8 +127,19 @@ class BaseTransport(abc.ABC):
         storage_options: dict[str, Any] | None = None,
         config: TransportConfig | None = None,
     ) -> tuple[_B, str]:
-        """The transport (``cls(config=config, **storage_options)``) and the path of ``url`` on it."""
-        transport = cls(config=config, **dict(storage_options or {}))
+        """The transport (``cls(config=config, **storage_options)``) and the path of ``url`` on it; a storage
+        option ``__init__`` does not take is refused naming the ones it does."""
+        options = dict(storage_options or {})
+        params = inspect.signature(cls.__init__).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            taken = [n for n, p in params.items() if n not in ("self", "config") and p.kind is not p.VAR_POSITIONAL]
+            unknown = sorted(set(options) - set(taken))
+            if unknown:
+                raise DcpStorageError(
+                    f"{os.fspath(url)}: {cls.__name__} takes no storage option {', '.join(map(repr, unknown))}; "
+                    f"it takes {', '.join(map(repr, taken)) or 'none'}"
+                )
+        transport = cls(config=config, **options)
         return transport, transport.strip_url(os.fspath(url))
 
     def url(self, path: str) -> str:
@@ -253,7 +265,7 @@ class BaseTransport(abc.ABC):
 
     # ------------------------------------------------------------------------------------------ writing
     def write_file(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        payload = memoryview(data).cast("B").tobytes() if memoryview(data).format != "B" else bytes(data)
+        payload = bytes(memoryview(data))  # private: a retry sends these bytes again, whatever the caller does
 
         def put() -> None:
             self.put(path, io.BytesIO(payload), len(payload))

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage import FsspecReader, FsspecWriter, registry
-from dcp_storage.errors import CheckpointExistsError, TransportError
+from dcp_storage.errors import CheckpointExistsError, DcpStorageError, TransportError
 from dcp_storage.plugin_api import BaseTransport, RetryPolicy, Transport, TransportConfig
 from dcp_storage.transports.factory import open_transport
 from dcp_storage_testing.conformance import Location, StorageConformance, assert_state_equal, unwrap
@@ -188,6 +188,21 @@ def test_a_store_without_create_if_absent_falls_back_with_a_warning(store: str) 
         out = {"w": torch.zeros(4)}
         dcp.load(out, storage_reader=FsspecReader(store), no_dist=True)
         assert torch.equal(out["w"], torch.ones(4))
+
+
+def test_an_unknown_storage_option_is_refused_by_name(store: str) -> None:
+    class Rooted(DictStore):
+        def __init__(self, root: str = "/", *, config: TransportConfig | None = None) -> None:
+            super().__init__(config)
+            self.root = root
+
+    with pytest.raises(DcpStorageError, match=r"Rooted takes no storage option 'anon'; it takes 'root'"):
+        Rooted.from_url(store, {"anon": True, "root": "/srv"})
+    with pytest.raises(DcpStorageError, match=r"takes no storage option 'root'; it takes none"):
+        DictStore.from_url(store, {"root": "/srv"})
+    transport, _ = Rooted.from_url(store, {"root": "/srv"})
+    with transport:
+        assert transport.root == "/srv"
 
 
 def test_store_errors_name_the_url_and_pickling_keeps_the_store(store: str) -> None:
