@@ -40,10 +40,12 @@ def _run_trials(trials: CrashTrials, capsys: pytest.CaptureFixture[str]) -> None
     import torch
 
     # A kill aimed before the commit still lands after it when the machine speeds up between the aim and the
-    # save; such trials check the complete side, and more trials run (up to twice as many) until half the
-    # kills have landed before the commit and one left a torn checkpoint that is refused as incomplete.
+    # save; such trials check the complete side, and more trials run (up to twice as many, and at least 20:
+    # on a loaded machine early kills often land before the first byte or before the old checkpoint is
+    # retired) until half the kills have landed before the commit and one left a torn checkpoint that is
+    # refused as incomplete.
     n_trials = _trial_count()
-    max_trials = 2 * n_trials
+    max_trials = max(2 * n_trials, 20)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks do: on 2 busy cores, intra-op threads only add contention
