@@ -60,7 +60,6 @@ from peers_jobs import (  # noqa: E402
     BUCKET,
     REGION,
     WRITE_BUCKET,
-    client_identity_broken,
     load_job,
     odirect_job,
     peer_missing,
@@ -199,8 +198,6 @@ def s3_save(run: Run, server: Any, spec: list, worlds: list[int]) -> None:
         ]
         for who in ("ours-w", "s3tc-w1", "s3tc-w4", "torch-fsspec-w"):
             job = {"who": who, "spec": spec, "so": so, "env": env, "s3": True, "bucket": WRITE_BUCKET}
-            if who == "ours-w" and client_identity_broken():
-                job["note"] = "with the benchmark's work-around of commit_holder.client_identity (see peers_jobs)"
             entries.append((_label(who), "save", save_job, world, job))
         run.group(f"s3 save DCP {'1p' if world == 1 else f'{world}r'}", entries)
 
@@ -352,8 +349,6 @@ Commit {result["machine"]["code"]["commit"]}. JSON: `{os.path.relpath(result["js
 - The local `O_DIRECT` limit is one thread writing 64 MiB at a time (queue depth 1): at this size and load
   buffered writers plus `fsync` can beat it (x raw above 1), so it is a floor of the disk's limit, not its
   ceiling; a deeper queue (threads or `io_uring`) is the next limit to measure.
-- Our `FsspecWriter` to S3 needs the work-around in `peers_jobs._work_around_client_identity`: redesign step 1
-  bound `commit_holder.client_identity` to a module, so every object-store save fails without it.
 """
     with open(path, "w") as f:
         f.write(text)

@@ -79,37 +79,9 @@ def _reader(who: str, url: str, so: dict[str, Any], env: dict[str, str]) -> Any:
     raise ValueError(who)
 
 
-def client_identity_broken() -> bool:
-    """Whether the package still has the bug :func:`_work_around_client_identity` works around."""
-    import inspect
-
-    from dcp_storage.formats import commit_holder
-
-    return inspect.ismodule(commit_holder.client_identity)
-
-
-def _work_around_client_identity() -> bool:
-    """Redesign step 1 left ``commit_holder.client_identity`` bound to the *module* ``transports.protocol`` (an
-    import rewritten as ``from dcp_storage.transports import protocol as client_identity``), so every
-    ``FsspecWriter`` save to an object store fails with "TypeError: 'module' object is not callable" when it
-    claims the commit. Until the package is fixed, the benchmark binds the function it meant; returns whether
-    it had to (recorded in the row)."""
-    import inspect
-
-    from dcp_storage.formats import commit_holder
-
-    if inspect.ismodule(commit_holder.client_identity):
-        commit_holder.client_identity = commit_holder.client_identity.client_identity
-        return True
-    return False
-
-
 def _writer(who: str, url: str, so: dict[str, Any], env: dict[str, str]) -> Any:
     if who == "ours-w":
         from dcp_storage import FsspecWriter
-
-        if url.startswith("s3://") and _work_around_client_identity():
-            print("note: worked around commit_holder.client_identity (a module, not the function)", flush=True)
 
         return FsspecWriter(url, so, overwrite=True)
     if who.startswith("s3tc-w"):
