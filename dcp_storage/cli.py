@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Sequence
 
 from dcp_storage._version import __version__
-from dcp_storage.commands import convert, demo, inspect, merge, plugins, steps, verify
+from dcp_storage.commands import convert, demo, inspect, plugins, steps
 from dcp_storage.commands._common import HelpFormatter, UsageError, as_typed
 from dcp_storage.runtime import terminate_as_interrupt
 from dcp_storage.text import escaped_stdio, printable
@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (convert, merge, inspect, verify, plugins, demo):
+    convert.add_parsers(sub)  # convert and merge
+    inspect.add_parsers(sub)  # inspect and verify
+    for command in (plugins, demo):
         command.add_parser(sub)
     steps.add_parsers(sub)  # ls and gc: the steps of a checkpoint manager's root
     return parser

@@ -4,7 +4,9 @@ Plugins (``plugins/*``, the ``dcp-storage plugin new`` template, third-party pac
 only, so that the core can move its modules without breaking them; ``tests/registry/test_plugin_imports.py``
 checks the in-tree ones. Everything here is kept stable:
 
-* transports: the :class:`Transport` protocol (and the optional :class:`LocalFileAccess` and
+* transports: :class:`BaseTransport`, the base a transport for a new store subclasses: it implements six
+  store primitives (``read_into``, ``object_size``, ``list_names``, ``put``, ``put_if_absent``, ``delete``) and
+  gets the rest; the :class:`Transport` protocol it keeps (and the optional :class:`LocalFileAccess` and
   :class:`LocalRunReads` of a local-disk transport), :func:`open_transport` to build on another transport,
   and the building blocks the built-in transports are made of, so a transport for another store does not
   rewrite them:
@@ -92,6 +94,7 @@ from dcp_storage.transports import (
     TransportCounters,
     is_transient,
 )
+from dcp_storage.transports.base import BaseTransport
 from dcp_storage.transports.factory import open_transport
 from dcp_storage.transports.guards import RangeMismatchError, VersionPins, range_mismatch
 from dcp_storage.transports.protocol import WorkerPool, resolve_config
@@ -163,6 +166,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AtomicWriter",
+    "BaseTransport",
     "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointInfo",

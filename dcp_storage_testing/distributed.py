@@ -11,7 +11,8 @@ moto's log reader...), and ``spawn`` pays a fresh interpreter plus
 ``import torch`` per rank per call -- ~2.5 s for a trivial 2-rank call on a
 2-core box, ~0.8 s more for torch's interpreter teardown. The forkserver is a
 clean, single-threaded interpreter started once per test process; it imports
-torch once, and each rank is a fork of it, so later calls cost ~0.05 s. The
+torch (and DCP, the package's readers and writers and s3fs) once, and each rank
+is a fork of it, so later calls cost ~0.05 s. The
 environment variable ``DCP_STORAGE_RUN_RANKS_START_METHOD=spawn`` switches
 back to plain spawn (e.g. to rule the forkserver out while debugging).
 Ranks get the caller's *current* ``os.environ`` either way, although torch
@@ -72,8 +73,25 @@ _STACK_DUMP_WAIT_S = 1.0  # most time allowed for faulthandler to write stacks
 _START_METHOD_ENV = "DCP_STORAGE_RUN_RANKS_START_METHOD"
 # Imported once by the forkserver so that ranks fork with them already loaded.
 # "__main__" is multiprocessing's own default preload, kept for other users of
-# the (process-global) forkserver.
-_FORKSERVER_PRELOAD = ["__main__", "torch", "torch.distributed", __name__]
+# the (process-global) forkserver. Besides torch: DCP, the package's readers and
+# writers and s3fs (aiobotocore), which nearly every rank body imports; without
+# them each rank of each call paid ~2-3 s of imports on 2 busy cores. None of
+# them starts a thread or reads the environment at import (fsspec starts its
+# loop thread on first use, in the rank). A name that fails to import is skipped
+# by multiprocessing, so a missing extra only costs the rank that import again.
+_FORKSERVER_PRELOAD = [
+    "__main__",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "s3fs",
+    "dcp_storage.formats.dcp_native.reader",
+    "dcp_storage.formats.dcp_native.writer",
+    "dcp_storage.formats.safetensors.reader",
+    "dcp_storage.formats.safetensors.writer",
+    "dcp_storage.strategies",
+    __name__,
+]
 
 
 class RankFailedError(Exception):

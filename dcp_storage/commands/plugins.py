@@ -9,8 +9,9 @@ A plugin is an ordinary distribution with an entry point in one of dcp-storage's
 :mod:`dcp_storage.registry`). The scaffold writes one that already works and is tested, so an author edits
 running code instead of filling in blanks:
 
-* ``--template transport``: serves ``NAME://`` URLs by mounting them on another fsspec URL (``base_url``), a
-  factory that opens the base URL's transport through :func:`dcp_storage.plugin_api.open_transport`;
+* ``--template transport``: serves ``NAME://`` URLs from objects kept as files under a root directory: a
+  :class:`dcp_storage.plugin_api.BaseTransport` implementing the six store primitives only, whose tests run
+  the core's storage conformance suite;
 * ``--template extension``: a torch ``StreamTransformExtension`` that deflate-compresses every item, usable by
   ``FsspecWriter(extensions=[...])`` and torch's ``FileSystemWriter(_extensions=[...])``;
 * ``--template format``: a ``FormatSpec`` for ``.NAME`` files (magic, JSON header, raw tensors) with its DCP
@@ -95,8 +96,8 @@ def add_parser(sub: Any) -> None:
         "new",
         help="write a working plugin distribution dcp-storage-NAME to start from",
         description="Write dcp-storage-NAME/: a plugin distribution that already works and is tested (pyproject with "
-        "the entry point, code, README, tests). --template transport serves NAME:// URLs by mounting them on another "
-        "fsspec URL; --template extension is a deflate stream extension; --template format reads .NAME files (a "
+        "the entry point, code, README, tests). --template transport serves NAME:// URLs from a directory "
+        "(a BaseTransport of six store primitives, tested by the conformance suite); --template extension is a deflate stream extension; --template format reads .NAME files (a "
         "FormatSpec, its StorageReader and a writer). Install it with 'pip install -e "
         "dcp-storage-NAME' and edit from there.",
         examples=["dcp-storage plugins new myblob", "dcp-storage plugins new packz --template extension --dir ~/src"],
@@ -205,10 +206,10 @@ KINDS: dict[str, _Kind] = {
         group="transports",
         module="transport",
         target_suffix="Transport",
-        description="A dcp-storage transport serving $name:// URLs from a mounted fsspec base URL.",
+        description="A dcp-storage transport serving $name:// URLs from objects kept as files under a root directory.",
         usage=(
             "## Use\n\n```python\nimport torch.distributed.checkpoint as dcp\nfrom dcp_storage import FsspecReader\n\n"
-            'opts = {"base_url": "s3://company-checkpoints"}  # or set $env_var\n'
+            'opts = {"root": "/mnt/checkpoints"}  # or set $env_var\n'
             'dcp.load(state_dict, storage_reader=FsspecReader("$name://team/run-7/step-100", opts))\n```'
         ),
     ),
@@ -288,7 +289,7 @@ def new_plugin(name: str, directory: str | Path = ".", kind: str = "transport") 
         "module": spec.module,
         "target": _camel(name) + spec.target_suffix,
         "reader": _camel(name) + "Reader",  # the format template's StorageReader class
-        "env_var": f"DCP_STORAGE_{name.upper().replace('-', '_')}_BASE_URL",
+        "env_var": f"DCP_STORAGE_{name.upper().replace('-', '_')}_ROOT",
     }
     values["description"] = string.Template(spec.description).substitute(values)
     values["usage"] = string.Template(spec.usage).substitute(values)

@@ -287,16 +287,25 @@ def rewrite_lock(transport: Any, path: str, data: bytes) -> None:
 def create_exclusive(transport: Any, path: str, token: bytes) -> bool:
     """Create ``path`` holding ``token`` if nothing is there: ``True`` if this call did (module docstring)."""
     create = getattr(transport, "create_new", None)
+    try:
+        return _create_exclusive(transport, create, path, token)
+    except NotImplementedError:  # the store has no create-if-absent (the Transport protocol's create_new)
+        pass
+    warnings.warn(
+        f"{type(transport).__name__} has no create_new(): the lock {transport.url(path)} is checked, then "
+        "written, so two saves started at the same moment can both proceed",
+        stacklevel=5,
+    )
+    if transport.exists(path):
+        return False
+    transport.write_file(path, token)
+    return True
+
+
+def _create_exclusive(transport: Any, create: Callable[[str, bytes], bool] | None, path: str, token: bytes) -> bool:
+    """:func:`create_exclusive` through ``create`` (``NotImplementedError`` when there is none)."""
     if create is None:
-        warnings.warn(
-            f"{type(transport).__name__} has no create_new(): the lock {transport.url(path)} is checked, then "
-            "written, so two saves started at the same moment can both proceed",
-            stacklevel=5,
-        )
-        if transport.exists(path):
-            return False
-        transport.write_file(path, token)
-        return True
+        raise NotImplementedError
     if transport.is_local:
         return bool(create(path, token))  # O_EXCL: the kernel's word
     store = client_identity(transport)
@@ -312,7 +321,7 @@ def create_exclusive(transport: Any, path: str, token: bytes) -> bool:
         f"{transport.url(path)}: the store accepted a create-if-absent write over an existing object (it ignores "
         "If-None-Match); the lock is written, then read back after a settle time, so that of saves racing within "
         f"it one goes on ({SETTLE_ENV} sets the time)",
-        stacklevel=5,
+        stacklevel=6,
     )
     transport.write_file(path, token)
     time.sleep(count_setting(SETTLE_ENV, 1000, "milliseconds") / 1000)

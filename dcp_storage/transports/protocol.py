@@ -28,7 +28,8 @@ Formats, strategies, storage classes and tools name this protocol, never a concr
 factory (:func:`~dcp_storage.transports.factory.open_transport`) picks the implementation (the built-in
 fsspec one, or a plugin registered under ``dcp_storage.transports``). A plugin transport implements these
 members, plus a ``from_url(url, storage_options, config) -> (transport, path)`` class method for the
-factory; :mod:`dcp_storage_testing.conformance` checks that it keeps the contract.
+factory; :mod:`dcp_storage_testing.conformance` checks that it keeps the contract. A plugin subclassing
+:class:`~dcp_storage.transports.base.BaseTransport` implements six store primitives and gets the rest.
 """
 
 from __future__ import annotations
@@ -263,14 +264,9 @@ class Transport(Protocol):
     **Atomicity.** A file written by :meth:`write_file` or :meth:`open_atomic` appears whole or not at
     all: on an exception inside the ``with`` block nothing becomes visible.
 
-    **Create-if-absent (optional).** ``create_new(path, data: bytes) -> bool`` writes the small file ``path``
-    only if nothing is there, atomically, and returns whether this call created it: of two concurrent
-    callers exactly one gets ``True``. Writers take a save's lock (``.dcp_storage.lock``) with it, so that of
-    two saves racing to one location one wins and the other raises ``CheckpointExistsError``. Use the store's
-    own primitive (``O_CREAT | O_EXCL``, S3 ``If-None-Match: *``, a GCS generation-0 precondition, ...); a
-    request retried after a lost response finds its own object, so answer "exists" by comparing the stored
-    bytes with ``data`` (:func:`~dcp_storage.transports.s3_stream.holds`, exported by the plugin API). A
-    transport without it still works: the lock is then checked, then written, with a warning.
+    **Create-if-absent.** :meth:`create_new` takes a save's lock (``.dcp_storage.lock``), so that of two saves
+    racing to one location one wins and the other raises ``CheckpointExistsError``. A store that has no such
+    primitive raises ``NotImplementedError`` from it: the lock is then checked, then written, with a warning.
 
     **Pickling.** A writer pickles for ``dcp.async_save(..., async_checkpointer_type=PROCESS)`` and a rank
     pickles its reader for multi-process tools, so a transport passed to them (``transport=``) must pickle
@@ -349,6 +345,17 @@ class Transport(Protocol):
 
     def open_atomic(self, path: str) -> AbstractContextManager[AtomicWriter]:
         """A writer for ``path`` whose bytes appear whole when the block exits, and never on an exception."""
+        ...
+
+    def create_new(self, path: str, data: bytes) -> bool:
+        """Write the small file ``path`` only if nothing is there, atomically: ``True`` if this call created it.
+
+        Of two concurrent callers exactly one gets ``True``. Use the store's own primitive (``O_CREAT |
+        O_EXCL``, S3 ``If-None-Match: *``, a GCS generation-0 precondition, ...); a request retried after a lost
+        response finds its own object, so answer "exists" by comparing the stored bytes with ``data``
+        (:func:`~dcp_storage.transports.s3_stream.holds`, exported by the plugin API). Not in ``bytes_written``
+        (a lock is removed when its save commits). ``NotImplementedError`` where the store cannot (see above).
+        """
         ...
 
     # ------------------------------------------------------------------------------------------ resources

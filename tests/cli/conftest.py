@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ._scaffold import Scaffolded, scaffold_and_install
+
 
 def reference_tensors() -> dict[str, torch.Tensor]:
     """Flat keys; every dtype family, a 0-d and an empty tensor, a float8 (pickled by torch as v3)."""
@@ -53,3 +55,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory, reference: dict[str, torch
     pt = root / "model.pt"
     torch.save({**nested(reference), "step": 11}, pt)
     return {"dcp": dcp_dir, "dcp_tensors": tensors_only, "safetensors": st, "torch": pt}
+
+
+@pytest.fixture(scope="session")
+def scaffolded(tmp_path_factory: pytest.TempPathFactory) -> Scaffolded:
+    """The three templates' plugins, generated, pip installed and their own tests run, once (``_scaffold.py``)."""
+    return scaffold_and_install(tmp_path_factory.mktemp("scaffold"))

@@ -90,7 +90,7 @@ def test_error_type_is_a_not_found_error() -> None:
     )
     again = pickle.loads(pickle.dumps(exc))  # DCP gathers rank errors by pickle
     assert type(again) is type(exc) and str(again) == str(exc)
-    assert "IncompleteCheckpointError" in ds.__all__
+    assert "IncompleteCheckpointError" in ds.errors.__all__
 
 
 def test_dcp_data_files_without_metadata(tmp_path: Path) -> None:
@@ -260,7 +260,7 @@ def test_no_uploads_on_a_local_disk(tmp_path: Path) -> None:
 
 
 def test_cli_age_parsing() -> None:
-    from dcp_storage.commands.verify import _parse_age
+    from dcp_storage.commands.inspect import _parse_age
 
     assert [_parse_age(t) for t in ("0", "90", "90s", "30m", "2h", "1d")] == [0, 90, 90, 1800, 7200, 86400]
     for bad in ("", "x", "-5", "3w"):

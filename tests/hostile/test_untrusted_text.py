@@ -234,7 +234,7 @@ def test_cli_escapes_what_no_message_escaped(
         print(f"warned {evil}", file=sys.stderr)
         raise ValueError(f"foreign {evil}")
 
-    monkeypatch.setattr(inspect_command, "run", hostile_command)
+    monkeypatch.setattr(inspect_command, "run_inspect", hostile_command)
     for argv in (["inspect", "x"], ["--debug", "inspect", "x"]):
         assert cli.main(argv) == 1
         got = capsys.readouterr()

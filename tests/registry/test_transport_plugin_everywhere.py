@@ -77,7 +77,7 @@ class Probe:
 PROBE = Probe()
 _DELEGATED = (
     "url", "strip_url", "join", "exists", "size", "listdir", "makedirs", "remove", "remove_tree", "read_file",
-    "read_range", "read_ranges", "write_file", "open_atomic", "executor", "close", "local_files",
+    "read_range", "read_ranges", "write_file", "open_atomic", "create_new", "executor", "close", "local_files",
 )  # fmt: skip
 
 

@@ -35,17 +35,27 @@ PER_LOAD_FILES = {
 
 @pytest.fixture(scope="module")
 def served(counted_s3: Counted, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    """For each world size: the ranks' outcomes and the proxy's request log of that run."""
+    """For each world size: the ranks' outcomes and the proxy's request log of that run.
+
+    Every world's copies are uploaded first, in one batch (``upload_many``), then each world's ranks run with
+    the proxy's counters reset."""
     sources = F.write_sources(str(tmp_path_factory.mktemp("sources")))
-    out: dict[int, dict[str, Any]] = {}
+    runs: dict[int, tuple[dict[str, tuple[str, str]], dict[str, Any]]] = {}
+    copies: list[tuple[str, str]] = []
     for world in WORLDS:
         base, options = counted_s3.location(f"w{world}")
         urls: dict[str, tuple[str, str]] = {}
         for name, (source, _make) in F.cases().items():
             full, meta = f"{base}/{name}/full", f"{base}/{name}/meta"
-            counted_s3.upload(sources[source], full)
-            counted_s3.upload(sources[source], meta)
+            copies += [(sources[source], full), (sources[source], meta)]
             urls[name] = (full, meta)
+        # One s3fs instance per rank process for all its readers (a fresh one per reader re-reads botocore's
+        # models, ~0.3 s each); listings stay uncached, so every request still reaches the proxy.
+        options.pop("skip_instance_cache", None)
+        runs[world] = (urls, options)
+    counted_s3.upload_many(copies)
+    out: dict[int, dict[str, Any]] = {}
+    for world, (urls, options) in runs.items():
         counted_s3.proxy.reset_counters()
         outcomes = run_ranks(F.load_every_case, world, urls, options, timeout=DEADLINE_S)
         out[world] = {"outcomes": outcomes, "log": counted_s3.proxy.counters().log, "urls": urls}
@@ -98,4 +108,5 @@ def test_torch_save_archive_is_read_once_per_load(served: dict[int, dict[str, An
 
 def test_rank_local_metadata_fallback_still_loads(counted_s3: Counted, tmp_path: Path) -> None:
     url, options = counted_s3.location("rank-local")
+    options.pop("skip_instance_cache", None)  # one s3fs instance per rank (see ``served``)
     assert run_ranks(F.rank_local_round_trip, 2, url, options, timeout=DEADLINE_S) == ["ok", "ok"]

@@ -76,10 +76,13 @@ def _source(kind: str) -> str:
 def _run(store: Counted, sources: dict[str, str], cases: dict[str, tuple[Any, ...]]) -> dict[str, dict[str, Any]]:
     base, options = store.location("ckpts")
     specs, urls = [], {}
+    store.upload_many([(sources[_source(kind)], f"{base}/{name}") for name, (kind, *_rest) in cases.items()])
     for name, (kind, layout, strategy, hosts) in cases.items():
         url = f"{base}/{name}"
-        store.upload(sources[_source(kind)], url)
         case_options = dict(options)
+        # One client instance per rank for its cases (a fresh one per reader re-reads botocore's models, ~0.3 s
+        # each); listings stay uncached, so every request still reaches the proxy.
+        case_options.pop("skip_instance_cache", None)
         if strategy == "default":  # the reader's own choice for an object store, no argument given
             strategy = None
         specs.append(

@@ -84,54 +84,71 @@ def train_and_save(
     return saved
 
 
-def process_mode_rank(
-    rank: int, world: int, kinds: list[str], url: str, storage_options: dict[str, Any]
-) -> dict[str, list[tuple[str, dict[str, torch.Tensor]]]]:
-    """PROCESS mode on a gloo rank, for each writer in ``kinds`` (under ``{url}/{kind}``): torch spawns one
-    checkpoint process (the slow part: a fresh interpreter importing torch) and pickles each writer into it."""
-    import torch.distributed as dist
+def process_mode_all(
+    rank: int,
+    world: int,
+    kinds: list[str],
+    targets: dict[str, tuple[str, dict[str, Any]]],
+    retry: tuple[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """Every PROCESS-mode scenario of ``test_async_save.py`` on one gloo rank, so that torch spawns one
+    checkpoint process for all of them (the slow part: a fresh interpreter importing torch, seconds each on 2
+    cores) and pickles each writer into it: for each backend in ``targets`` (name -> ``(url, options)``)
+    :func:`_saves`, then the failed save and its retry (:func:`_retry`) at ``retry``. A scenario that raises
+    is reported as its traceback under its name, so the others still run and each test fails on its own."""
+    import traceback
+
     from torch.distributed.checkpoint import _async_process_executor as executor
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # the checkpoint process's group (torch falls back to the FQDN)
-    # A ProcessGroup cannot be pickled: SafetensorsWriter leaves it behind (the checkpoint process's default
-    # group is the same ranks).
-    writer_kwargs: dict[str, dict[str, Any]] = {"safetensors": {"process_group": dist.group.WORLD}}
+    out: dict[str, Any] = {}
+    scenarios = {backend: (lambda u=url, o=opts: _saves(kinds, u, o)) for backend, (url, opts) in targets.items()}
+    scenarios["retry"] = lambda: _retry(*retry)
     try:
-        return {
-            kind: train_and_save(
-                kind, f"{url}/{kind}", storage_options, "PROCESS", STAGERS, **writer_kwargs.get(kind, {})
-            )
-            for kind in kinds
-        }
+        for name, scenario in scenarios.items():
+            try:
+                out[name] = scenario()
+            except Exception:  # noqa: BLE001 - reported by scenario name
+                out[name] = traceback.format_exc()
     finally:
         # Stop the checkpoint process now rather than at interpreter exit (torch keeps it in a global).
         process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
         del process
+    return out
 
 
-def process_mode_retry_rank(rank: int, world: int, url: str, storage_options: dict[str, Any]) -> dict[str, str]:
+def _saves(
+    kinds: list[str], url: str, storage_options: dict[str, Any]
+) -> dict[str, list[tuple[str, dict[str, torch.Tensor]]]]:
+    """PROCESS mode for each writer in ``kinds`` (under ``{url}/{kind}``)."""
+    import torch.distributed as dist
+
+    # A ProcessGroup cannot be pickled: SafetensorsWriter leaves it behind (the checkpoint process's default
+    # group is the same ranks).
+    writer_kwargs: dict[str, dict[str, Any]] = {"safetensors": {"process_group": dist.group.WORLD}}
+    return {
+        kind: train_and_save(kind, f"{url}/{kind}", storage_options, "PROCESS", STAGERS, **writer_kwargs.get(kind, {}))
+        for kind in kinds
+    }
+
+
+def _retry(url: str, storage_options: dict[str, Any]) -> dict[str, str]:
     """PROCESS mode: an ``async_save`` that fails after taking its lock, then the same writer saving again."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import _async_process_executor as executor
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from ._failing_writer import FailingFsspecWriter
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
     writer = FailingFsspecWriter(url, storage_options)
     outcomes = {}
-    try:
-        for attempt in ("failed", "retry"):
-            writer.fail_writes = attempt == "failed"
-            future = dcp.async_save(
-                initial_state(), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS
-            )
-            try:
-                future.result()
-                outcomes[attempt] = "ok"
-            except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-                outcomes[attempt] = f"{type(exc).__name__}: {exc}"[:2000]
-    finally:
-        process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
-        del process
+    for attempt in ("failed", "retry"):
+        writer.fail_writes = attempt == "failed"
+        future = dcp.async_save(
+            initial_state(), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        )
+        try:
+            future.result()
+            outcomes[attempt] = "ok"
+        except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            outcomes[attempt] = f"{type(exc).__name__}: {exc}"[:2000]
     return outcomes

@@ -10,7 +10,9 @@ configuration torch offers on this machine (pinned memory only where CUDA exists
 
 from __future__ import annotations
 
+import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_storage import FsspecWriter, SafetensorsWriter
 from dcp_storage_testing.compare import same_bits
 from dcp_storage_testing.distributed import run_ranks
-from dcp_storage_testing.s3_server import S3Location
+from dcp_storage_testing.s3_server import MotoS3Server, S3Location
 
 from . import _async_fns as A
 
@@ -77,29 +79,55 @@ def test_thread_mode(kind: str, target: tuple[str, dict[str, Any]]) -> None:
     _no_secret_stored(options, url)
 
 
-def test_process_mode(target: tuple[str, dict[str, Any]], capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture(scope="module")
+def process_mode(moto_server: MotoS3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Every PROCESS-mode scenario in one rank and one torch checkpoint process (``A.process_mode_all``): the
+    saves of both writers locally and on ``s3://``, and the failed save and its retry. Returns each backend's
+    ``(url, options)``, each scenario's outcome, and what the rank and the checkpoint process printed (they
+    inherit the descriptors 1 and 2 current at the call, pointed here at a file for the duration)."""
+    root = tmp_path_factory.mktemp("process_mode")
+    s3_url, s3_options = moto_server.new_location("ckpt", skip_instance_cache=True, use_listings_cache=False)
+    targets = {"local": _target("local", root, None), "s3": _target("s3", root, (s3_url, s3_options))}
+    retry = (str(root / "retry"), {})
+    printed = root / "printed.txt"
+    saved_fds = [os.dup(1), os.dup(2)]
+    try:
+        with open(printed, "wb") as sink:
+            for fd in (1, 2):
+                os.dup2(sink.fileno(), fd)
+            (outcomes,) = run_ranks(A.process_mode_all, 1, list(KINDS), targets, retry, timeout=240)
+    finally:
+        for fd, saved in zip((1, 2), saved_fds, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)
+    yield {"targets": targets, "retry": retry, "outcomes": outcomes, "printed": printed.read_text(errors="replace")}
+    moto_server.delete_bucket(s3_url.split("/")[2])  # moto is in-memory: give it back
+
+
+def test_process_mode(process_mode: dict[str, Any], backend: str) -> None:
     """Both writers in one rank, so torch spawns one checkpoint process for the two (seconds each)."""
-    url, options = target
-    (saved,) = run_ranks(A.process_mode_rank, 1, list(KINDS), url, options, timeout=120)
+    url, options = process_mode["targets"][backend]
+    saved = process_mode["outcomes"][backend]
+    assert isinstance(saved, dict), saved  # else the scenario's traceback
     for kind in KINDS:
         _check(kind, saved[kind], options)
     _no_secret_stored(options, url)
-    out, err = capfd.readouterr()
-    assert SENTINEL not in out + err  # the checkpoint process's output (it inherits the rank's stdio)
+    assert SENTINEL not in process_mode["printed"]  # the checkpoint process's output (it inherits the rank's stdio)
 
 
-def test_process_mode_retry_after_a_failed_save(tmp_path: Path) -> None:
+def test_process_mode_retry_after_a_failed_save(process_mode: dict[str, Any]) -> None:
     """A PROCESS-mode save that fails after taking its lock, then the same writer again (a new pickled copy
     in the same checkpoint process). Before: the retry was refused, "another save holds this location",
     naming the checkpoint process (thread mode took the lock back); now its ended save's lock is taken over."""
-    url = str(tmp_path / "ckpt")
-    (outcomes,) = run_ranks(A.process_mode_retry_rank, 1, url, {}, timeout=120)
+    url = process_mode["retry"][0]
+    outcomes = process_mode["outcomes"]["retry"]
+    assert isinstance(outcomes, dict), outcomes  # else the scenario's traceback
     assert "injected write failure" in outcomes["failed"], outcomes
     assert outcomes["retry"] == "ok", outcomes
     out = {k: torch.zeros_like(v) for k, v in A.initial_state().items()}
     dcp.load(out, storage_reader=A.make_reader("dcp", url, {}), no_dist=True)
     assert all(same_bits(out[k], v) for k, v in A.initial_state().items())
-    assert not (tmp_path / "ckpt" / ".dcp_storage.lock").exists()
+    assert not (Path(url) / ".dcp_storage.lock").exists()
 
 
 @pytest.mark.parametrize("cls", [FsspecWriter, SafetensorsWriter])

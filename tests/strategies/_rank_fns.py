@@ -140,7 +140,7 @@ def load_broadcasting_fsspec(rank: int, world: int, dcp_dir: str) -> dict[str, A
 def check_share_object(rank: int, world: int) -> dict[str, Any]:
     """share_object: a value, one of our errors (same class, same attributes), a foreign error (wrapped)."""
     from dcp_storage.errors import DcpStorageError, UnsafeCheckpointError
-    from dcp_storage.plugin_api import share_object
+    from dcp_storage.strategies import share_object
 
     out: dict[str, Any] = {}
     out["value"] = share_object(lambda: {"rank": rank, "t": torch.arange(3)}, src_rank=world - 1)
