@@ -113,6 +113,7 @@ _LAZY = {
     "DcpLoaderConfig": "dcp_storage.formats.dcp_native.item_loader",
     "share_object": "dcp_storage.strategies.collectives",
     **dict.fromkeys(("RawTensor", "RawTensorReader", "Scan"), "dcp_storage.formats.raw_reader"),
+    "detect_format": "dcp_storage.opening",  # which registered format a URL holds (a format plugin's tests)
     **dict.fromkeys(
         ("NotAZipError", "ZipIndex", "data_starts", "read_zip_index"),
         "dcp_storage.formats.torch_save.zip_index",
@@ -162,9 +163,11 @@ if TYPE_CHECKING:
         WriteOptions,
     )
     from dcp_storage.formats.torch_save.zip_index import NotAZipError, ZipIndex, data_starts, read_zip_index
+    from dcp_storage.opening import detect_format
     from dcp_storage.strategies.collectives import share_object
 
 __all__ = [
+    "detect_format",
     "AtomicWriter",
     "BaseTransport",
     "BucketNotFoundError",

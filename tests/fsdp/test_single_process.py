@@ -27,7 +27,7 @@ SHAPE = {"vocab": 16, "dim": 8, "hidden": 12, "layers": 1}
 
 def test_exported() -> None:
     assert dcp_storage.fsdp.load_full_state_dict is load_full_state_dict
-    assert "fsdp" in dcp_storage.__all__
+    assert "fsdp" in dir(dcp_storage)  # a submodule, not one of the 25 names
 
 
 def test_plain_models() -> None:
