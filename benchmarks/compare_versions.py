@@ -37,6 +37,9 @@ def _worktree(ref: str, where: Path) -> Path:
         theirs = where / EXTENSION / "_metadata_decode.c"
         if theirs.exists() and theirs.read_bytes() == source.read_bytes():
             shutil.copy2(built, where / EXTENSION / built.name)
+    # Its own entry points (the built-in formats' registry entries moved between versions): an egg-info in the
+    # tree, which importlib.metadata finds before the installed distribution (PYTHONPATH comes first).
+    subprocess.run([sys.executable, "setup.py", "-q", "egg_info"], cwd=where, check=True, capture_output=True)
     return where
 
 

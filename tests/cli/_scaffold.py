@@ -77,5 +77,5 @@ def scaffold_and_install(root: Path) -> Scaffolded:
         for case in ET.parse(report).getroot().iter("testcase"):
             module = case.get("classname", "").rsplit(".", 1)[-1]
             outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-            tests[modules[module]][outcome] += 1
+            tests.setdefault(modules.get(module, f"(not a plugin test: {module!r})"), Counter())[outcome] += 1
     return Scaffolded(root, made, listed, tests, output)

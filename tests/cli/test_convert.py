@@ -272,7 +272,7 @@ def test_torch_output_of_a_source_failing_midway_is_an_error_not_an_abort(tmp_pa
             "import gc, dcp_storage as ds\n"
             "try:\n"
             f"    ds.convert({str(src)!r}, {str(tmp_path / dst)!r}, to='torch')\n"
-            "except ds.CorruptCheckpointError:\n"
+            "except ds.errors.CorruptCheckpointError:\n"
             "    pass\n"
             "gc.collect()\n"
             "print('alive')\n"

@@ -367,6 +367,8 @@ def _interpret(data: bytes, allowed: dict[tuple[str, str], Any], persistent_load
         op = data[pos]
         pos += 1
         if op == _BINPUT:
+            if data[pos] > end:  # as for LONG_BINPUT: the full path refuses an index past the stream
+                raise _NotCanonical("memo index beyond the stream")
             memo[data[pos]] = stack[-1]
             pos += 1
         elif op == _MEMOIZE:
