@@ -150,14 +150,22 @@ def open_writer(
     url: str | os.PathLike[str], format: str = "dcp", storage_options: dict[str, Any] | None = None, **options: Any
 ) -> Any:
     """A DCP ``StorageWriter`` for ``url`` in ``format`` (``"dcp"`` or ``"safetensors"``, or a plugin's)."""
-    _check_format_name("open_writer", format)
+    return writable_format(format).open_writer(os.fspath(url), storage_options=storage_options, **options)
+
+
+def writable_format(format: str, caller: str = "open_writer") -> Any:
+    """The registered spec of ``format``, checked to have a writer; :class:`UnknownFormatError` otherwise.
+
+    A caller that will write later (the checkpoint manager) looks its format up once, up front: a wrong name
+    fails where it was given, and the plugin discovery it triggers is not paid inside a save."""
+    _check_format_name(caller, format)
     spec = registry.get("formats", format)
     if spec.open_writer is None:
         raise UnknownFormatError(
             f"format {format!r} is read-only; writable formats: "
             + ", ".join(n for n, s in registered_formats().items() if s.open_writer is not None)
         )
-    return spec.open_writer(os.fspath(url), storage_options=storage_options, **options)
+    return spec
 
 
 # dcp.load / dcp.save's own keywords; every other keyword goes to the reader or writer.

@@ -303,17 +303,51 @@ def slice_extent(stored: StoredTensor, offsets: Sequence[int], lengths: Sequence
     return stored.data_offset + first * stored.itemsize, stored.data_offset + (last + 1) * stored.itemsize
 
 
+# A checked read's requests hold runs of whole blocks up to this size: large enough that a request's overhead
+# is small next to its bytes, small enough that a run's blocks are still in cache when they are hashed.
+CHECKED_REQUEST_BYTES = 1 << 20
+
+
 def _landing(path: str, lo: int, hi: int, into: memoryview, cover: Cover) -> list[RangeRequest]:
-    """Requests for ``[lo, hi)`` into ``into``: with block digests, one per block, each whole block checked by
-    its request's ``on_complete`` in the worker thread that read it, while its bytes are still in cache."""
+    """Requests for ``[lo, hi)`` into ``into``: with block digests, runs of whole blocks of about
+    :data:`CHECKED_REQUEST_BYTES` each, whose blocks its request's ``on_complete`` checks in the worker thread
+    that read them, while their bytes are still in cache; a partial block at either end is a request of its
+    own (:func:`_check_edges` checks it with the bytes around it). One request per block would cost a
+    request's overhead per 16-256 KiB: +76% on warm local reads of 16 MiB tensors (256 KiB blocks)."""
     if not isinstance(cover, BlockCover):
         return [RangeRequest(path, lo, hi, into=into)]
     requests = []
+    run: list[int] = []  # the starts of the whole blocks of the run being gathered, and its end
+    run_end = lo
+
+    def flush() -> None:
+        if run:
+            starts = tuple(run)
+            done = lambda data, at=starts: _check_run(cover, at, data)  # noqa: E731 - binds this run's starts
+            requests.append(
+                RangeRequest(path, starts[0], run_end, into=into[starts[0] - lo : run_end - lo], on_complete=done)
+            )
+            run.clear()
+
     for a, b, whole in cover.block_ends(lo, hi):
-        view = into[a - lo : b - lo]
-        done = (lambda data, at=a: cover.check_block(at, data)) if whole else None
-        requests.append(RangeRequest(path, a, b, into=view, on_complete=done))
+        if not whole:
+            flush()
+            requests.append(RangeRequest(path, a, b, into=into[a - lo : b - lo]))
+            continue
+        if run and b - run[0] > CHECKED_REQUEST_BYTES:
+            flush()
+        run.append(a)
+        run_end = b
+    flush()
     return requests
+
+
+def _check_run(cover: BlockCover, starts: tuple[int, ...], data: memoryview) -> None:
+    """Check each whole block of a run that starts at ``starts[0]`` and landed in ``data``."""
+    base = starts[0]
+    ends = (*starts[1:], base + data.nbytes)
+    for a, b in zip(starts, ends):
+        cover.check_block(a, data[a - base : b - base])
 
 
 def _check_edges(

@@ -56,7 +56,7 @@ from dcp_storage.errors import CheckpointNotFoundError
 from dcp_storage.formats.location import find_leftovers
 from dcp_storage.manager.retention import KeepPolicy, ReusingStager, _is_stateful
 from dcp_storage.manager.steps import StepRoot, scan_step, step_name
-from dcp_storage.opening import open_reader, open_writer
+from dcp_storage.opening import open_reader, open_writer, writable_format
 from dcp_storage.strategies.collectives import share_object
 from dcp_storage.transports.access import prepare_output
 from dcp_storage.transports.factory import open_transport
@@ -172,6 +172,7 @@ class CheckpointManager:
             raise TypeError(f"keep must be a KeepPolicy, got {type(keep).__name__}")
         if not isinstance(writer, str):
             raise TypeError(f"writer must be a format name such as 'dcp' or 'safetensors', got {type(writer).__name__}")
+        writable_format(writer, "CheckpointManager")  # a wrong name fails here; discovery is not paid in a save
         self.root = os.fspath(root).rstrip("/") or os.fspath(root)
         self.storage_options = dict(storage_options or {})
         self.keep = keep

@@ -28,12 +28,14 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import posixpath
 from collections.abc import Callable
 from typing import Any
 
 from dcp_storage.errors import FileTooLargeError
 from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_backend
 from dcp_storage.transports.guards import (
+    ListingBound,
     VersionConditionFailed,
     check_range_answer,
     describe_answer,
@@ -42,7 +44,7 @@ from dcp_storage.transports.guards import (
 )
 from dcp_storage.transports.retry import bounded_sync
 
-__all__ = ["AzureTransport", "azure_read", "azure_read_range", "check_each_answer", "is_azure"]
+__all__ = ["AzureTransport", "azure_list_names", "azure_read", "azure_read_range", "check_each_answer", "is_azure"]
 
 
 _HOOKS = ("service_client", "split_path", "_strip_protocol", "loop")
@@ -129,6 +131,38 @@ async def _download(
         return bytes(await stream.readall()), int(stream.properties.size)
 
 
+async def _list_names(fs: Any, path: str, url: str) -> list[str]:
+    from azure.core.exceptions import ResourceNotFoundError  # adlfs depends on it
+
+    container, key, _version = fs.split_path(fs._strip_protocol(path))
+    prefix = key.rstrip("/") + "/" if key else ""
+    names: set[str] = set()
+    bound = ListingBound(url)  # a listing that never ends is cut off (:mod:`.guards`)
+    async with fs.service_client.get_container_client(container) as client:
+        pages = client.walk_blobs(name_starts_with=prefix or None, delimiter="/").by_page()
+        try:
+            async for page in pages:
+                count = 0
+                async for item in page:
+                    names.add(posixpath.basename(item.name[len(prefix) :].rstrip("/")))
+                    count += 1
+                bound.page(count, pages.continuation_token or None)
+        except ResourceNotFoundError:  # no such container
+            return []
+    names.discard("")  # a zero-byte "directory marker" blob named like the prefix
+    return sorted(names)
+
+
+def azure_list_names(fs: Any, path: str, url: str | None = None) -> list[str]:
+    """Names of the blobs and prefixes directly under ``path`` (sorted); empty if there are none.
+
+    adlfs's ``ls`` walks every page the service hands out; this walks them one by one, counting pages,
+    entries and tokens with :class:`~.guards.ListingBound`, so a listing that never ends is cut off by the
+    same bound as on S3 and GCS, not only by the retry policy's deadline. ``url``: ``path`` as the user
+    wrote it, for the error (``az://``; adlfs's own protocol is ``abfs://``)."""
+    return bounded_sync(fs.loop, _list_names, fs, path, url or fs.unstrip_protocol(path))  # type: ignore[no-any-return]
+
+
 def azure_read(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
     """The whole blob at ``path`` (``.metadata``, an index file); a ``200`` the SDK cannot read is refused.
 
@@ -174,6 +208,9 @@ class AzureTransport(FsspecTransport):
     """Blobs in Azure Storage or azurite (``az://``, ``abfs://``, ``abfss://``)."""
 
     serves = staticmethod(is_azure)  # the filesystems this class is the transport of
+
+    def _list_names(self, path: str) -> list[str]:
+        return azure_list_names(self.fs, path, self.url(path))
 
     def _read_whole(self, path: str, max_bytes: int | None) -> bytes:
         return azure_read(self.fs, path, max_bytes)

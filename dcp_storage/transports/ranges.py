@@ -203,7 +203,13 @@ class RangeRun:
         fetch: FetchGroupFn,
         pool: Executor,
         max_inflight_bytes: int,
+        hot_pieces: int = 0,
     ) -> None:
+        """``hot_pieces``: when positive, a group feeding requests with ``on_complete`` is fetched in pieces of
+        about this many bytes at segment boundaries, each piece's requests completed before the next piece is
+        read, so a check in ``on_complete`` hashes bytes still in the CPU's cache. Only for a transport where
+        a fetch costs no request (local files: a ``preadv`` per piece); an object store keeps one GET."""
+        self.hot_pieces = hot_pieces
         self.requests = requests
         self.groups = groups
         self.fetch = fetch
@@ -234,14 +240,32 @@ class RangeRun:
             for seg in group.segments:
                 req = self.requests[seg.index]
                 views.append(self._buffer(seg.index)[seg.start - req.start : seg.end - req.start])
-            self.fetch(group, views)
-            for seg in group.segments:
-                self._segment_done(seg.index)
+            for piece, piece_views in self._pieces(group, views):
+                self.fetch(piece, piece_views)
+                for seg in piece.segments:
+                    self._segment_done(seg.index)
         except BaseException:
             self.failed.set()
             raise
         finally:
             self.budget.release(group.length)
+
+    def _pieces(self, group: FetchGroup, views: list[memoryview]) -> Iterator[tuple[FetchGroup, list[memoryview]]]:
+        """``group`` whole, or cut at segment boundaries into pieces of about :attr:`hot_pieces` bytes."""
+        segments = group.segments
+        if (
+            self.hot_pieces <= 0
+            or len(segments) < 2
+            or all(self.requests[s.index].on_complete is None for s in segments)
+        ):
+            yield group, views
+            return
+        first = 0
+        for i in range(1, len(segments) + 1):
+            if i == len(segments) or segments[i].end - segments[first].start > self.hot_pieces:
+                part = segments[first:i]
+                yield FetchGroup(group.path, part[0].start, part[-1].end, part), views[first:i]
+                first = i
 
     def _segment_done(self, index: int) -> None:
         with self.lock:

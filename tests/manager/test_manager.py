@@ -217,6 +217,9 @@ def test_bad_arguments(tmp_path: Path) -> None:
         ds.CheckpointManager(tmp_path, save_interval_steps=0)
     with pytest.raises(TypeError, match="KeepPolicy"):
         ds.CheckpointManager(tmp_path, keep=3)  # type: ignore[arg-type]
+    with pytest.raises(ds.DcpStorageError, match="nope"):  # at construction, not at the first save
+        ds.CheckpointManager(tmp_path / "never", writer="nope")
+    assert not (tmp_path / "never").exists()
     with ds.CheckpointManager(tmp_path / "run") as mgr:
         with pytest.raises(ValueError, match="non-negative int"):
             mgr.save(-1, _state(1))

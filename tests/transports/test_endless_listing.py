@@ -1,7 +1,7 @@
 """A store whose listing never ends is cut off by a bound naming the URL and the limit (issue 20).
 
-A loopback HTTP server speaks just enough S3 (``ListObjectsV2``, ``ListMultipartUploads``) and GCS JSON
-(``objects.list``) to answer every page with one entry and a fresh continuation token, forever (or, in
+A loopback HTTP server speaks just enough S3 (``ListObjectsV2``, ``ListMultipartUploads``), GCS JSON
+(``objects.list``) and Azure (List Blobs) to answer every page with one entry and a fresh continuation token, forever (or, in
 ``same-token`` mode, the same token again). The transport's listings must stop at
 ``DCP_STORAGE_MAX_LIST_PAGES`` (set low here so the test is quick; the default is measured by
 ``test_the_default_bound_ends_an_endless_listing``), at a repeated token, and at the retry policy's deadline.
@@ -27,6 +27,8 @@ from dcp_storage.transports import FsspecTransport, RetryPolicy, TransportConfig
 from dcp_storage.transports.guards import MAX_LIST_ENTRIES_ENV, MAX_LIST_PAGES_ENV, ListingBound
 
 _S3_NS = "http://s3.amazonaws.com/doc/2006-03-01/"
+_AZ_ACCOUNT = "devstoreaccount1"
+_AZ_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="  # azurite's
 
 
 class _EndlessStore(ThreadingHTTPServer):
@@ -64,7 +66,15 @@ class _Handler(BaseHTTPRequestHandler):
         token = "same" if self.server.same_token else f"token-{n}"
         url = urlparse(self.path)
         query = parse_qs(url.query, keep_blank_values=True)
-        if url.path.startswith("/storage/v1/b/"):  # GCS objects.list
+        if "comp" in query and query.get("restype") == ["container"]:  # Azure List Blobs
+            body = (
+                f'<?xml version="1.0" encoding="utf-8"?><EnumerationResults ServiceEndpoint="{self.server.endpoint}/'
+                f'{_AZ_ACCOUNT}/" ContainerName="b"><Prefix>ckpt/</Prefix><Delimiter>/</Delimiter><Blobs><Blob>'
+                f"<Name>ckpt/obj-{n}</Name><Properties><Content-Length>1</Content-Length><BlobType>BlockBlob</BlobType>"
+                f"</Properties></Blob></Blobs><NextMarker>{token}</NextMarker></EnumerationResults>"
+            )
+            self._send(body.encode(), "application/xml")
+        elif url.path.startswith("/storage/v1/b/"):  # GCS objects.list
             page = {
                 "kind": "storage#objects",
                 "items": [{"name": f"ckpt/obj-{n}", "size": "1"}],
@@ -131,12 +141,22 @@ def _gcs(server: _EndlessStore) -> tuple[Any, str]:
     return FsspecTransport.from_url("gs://b/ckpt", opts, _config())
 
 
-@pytest.mark.parametrize("kind", ["s3", "gs"])
+def _az(server: _EndlessStore) -> tuple[Any, str]:
+    pytest.importorskip("adlfs")
+    connection = (
+        f"DefaultEndpointsProtocol=http;AccountName={_AZ_ACCOUNT};AccountKey={_AZ_KEY};"
+        f"BlobEndpoint={server.endpoint}/{_AZ_ACCOUNT};"
+    )
+    opts = {"connection_string": connection, "account_name": _AZ_ACCOUNT, "skip_instance_cache": True}
+    return FsspecTransport.from_url("az://b/ckpt", opts, _config())
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs", "az"])
 def test_an_endless_object_listing_stops_at_the_page_bound(
     endless: _EndlessStore, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(MAX_LIST_PAGES_ENV, "20")
-    transport, root = (_s3 if kind == "s3" else _gcs)(endless)
+    transport, root = {"s3": _s3, "gs": _gcs, "az": _az}[kind](endless)
     with transport, pytest.raises(ListingTooLongError) as info:
         transport.listdir(root)
     message = str(info.value)
