@@ -312,8 +312,10 @@ def _landing(path: str, lo: int, hi: int, into: memoryview, cover: Cover) -> lis
     """Requests for ``[lo, hi)`` into ``into``: with block digests, runs of whole blocks of about
     :data:`CHECKED_REQUEST_BYTES` each, whose blocks its request's ``on_complete`` checks in the worker thread
     that read them, while their bytes are still in cache; a partial block at either end is a request of its
-    own (:func:`_check_edges` checks it with the bytes around it). One request per block would cost a
-    request's overhead per 16-256 KiB: +76% on warm local reads of 16 MiB tensors (256 KiB blocks)."""
+    own (:func:`_check_edges` checks it with the bytes around it). A local transport reads a coalesced group
+    of these piece by piece and completes each piece before the next (``RangeRun(hot_pieces=...)``): one
+    request per block, coalesced and hashed only after the whole group, cost +76% on warm local reads of
+    16 MiB tensors (256 KiB blocks) against 28-51% now (``benchmarks/bench_default_verify.py``)."""
     if not isinstance(cover, BlockCover):
         return [RangeRequest(path, lo, hi, into=into)]
     requests = []

@@ -119,11 +119,13 @@ class BlockCover:
         """``[lo, hi)`` cut at block boundaries: ``(start, end, whole)``, ``whole`` when the piece is a block."""
         out = []
         pos = lo
-        while pos < hi:
-            block_lo, block_hi = self._bounds(self._index(pos))
+        block_lo, block_hi = self._bounds(self._index(lo))
+        record_end = self.start + self.length
+        while pos < hi:  # blocks are contiguous: each starts where the one before ends (planned per slice)
             end = min(block_hi, hi)
             out.append((pos, end, pos == block_lo and end == block_hi))
             pos = end
+            block_lo, block_hi = block_hi, min(block_hi + self.block_size, record_end)
         return out
 
     def check(self, start: int, pieces: Sequence[Any]) -> None:

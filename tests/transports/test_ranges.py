@@ -197,3 +197,41 @@ def test_plan_invariants(raw: list[tuple[str, int, int]], gap: int, max_bytes: i
     for a, b in zip(groups, groups[1:]):
         if a.path == b.path and a.end <= b.segments[0].start and b.segments[0].start - a.end <= gap:
             assert b.segments[0].end - a.start > max_bytes
+
+
+def _events_of_a_run(hot_pieces: int) -> tuple[list[tuple[str, int]], bytes]:
+    """Four adjacent 4-byte requests with ``on_complete``, one group: what ran in which order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcp_storage.transports.ranges import RangeRun
+
+    data = bytes(range(16))
+    events: list[tuple[str, int]] = []
+    out = bytearray(16)
+    requests = [
+        RangeRequest(
+            "f", i, i + 4, into=memoryview(out)[i : i + 4], on_complete=lambda _v, at=i: events.append(("done", at))
+        )
+        for i in range(0, 16, 4)
+    ]
+    groups = plan_fetches(requests, coalesce_gap=0, max_request_bytes=1 << 20)
+    assert len(groups) == 1
+
+    def fetch(group: FetchGroup, views: list[memoryview]) -> None:
+        events.append(("fetch", group.start))
+        for seg, view in zip(group.segments, views):
+            view[:] = data[seg.start : seg.end]
+
+    with ThreadPoolExecutor(1) as pool:
+        RangeRun(requests, groups, fetch, pool, 1 << 20, hot_pieces=hot_pieces).execute()
+    return events, bytes(out)
+
+
+def test_hot_pieces_complete_each_piece_before_reading_the_next() -> None:
+    """A check in ``on_complete`` runs on bytes just read (still in cache), not after the whole group."""
+    events, out = _events_of_a_run(hot_pieces=8)
+    assert out == bytes(range(16))
+    assert events == [("fetch", 0), ("done", 0), ("done", 4), ("fetch", 8), ("done", 8), ("done", 12)]
+    events, out = _events_of_a_run(hot_pieces=0)  # an object store: one GET for the group
+    assert out == bytes(range(16))
+    assert events == [("fetch", 0), ("done", 0), ("done", 4), ("done", 8), ("done", 12)]
