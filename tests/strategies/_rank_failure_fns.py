@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 SEED = 7
 FAIL_TEXT = "simulated finish_plan failure"
+DELIVERY_TEXT = "simulated delivery failure"
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -59,6 +60,32 @@ class DropsItems(DefaultLoadPlanner):
         return plan
 
 
+class ResolveFails(DefaultLoadPlanner):
+    """Raises in ``resolve_tensor`` (inside ``read_data``, as the bytes are delivered) on ``fail_rank``."""
+
+    def __init__(self, fail_rank: int) -> None:
+        super().__init__()
+        self.fail_rank = fail_rank
+
+    def resolve_tensor(self, read_item: Any) -> Any:
+        if dist.get_rank() == self.fail_rank:
+            raise RuntimeError(f"{DELIVERY_TEXT} on rank {self.fail_rank}")
+        return super().resolve_tensor(read_item)
+
+
+class CommitFails(DefaultLoadPlanner):
+    """Raises in ``commit_tensor`` (inside ``read_data``, after a tensor's bytes landed) on ``fail_rank``."""
+
+    def __init__(self, fail_rank: int) -> None:
+        super().__init__()
+        self.fail_rank = fail_rank
+
+    def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+        if dist.get_rank() == self.fail_rank:
+            raise RuntimeError(f"{DELIVERY_TEXT} on rank {self.fail_rank}")
+        super().commit_tensor(read_item, tensor)
+
+
 def _strategy(name: str) -> Any:
     from dcp_storage import ReadStrategies
 
@@ -86,6 +113,10 @@ def _planner(kind: str | None, rank_arg: int) -> Any:
         return FinishPlanFails(rank_arg)
     if kind == "drops":
         return DropsItems(rank_arg)
+    if kind == "resolve-fails":
+        return ResolveFails(rank_arg)
+    if kind == "commit-fails":
+        return CommitFails(rank_arg)
     return None
 
 

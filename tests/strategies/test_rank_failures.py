@@ -26,6 +26,7 @@ TIMEOUT_S = 120.0  # the process group's collective timeout: a hang would show a
 MAX_SECONDS = 10.0
 
 FAILS = F.FAIL_TEXT
+DELIVERS = F.DELIVERY_TEXT
 MISMATCH = "different read strategies"
 MISREAD = "different readers"
 CASES: dict[str, tuple[dict[str, Any], str]] = {  # name: (case, text every rank's error must hold)
@@ -40,6 +41,21 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {  # name: (case, text every rank
     "broadcasting-fails-on-0": ({"readers": ["broadcasting"] * 2, "planner": "fails", "rank": 0}, FAILS),
     "broadcasting-drops-on-1": ({"readers": ["broadcasting"] * 2, "planner": "drops", "rank": 1}, "finish_plan"),
     "read_once-drops-on-1": ({"readers": ["read_once"] * 2, "planner": "drops", "rank": 1}, "finish_plan"),
+    # A rank failing inside read_data, while the bytes are delivered (the others may be sending to it).
+    "read_once-resolve-fails-on-0": ({"readers": ["read_once"] * 2, "planner": "resolve-fails", "rank": 0}, DELIVERS),
+    "per_host-resolve-fails-on-1": ({"readers": ["per_host"] * 2, "planner": "resolve-fails", "rank": 1}, DELIVERS),
+    "broadcasting-commit-fails-on-1": (
+        {"readers": ["broadcasting"] * 2, "planner": "commit-fails", "rank": 1},
+        DELIVERS,
+    ),
+    "broadcasting-resolve-fails-on-0": (
+        {"readers": ["broadcasting"] * 2, "planner": "resolve-fails", "rank": 0},
+        DELIVERS,
+    ),
+    "safetensors-read_once-commit-fails-on-0": (
+        {"readers": ["safetensors:read_once"] * 2, "planner": "commit-fails", "rank": 0},
+        DELIVERS,
+    ),
     "read_once-vs-default": ({"readers": ["read_once", "default"]}, MISMATCH),
     "default-vs-read_once": ({"readers": ["default", "read_once"]}, MISMATCH),
     "per_host-vs-read_once": ({"readers": ["per_host", "read_once"]}, MISMATCH),
