@@ -53,7 +53,7 @@ from typing import Any
 
 from dcp_storage import registry
 from dcp_storage._version import __version__
-from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, StaleManifestWarning
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, DcpStorageError, StaleManifestWarning
 from dcp_storage.formats.paths import MANIFEST, MANIFEST_FILE, check_relative, read_limited
 from dcp_storage.integrity.checksums import ChecksumAlgorithmError, checksum
 
@@ -62,6 +62,7 @@ __all__ = [
     "FileChecksums",
     "ItemChecksum",
     "MANIFEST_FILE",
+    "manifest_bytes",
     "Manifest",
     "SCHEMA",
     "describe_extension",
@@ -342,13 +343,27 @@ def file_checksums(items: Iterable[tuple[Any, ...]]) -> dict[str, FileChecksums]
     return files
 
 
+def manifest_bytes(transport: Any, root: str) -> bytes | None:
+    """The raw ``.dcp_storage.json`` of the checkpoint at ``root`` (size-limited), ``None`` when it has none.
+
+    The one read of the manifest file: a load parses and checks what it returns
+    (``formats.dcp_native.manifest_io.read_checked_manifest``), format detection reads its format from it
+    (:func:`missing_format_plugin`), and the extension registry's hints read the writer's name from it."""
+    try:
+        return bytes(read_limited(transport, transport.join(root, MANIFEST_FILE), MANIFEST))
+    except (CheckpointNotFoundError, FileNotFoundError):
+        return None
+
+
 def missing_format_plugin(probe: Any, known_formats: Container[str]) -> str | None:
     """A message naming the descriptor and distribution, if the probed directory's format is not registered."""
     if not probe.is_dir or MANIFEST_FILE not in probe.names:
         return None
-    path = probe.transport.join(probe.path, MANIFEST_FILE)
+    raw = manifest_bytes(probe.transport, probe.path)
+    if raw is None:
+        return None
     try:
-        manifest = Manifest.from_json(read_limited(probe.transport, path, MANIFEST), probe.transport.url(path))
+        manifest = Manifest.from_json(raw, probe.transport.url(probe.transport.join(probe.path, MANIFEST_FILE)))
     except DcpStorageError:
         return None  # a damaged manifest does not decide the format; verify reports it
     if manifest.format_name in known_formats:

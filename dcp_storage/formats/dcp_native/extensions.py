@@ -61,7 +61,6 @@ from dcp_storage import registry as plugin_registry
 from dcp_storage._torch import Extension, ExtensionRegistry, StorageInfo, StreamTransformExtension
 from dcp_storage.errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     UnknownExtensionError,
 )
@@ -69,11 +68,11 @@ from dcp_storage.formats.dcp_native.framed_items import DecodesTooLarge, decode_
 from dcp_storage.formats.dcp_native.manifest_io import build_manifest
 from dcp_storage.formats.dcp_native.native import DCP_VERSION, METADATA_FILE, dump_metadata
 from dcp_storage.formats.dcp_native.records import SeekableTransform
-from dcp_storage.formats.paths import DATA_SUFFIX, INFLATED, MANIFEST, inflation_limit, read_limited
+from dcp_storage.formats.paths import DATA_SUFFIX, INFLATED, inflation_limit
 from dcp_storage.formats.safetensors.convert_out import pack_by_bytes
 from dcp_storage.formats.spec import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
 from dcp_storage.integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for
-from dcp_storage.integrity.manifest import MANIFEST_FILE, install_hint
+from dcp_storage.integrity.manifest import MANIFEST_FILE, install_hint, manifest_bytes
 from dcp_storage.runtime import held_interrupts
 from dcp_storage.transports.access import make_output_root
 
@@ -246,15 +245,16 @@ class ExtensionResolver:
         return f"{url} does not name {descriptor!r}; install the package that provides it"
 
     def _read_manifest(self) -> dict[str, Any] | str:
-        if self._manifest is None:
-            path = self.transport.join(self.root, MANIFEST_FILE)
-            try:
-                parsed = json.loads(read_limited(self.transport, path, MANIFEST))
-                self._manifest = parsed if isinstance(parsed, dict) else "manifest is not a JSON object"
-            except (CheckpointNotFoundError, FileNotFoundError):
+        if self._manifest is None:  # only a hint: read leniently, never raising
+            raw = manifest_bytes(self.transport, self.root)
+            if raw is None:
                 self._manifest = "the checkpoint has no manifest naming the distribution that wrote it"
-            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-                self._manifest = f"manifest is not valid JSON ({exc})"
+            else:
+                try:
+                    parsed = json.loads(raw)
+                    self._manifest = parsed if isinstance(parsed, dict) else "manifest is not a JSON object"
+                except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                    self._manifest = f"manifest is not valid JSON ({exc})"
         return self._manifest
 
 

@@ -31,10 +31,10 @@ from typing import Any, Protocol, cast
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError
+from dcp_storage.errors import DcpStorageError
 from dcp_storage.formats.dcp_native.framed_items import RecordEntry, check_record_matches
 from dcp_storage.formats.dcp_native.torch_record import TensorRecord
-from dcp_storage.formats.paths import MANIFEST, METADATA_FILE, read_limited
+from dcp_storage.formats.paths import METADATA_FILE
 from dcp_storage.integrity.blocks import RecordVerifier
 from dcp_storage.integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, checksum
 from dcp_storage.integrity.manifest import (
@@ -44,6 +44,7 @@ from dcp_storage.integrity.manifest import (
     describe_extension,
     file_checksums,
     format_distribution,
+    manifest_bytes,
     metadata_matches,
     writer_descriptor,
 )
@@ -108,46 +109,39 @@ def read_manifest(transport: Any, root: str, metadata: bytes | None = None) -> M
     ``metadata``: the ``.metadata`` bytes the caller read; a manifest recording the digest of other
     bytes is stale (torch's writer saved over the checkpoint) and is ignored, with one warning naming both
     files. A manifest of an older dcp-storage records no digest: it is returned as it is (see
-    :func:`trusted_manifest` for what a default load does with it).
+    :func:`trusted_manifest` for what a default load does with it). One that cannot be parsed raises.
     """
-    path = transport.join(root, MANIFEST_FILE)
-    try:
-        data = read_limited(transport, path, MANIFEST)
-    except (CheckpointNotFoundError, FileNotFoundError):
-        return None
-    manifest = Manifest.from_json(data, transport.url(path))
-    if metadata is not None:
-        metadata_url = transport.url(transport.join(root, METADATA_FILE))
-        if metadata_matches(manifest, metadata, transport.url(path), metadata_url) is False:
-            return None
-    return manifest
+    return read_checked_manifest(transport, root, metadata, strict=True)[0]
 
 
 _READ = object()  # record_verifier's default: read the manifest now
 
 
-def read_checked_manifest(transport: Any, root: str, metadata: bytes, *, strict: bool) -> tuple[Manifest | None, bool]:
-    """``(manifest, stale)`` for a load that read the ``.metadata`` bytes ``metadata``.
+def read_checked_manifest(
+    transport: Any, root: str, metadata: bytes | None, *, strict: bool
+) -> tuple[Manifest | None, bool]:
+    """``(manifest, stale)`` for a load that read the ``.metadata`` bytes ``metadata`` (``None``: not
+    compared).
 
     ``stale``: the manifest describes another ``.metadata`` (ignored, warned once). Outside ``strict``
     (``verify=True``) a manifest that cannot be read is ignored with a warning, so a damaged manifest never
     stops a load that torch's reader would do; the zip CRC-32s still check what they cover.
     """
-    path = transport.join(root, MANIFEST_FILE)
-    try:
-        raw = read_limited(transport, path, MANIFEST)
-    except (CheckpointNotFoundError, FileNotFoundError):
+    raw = manifest_bytes(transport, root)
+    if raw is None:
         return None, False
+    url = transport.url(transport.join(root, MANIFEST_FILE))
     try:
-        manifest = Manifest.from_json(raw, transport.url(path))
+        manifest = Manifest.from_json(raw, url)
     except DcpStorageError as exc:
         if strict:
             raise
         warnings.warn(f"{exc}; ignoring the manifest (zip CRC-32s still checked)", RuntimeWarning, stacklevel=3)
         return None, False
-    metadata_url = transport.url(transport.join(root, METADATA_FILE))
-    if metadata_matches(manifest, metadata, transport.url(path), metadata_url) is False:
-        return None, True
+    if metadata is not None:
+        metadata_url = transport.url(transport.join(root, METADATA_FILE))
+        if metadata_matches(manifest, metadata, url, metadata_url) is False:
+            return None, True
     return manifest, False
 
 
