@@ -303,19 +303,15 @@ def slice_extent(stored: StoredTensor, offsets: Sequence[int], lengths: Sequence
     return stored.data_offset + first * stored.itemsize, stored.data_offset + (last + 1) * stored.itemsize
 
 
-# A checked read's requests hold runs of whole blocks up to this size: large enough that a request's overhead
-# is small next to its bytes, small enough that a run's blocks are still in cache when they are hashed.
-CHECKED_REQUEST_BYTES = 1 << 20
+CHECKED_REQUEST_BYTES = 1 << 20  # a checked read's runs of whole blocks: few requests, each still in cache
 
 
 def _landing(path: str, lo: int, hi: int, into: memoryview, cover: Cover) -> list[RangeRequest]:
     """Requests for ``[lo, hi)`` into ``into``: with block digests, runs of whole blocks of about
     :data:`CHECKED_REQUEST_BYTES` each, whose blocks its request's ``on_complete`` checks in the worker thread
     that read them, while their bytes are still in cache; a partial block at either end is a request of its
-    own (:func:`_check_edges` checks it with the bytes around it). A local transport reads a coalesced group
-    of these piece by piece and completes each piece before the next (``RangeRun(hot_pieces=...)``): one
-    request per block, coalesced and hashed only after the whole group, cost +76% on warm local reads of
-    16 MiB tensors (256 KiB blocks) against 28-51% now (``benchmarks/bench_default_verify.py``)."""
+    own (:func:`_check_edges` checks it). A local transport completes each piece before reading the next
+    (``RangeRun(hot_pieces=...)``): hashed after a whole coalesced group, checks cost +76% on warm reads."""
     if not isinstance(cover, BlockCover):
         return [RangeRequest(path, lo, hi, into=into)]
     requests = []

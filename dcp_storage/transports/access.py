@@ -46,6 +46,7 @@ from typing import Any
 
 from dcp_storage.errors import BucketNotFoundError, DcpStorageError, StorageAccessError
 from dcp_storage.text import mask_credentials, redact_urls, scrub_chain
+from dcp_storage.transports.retry import error_chain, error_code, http_status
 
 __all__ = [
     "LOAD_FIX",
@@ -146,39 +147,10 @@ def credentials_fix(url: str) -> str:
     return _FIXES.get(match.group(1).lower(), _OTHER_FIX)
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
-
-
-def _code(exc: BaseException) -> str | None:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):  # botocore ClientError
-        code = response.get("Error", {}).get("Code")
-        if isinstance(code, str):
-            return code
-    code = getattr(exc, "error_code", None)  # azure-core HttpResponseError: a str enum (StorageErrorCode)
-    code = getattr(code, "value", code)
-    return code if isinstance(code, str) and code else None
-
-
 def _status(exc: BaseException) -> int | None:
     if isinstance(exc, OSError) and str(exc).startswith(_GCSFS_FORBIDDEN):
         return 403
-    for attr in ("status_code", "status", "code"):  # azure-core, aiohttp, gcsfs HttpError
-        value = getattr(exc, attr, None)
-        if isinstance(value, int) and 100 <= value < 600:
-            return value
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if isinstance(value, int):
-            return value
-    return None
+    return http_status(exc)
 
 
 def _kind(chain: list[BaseException]) -> str | None:
@@ -194,7 +166,7 @@ def _kind(chain: list[BaseException]) -> str | None:
     less than the botocore error code below it.
     """
     names = {cls.__name__ for exc in chain for cls in type(exc).__mro__}
-    codes = {_code(exc) for exc in chain}
+    codes = {error_code(exc) for exc in chain}
     statuses = {_status(exc) for exc in chain}
     if names & _NO_CREDENTIALS:
         return "missing"
@@ -226,8 +198,8 @@ def _message(exc: BaseException) -> str:
 
 def _reason(chain: list[BaseException]) -> str:
     """The store's own words: ``Code: message`` from the exception closest to the client that has a code."""
-    code = next((c for c in map(_code, chain) if c), None)
-    source = next((e for e in reversed(chain) if _code(e)), chain[-1])
+    code = next((c for c in map(error_code, chain) if c), None)
+    source = next((e for e in reversed(chain) if error_code(e)), chain[-1])
     message = _message(source)
     reason = message if code is None or code in message else f"{code}: {message}"
     if code is None:
@@ -257,7 +229,7 @@ def access_error(exc: BaseException, what: str) -> StorageAccessError | None:
     """
     if isinstance(exc, DcpStorageError):
         return None  # ours already, named and explained
-    chain = list(_chain(exc))
+    chain = list(error_chain(exc))
     kind = _kind(chain)
     if kind is None:
         return None

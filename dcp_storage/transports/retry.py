@@ -80,6 +80,9 @@ __all__ = [
     "bounded_call",
     "bounded_sync",
     "call_with_retry",
+    "error_chain",
+    "error_code",
+    "http_status",
     "is_transient",
     "operation_deadline",
     "remaining",
@@ -215,8 +218,21 @@ _TRANSIENT_TEXT = ("SlowDown", "reduce your request rate", "Service Unavailable"
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 
 
-def _status_of(exc: BaseException) -> int | None:
-    for attr in ("status", "status_code", "code"):
+def error_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it was raised from: ``raise ... from cause``, and the implicit context unless
+    ``from None`` suppressed it (each exception once, so a cycle ends)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status one store error carries: azure-core's ``status_code``, aiohttp's ``status``,
+    gcsfs's ``code``, botocore's ``ResponseMetadata``; ``None`` when it names none."""
+    for attr in ("status_code", "status", "code"):
         value = getattr(exc, attr, None)
         if isinstance(value, int) and 100 <= value < 600:
             return value
@@ -228,13 +244,17 @@ def _status_of(exc: BaseException) -> int | None:
     return None
 
 
-def _error_code_of(exc: BaseException) -> str | None:
+def error_code(exc: BaseException) -> str | None:
+    """The store's error code in one error: botocore's ``Error.Code``, azure-core's ``error_code`` (a str
+    enum); ``None`` when it names none. Access errors (:mod:`.access`) and retries read the same fields."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         code = response.get("Error", {}).get("Code")
         if isinstance(code, str):
             return code
-    return None
+    code = getattr(exc, "error_code", None)
+    code = getattr(code, "value", code)
+    return code if isinstance(code, str) and code else None
 
 
 def _one_is_transient(exc: BaseException) -> bool:
@@ -246,10 +266,10 @@ def _one_is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
-    status = _status_of(exc)
+    status = http_status(exc)
     if status is not None and (status >= 500 or status == 429):
         return True
-    code = _error_code_of(exc)
+    code = error_code(exc)
     if code is not None:
         return code in _TRANSIENT_CODES
     text = str(exc)
@@ -258,18 +278,13 @@ def _one_is_transient(exc: BaseException) -> bool:
 
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is worth retrying."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in error_chain(exc):
         # Our own errors are decisions already taken (a TransportError means retries were exhausted;
         # retrying it again would multiply the attempts), whatever they were raised from.
         if isinstance(current, (DcpStorageError, *_PERMANENT)):
             return False
         if _one_is_transient(current):
             return True
-        # Follow ``raise ... from cause``, and the implicit context unless ``from None`` suppressed it.
-        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     return False
 
 
