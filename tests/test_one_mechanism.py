@@ -4,9 +4,11 @@
 * the device a group's collectives use: :class:`dcp_storage.strategies.collectives.GroupView`, which asks
   torch's rule through :func:`dcp_storage._torch.object_coll_device` (the one module naming it);
 * the byte runs of a row-major slice: :func:`dcp_storage.formats.slices.row_major_runs`;
-* the checkpoint's file names: :mod:`dcp_storage.formats.paths`.
+* the checkpoint's file names: :mod:`dcp_storage.formats.paths`;
+* reading a store error (its code, status, causes): :mod:`dcp_storage.transports.retry`;
+* reading the manifest file: :func:`dcp_storage.integrity.manifest.manifest_bytes`.
 
-The first, second and fourth read the package's source (a second copy is a source fact); the third checks
+All but the third read the package's source (a second copy is a source fact); the third checks
 the calculator's every consumer against brute force.
 """
 
@@ -118,3 +120,31 @@ def test_the_run_calculator_refuses_boxes_outside_the_tensor(
     ):
         with pytest.raises(ValueError, match=r"shape \(4, 4\)"):
             ask()
+
+
+def _get_calls_with(key: str) -> set[str]:
+    """Modules that call ``.get(key, ...)``: reading a field of a store's error response."""
+    found = set()
+    for module, tree in _modules().items():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value == key
+            ):
+                found.add(module)
+    return found
+
+
+def test_one_reading_of_store_errors() -> None:
+    """A store error's code is read in one place (``transports.retry.error_code``); ``access`` reads only the
+    message from the same field to word its errors."""
+    assert _get_calls_with("Error") == {"transports/retry.py", "transports/access.py"}
+
+
+def test_one_read_of_the_manifest_file() -> None:
+    """The manifest's size limit (``paths.MANIFEST``) is used by the one function that reads the file."""
+    assert set(_where_named({"MANIFEST"})) == {"formats/paths.py", "integrity/manifest.py"}

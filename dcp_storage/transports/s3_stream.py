@@ -71,7 +71,7 @@ from dcp_storage.transports.guards import (
     describe_answer,
     range_mismatch,
 )
-from dcp_storage.transports.retry import bounded_sync
+from dcp_storage.transports.retry import bounded_sync, error_code, http_status
 
 __all__ = [
     "PendingUpload",
@@ -109,7 +109,7 @@ async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
     try:
         return await bound(**fs._get_s3_method_kwargs(bound, **kwargs))
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") == "PreconditionFailed" and "IfMatch" in kwargs:
+        if error_code(exc) == "PreconditionFailed" and "IfMatch" in kwargs:
             raise VersionConditionFailed(
                 f"{method} {kwargs.get('Key')}: the object is not the version read first"
             ) from exc
@@ -389,13 +389,11 @@ def fsspec_put_if_absent(fs: Any, path: str, data: bytes) -> None:
 def _precondition_failed(exc: BaseException) -> bool:
     """Whether S3 refused the write because the key exists (412 ``PreconditionFailed``)."""
     current: BaseException | None = exc
-    while current is not None:
-        response = getattr(current, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "PreconditionFailed" or status == 412:
-                return True
+    while current is not None:  # along ``raise ... from`` only: a 412 handled earlier is not this answer
+        if isinstance(getattr(current, "response", None), dict) and (
+            error_code(current) == "PreconditionFailed" or http_status(current) == 412
+        ):
+            return True
         current = current.__cause__
     return False
 
