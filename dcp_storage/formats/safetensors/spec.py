@@ -27,6 +27,7 @@ from dcp_storage.errors import DcpStorageError
 from dcp_storage.formats.dcp_native.spec import SAFETENSORS, dcp_data_kind
 from dcp_storage.formats.paths import HF_SHARD_RE, INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
 from dcp_storage.formats.reports import CheckpointInfo, FileInfo, VerifyReport, error_text, size_or_none, tensor_table
+from dcp_storage.formats.safetensors.checksums import FileSums
 from dcp_storage.formats.safetensors.convert_out import TARGET
 from dcp_storage.formats.safetensors.loader import blobs_of, read_headers, scan_metadata
 from dcp_storage.formats.safetensors.metadata import (
@@ -57,7 +58,15 @@ def describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str, 
     transport, target = open_transport(url, storage_options)
     with transport:
         layout = discover(transport, target)
-        md = scan_metadata(transport, layout)
+        found: dict[Any, Any] = {}
+        md = scan_metadata(transport, layout, found=found)
+        # the provenance comes from the same header bytes: a header is fetched and parsed once
+        known = {
+            resolve(transport, layout.root, blob.file): FileSums(url, header.metadata, raw)
+            for blob, (header, raw, url) in found.items()
+            if blob.base == 0
+        }
+        del found
         storage = md.storage_data or {}
 
         def locate(fqn: str, offsets: list[int] | None) -> tuple[Any, ...]:
@@ -78,7 +87,7 @@ def describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str, 
         provenance = (
             {}
             if layout.kind == "dcp"
-            else safetensors_provenance(transport, [resolve(transport, layout.root, n) for n in layout.files])
+            else safetensors_provenance(transport, [resolve(transport, layout.root, n) for n in layout.files], known)
         )
     kind = _LAYOUTS.get(layout.kind, layout.kind)
     return CheckpointInfo(url, spec.descriptor, spec.description, kind, files, tensors, values, provenance)
