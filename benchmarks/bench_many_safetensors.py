@@ -92,9 +92,9 @@ print(json.dumps({"phase": phase, "seconds": seconds, "peak_extra_bytes": hwm() 
 
 def run_phase(path: str, phase: str, n: int) -> dict[str, object]:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, path, phase, str(n)], env=env, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", _CHILD, path, phase, str(n)], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"phase {phase} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
