@@ -115,10 +115,12 @@ def main() -> None:
     print(f"{'phase':<12} {'seconds':>9} {'peak +MiB':>10}")
     for row in rows:
         print(f"{row['phase']:<12} {row['seconds']:>9.2f} {row['peak_extra_bytes'] / 2**20:>10.0f}")
+    end_load = os.getloadavg()[0]
     result = {
         "tensors": args.tensors,
         "load_average_at_start": load,
-        "under_load": load >= 1,
+        "load_average_at_end": end_load,
+        "under_load": max(load, end_load) >= 1,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rows": rows,
     }
