@@ -27,6 +27,8 @@ from dcp_storage.formats.safetensors.header import (
     METADATA_KEY,
     SAFETENSORS_TO_TORCH,
     SHARDING_INFO_KEY,
+    _entries,
+    _entry,
     header_length,
     parse_header,
     saved_offsets,
@@ -132,6 +134,26 @@ def test_parse_header_any_json(doc: dict[str, Any], meta: Any, data_size: int) -
     if meta is not None:
         doc = {**doc, METADATA_KEY: meta}
     _check(json.dumps(doc).encode(), data_size)
+
+
+def _outcome(build: Any) -> Any:
+    try:
+        return build()
+    except CorruptCheckpointError as exc:
+        return str(exc)
+
+
+@FUZZ()
+@given(
+    doc=st.dictionaries(st.text(max_size=5), entries, max_size=4) | plausible_headers().map(lambda c: c[0]),
+    data_size=st.integers(-1, 4096),
+)
+def test_inline_entry_pass_agrees_with_entry(doc: dict[str, Any], data_size: int) -> None:
+    """The one-pass validation of a header's entries (what a million-tensor header takes) accepts what
+    ``_entry`` accepts, as the same entries, and refuses what it refuses, with the same first error."""
+    doc = {k: v for k, v in doc.items() if k != METADATA_KEY}
+    expected = _outcome(lambda: {name: _entry(name, info, data_size, WHERE) for name, info in doc.items()})
+    assert _outcome(lambda: _entries(dict(doc), data_size, WHERE)) == expected
 
 
 @FUZZ()

@@ -21,7 +21,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,9 +92,9 @@ SHARDING_INFO_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_util
 SAVED_OFFSETS_KEY = "saved_offsets"
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a header; ``begin``/``end`` are byte offsets into the data section."""
+class TensorEntry(NamedTuple):
+    """One tensor of a header; ``begin``/``end`` are byte offsets into the data section. A named tuple, not a
+    dataclass: a million-tensor header makes a million of them (a third of the time and memory)."""
 
     name: str
     dtype_name: str
@@ -199,9 +199,42 @@ def parse_header(
     ):
         raise CorruptCheckpointError(f"{where}: {METADATA_KEY!r} must map strings to strings")
 
-    tensors = {name: _entry(name, info, data_size, where) for name, info in doc.items()}
+    tensors = _entries(doc, data_size, where)
     _check_tiling(tensors.values(), data_size if ends_the_file else None, where)
     return SafetensorsHeader(len(raw), tensors, metadata)
+
+
+_ITEMSIZES: dict[str, tuple[torch.dtype, int]] = {n: (d, d.itemsize) for n, d in SAFETENSORS_TO_TORCH.items()}
+
+
+def _entries(doc: dict[str, Any], data_size: int, where: str) -> dict[str, TensorEntry]:
+    """Every tensor entry of ``doc``, in its order. One inline pass over the common case (an object whose
+    ``dtype`` is known, whose ``shape`` and ``data_offsets`` are lists of plain ints that agree and fit):
+    at a million tensors the per-entry checks of :func:`_entry` were most of the parse. Any entry the pass
+    does not accept goes through :func:`_entry`, which raises the error naming it (the same checks, the same
+    first failing entry); each entry the pass accepts, :func:`_entry` would accept as the same entry."""
+    out: dict[str, TensorEntry] = {}
+    known, new, prod = _ITEMSIZES, TensorEntry, math.prod
+    for name in list(doc):
+        info = doc.pop(name)  # the decoded entry goes as its TensorEntry comes: one of the two is held at a time
+        if type(info) is dict:
+            dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+            found = known.get(dtype_name) if type(dtype_name) is str else None
+            if found is not None and type(shape) is list and type(offsets) is list and len(offsets) == 2:
+                begin, end = offsets
+                if (
+                    type(begin) is int
+                    and type(end) is int
+                    and 0 <= begin <= end <= data_size
+                    and len(shape) <= MAX_NDIM
+                    and all([type(d) is int and 0 <= d <= MAX_DIM for d in shape])
+                    and prod(shape) * found[1] == end - begin  # <= data_size, so within MAX_BYTES
+                    and data_size <= MAX_BYTES
+                ):
+                    out[name] = new(name, dtype_name, found[0], tuple(shape), begin, end)
+                    continue
+        out[name] = _entry(name, info, data_size, where)
+    return out
 
 
 def _entry(name: str, info: Any, data_size: int, where: str) -> TensorEntry:

@@ -43,6 +43,7 @@ import posixpath
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -267,8 +268,7 @@ def build_metadata(layout: Layout, headers: Mapping[Blob, SafetensorsHeader], ur
 
 
 # ------------------------------------------------------------------------------------- plain and HF
-@dataclass
-class _Piece:
+class _Piece(NamedTuple):
     offsets: tuple[int, ...]
     entry: TensorEntry
     blob: Blob
@@ -294,11 +294,21 @@ def _from_headers(layout: Layout, headers: Mapping[Blob, SafetensorsHeader], url
 
     state: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, StoredChunk] = {}
+    sizes: dict[tuple[int, ...], torch.Size] = {}  # one torch.Size per distinct shape: they are immutable
     for name, found in pieces.items():
-        size, kept = _assemble(name, found, urls)
+        if len(found) == 1 and not any(found[0].offsets):  # a whole tensor in one piece: nothing to assemble
+            size, kept = found[0].entry.shape, found
+        else:
+            size, kept = _assemble(name, found, urls)
         chunks = []
         for p in kept:
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.entry.shape)))
+            offsets = sizes.get(p.offsets)
+            if offsets is None:
+                offsets = sizes[p.offsets] = torch.Size(p.offsets)
+            shape = sizes.get(p.entry.shape)
+            if shape is None:
+                shape = sizes[p.entry.shape] = torch.Size(p.entry.shape)
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=shape))
             storage[MetadataIndex(name, p.offsets)] = StoredChunk(
                 p.blob.file, p.blob.base + p.data_start + p.entry.begin, p.entry.dtype, p.entry.shape, name
             )

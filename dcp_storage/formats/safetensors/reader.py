@@ -92,6 +92,7 @@ from dcp_storage.formats.safetensors.write_plan import (
 )
 from dcp_storage.integrity.checksums import checksum
 from dcp_storage.planners.planner import check_planned_keys
+from dcp_storage.runtime import gc_paused
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_object
 from dcp_storage.strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
 from dcp_storage.transports import Transport, TransportConfig
@@ -346,7 +347,8 @@ class SafetensorsReader(BoundLocation, StorageReader):
         try:
             layout = discover(self.transport, self.target)
             found: dict[Any, Any] | None = {} if self.verify is not False else None
-            metadata = scan_metadata(self.transport, layout, self.scan_config, found)
+            with gc_paused():  # a few small acyclic objects per tensor: millions in a 1M-tensor header
+                metadata = scan_metadata(self.transport, layout, self.scan_config, found)
             sums = {
                 blob.file: FileSums(url, header.metadata, raw)
                 for blob, (header, raw, url) in (found or {}).items()

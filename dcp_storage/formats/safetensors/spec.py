@@ -20,13 +20,13 @@ import os
 import posixpath
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcp_storage.errors import DcpStorageError
 from dcp_storage.formats.dcp_native.spec import SAFETENSORS, dcp_data_kind
 from dcp_storage.formats.paths import HF_SHARD_RE, INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
 from dcp_storage.formats.reports import CheckpointInfo, FileInfo, VerifyReport, error_text, size_or_none, tensor_table
+from dcp_storage.formats.safetensors.checksums import FileSums
 from dcp_storage.formats.safetensors.convert_out import TARGET
 from dcp_storage.formats.safetensors.loader import blobs_of, read_headers, scan_metadata
 from dcp_storage.formats.safetensors.metadata import (
@@ -57,11 +57,22 @@ def describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str, 
     transport, target = open_transport(url, storage_options)
     with transport:
         layout = discover(transport, target)
-        md = scan_metadata(transport, layout)
+        found: dict[Any, Any] = {}
+        md = scan_metadata(transport, layout, found=found)
+        # the provenance comes from the same header bytes: a header is fetched and parsed once
+        known = {
+            resolve(transport, layout.root, blob.file): FileSums(url, header.metadata, raw)
+            for blob, (header, raw, url) in found.items()
+            if blob.base == 0
+        }
+        del found
         storage = md.storage_data or {}
 
+        # keyed by plain tuples: a MetadataIndex per lookup was seconds at a million tensors
+        by_key = {(k.fqn, None if k.offset is None else tuple(k.offset)): v for k, v in storage.items()}
+
         def locate(fqn: str, offsets: list[int] | None) -> tuple[Any, ...]:
-            entry = storage.get(MetadataIndex(fqn, None if offsets is None else torch.Size(offsets)))
+            entry = by_key.get((fqn, None if offsets is None else tuple(offsets)))
             if isinstance(entry, StoredChunk):
                 return (entry.file, entry.data_offset, math.prod(entry.shape) * entry.dtype.itemsize)
             if isinstance(entry, StoredBytes):
@@ -78,7 +89,7 @@ def describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str, 
         provenance = (
             {}
             if layout.kind == "dcp"
-            else safetensors_provenance(transport, [resolve(transport, layout.root, n) for n in layout.files])
+            else safetensors_provenance(transport, [resolve(transport, layout.root, n) for n in layout.files], known)
         )
     kind = _LAYOUTS.get(layout.kind, layout.kind)
     return CheckpointInfo(url, spec.descriptor, spec.description, kind, files, tensors, values, provenance)

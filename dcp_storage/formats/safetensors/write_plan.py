@@ -419,12 +419,18 @@ def report_safetensors_checksums(report: Any, transport: Any, paths: list[str], 
         )
 
 
-def safetensors_provenance(transport: Any, paths: list[str]) -> dict[str, Any]:
-    """Provenance for ``inspect`` from the headers of ``paths``: format, writer, checksums (empty if none)."""
+def safetensors_provenance(
+    transport: Any, paths: list[str], known: Mapping[str, FileSums] | None = None
+) -> dict[str, Any]:
+    """Provenance for ``inspect`` from the headers of ``paths``: format, writer, checksums (empty if none).
+
+    ``known``: path -> the checksums of a header the caller already read and parsed (not read again)."""
     writers, formats, algorithms, records, without = set(), set(), set(), 0, 0
     for path in paths:
+        sums = (known or {}).get(path)
         try:
-            sums, _header = FileSums.read(transport, path)
+            if sums is None:
+                sums, _header = FileSums.read(transport, path)
         except DcpStorageError as exc:
             return {"error": str(exc)}
         if not sums.present and sums.writer is None:
