@@ -359,13 +359,13 @@ def missing_format_plugin(probe: Any, known_formats: Container[str]) -> str | No
     """A message naming the descriptor and distribution, if the probed directory's format is not registered."""
     if not probe.is_dir or MANIFEST_FILE not in probe.names:
         return None
-    raw = manifest_bytes(probe.transport, probe.path)
-    if raw is None:
-        return None
     try:
+        raw = manifest_bytes(probe.transport, probe.path)
+        if raw is None:
+            return None
         manifest = Manifest.from_json(raw, probe.transport.url(probe.transport.join(probe.path, MANIFEST_FILE)))
     except DcpStorageError:
-        return None  # a damaged manifest does not decide the format; verify reports it
+        return None  # a damaged or unreadable manifest does not decide the format; verify reports it
     if manifest.format_name in known_formats:
         return None
     dist = manifest.format_distribution

@@ -62,6 +62,7 @@ from dcp_storage._torch import Extension, ExtensionRegistry, StorageInfo, Stream
 from dcp_storage.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
+    DcpStorageError,
     UnknownExtensionError,
 )
 from dcp_storage.formats.dcp_native.framed_items import DecodesTooLarge, decode_whole
@@ -246,7 +247,11 @@ class ExtensionResolver:
 
     def _read_manifest(self) -> dict[str, Any] | str:
         if self._manifest is None:  # only a hint: read leniently, never raising
-            raw = manifest_bytes(self.transport, self.root)
+            try:
+                raw = manifest_bytes(self.transport, self.root)
+            except DcpStorageError as exc:  # a FIFO, a directory, an oversized file: the hint says so
+                self._manifest = f"manifest is unreadable ({exc})"
+                return self._manifest
             if raw is None:
                 self._manifest = "the checkpoint has no manifest naming the distribution that wrote it"
             else:
