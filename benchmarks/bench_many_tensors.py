@@ -99,7 +99,7 @@ def given_columns(root: str) -> object:
     """The checkpoint's ``MetadataColumns``, from a cache beside it (built from the ``.metadata`` once)."""
     import gc
 
-    from dcp_storage.formats.dcp_native.columns import columns_from_metadata
+    from dcp_storage.formats.columns import columns_from_metadata
 
     cache = root + ".columns.pkl"
     if os.path.exists(cache):

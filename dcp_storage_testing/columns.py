@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage._torch import StorageInfo
-from dcp_storage.formats.dcp_native.columns import columns_from_metadata
-from dcp_storage.formats.dcp_native.native import columns_of, lazy_metadata
+from dcp_storage.formats.columns import columns_from_metadata, columns_of
+from dcp_storage.formats.dcp_native.native import lazy_metadata
 
 Box = tuple[list[int], list[int]]
 

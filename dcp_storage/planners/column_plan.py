@@ -23,7 +23,7 @@ dtype, so there the check cannot see a stored dtype; the reader's ``copy_`` stil
 The planners' core on a ``.metadata``'s columns: the same checks and read items, without torch's objects.
 
 :func:`~.matching.check_values` and :func:`~.matching.build_read_items` come here when the metadata is
-lazy metadata over columns (:func:`~dcp_storage.formats.dcp_native.native.columns_of`). The result
+lazy metadata over columns (:func:`~dcp_storage.formats.columns.columns_of`). The result
 is exactly what they give on torch's ``Metadata`` (same errors and messages, same ``ReadItem``\\ s, equal and
 in the same order); what changes is the cost at a million tensors:
 
@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.tensor import DTensor
 
 from dcp_storage._torch import create_read_items
-from dcp_storage.formats.dcp_native.columns import MetadataColumns
+from dcp_storage.formats.columns import MetadataColumns
 
 __all__ = ["DtypePolicy", "PLAIN_TENSORS", "plan_on_columns", "whole_single_chunk"]
 

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from dcp_storage._torch import create_chunk_list, create_read_items
 from dcp_storage.errors import ShapeMismatchError
 from dcp_storage.formats.byte_items import decode_byte_item
-from dcp_storage.formats.dcp_native.native import columns_of, rows_of
+from dcp_storage.formats.columns import columns_of, rows_of
 from dcp_storage.planners.column_plan import DtypePolicy, plan_on_columns
 from dcp_storage.planners.key_map import (
     KEYS_SHOWN,
@@ -141,7 +141,7 @@ def match_keys(
     """Map every state-dict key through ``key_map``; raise ``KeyCollisionError`` if two share a target.
 
     ``checkpoint_keys``: a mapping keyed by checkpoint key (a plain dict is fastest: lazy metadata's
-    ``{name: row}``, :func:`~dcp_storage.formats.dcp_native.native.rows_of`), or any iterable.
+    ``{name: row}``, :func:`~dcp_storage.formats.columns.rows_of`), or any iterable.
     """
     keys = state_dict_keys if isinstance(state_dict_keys, (list, tuple)) else list(state_dict_keys)
     ckpt = checkpoint_keys if isinstance(checkpoint_keys, Mapping) else dict.fromkeys(checkpoint_keys)

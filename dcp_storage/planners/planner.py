@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_storage._torch import flatten_v2_3, set_element
-from dcp_storage.formats.dcp_native.native import rows_of
+from dcp_storage.formats.columns import rows_of
 from dcp_storage.planners.column_plan import PLAIN_TENSORS, DtypePolicy
 from dcp_storage.planners.key_map import KeyMap, KeyMapLike, LoadResult
 from dcp_storage.planners.matching import (

@@ -73,8 +73,7 @@ from torch.futures import Future
 
 from dcp_storage import registry
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, RankMismatchError
-from dcp_storage.formats.dcp_native.framed_items import stored_dtype
-from dcp_storage.formats.dcp_native.native import columns_of, rows_of
+from dcp_storage.formats.columns import columns_of, rows_of, stored_dtype
 from dcp_storage.registry import PluginNotFoundError
 from dcp_storage.runtime import gc_paused
 from dcp_storage.strategies.collectives import SOLO, GroupView, group_view, load_group, load_view, works_alone

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.columns import columns_from_metadata, property_key
 from dcp_storage.formats.dcp_native import native as native_decode
-from dcp_storage.formats.dcp_native.columns import columns_from_metadata, property_key
 from dcp_storage.formats.dcp_native.native import metadata_allow_list
 from dcp_storage.safe_unpickle import safe_loads
 

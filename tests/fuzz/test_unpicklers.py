@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
-from dcp_storage.formats.dcp_native.columns import metadata_from_columns
+from dcp_storage.formats.columns import columns_of, metadata_from_columns
 from dcp_storage.formats.dcp_native.metadata_checks import metadata_problems
-from dcp_storage.formats.dcp_native.native import columns_of, load_metadata
+from dcp_storage.formats.dcp_native.native import load_metadata
 from dcp_storage.formats.dcp_native.torch_record import NeedMoreBytes, UnsupportedRecord, parse_tensor_record
 from dcp_storage.formats.torch_save.pickle_tree import decode_data_pkl
 

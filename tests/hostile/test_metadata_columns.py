@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from dcp_storage.formats.columns import columns_from_metadata
 from dcp_storage.formats.dcp_native import native as metadata_io
 from dcp_storage.formats.dcp_native import native as native_decode
-from dcp_storage.formats.dcp_native.columns import columns_from_metadata
 
 from .corpus import Case
 

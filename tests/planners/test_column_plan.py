@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.planner import LoadPlan
 
 from dcp_storage import FsspecReader, FsspecWriter
 from dcp_storage.errors import ShapeMismatchError
-from dcp_storage.formats.dcp_native.columns import columns_from_metadata, metadata_from_columns
-from dcp_storage.formats.dcp_native.native import columns_of, lazy_metadata
+from dcp_storage.formats.columns import columns_from_metadata, columns_of, metadata_from_columns
+from dcp_storage.formats.dcp_native.native import lazy_metadata
 from dcp_storage.planners import (
     DtypeMismatchError,
     DtypePolicy,

@@ -235,6 +235,19 @@ def test_imports_point_down_the_layers() -> None:
     )
 
 
+FORMAT_FOLDERS = ("formats.dcp_native", "formats.safetensors", "formats.torch_save")
+
+
+def test_planners_and_strategies_depend_on_no_format_folder() -> None:
+    """The planner and strategy axes see every format through the format core (``formats/*.py``: the
+    ``Metadata`` column view, slices, reading), never one format's folder: otherwise a format plugin's
+    checkpoint would plan or read differently from a built-in one."""
+    axes = tuple(f"{PACKAGE}.{axis}" for axis in ("planners", "strategies"))
+    folders = tuple(f"{PACKAGE}.{folder}" for folder in FORMAT_FOLDERS)
+    crossing = [e for e in imports(ROOT) if e.source.startswith(axes) and e.target.startswith(folders)]
+    assert crossing == [], "a planner or strategy imports one format's internals:\n" + _describe(crossing)
+
+
 def test_function_level_imports_say_why() -> None:
     silent = [e for e in imports(ROOT) if e.in_function and not e.says_why]
     assert silent == [], "function-level imports with no comment saying why (move them to the top):\n" + _describe(

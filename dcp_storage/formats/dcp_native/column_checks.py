@@ -35,7 +35,7 @@ import torch
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError
-from dcp_storage.formats.dcp_native.columns import MetadataColumns
+from dcp_storage.formats.columns import MetadataColumns
 from dcp_storage.formats.dcp_native.metadata_checks import _PROPERTY_TYPES, _incomplete
 from dcp_storage.formats.paths import BROADCAST_BYTES, MAX_BYTES, MAX_NDIM, check_relative
 from dcp_storage.formats.reading import tiling_problem

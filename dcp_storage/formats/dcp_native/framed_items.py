@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
-from dcp_storage.formats.dcp_native.native import StateDictView
+from dcp_storage.formats.columns import saved_chunk, stored_dtype
 from dcp_storage.formats.dcp_native.records import Frame, FrameIndex, NeedMoreTail, SeekableTransform
 from dcp_storage.formats.dcp_native.torch_record import (
     NeedMoreBytes,
@@ -75,33 +75,6 @@ class RecordEntry:
     offset: int
     length: int
     transforms: tuple[str, ...] = ()
-
-
-def stored_dtype(metadata: Metadata | None, fqn: str) -> torch.dtype | None:
-    """The dtype the metadata gives tensor ``fqn``; ``None`` when it has no such tensor (or no metadata)."""
-    if metadata is None:
-        return None
-    state = metadata.state_dict_metadata
-    if isinstance(state, StateDictView):  # without building the entry
-        return state.tensor_dtype(fqn)
-    md = state.get(fqn)
-    dtype = getattr(getattr(md, "properties", None), "dtype", None) if isinstance(md, TensorStorageMetadata) else None
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def saved_chunk(metadata: Metadata | None, index: Any) -> ChunkStorageMetadata | None:
-    """The chunk of the metadata that ``index`` (a ``MetadataIndex``) names; ``None`` when it names none."""
-    if metadata is None:
-        return None
-    if isinstance(metadata.state_dict_metadata, StateDictView):  # one chunk built, not the whole entry
-        return metadata.state_dict_metadata.chunk(index.fqn, index.offset)
-    md = metadata.state_dict_metadata.get(index.fqn)
-    if not isinstance(md, TensorStorageMetadata):
-        return None
-    offsets, hint, chunks = tuple(index.offset or ()), index.index, md.chunks
-    if hint is not None and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == offsets:
-        return chunks[hint]
-    return next((c for c in chunks if tuple(c.offsets) == offsets), None)
 
 
 def check_record_matches(

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from dcp_storage._torch import ExtensionRegistry
 from dcp_storage.errors import CorruptCheckpointError, ShapeMismatchError
 from dcp_storage.formats.byte_items import deliver_byte_item
+from dcp_storage.formats.columns import saved_chunk, stored_dtype
 from dcp_storage.formats.dcp_native.extensions import ExtensionResolver
 from dcp_storage.formats.dcp_native.framed_items import (
     FramedItem,
@@ -48,8 +49,6 @@ from dcp_storage.formats.dcp_native.framed_items import (
     RecordEntry,
     check_record_matches,
     needs_whole_chunk,
-    saved_chunk,
-    stored_dtype,
 )
 from dcp_storage.formats.dcp_native.manifest_io import load_verified_in_place
 from dcp_storage.formats.dcp_native.records import SeekableTransform, check_record_zip

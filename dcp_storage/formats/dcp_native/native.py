@@ -1,6 +1,6 @@
 """Reading a ``.metadata``: the native C decoder, the allow-list fallback, and lazy views of the result.
 
-Native decoding of a DCP ``.metadata`` pickle into :class:`~.columns.MetadataColumns`.
+Native decoding of a DCP ``.metadata`` pickle into :class:`~dcp_storage.formats.columns.MetadataColumns`.
 
 :func:`decode_columns` runs the C decoder (``_metadata_decode.c``) on the raw bytes: it understands only the
 regular, canonical pickles torch's ``pickle.dump(Metadata)`` writes and never imports or calls anything named
@@ -9,7 +9,7 @@ It returns ``None`` when the extension is not built or the bytes are anything el
 general path (the guarded unpickler and :mod:`.metadata_checks`), which names every problem. Whenever it
 returns columns they equal ``columns_from_metadata(pickle.loads(data))``.
 
-torch's ``Metadata`` over :class:`~.columns.MetadataColumns`: entries built when asked for, not kept.
+torch's ``Metadata`` over :class:`~dcp_storage.formats.columns.MetadataColumns`: entries built when asked for, not kept.
 
 torch's load protocol hands a ``Metadata`` to the planner and the reader; its ``state_dict_metadata`` and
 ``storage_data`` are plain dicts of dataclass instances, about 2 KB a tensor. :func:`lazy_metadata`
@@ -55,8 +55,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage._torch import MemoryFormatEncoding, StorageInfo
+from dcp_storage.formats.columns import (
+    ColumnView,
+    MetadataColumns,
+    columns_from_metadata,
+    metadata_from_columns,
+)
 from dcp_storage.formats.dcp_native.column_checks import columns_sound
-from dcp_storage.formats.dcp_native.columns import MetadataColumns, columns_from_metadata, metadata_from_columns
 from dcp_storage.formats.dcp_native.metadata_checks import check_metadata
 from dcp_storage.formats.dcp_native.torch_record import metadata_allow_list
 from dcp_storage.formats.paths import METADATA, METADATA_FILE, count_setting, read_limited
@@ -70,14 +75,12 @@ __all__ = [
     "StateDictView",
     "StorageDataView",
     "available",
-    "columns_of",
     "decode_columns",
     "dump_metadata",
     "lazy_metadata",
     "load_metadata",
     "metadata_allow_list",
     "read_metadata_file",
-    "rows_of",
 ]
 
 
@@ -247,8 +250,10 @@ def _storage_info(cols: MetadataColumns, c: int) -> StorageInfo:
     )
 
 
-class StateDictView(Mapping[str, Any]):
+class StateDictView(ColumnView, Mapping[str, Any]):
     """``Metadata.state_dict_metadata`` over columns (read-only; each lookup builds a fresh entry)."""
+
+    serves = "state_dict_metadata"
 
     def __init__(self, cols: MetadataColumns, rows: _Rows | None = None) -> None:
         self.columns = cols
@@ -300,12 +305,17 @@ class StateDictView(Mapping[str, Any]):
     def __repr__(self) -> str:
         return f"<state_dict_metadata of {len(self)} entries, as columns>"
 
+    def row_table(self) -> dict[str, int]:
+        return self._rows.table()
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (StateDictView, (self.columns,))
 
 
-class StorageDataView(Mapping[MetadataIndex, StorageInfo]):
+class StorageDataView(ColumnView, Mapping[MetadataIndex, StorageInfo]):
     """``Metadata.storage_data`` over columns: one ``MetadataIndex`` per chunk (and per value)."""
+
+    serves = "storage_data"
 
     def __init__(self, cols: MetadataColumns, rows: _Rows | None = None) -> None:
         self.columns = cols
@@ -342,6 +352,9 @@ class StorageDataView(Mapping[MetadataIndex, StorageInfo]):
     def __repr__(self) -> str:
         return f"<storage_data of {len(self)} entries, as columns>"
 
+    def row_table(self) -> dict[str, int]:
+        return self._rows.table()
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (StorageDataView, (self.columns,))
 
@@ -356,22 +369,6 @@ def lazy_metadata(cols: MetadataColumns) -> Metadata:
         storage_meta=cols.storage_meta,
         version=cols.version,
     )
-
-
-def columns_of(md: Any) -> MetadataColumns | None:
-    """The columns behind ``md`` if it came from :func:`lazy_metadata` (and still has its views), else ``None``."""
-    state = getattr(md, "state_dict_metadata", None)
-    storage = getattr(md, "storage_data", None)
-    if isinstance(state, StateDictView) and isinstance(storage, StorageDataView) and state.columns is storage.columns:
-        return state.columns
-    return None
-
-
-def rows_of(md: Any) -> dict[str, int] | None:
-    """``{name: row}`` of the columns behind ``md`` (built once, shared with its views; do not modify), or ``None``."""
-    if columns_of(md) is None:
-        return None
-    return md.state_dict_metadata._rows.table()  # type: ignore[no-any-return]
 
 
 DCP_VERSION = "1.0.0"  # the Metadata.version written: torch's FileSystemWriter's

@@ -52,9 +52,10 @@ from torch.futures import Future
 
 from dcp_storage._torch import ExtensionRegistry
 from dcp_storage.errors import BucketNotFoundError, CheckpointNotFoundError, IncompleteCheckpointError
+from dcp_storage.formats.columns import columns_of
 from dcp_storage.formats.dcp_native.item_loader import DcpItemLoader, DcpLoaderConfig
 from dcp_storage.formats.dcp_native.manifest_io import default_sums, read_checked_manifest, record_verifier
-from dcp_storage.formats.dcp_native.native import METADATA_FILE, columns_of, load_metadata, read_metadata_file
+from dcp_storage.formats.dcp_native.native import METADATA_FILE, load_metadata, read_metadata_file
 from dcp_storage.formats.location import BoundLocation, find_leftovers, raise_explained
 from dcp_storage.formats.paths import METADATA, read_limited
 from dcp_storage.planners.planner import check_planned_keys

@@ -28,10 +28,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from dcp_storage.errors import DcpStorageError
-from dcp_storage.formats.dcp_native.columns import column_table
+from dcp_storage.formats.columns import column_table, columns_of
 from dcp_storage.formats.dcp_native.extensions import TARGET
 from dcp_storage.formats.dcp_native.manifest_io import read_manifest
-from dcp_storage.formats.dcp_native.native import METADATA_FILE, columns_of, read_metadata_file
+from dcp_storage.formats.dcp_native.native import METADATA_FILE, read_metadata_file
 from dcp_storage.formats.dcp_native.verify import check_dcp, deep_check_dcp
 from dcp_storage.formats.paths import DATA_SUFFIX
 from dcp_storage.formats.reports import CheckpointInfo, FileInfo, TensorInfo, ValueInfo, size_or_none, tensor_table

@@ -57,7 +57,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError
-from dcp_storage.formats.dcp_native.native import METADATA_FILE, columns_of, read_metadata_file
+from dcp_storage.formats.columns import columns_of
+from dcp_storage.formats.dcp_native.native import METADATA_FILE, read_metadata_file
 from dcp_storage.formats.location import raise_if_incomplete
 from dcp_storage.formats.paths import INDEX, INDEX_FILE, check_relative, read_limited
 from dcp_storage.formats.paths import SAFETENSORS_SUFFIX as SUFFIX

@@ -14,7 +14,7 @@ def save_and_reshard(rank: int, world: int, root: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from dcp_storage.formats.dcp_native.native import columns_of
+    from dcp_storage.formats.columns import columns_of
     from dcp_storage.formats.dcp_native.reader import FsspecReader
     from dcp_storage.formats.dcp_native.writer import FsspecWriter
 

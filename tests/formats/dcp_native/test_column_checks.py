@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_storage.formats.columns import MetadataColumns, columns_from_metadata, metadata_from_columns
 from dcp_storage.formats.dcp_native.column_checks import columns_sound
-from dcp_storage.formats.dcp_native.columns import MetadataColumns, columns_from_metadata, metadata_from_columns
 from dcp_storage.formats.dcp_native.metadata_checks import metadata_problems
 from dcp_storage.formats.paths import MAX_BYTES
 

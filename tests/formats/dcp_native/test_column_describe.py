@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_storage import FsspecWriter, describe
 from dcp_storage.cli import main
-from dcp_storage.formats.dcp_native.columns import ColumnTensors
+from dcp_storage.formats.columns import ColumnTensors
 from dcp_storage.formats.reports import TensorRows
 from dcp_storage_testing.columns import columns_forced, synthetic_checkpoint
 

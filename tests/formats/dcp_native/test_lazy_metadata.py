@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_storage.formats.columns import columns_from_metadata, columns_of, metadata_from_columns
 from dcp_storage.formats.dcp_native import native as metadata_io
-from dcp_storage.formats.dcp_native.columns import columns_from_metadata, metadata_from_columns
-from dcp_storage.formats.dcp_native.native import StateDictView, StorageDataView, columns_of, lazy_metadata
+from dcp_storage.formats.dcp_native.native import StateDictView, StorageDataView, lazy_metadata
 from dcp_storage.formats.dcp_native.reader import FsspecReader
 from dcp_storage.formats.dcp_native.writer import FsspecWriter
 from dcp_storage_testing.distributed import run_ranks

@@ -1,6 +1,9 @@
-"""A DCP ``.metadata`` as columns (arrays of shapes, chunk boxes, byte ranges) and their tables.
+"""A DCP ``Metadata`` as columns (arrays of shapes, chunk boxes, byte ranges) and their tables.
 
-A DCP ``.metadata`` as columns: arrays of shapes, chunk boxes and byte ranges, one string table.
+The one metadata view below every format, planner and strategy: a format that decodes its layout straight
+into columns (the DCP ``.metadata`` C decoder) serves torch a ``Metadata`` whose two maps are
+:class:`ColumnView` s, and the planners, read strategies and tools ask :func:`columns_of` for the arrays
+instead of walking torch's objects. Nothing here knows a file format.
 
 torch's ``Metadata`` object graph costs about 2 KB per tensor (six dataclass instances, each with its
 ``__dict__``, and three ``torch.Size``), 2 GB at a million tensors, before any planning. These columns
@@ -75,11 +78,16 @@ from dcp_storage.formats.reports import ChunkInfo, TensorInfo, TensorRows, Tenso
 
 __all__ = [
     "ColumnTensors",
+    "ColumnView",
     "MetadataColumns",
     "column_table",
     "columns_from_metadata",
+    "columns_of",
     "metadata_from_columns",
     "property_key",
+    "rows_of",
+    "saved_chunk",
+    "stored_dtype",
 ]
 
 
@@ -139,6 +147,74 @@ class MetadataColumns:
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), np.ndarray)
         )
+
+
+class ColumnView:
+    """Base of a ``Metadata`` map served over :class:`MetadataColumns` (a format's lazy views): ``serves``
+    names the ``Metadata`` field it stands for, ``columns`` the arrays it reads."""
+
+    serves: str = ""
+    columns: MetadataColumns
+
+    def row_table(self) -> dict[str, int]:
+        """``{name: row}`` of :attr:`columns` (built once, shared; do not modify)."""
+        raise NotImplementedError
+
+    # The ``state_dict_metadata`` view answers these two without building whole entries.
+    def tensor_dtype(self, fqn: Any) -> torch.dtype | None:
+        raise NotImplementedError
+
+    def chunk(self, fqn: Any, offsets: Any) -> ChunkStorageMetadata | None:
+        raise NotImplementedError
+
+
+def _view(md: Any, field: str) -> ColumnView | None:
+    view = getattr(md, field, None)
+    return view if isinstance(view, ColumnView) and view.serves == field else None
+
+
+def columns_of(md: Any) -> MetadataColumns | None:
+    """The columns behind ``md`` when both its maps are views of the same columns, else ``None``."""
+    state, storage = _view(md, "state_dict_metadata"), _view(md, "storage_data")
+    if state is not None and storage is not None and state.columns is storage.columns:
+        return state.columns
+    return None
+
+
+def rows_of(md: Any) -> dict[str, int] | None:
+    """``{name: row}`` of the columns behind ``md`` (built once, shared with its views; do not modify), or ``None``."""
+    if columns_of(md) is None:
+        return None
+    return md.state_dict_metadata.row_table()  # type: ignore[no-any-return]
+
+
+def stored_dtype(metadata: Metadata | None, fqn: str) -> torch.dtype | None:
+    """The dtype the metadata gives tensor ``fqn``; ``None`` when it has no such tensor (or no metadata)."""
+    if metadata is None:
+        return None
+    state = metadata.state_dict_metadata
+    view = _view(metadata, "state_dict_metadata")
+    if view is not None:  # without building the entry
+        return view.tensor_dtype(fqn)
+    md = state.get(fqn)
+    dtype = getattr(getattr(md, "properties", None), "dtype", None) if isinstance(md, TensorStorageMetadata) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def saved_chunk(metadata: Metadata | None, index: Any) -> ChunkStorageMetadata | None:
+    """The chunk of the metadata that ``index`` (a ``MetadataIndex``) names; ``None`` when it names none."""
+    if metadata is None:
+        return None
+    view = _view(metadata, "state_dict_metadata")
+    if view is not None:  # one chunk built, not the whole entry
+        return view.chunk(index.fqn, index.offset)
+    md = metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    offsets, hint, chunks = tuple(index.offset or ()), index.index, md.chunks
+    if hint is not None and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == offsets:
+        return chunks[hint]
+    return next((c for c in chunks if tuple(c.offsets) == offsets), None)
 
 
 def _dims_of(value: Any) -> list[int] | None:
