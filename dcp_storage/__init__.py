@@ -5,11 +5,10 @@ that work on any fsspec URL (local, ``memory://``, ``s3://``, ``gs://``), read o
 needs, retry transient storage failures, commit atomically and never run code from a checkpoint.
 """
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dcp_storage._version import __version__ as __version__
+from dcp_storage.registry import lazy_exports as _lazy_exports
 
 # Imported on first use (PEP 562), not here: ``import dcp_storage`` would otherwise import torch (seconds),
 # and ``dcp-storage --help`` / ``--version`` must answer at once. Module -> the public names it provides; the
@@ -29,22 +28,9 @@ _EXPORTS = {
     "dcp_storage.manager": ("CheckpointManager", "KeepPolicy", "TrainState"),
     "dcp_storage.errors": ("CheckpointNotFoundError", "DcpStorageError"),
 }
-_LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:  # a submodule (``dcp_storage.fsdp``), as the eager imports used to make them attributes
-        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        return importlib.import_module(f".{name}", __name__)
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = _lazy_exports(
+    __name__, {name: module for module, names in _EXPORTS.items() for name in names}, submodules=True
+)
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs

@@ -54,8 +54,7 @@ plugin importing this module stays cheap to load.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dcp_storage import registry
 from dcp_storage.errors import (
@@ -80,7 +79,15 @@ from dcp_storage.errors import (
     WrongFormatError,
     WrongPathTypeError,
 )
-from dcp_storage.registry import PluginError, PluginImportError, PluginNotFoundError, get, register, registered
+from dcp_storage.registry import (
+    PluginError,
+    PluginImportError,
+    PluginNotFoundError,
+    get,
+    register,
+    registered,
+)
+from dcp_storage.registry import lazy_exports as _lazy_exports
 from dcp_storage.runtime import FutureTypeError, as_torch_future
 from dcp_storage.transports import (
     AtomicWriter,
@@ -129,13 +136,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, "dcp_storage"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy_exports(__name__, _LAZY)
 
 
 if TYPE_CHECKING:

@@ -18,9 +18,11 @@ both. :func:`register` (programmatic, e.g. in tests) replaces an entry only with
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
@@ -35,7 +37,9 @@ __all__ = [
     "PluginInfo",
     "PluginNotFoundError",
     "get",
+    "import_target",
     "instance",
+    "lazy_exports",
     "list",
     "register",
     "registered",
@@ -137,7 +141,7 @@ class _Registry:
                 info._value, info.status = info.target, "loaded"
                 return info._value
             try:
-                value = _import_target(info.target)
+                value = import_target(info.target)
             except Exception as exc:  # noqa: BLE001 - reported, never propagated raw
                 info.status, info.error = "failed", f"{type(exc).__name__}: {exc}"
                 raise PluginImportError(
@@ -181,12 +185,42 @@ def _check_kind(kind: str) -> str:
     return kind
 
 
-def _import_target(target: str) -> Any:
+def import_target(target: str) -> Any:
+    """The object a ``module:attr.path`` import string names (``module`` alone: the module).
+
+    The package's one lazy import: registry entries, the lazily exported names of ``dcp_storage`` and
+    ``plugin_api`` (:func:`lazy_exports`) and error classes rebuilt from their names all resolve here."""
     module_name, _, attr = target.partition(":")
     obj: Any = importlib.import_module(module_name)
     for part in filter(None, attr.split(".")):
         obj = getattr(obj, part)
     return obj
+
+
+def lazy_exports(
+    module_name: str, table: Mapping[str, str], *, submodules: bool = False
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A PEP 562 ``__getattr__`` and ``__dir__`` for ``module_name``, whose public names (``table``: name ->
+    defining module) are imported on first use, so importing the module imports neither torch nor a format.
+
+    Each name is looked up once and then set on the module (later lookups skip ``__getattr__``). With
+    ``submodules``, any other public name that is a submodule is imported as its attribute."""
+    module = sys.modules[module_name]
+
+    def __getattr__(name: str) -> Any:
+        where = table.get(name)
+        if where is None:
+            if submodules and not name.startswith("_") and importlib.util.find_spec(f"{module_name}.{name}"):
+                return importlib.import_module(f"{module_name}.{name}")
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        value = import_target(f"{where}:{name}")
+        setattr(module, name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*vars(module), *getattr(module, "__all__", ())})
+
+    return __getattr__, __dir__
 
 
 _REGISTRY = _Registry()

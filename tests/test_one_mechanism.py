@@ -6,7 +6,9 @@
 * the byte runs of a row-major slice: :func:`dcp_storage.formats.slices.row_major_runs`;
 * the checkpoint's file names: :mod:`dcp_storage.formats.paths`;
 * reading a store error (its code, status, causes): :mod:`dcp_storage.transports.retry`;
-* reading the manifest file: :func:`dcp_storage.integrity.manifest.manifest_bytes`.
+* reading the manifest file: :func:`dcp_storage.integrity.manifest.manifest_bytes`;
+* importing by name (registry entries, lazily exported names, error classes rebuilt from their names):
+  :func:`dcp_storage.registry.import_target`, with :func:`dcp_storage.registry.lazy_exports`.
 
 All but the third read the package's source (a second copy is a source fact); the third checks
 the calculator's every consumer against brute force.
@@ -148,3 +150,22 @@ def test_one_reading_of_store_errors() -> None:
 def test_one_read_of_the_manifest_file() -> None:
     """The manifest's size limit (``paths.MANIFEST``) is used by the one function that reads the file."""
     assert set(_where_named({"MANIFEST"})) == {"formats/paths.py", "integrity/manifest.py"}
+
+
+def test_one_import_by_name() -> None:
+    """``importlib.import_module`` is called in ``registry.py`` only: the package and ``plugin_api`` export
+    lazily through ``registry.lazy_exports``, the collectives rebuild error classes through ``import_target``."""
+    callers = {
+        module
+        for module, tree in _modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "import_module"
+    }
+    assert callers == {"registry.py"}, callers
+    lazy = {
+        module
+        for module, tree in _modules().items()
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+    }
+    assert lazy == set(), f"module-level __getattr__ written by hand (use registry.lazy_exports): {lazy}"

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 import os
 import pickle
 from collections.abc import Callable, Iterator
@@ -69,6 +68,7 @@ import torch
 
 from dcp_storage._torch import current_call, object_coll_device
 from dcp_storage.errors import DcpStorageError, LocationMismatchError, RankMismatchError
+from dcp_storage.registry import import_target
 
 __all__ = [
     "GroupView",
@@ -314,9 +314,7 @@ def _our_error_class(module: str, qualname: str) -> type[DcpStorageError] | None
     if module != "dcp_storage" and not module.startswith("dcp_storage."):
         return None
     try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
+        obj = import_target(f"{module}:{qualname}")
     except (ImportError, AttributeError):
         return None
     if isinstance(obj, type) and issubclass(obj, DcpStorageError):
