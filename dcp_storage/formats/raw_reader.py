@@ -51,7 +51,7 @@ from dcp_storage.formats.paths import check_relative
 from dcp_storage.formats.reading import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
 from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_object
-from dcp_storage.strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
+from dcp_storage.strategies.read_strategy import MetadataItems, ReadStrategy, StrategyReading
 from dcp_storage.transports import Transport, TransportConfig
 from dcp_storage.transports.guards import begin_load
 
@@ -150,24 +150,27 @@ class RawTensorReader(BoundLocation, StorageReader):
         self.scan = scan
         self.format_name = format_name
         self.storage_options = dict(storage_options or {})
-        self._strategy_choice = (read_strategy, self.storage_options.pop(READ_STRATEGY_OPTION, None))
+        self._reading = StrategyReading(read_strategy, self.storage_options)  # takes the storage option out
         self.transport_config = transport_config
         self._given_transport = transport
         self.process_group = process_group
         self.coordinator_rank = coordinator_rank
         self.staging_bytes = staging_bytes
         self.storage_data: dict[MetadataIndex, RawTensor] = {}
-        self._stored: MetadataItems | None = None
         self.load_id = uuid.uuid4().hex
         self._open(path)
 
     def _open(self, url: str | os.PathLike[str]) -> None:
         super()._open(url)
-        self.read_strategy = choose_read_strategy(*self._strategy_choice, is_local=self.transport.is_local)
+        self._reading.choose(self.transport.is_local)
+
+    @property
+    def read_strategy(self) -> ReadStrategy:
+        return self._reading.strategy
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
-        self._stored = None
+        self._reading.reset()
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
         begin_load(self.transport)  # each object pinned anew to the version this load sees first
@@ -249,25 +252,17 @@ class RawTensorReader(BoundLocation, StorageReader):
         check_planned_keys(running_planner(), metadata)
         self.storage_data = dict(metadata.storage_data or {})
         self.is_coordinator = is_coordinator
-        self._stored = MetadataItems(metadata)  # raw elements: any row block can be fetched alone
+        self._reading.set_up(MetadataItems(metadata))  # raw elements: any row block can be fetched alone
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return self.read_strategy.local_plan(plan)
+        return self._reading.local_plan(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if self._stored is None:
-            return plans
-        return self.read_strategy.global_plan(plans, self._stored)
+        return self._reading.global_plan(plans)
 
     # -------------------------------------------------------------------------------------------- data
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self._stored is None:
-            self._load(plan.items, planner)
-        else:
-            self.read_strategy.read(plan, planner, self._load, self._stored)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        return self._reading.read(plan, planner, self._load)
 
     def _load(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
         """Fetch exactly the bytes of ``items`` and deliver them (the strategy's ``read_items``)."""

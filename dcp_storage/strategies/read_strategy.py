@@ -93,6 +93,7 @@ __all__ = [
     "ReadStrategies",
     "ReadStrategy",
     "StoredItems",
+    "StrategyReading",
     "choose_read_strategy",
 ]
 
@@ -407,3 +408,52 @@ def choose_read_strategy(given: ReadStrategy | str | None, option: Any, is_local
     if not isinstance(chosen, ReadStrategy):
         raise TypeError(f"read_strategy must be a ReadStrategy or its name, got {type(chosen).__name__}")
     return chosen
+
+
+class StrategyReading:
+    """The read-strategy wiring a reader composes (``FsspecReader``, ``SafetensorsReader``, ``RawTensorReader``).
+
+    The reader builds it in its constructor, which takes the ``"read_strategy"`` storage option out of the
+    options it hands the filesystem, and then forwards its steps:
+
+    * ``_open`` (constructor, and ``reset`` to another checkpoint): :meth:`choose`, by the kind of storage;
+    * ``reset``: :meth:`reset`; ``set_up_storage_reader``: :meth:`set_up` with what the strategy may ask
+      about planned items (``None``: every rank reads its own plan, as in torch's rank-local fallback);
+    * ``prepare_local_plan`` / ``prepare_global_plan``: :meth:`local_plan` / :meth:`global_plan`;
+    * ``read_data``: :meth:`read` with the reader's own loader (``read_items``).
+    """
+
+    strategy: ReadStrategy  # set by choose(), which the reader's _open calls in its constructor
+
+    def __init__(self, given: ReadStrategy | str | None, storage_options: dict[str, Any]) -> None:
+        self._choice = (given, storage_options.pop(READ_STRATEGY_OPTION, None))
+        self.stored: StoredItems | None = None
+
+    def choose(self, is_local: bool) -> ReadStrategy:
+        """The strategy: the reader's argument, else the storage option, else by the kind of storage."""
+        self.strategy = choose_read_strategy(*self._choice, is_local=is_local)
+        return self.strategy
+
+    def reset(self) -> None:
+        self.stored = None
+
+    def set_up(self, stored: StoredItems | None) -> None:
+        self.stored = stored
+
+    def local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return self.strategy.local_plan(plan)
+
+    def global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if self.stored is None:
+            return plans
+        return self.strategy.global_plan(plans, self.stored)
+
+    def read(self, plan: LoadPlan, planner: LoadPlanner, read_items: ReadItems) -> Future[None]:
+        """``read_data``: the plan read through ``read_items``, by the strategy unless every rank reads its own."""
+        if self.stored is None:
+            read_items(plan.items, planner)
+        else:
+            self.strategy.read(plan, planner, read_items, self.stored)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut

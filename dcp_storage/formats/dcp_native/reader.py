@@ -60,7 +60,7 @@ from dcp_storage.formats.location import BoundLocation, find_leftovers, raise_ex
 from dcp_storage.formats.paths import METADATA, read_limited
 from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_within_load
-from dcp_storage.strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
+from dcp_storage.strategies.read_strategy import MetadataItems, ReadStrategy, StrategyReading
 from dcp_storage.transports import Transport, TransportConfig
 from dcp_storage.transports.guards import begin_load
 
@@ -153,7 +153,7 @@ class FsspecReader(BoundLocation, StorageReader):
         super().__init__()
         self.verify = verify
         self.storage_options = dict(storage_options or {})
-        self._strategy_choice = (read_strategy, self.storage_options.pop(READ_STRATEGY_OPTION, None))
+        self._reading = StrategyReading(read_strategy, self.storage_options)  # takes the storage option out
         self.transport_config = transport_config
         self.loader_config = loader_config or DcpLoaderConfig()
         self.extension_registry = extension_registry
@@ -161,20 +161,23 @@ class FsspecReader(BoundLocation, StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self.metadata: Metadata | None = None
         self._manifest: Any = _UNREAD
-        self._stored: MetadataItems | None = None
         self.load_id = uuid.uuid4().hex
         self.metadata_failure = MetadataFailure()
         self._open(path)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
-        self.read_strategy = choose_read_strategy(*self._strategy_choice, is_local=self.transport.is_local)
+        self._reading.choose(self.transport.is_local)
+
+    @property
+    def read_strategy(self) -> ReadStrategy:
+        return self._reading.strategy
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self.metadata = None
         self._manifest = _UNREAD
-        self._stored = None
+        self._reading.reset()
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
         begin_load(self.transport)  # each object pinned anew to the version this load sees first
@@ -236,7 +239,7 @@ class FsspecReader(BoundLocation, StorageReader):
         # so equal storage indices of two ranks are not the same bytes: every rank reads its own. The global
         # read fails on every rank at once (it is shared), so all ranks fall back together.
         rank_local = kwargs.get("use_collectives") is False
-        self._stored = None if rank_local else MetadataItems(metadata, self._splittable)
+        self._reading.set_up(None if rank_local else MetadataItems(metadata, self._splittable))
 
     def _splittable(self, item: ReadItem) -> bool:
         """Row blocks of a record can be fetched alone unless it is checked or decoded whole."""
@@ -249,12 +252,10 @@ class FsspecReader(BoundLocation, StorageReader):
         return not getattr(info, "transform_descriptors", None)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return self.read_strategy.local_plan(plan)
+        return self._reading.local_plan(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if self._stored is None:
-            return plans
-        return self.read_strategy.global_plan(plans, self._stored)
+        return self._reading.global_plan(plans)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         verifier = sums = None
@@ -276,13 +277,7 @@ class FsspecReader(BoundLocation, StorageReader):
             check_zips=self.verify is not False,
             sums=sums,
         )
-        if self._stored is None:
-            loader.load(plan.items, planner)
-        else:
-            self.read_strategy.read(plan, planner, loader.load, self._stored)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        return self._reading.read(plan, planner, loader.load)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

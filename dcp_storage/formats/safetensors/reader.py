@@ -94,7 +94,7 @@ from dcp_storage.integrity.checksums import checksum
 from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.runtime import gc_paused
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_object
-from dcp_storage.strategies.read_strategy import READ_STRATEGY_OPTION, MetadataItems, ReadStrategy, choose_read_strategy
+from dcp_storage.strategies.read_strategy import MetadataItems, ReadStrategy, StrategyReading
 from dcp_storage.transports import Transport, TransportConfig
 from dcp_storage.transports.guards import begin_load
 from dcp_storage.transports.local_io import fsync_dir
@@ -310,9 +310,8 @@ class SafetensorsReader(BoundLocation, StorageReader):
         if coordinator_rank < 0:
             raise ValueError(f"coordinator_rank must be >= 0, got {coordinator_rank}")
         self.storage_options = dict(storage_options or {})
-        self._strategy_choice = (read_strategy, self.storage_options.pop(READ_STRATEGY_OPTION, None))
+        self._reading = StrategyReading(read_strategy, self.storage_options)  # takes the storage option out
         self._sums: dict[str, FileSums] = {}  # under verify: each file's header checksums, read with the metadata
-        self._stored: MetadataItems | None = None
         self.transport_config = transport_config
         self.scan_config = scan_config or SafetensorsScanConfig()
         self.loader_config = loader_config or SafetensorsLoaderConfig()
@@ -329,11 +328,15 @@ class SafetensorsReader(BoundLocation, StorageReader):
     def _open(self, url: str | os.PathLike[str]) -> None:
         super()._open(url)
         self.target = self.root  # what the user named; root becomes the layout's root once metadata is read
-        self.read_strategy = choose_read_strategy(*self._strategy_choice, is_local=self.transport.is_local)
+        self._reading.choose(self.transport.is_local)
+
+    @property
+    def read_strategy(self) -> ReadStrategy:
+        return self._reading.strategy
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
-        self._stored = None
+        self._reading.reset()
         self._sums = {}
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
             self._open(checkpoint_id)
@@ -389,28 +392,20 @@ class SafetensorsReader(BoundLocation, StorageReader):
         check_planned_keys(running_planner(), metadata)
         self.storage_data = metadata.storage_data
         self.is_coordinator = is_coordinator
-        self._stored = MetadataItems(metadata, lambda item: self.verify is not True)  # checked tensors are read whole
+        self._reading.set_up(MetadataItems(metadata, lambda item: self.verify is not True))  # checked: read whole
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return self.read_strategy.local_plan(plan)
+        return self._reading.local_plan(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if self._stored is None:
-            return plans
-        return self.read_strategy.global_plan(plans, self._stored)
+        return self._reading.global_plan(plans)
 
     # -------------------------------------------------------------------------------------------- data
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         loader = SafetensorsItemLoader(
             self.transport, self.root, self.storage_data, self.loader_config, verify=self.verify, known_sums=self._sums
         )
-        if self._stored is None:
-            loader.load(plan.items, planner)
-        else:
-            self.read_strategy.read(plan, planner, loader.load, self._stored)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        return self._reading.read(plan, planner, loader.load)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
