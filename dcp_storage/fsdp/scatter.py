@@ -36,9 +36,9 @@ from dcp_storage.strategies.collectives import GroupView, decode_error, encode_e
 from dcp_storage.strategies.slice_delivery import (
     DeliveryConfig,
     DeliveryStats,
-    SliceSender,
     canonical_order,
     receive_items,
+    sending,
 )
 
 __all__ = ["agree", "scatter_full_state_dict"]
@@ -242,8 +242,7 @@ def _send(
         {(it.dest_index.fqn, tuple(int(o) for o in it.dest_index.offset)): i for i, it in enumerate(_items(e))}
         for e in per_rank
     ]
-    sender = SliceSender(view, {r: len(n) for r, n in enumerate(numbering)}, stats, config)
-    try:
+    with sending(view, {r: len(n) for r, n in enumerate(numbering)}, stats, config) as sender:
         for key, full_key in pairs.items():
             source: torch.Tensor = full_sd[full_key].detach()
             dtype = per_rank[COORDINATOR][key].dtype
@@ -257,10 +256,6 @@ def _send(
                     else:
                         payload = block.to(dtype=dtype).contiguous()
                         sender.send_tensor(rank, numbering[rank][(key, chunk.offsets)], payload)
-        sender.finish()
-    except BaseException as exc:
-        sender.abort(exc)
-        raise
 
 
 def agree(failure: BaseException | None, view: GroupView) -> None:

@@ -6,12 +6,12 @@
   reader calls in ``read_metadata``: the one coordinator broadcast).
 * :class:`ReadStrategies` - named factories of read strategies (``per_rank``, ``read_once``, ``per_host``):
   which rank fetches the stored bytes that several ranks need (:mod:`.read_strategy`).
-* :mod:`.slice_delivery` - the send/receive protocol both of the above, and
-  :class:`~dcp_storage.BroadcastingTorchSaveReader`, are built on.
-* :mod:`.chunk_exchange` - the save side: every rank's chunks reach the coordinator of a streamed
-  :class:`~dcp_storage.SafetensorsWriter` save.
-* :mod:`.group` - where a rank stands in its process group, and the one rule for the device the group's
-  collectives use.
+* :mod:`.coordinator_served` - "the coordinator reads and sends", the one mechanism :class:`Broadcasting` and
+  :class:`~dcp_storage.BroadcastingTorchSaveReader` are (they differ only in how the coordinator reads), on
+  the send/receive protocol of :mod:`.slice_delivery`, whose destination check ``read_once`` shares.
+* :class:`~.read_strategy.StrategyReading` - the read-strategy wiring every format's reader composes.
+* :mod:`.collectives` - where a rank stands in its process group, and the one rule for the device the
+  group's collectives use.
 """
 
 from dcp_storage.strategies.broadcasting import Broadcasting

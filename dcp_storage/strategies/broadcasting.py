@@ -17,15 +17,16 @@ Call order (``dcp.load`` drives it; "all" = every rank of the process group):
 1. ``reset(checkpoint_id)`` (all; passed on to the wrapped reader, which must not do I/O in it).
 2. ``read_metadata()`` (all, collective) - coordinator reads, all receive the Metadata or the error.
 3. ``set_up_storage_reader`` (all; the wrapped reader's on the coordinator only).
-4. ``prepare_local_plan`` (all: tagged, see :mod:`.coordinator_served`) / ``prepare_global_plan`` (DCP's
+4. ``prepare_local_plan`` (all: tagged, see :mod:`.coordinator_served`, where everything but the coordinator's
+   reading is shared with :class:`~dcp_storage.BroadcastingTorchSaveReader`) / ``prepare_global_plan`` (DCP's
    coordinator, which must be this wrapper's coordinator): the wrapped reader's ``prepare_local_plan`` on
    each rank's plan, then its ``prepare_global_plan``; the results are remembered.
 5. ``finish_plan`` (the planner's, all): followed by one agreement that no rank failed in it.
 6. ``read_data`` (all, point to point).
 
-Under ``dcp.load(..., no_dist=True)`` each calling rank works alone (:mod:`.dcp_call`): no collective, the
+Under ``dcp.load(..., no_dist=True)`` each calling rank works alone (:mod:`.collectives`): no collective, the
 wrapped reader reads that rank's own plan. The wrapped reader is always called inside
-:func:`~.dcp_call.working_alone`, so a reader that would share metadata itself (``SafetensorsReader``)
+:func:`~.collectives.working_alone`, so a reader that would share metadata itself (``SafetensorsReader``)
 reads it on the coordinator instead of starting a collective the other ranks are not in.
 
 The wrapped reader must hand the planner the ``ReadItem`` objects of the plan it was given (DCP's and this
@@ -46,13 +47,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from dcp_storage.errors import DcpStorageError, ShapeMismatchError
-from dcp_storage.formats.byte_items import VettedBytes, ensure_vetted
-from dcp_storage.planners.planner import check_planned_keys
+from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.byte_items import ensure_vetted
 from dcp_storage.runtime import host_buffer, wait_for
-from dcp_storage.strategies.collectives import GroupView, reader_location, running_planner, share_object, working_alone
-from dcp_storage.strategies.read_strategy import CoordinatorServedReader
-from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order, item_key
+from dcp_storage.strategies.collectives import GroupView, reader_location, working_alone
+from dcp_storage.strategies.coordinator_served import CoordinatorServedReader, deliver_bytes, deliver_tensor, plan_jobs
+from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, item_key
 
 __all__ = ["Broadcasting"]
 
@@ -76,18 +76,10 @@ class Broadcasting(CoordinatorServedReader):
         *,
         delivery_config: DeliveryConfig | None = None,
     ) -> None:
-        super().__init__()
         if not isinstance(reader, StorageReader):
             raise TypeError(f"Broadcasting wraps a StorageReader, got {type(reader).__name__}")
-        if coordinator_rank < 0:
-            raise ValueError(f"coordinator_rank must be >= 0, got {coordinator_rank}")
+        super().__init__(coordinator_rank, process_group, delivery_config)
         self.reader = reader
-        self.coordinator_rank = coordinator_rank
-        self.process_group = process_group
-        self.delivery_config = delivery_config or DeliveryConfig()
-        self._metadata: Metadata | None = None
-        self._plans: list[LoadPlan] | None = None
-        self.delivery = DeliveryStats()
 
     @property
     def checkpoint_id(self) -> Any:
@@ -104,40 +96,23 @@ class Broadcasting(CoordinatorServedReader):
     # ------------------------------------------------------------------------------------ steps
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.reader.reset(checkpoint_id)
-        self._metadata = None
-        self._plans = None
-        self.delivery = DeliveryStats()
+        self._reset_served()
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]
-        self._view()
-
         def read() -> Metadata:
             with working_alone():
                 return self.reader.read_metadata()
 
-        self._metadata = share_object(
-            read,
-            group=self.process_group,
-            src_rank=self.coordinator_rank,
-            location=reader_location(self.reader),
-            kind=type(self).__name__,
-        )
-        return self._metadata
+        return self._share_metadata(read, reader_location(self.reader))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        view = self._view()
-        self._check_coordinator(view, is_coordinator)
-        check_planned_keys(running_planner(), metadata)
-        self._metadata = metadata
+        self._set_up(metadata, is_coordinator)
         if is_coordinator:
             with working_alone():
                 if "kwargs" in inspect.signature(self.reader.set_up_storage_reader).parameters:
                     self.reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
                 else:
                     self.reader.set_up_storage_reader(metadata, is_coordinator)
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return self._tag(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         plans = self._untag(plans)
@@ -152,27 +127,19 @@ class Broadcasting(CoordinatorServedReader):
         return False  # a wrapper is never picked by checkpoint_id; wrap an explicit reader
 
     # ------------------------------------------------------------------------------------ internals
-    def _serve(self, view: GroupView, plan: LoadPlan, planner: LoadPlanner) -> None:
-        plans = self._all_plans(view, plan)
-        sender = SliceSender(view, {r: len(p.items) for r, p in enumerate(plans)}, self.delivery, self.delivery_config)
-        try:
-            router = _RoutingPlanner(planner, view.rank, sender, self._stored_dtype, self.delivery)
-            jobs = []
-            for rank, p in enumerate(plans):
-                for index, item in enumerate(canonical_order(p.items)):
-                    jobs.append((rank, index, item))
-            jobs.sort(key=lambda j: (item_key(j[2])[1:5], j[0]))  # storage order: neighbours coalesce
-            jobs, copies = _fold_copies(jobs)  # a slice several ranks need (replicas) is read once
-            for chunk in self._chunks(jobs, view.rank, copies):
-                router.route(chunk, copies)
-                inner_plan = LoadPlan([item for _r, _i, item in chunk], plan.storage_data, plan.planner_data)
-                with working_alone():
-                    wait_for(self.reader.read_data(inner_plan, router), self.reader)
-                router.check_done()
-            sender.finish()
-        except BaseException as exc:
-            sender.abort(exc)
-            raise
+    def _send_slices(
+        self, view: GroupView, plan: LoadPlan, plans: list[LoadPlan], planner: LoadPlanner, sender: SliceSender
+    ) -> None:
+        router = _RoutingPlanner(planner, view.rank, sender, self._stored_dtype, self.delivery)
+        jobs = plan_jobs(plans)
+        jobs.sort(key=lambda j: (item_key(j[2])[1:5], j[0]))  # storage order: neighbours coalesce
+        jobs, copies = _fold_copies(jobs)  # a slice several ranks need (replicas) is read once
+        for chunk in self._chunks(jobs, view.rank, copies):
+            router.route(chunk, copies)
+            inner_plan = LoadPlan([item for _r, _i, item in chunk], plan.storage_data, plan.planner_data)
+            with working_alone():
+                wait_for(self.reader.read_data(inner_plan, router), self.reader)
+            router.check_done()
 
     def _chunks(
         self, jobs: list[tuple[int, int, ReadItem]], me: int, copies: dict[int, list[tuple[int, int, ReadItem]]]
@@ -290,12 +257,8 @@ class _RoutingPlanner(LoadPlanner):
         # Our readers hand over VettedBytes; bytes from any other reader are vetted here, before they
         # reach a planner (this rank's or, through the process group, another's).
         vetted = ensure_vetted(value, f"item {read_item.storage_index.fqn!r} read by the wrapped reader")
-        for rank, index, item in [job, *self._copies.get(id(job[2]), ())]:
-            if rank == self._me:
-                self._stats.bytes_local += len(vetted.getbuffer())
-                self._real.load_bytes(item, VettedBytes(vetted.getvalue()))  # a fresh stream per destination
-            else:
-                self._sender.send_bytes(rank, index, vetted.getvalue())
+        jobs = [job, *self._copies.get(id(job[2]), ())]
+        deliver_bytes(jobs, vetted.getvalue(), self._me, self._real, self._sender, self._stats)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         job = self._claim(read_item)
@@ -320,24 +283,5 @@ class _RoutingPlanner(LoadPlanner):
         if staged.numel():
             self._staged.pop(-staged.data_ptr(), None)
         self._open -= 1
-        copies = self._copies.get(id(item))
-        if copies is None:
-            if rank == self._me:
-                self._stats.bytes_local += staged.numel() * staged.element_size()
-                self._real.commit_tensor(item, tensor)
-            else:
-                self._sender.send_tensor(rank, index, staged)
-            return
-        for rank, index, item in [(rank, index, item), *copies]:  # staged holds the stored bytes: deliver all
-            if rank != self._me:
-                self._sender.send_tensor(rank, index, staged)
-                continue
-            dest = self._real.resolve_tensor(item).detach()
-            if tuple(dest.shape) != tuple(staged.shape):
-                raise ShapeMismatchError(
-                    f"{item.dest_index.fqn}: destination has shape {list(dest.shape)} but the checkpoint slice "
-                    f"is {list(staged.shape)}"
-                )
-            dest.copy_(staged)
-            self._stats.bytes_local += staged.numel() * staged.element_size()
-            self._real.commit_tensor(item, dest)
+        jobs = [(rank, index, item), *self._copies.get(id(item), ())]  # staged holds the stored bytes: deliver all
+        deliver_tensor(jobs, staged, self._me, self._real, self._sender, self._stats, committed=tensor)

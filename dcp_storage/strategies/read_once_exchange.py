@@ -31,11 +31,12 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from dcp_storage.errors import DcpStorageError, ShapeMismatchError
+from dcp_storage.errors import DcpStorageError
 from dcp_storage.runtime import host_buffer
 from dcp_storage.strategies.collectives import GroupView
 from dcp_storage.strategies.rank_agreement import agree as _agree
 from dcp_storage.strategies.read_once_plan import ExchangePlan, RoundPlan, nbytes_of
+from dcp_storage.strategies.slice_delivery import checked_destination
 
 __all__ = ["run_exchange"]
 
@@ -129,7 +130,7 @@ class _Router(LoadPlanner):
         """Whether ``item`` (shared) is read straight into its destination and sent from there."""
         dest = self._dest.get(id(item))
         if dest is None:
-            dest = self._dest[id(item)] = _destination(self._real, item)
+            dest = self._dest[id(item)] = checked_destination(self._real, item)
         return dest.is_contiguous() and dest.dtype == self._stored.dtype(item) and dest.device == self._device
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
@@ -138,7 +139,7 @@ class _Router(LoadPlanner):
             return self._real.resolve_tensor(read_item)
         buffer = self._buffer.get(id(item))
         if buffer is None:
-            dest = self._dest[id(item)] if id(item) in self._dest else _destination(self._real, item)
+            dest = self._dest[id(item)] if id(item) in self._dest else checked_destination(self._real, item)
             self._dest[id(item)] = dest
             in_place = self.in_place(item)
             buffer = dest if in_place else host_buffer(tuple(dest.shape), self._stored.dtype(item), self._device)
@@ -173,16 +174,6 @@ class _Router(LoadPlanner):
                 held.pop(id(item), None)
 
 
-def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
-    dest = planner.resolve_tensor(item).detach()
-    if tuple(dest.shape) != tuple(int(n) for n in item.lengths):
-        raise ShapeMismatchError(
-            f"{item.dest_index.fqn}: destination has shape {list(dest.shape)} but the checkpoint slice is "
-            f"{[int(n) for n in item.lengths]}"
-        )
-    return dest
-
-
 def _raw(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
     return flat if flat.device == device else flat.to(device)
@@ -200,7 +191,7 @@ class _Arrival:
         self.direct = False
 
     def prepare(self, planner: LoadPlanner, device: torch.device) -> None:
-        self.dest = _destination(planner, self.item)
+        self.dest = checked_destination(planner, self.item)
         self.direct = self.dest.is_contiguous() and self.dest.dtype == self.dtype and self.dest.device == device
         if self.nbytes:
             self.landing = (

@@ -1,6 +1,6 @@
 """Sending each rank exactly the slices of its load plan, point to point, from one coordinator.
 
-Used by every coordinator-reads strategy (:class:`~dcp_storage.strategies.Broadcasting`,
+The wire of "the coordinator reads and sends" (:mod:`.coordinator_served`: :class:`~dcp_storage.strategies.Broadcasting`,
 :class:`~dcp_storage.BroadcastingTorchSaveReader`). The coordinator knows every rank's final ``LoadPlan``
 (it saw them in ``prepare_global_plan``); the other ranks know their own.
 
@@ -15,7 +15,7 @@ current CUDA device for NCCL):
   Items may be sent in any order (the header names the item); each receiving rank gets exactly one
   message per item.
 * If the coordinator fails, it sends every rank that still expects messages an error header followed by
-  the error (see :mod:`.metadata_sharing`), so no rank waits for a collective timeout; the receivers raise
+  the error (see :mod:`.collectives`), so no rank waits for a collective timeout; the receivers raise
   the same error class.
 
 The coordinator bounds the memory it holds: :meth:`SliceSender.reserve` waits for earlier sends to
@@ -28,7 +28,7 @@ import collections
 import contextlib
 import math
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,16 @@ from dcp_storage.formats.byte_items import VettedBytes
 from dcp_storage.runtime import writable_bytes
 from dcp_storage.strategies.collectives import GroupView, decode_error, encode_error
 
-__all__ = ["DeliveryConfig", "DeliveryStats", "SliceSender", "canonical_order", "item_key", "receive_items"]
+__all__ = [
+    "DeliveryConfig",
+    "DeliveryStats",
+    "SliceSender",
+    "canonical_order",
+    "checked_destination",
+    "item_key",
+    "receive_items",
+    "sending",
+]
 
 MiB = 1024 * 1024
 _TENSOR, _BYTES, _ERROR = 0, 1, 2
@@ -98,6 +107,18 @@ def item_key(item: ReadItem) -> tuple[Any, ...]:
 
 def canonical_order(items: Sequence[ReadItem]) -> list[ReadItem]:
     return sorted(items, key=item_key)
+
+
+def checked_destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
+    """``planner``'s destination of ``item``, which must have the slice's shape (every rank that gets a slice
+    another rank read checks it so: sent, copied from a staging buffer, or exchanged)."""
+    dest = planner.resolve_tensor(item).detach()
+    lengths = [int(n) for n in item.lengths]
+    if list(dest.shape) != lengths:
+        raise ShapeMismatchError(
+            f"{item.dest_index.fqn}: destination has shape {list(dest.shape)} but the checkpoint slice is {lengths}"
+        )
+    return dest
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -211,6 +232,22 @@ class SliceSender:
         self._inflight_bytes = 0
 
 
+@contextlib.contextmanager
+def sending(
+    view: GroupView, expected: dict[int, int], stats: DeliveryStats, config: DeliveryConfig | None = None
+) -> Iterator[SliceSender]:
+    """The coordinator's side of one delivery: a :class:`SliceSender` for the body; then every send is waited
+    for and checked (:meth:`~SliceSender.finish`) or, when the body fails, every rank still expecting a slice
+    gets the error (:meth:`~SliceSender.abort`) before it propagates, so no receiver waits for a timeout."""
+    sender = SliceSender(view, expected, stats, config)
+    try:
+        yield sender
+        sender.finish()
+    except BaseException as exc:
+        sender.abort(exc)
+        raise
+
+
 def receive_items(
     items: Sequence[ReadItem],
     planner: LoadPlanner,
@@ -291,11 +328,7 @@ def _receive_tensor(
             raise CorruptCheckpointError(
                 f"{item.dest_index.fqn}: received {nbytes} bytes for a slice of {expected} bytes ({dtype}, {list(lengths)})"
             )
-        dest = planner.resolve_tensor(item).detach()
-        if tuple(dest.shape) != lengths:
-            raise ShapeMismatchError(
-                f"{item.dest_index.fqn}: destination has shape {list(dest.shape)} but the checkpoint slice is {list(lengths)}"
-            )
+        dest = checked_destination(planner, item)
     except Exception as exc:
         raise _PayloadPending(exc) from exc
     if nbytes:

@@ -42,15 +42,20 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, ShapeMismatchError
-from dcp_storage.formats.byte_items import VettedBytes
 from dcp_storage.formats.location import raise_explained
 from dcp_storage.formats.reading import SliceRead, plan_slice_read, read_slices
 from dcp_storage.formats.torch_save import TorchSaveArchive, TorchSaveArchiveConfig
-from dcp_storage.planners.planner import check_planned_keys, enforce_for, rules_of
+from dcp_storage.planners.planner import enforce_for, rules_of
 from dcp_storage.runtime import host_buffer
-from dcp_storage.strategies.collectives import GroupView, reader_location, running_planner, share_object
-from dcp_storage.strategies.read_strategy import CoordinatorServedReader
-from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, canonical_order
+from dcp_storage.strategies.collectives import GroupView, reader_location, running_planner
+from dcp_storage.strategies.coordinator_served import (
+    CoordinatorServedReader,
+    Job,
+    deliver_bytes,
+    deliver_tensor,
+    plan_jobs,
+)
+from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender
 from dcp_storage.transports import Transport, TransportConfig
 from dcp_storage.transports.factory import bind_transport
 from dcp_storage.transports.guards import begin_load
@@ -101,26 +106,18 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         trust: bool = False,
         verify: bool = True,
     ) -> None:
-        super().__init__()
         if not isinstance(trust, bool):
             raise TypeError(f"trust must be True or False, got {trust!r}")
+        super().__init__(coordinator_rank, process_group, delivery_config)
         self.trust = trust
-        if coordinator_rank < 0:
-            raise ValueError(f"coordinator_rank must be >= 0, got {coordinator_rank}")
         self.checkpoint_id = os.fspath(checkpoint_id) if checkpoint_id is not None else None
-        self.coordinator_rank = coordinator_rank
         self.storage_options = dict(storage_options or {})
-        self.process_group = process_group
         self.transport_config = transport_config
         self.archive_config = archive_config or TorchSaveArchiveConfig()
-        self.delivery_config = delivery_config or DeliveryConfig()
         self.verify = verify
         self._given_transport = transport
         self._transport: Transport | None = None
         self._archive: TorchSaveArchive | None = None
-        self._metadata: Metadata | None = None
-        self._plans: list[LoadPlan] | None = None
-        self.delivery = DeliveryStats()
 
     # ------------------------------------------------------------------------------------ state
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -130,9 +127,7 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
                 self._transport = None
             self.checkpoint_id = new_id
         self._archive = None
-        self._metadata = None
-        self._plans = None
-        self.delivery = DeliveryStats()
+        self._reset_served()
         begin_load(
             self._transport or self._given_transport
         )  # each object pinned anew to the version this load sees first
@@ -167,28 +162,11 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
     # ------------------------------------------------------------------------------------ metadata
     def read_metadata(self) -> Metadata:  # type: ignore[override]  # no rank-local metadata: no **kwargs
         """Index the file on the coordinator; every rank gets the Metadata, or raises the coordinator's error."""
-        self._view()  # checks coordinator_rank against the group
-
-        def build() -> Metadata:
-            return self._open_archive().metadata()
-
-        self._metadata = share_object(
-            build,
-            group=self.process_group,
-            src_rank=self.coordinator_rank,
-            location=reader_location(self),
-            kind=type(self).__name__,
-        )
-        return self._metadata
+        return self._share_metadata(lambda: self._open_archive().metadata(), reader_location(self))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._check_coordinator(self._view(), is_coordinator)
-        check_planned_keys(running_planner(), metadata)
-        self._metadata = metadata
+        self._set_up(metadata, is_coordinator)
         self.is_coordinator = is_coordinator
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return self._tag(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator only: check every rank's plan against the archive and remember it.
@@ -216,18 +194,12 @@ class BroadcastingTorchSaveReader(CoordinatorServedReader):
         return plans
 
     # ------------------------------------------------------------------------------------ data
-    def _serve(self, view: GroupView, plan: LoadPlan, planner: LoadPlanner) -> None:
-        plans = self._all_plans(view, plan)
-        expected = {r: len(p.items) for r, p in enumerate(plans)}
-        sender = SliceSender(view, expected, self.delivery, self.delivery_config)
-        try:
-            archive = self._open_archive()
-            _check_global_shapes(archive, planner, plans)
-            _Server(archive, planner, view, plans, sender, self.delivery_config, self.delivery, self.verify).run()
-            sender.finish()
-        except BaseException as exc:
-            sender.abort(exc)
-            raise
+    def _send_slices(
+        self, view: GroupView, plan: LoadPlan, plans: list[LoadPlan], planner: LoadPlanner, sender: SliceSender
+    ) -> None:
+        archive = self._open_archive()
+        _check_global_shapes(archive, planner, plans)
+        _Server(archive, planner, view, plans, sender, self.delivery_config, self.delivery, self.verify).run()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -324,17 +296,15 @@ class _Server:
         # Identical slices wanted by several ranks (replicated tensors, full loads) are read once.
         slices: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, int, ReadItem]]] = {}
         values: dict[str, list[tuple[int, int, ReadItem]]] = {}
-        for rank, plan in enumerate(self.plans):
-            for index, item in enumerate(canonical_order(plan.items)):
-                if item.type == LoadItemType.BYTE_IO:
-                    values.setdefault(item.storage_index.fqn, []).append((rank, index, item))
-                else:
-                    key = (item.storage_index.fqn, _global_offsets(item), tuple(int(n) for n in item.lengths))
-                    slices.setdefault(key, []).append((rank, index, item))
+        for rank, index, item in plan_jobs(self.plans):
+            if item.type == LoadItemType.BYTE_IO:
+                values.setdefault(item.storage_index.fqn, []).append((rank, index, item))
+            else:
+                key = (item.storage_index.fqn, _global_offsets(item), tuple(int(n) for n in item.lengths))
+                slices.setdefault(key, []).append((rank, index, item))
         for fqn, jobs in values.items():  # each value decoded once, for every rank that loads it, then dropped
-            data = self.archive.value_bytes(fqn)
-            for rank, index, item in jobs:
-                self._deliver_bytes(rank, index, item, data)
+            data = self.archive.value_bytes(fqn)  # torch.save of an allow-list decode: vetted
+            deliver_bytes(jobs, data, self.view.rank, self.planner, self.sender, self.stats)
             del data
         by_tensor: dict[str, list[tuple[tuple[int, ...], list[tuple[int, int, ReadItem]]]]] = {}
         for (fqn, offsets, _lengths), jobs in slices.items():
@@ -360,13 +330,6 @@ class _Server:
         item = jobs[0][2]
         return math.prod(int(n) for n in item.lengths) * self.archive.tensors[item.storage_index.fqn].itemsize
 
-    def _deliver_bytes(self, rank: int, index: int, item: ReadItem, data: bytes) -> None:
-        if rank == self.view.rank:
-            self.planner.load_bytes(item, VettedBytes(data))  # torch.save of an allow-list decode
-            self.stats.bytes_local += len(data)
-        else:
-            self.sender.send_bytes(rank, index, data)
-
     def _flush(self, batch: list[list[tuple[int, int, ReadItem]]], held: int) -> None:
         self.sender.reserve(held)  # let earlier sends drain before holding more
         works: list[SliceRead] = []
@@ -385,19 +348,5 @@ class _Server:
         read_slices(self.archive.transport, works, self._done, staging_bytes=1 << 62)
 
     def _done(self, work: SliceRead) -> None:
-        jobs: list[tuple[int, int, ReadItem]] = work.key  # type: ignore[assignment]
-        for rank, index, item in jobs:
-            if rank != self.view.rank:
-                self.sender.send_tensor(rank, index, work.dest)
-                continue
-            dest = work.dest
-            if len(jobs) > 1:  # work.dest is the shared staging buffer: copy into this rank's destination
-                dest = self.planner.resolve_tensor(item).detach()
-                if tuple(dest.shape) != tuple(work.dest.shape):
-                    raise ShapeMismatchError(
-                        f"{item.dest_index.fqn}: destination has shape {list(dest.shape)} but the checkpoint slice "
-                        f"is {list(work.dest.shape)}"
-                    )
-                dest.copy_(work.dest)
-            self.planner.commit_tensor(item, dest)
-            self.stats.bytes_local += work.dest.numel() * work.dest.element_size()
+        jobs: list[Job] = work.key  # type: ignore[assignment]
+        deliver_tensor(jobs, work.dest, self.view.rank, self.planner, self.sender, self.stats)
