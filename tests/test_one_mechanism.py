@@ -1,6 +1,10 @@
 """One mechanism per concern: each of these jobs has one home in ``dcp_storage``, and these tests keep it so.
 
 * the coordinator broadcast: :func:`dcp_storage.strategies.share_object` (error on every rank, no hang);
+* the coordinator reads and sends: :class:`dcp_storage.strategies.coordinator_served.CoordinatorServedReader`
+  (``Broadcasting``, ``BroadcastingTorchSaveReader``), on one sender that finishes or tells every waiting rank
+  the error (:func:`dcp_storage.strategies.slice_delivery.sending`);
+* a reader's read-strategy wiring: :class:`dcp_storage.strategies.read_strategy.StrategyReading`;
 * the device a group's collectives use: :class:`dcp_storage.strategies.collectives.GroupView`, which asks
   torch's rule through :func:`dcp_storage._torch.object_coll_device` (the one module naming it);
 * the byte runs of a row-major slice: :func:`dcp_storage.formats.slices.row_major_runs`;
@@ -10,13 +14,14 @@
 * importing by name (registry entries, lazily exported names, error classes rebuilt from their names):
   :func:`dcp_storage.registry.import_target`, with :func:`dcp_storage.registry.lazy_exports`.
 
-All but the third read the package's source (a second copy is a source fact); the third checks
+All but the run calculator's read the package's source (a second copy is a source fact); the third checks
 the calculator's every consumer against brute force.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import random
 from pathlib import Path
 
@@ -40,6 +45,7 @@ FILE_NAMES = {
 }
 
 
+@functools.cache  # parsed once per session: the source does not change while the tests run
 def _modules() -> dict[str, ast.Module]:
     return {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text(encoding="utf-8")) for p in PACKAGE.rglob("*.py")}
 
@@ -63,6 +69,65 @@ def _where_named(names: set[str]) -> dict[str, list[int]]:
 
 def test_one_coordinator_broadcast() -> None:
     assert set(_where_named({"broadcast_object_list"})) == {"strategies/collectives.py"}
+
+
+def _calls(name: str) -> set[str]:
+    """Modules that call ``name(...)`` (as a plain name or an attribute)."""
+    found = set()
+    for module, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = (
+                    func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+                )
+                if called == name:
+                    found.add(module)
+    return found
+
+
+def _subclasses_of(base: str) -> set[str]:
+    """Modules defining a class with ``base`` among its bases."""
+    found = set()
+    for module, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(
+                (b.id if isinstance(b, ast.Name) else getattr(b, "attr", None)) == base for b in node.bases
+            ):
+                found.add(module)
+    return found
+
+
+def _strings_with(text: str) -> set[str]:
+    """Modules holding a string constant (an f-string's literal parts too) that contains ``text``."""
+    found = set()
+    for module, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and text in node.value:
+                found.add(module)
+    return found
+
+
+def test_one_coordinator_reads_and_sends() -> None:
+    """One rank reading for the others is one serving step, on one sender that always finishes or aborts."""
+    assert _subclasses_of("CoordinatorServedReader") == {"strategies/broadcasting.py", "formats/torch_save/reader.py"}
+    assert _calls("SliceSender") == {"strategies/slice_delivery.py"}  # built only by ``sending``
+    assert _calls("sending") == {"strategies/coordinator_served.py", "fsdp/scatter.py"}
+    assert _calls("receive_items") == {"strategies/coordinator_served.py", "fsdp/scatter.py"}
+    # a destination is checked against a slice another rank read in one place (sent, staged, or exchanged)
+    shape_checks = {m for m in _strings_with("destination has shape") if m.startswith("strategies/")}
+    assert shape_checks == {"strategies/slice_delivery.py"}
+
+
+def test_one_read_strategy_wiring() -> None:
+    """Every format's reader composes the same read-strategy wiring; none chooses a strategy itself."""
+    assert _calls("choose_read_strategy") == {"strategies/read_strategy.py"}
+    assert set(_where_named({"READ_STRATEGY_OPTION"})) == {"transports/factory.py", "strategies/read_strategy.py"}
+    assert _calls("StrategyReading") == {
+        "formats/dcp_native/reader.py",
+        "formats/safetensors/reader.py",
+        "formats/raw_reader.py",
+    }
 
 
 def test_one_group_device_rule() -> None:
