@@ -59,7 +59,7 @@ import os
 import re
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,6 +332,22 @@ class ClaimingWriter:
             rivals=rivals,
         )
         weakref.finalize(self, self._claim.stop_renewing)  # a writer dropped mid-save stops renewing
+
+    @contextlib.contextmanager
+    def _claimed(
+        self,
+        lock_path: str,
+        markers: Iterable[str] | Callable[[], Iterable[str]],
+        rivals: Callable[[], Iterable[str]] | None = None,
+    ) -> Iterator[None]:
+        """:meth:`_take_claim`, then the rest of ``prepare_global_plan``: if that fails, the lock is released
+        (no rank has written anything yet)."""
+        self._take_claim(lock_path, markers, rivals)
+        try:
+            yield
+        except BaseException:
+            self._release_claim()
+            raise
 
     def _claim_lost(self) -> CheckpointExistsError | None:
         """Whether another save took this save's lock over meanwhile (:meth:`Claim.lost`); ``None`` on ranks

@@ -5,7 +5,8 @@ What every reader and writer of a URL shares: binding the URL to a transport, an
 
 A class using :class:`BoundLocation` sets ``storage_options``, ``transport_config`` and ``_given_transport``
 in its constructor, then calls :meth:`~BoundLocation._open` with the URL (again from ``reset`` when DCP
-passes a new ``checkpoint_id``).
+passes a new ``checkpoint_id``). A writer uses :class:`SavingLocation`, which adds the save's id and the
+rank facts of ``set_up_storage_writer``.
 
 Pickling (``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` sends the writer
 to a checkpoint process by pickle): what lives only in this process (the transport with its thread pool,
@@ -51,8 +52,11 @@ are taken as they are.
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, NoReturn
+
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError, IncompleteCheckpointError, WrongFormatError
 from dcp_storage.formats.paths import (
@@ -74,6 +78,7 @@ from dcp_storage.transports.factory import bind_transport, open_transport
 __all__ = [
     "BoundLocation",
     "Leftovers",
+    "SavingLocation",
     "commit_marker",
     "explain_missing",
     "find_leftovers",
@@ -123,6 +128,37 @@ class BoundLocation:
     def counters(self) -> dict[str, int]:
         """Requests, bytes and retries so far (see :class:`~dcp_storage.transports.TransportCounters`)."""
         return self.transport.counters.snapshot()
+
+
+class SavingLocation(BoundLocation):
+    """A writer's :class:`BoundLocation`, with what every save there shares: its id (``save_id``, new on each
+    ``reset``) and what ``set_up_storage_writer`` says of this rank (``is_coordinator``, ``rank``,
+    ``use_collectives``: ``False`` for a rank-local save).
+
+    The writer calls :meth:`_open_save` last in its constructor (instead of ``_open``) and :meth:`_next_save`
+    from ``reset``.
+    """
+
+    def _open_save(self, path: str | os.PathLike[str]) -> None:
+        self.is_coordinator = False
+        self.rank: int | None = None
+        self.use_collectives = True
+        self.save_id = uuid.uuid4().hex
+        self._open(path)
+
+    def _next_save(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        """``reset``: another location when DCP names one, and a new save id."""
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
+            self._open(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
 
 # What a reader says when nothing of its format is at the URL: its own words add nothing to the hint.

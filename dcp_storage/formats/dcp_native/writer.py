@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import io
 import os
-import uuid
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -70,7 +69,7 @@ from dcp_storage.formats.dcp_native.manifest_io import build_manifest
 from dcp_storage.formats.dcp_native.native import DCP_VERSION, METADATA_FILE, dump_metadata
 from dcp_storage.formats.dcp_native.reader import _is_fsspec_url
 from dcp_storage.formats.dcp_native.spec import FORMAT as DCP_FORMAT
-from dcp_storage.formats.location import BoundLocation
+from dcp_storage.formats.location import SavingLocation
 from dcp_storage.formats.paths import DATA_SUFFIX, LOCK_RE, RANK_METADATA_RE
 from dcp_storage.formats.writing import MemoryFile, RecordingWriter, estimated_bytes, group_items, write_error
 from dcp_storage.integrity.blocks import ChecksummedStorage, unwrap_results
@@ -93,7 +92,7 @@ __all__ = ["FsspecWriter"]
 _SAVE_TAG = 12  # hex digits of the save id in the data file names of an overwrite=True save over files
 
 
-class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
+class FsspecWriter(ClaimingWriter, SavingLocation, StorageWriter):
     """Write a DCP checkpoint to a local path or any fsspec URL.
 
     Args:
@@ -160,11 +159,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         self.create_bucket = create_bucket
         self.transport_config = transport_config
         self._given_transport = transport
-        self.is_coordinator = False
-        self.rank: int | None = None
-        self.use_collectives = True
-        self.save_id = uuid.uuid4().hex
-        self._open(path)
+        self._open_save(path)
 
     def _metadata_path(self) -> str:
         name = METADATA_FILE if self.use_collectives or self.rank is None else f"__{self.rank}{METADATA_FILE}"
@@ -178,14 +173,7 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         return self.rank is not None and not self.use_collectives
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
-            self._open(checkpoint_id)
-        self.save_id = uuid.uuid4().hex
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        self.rank = kwargs.get("rank")
-        self.use_collectives = kwargs.get("use_collectives", True)
+        self._next_save(checkpoint_id)
 
     def _shadowing_metadata_paths(self) -> list[str]:
         """Metadata files that would describe this path after the save: ours, and the global one.
@@ -229,10 +217,9 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         world = _world_size(len(plans), self._rank_local())
         directories = [rank_directory(self.prefix_strategy, rank, world) for rank in ranks]
         refuse_links_out(self.transport, self.root, directories)  # before the claim: nothing written yet
-        self._take_claim(self.transport.join(self.root, lock), self._committed_markers, self._rival_locks)
-        self._alone = len(ranks) == 1  # no other rank can be writing: a failure may release the lock at once
-        self._directories = directories
-        try:
+        with self._claimed(self.transport.join(self.root, lock), self._committed_markers, self._rival_locks):
+            self._alone = len(ranks) == 1  # no other rank can be writing: a failure may release the lock at once
+            self._directories = directories
             tag = ""
             took_over = self._claim is not None and self._claim.took_over  # another save may still write
             self._replacing = False
@@ -241,9 +228,6 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
             ):
                 self._replacing = True
                 tag = f"{self.save_id[:_SAVE_TAG]}_"  # a location that held files: new names (module docstring)
-        except BaseException:
-            self._release_claim()  # no rank has written anything yet
-            raise
         prefixes = [StoragePrefix(f"{d}/__{r}_{tag}" if d else f"__{r}_{tag}") for d, r in zip(directories, ranks)]
         return [
             plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=prefix)
@@ -424,9 +408,6 @@ class FsspecWriter(ClaimingWriter, BoundLocation, StorageWriter):
         shadowing = [p for p in self._shadowing_metadata_paths() if p != self._metadata_path()]
         local_rank = self.rank if self._rank_local() else None
         retire_unreferenced(self.transport, self.root, data_files, local_rank, self._directories, shadowing)
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -25,14 +25,13 @@ import contextlib
 import dataclasses
 import io
 import os
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -40,7 +39,7 @@ from torch.futures import Future
 from dcp_storage.errors import DcpStorageError
 from dcp_storage.formats.commit_claim import ClaimingWriter, refuse_existing, retire_safetensors
 from dcp_storage.formats.dcp_native.reader import _is_fsspec_url
-from dcp_storage.formats.location import BoundLocation, remove_stale_temp_files
+from dcp_storage.formats.location import SavingLocation, remove_stale_temp_files
 from dcp_storage.formats.paths import EXTRA_STATE_FILE, LOCK_FILE, check_prefix, index_name, single_name
 from dcp_storage.formats.safetensors.chunk_exchange import ChunkSource, exchange_digests, send_chunks
 from dcp_storage.formats.safetensors.encode import header_metadata, tensor_bytes
@@ -88,7 +87,7 @@ class _ChunkDigest:
     digest: str
 
 
-class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
+class SafetensorsWriter(ClaimingWriter, SavingLocation, StorageWriter):
     """Save a DCP state dict as Hugging Face safetensors on a local path or any fsspec URL.
 
     Args:
@@ -178,12 +177,8 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
         self.process_group = process_group
         self.transport_config = transport_config
         self._given_transport = transport
-        self.is_coordinator = False
-        self.rank: int | None = None
-        self.use_collectives = True
-        self.save_id = uuid.uuid4().hex
         self._planned: SavePlanResult | None = None
-        self._open(path)
+        self._open_save(path)
 
     # ------------------------------------------------------------------------------------ set-up
     def _path(self, name: str) -> str:
@@ -193,18 +188,8 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
         return [self._path(name) for name in (single_name(self.filename_prefix), index_name(self.filename_prefix))]
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
-            self._open(checkpoint_id)
-        self.save_id = uuid.uuid4().hex
+        self._next_save(checkpoint_id)
         self._planned = None
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        self.rank = kwargs.get("rank")
-        self.use_collectives = kwargs.get("use_collectives", True)
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -251,9 +236,8 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
         )
         # Claim the location before any rank writes (see .claim); the old files stay until the commit where
         # the new names allow it (the class docstring: what overwrite=True keeps).
-        self._take_claim(self._path(LOCK_FILE), self._markers())
-        self._alone = len(plans) == 1
-        try:
+        with self._claimed(self._path(LOCK_FILE), self._markers()):  # released if this fails: nothing written yet
+            self._alone = len(plans) == 1
             self._retired = False
             if self.overwrite:
                 self._retired = self._prepare_overwrite(planned)
@@ -262,9 +246,6 @@ class SafetensorsWriter(ClaimingWriter, BoundLocation, StorageWriter):
                     create_temp_files(self.transport, self.root, planned, self.save_id)
                 except Exception as exc:
                     raise _write_error(exc, self.transport.url(self.root), sum(f.size for f in planned.files))
-        except BaseException:
-            self._release_claim()  # no rank has written anything yet
-            raise
         self._planned = planned
         return [dataclasses.replace(p, storage_data=rw) for p, rw in zip(plans, planned.rank_writes)]
 
