@@ -5,7 +5,7 @@ What every reader and writer of a URL shares: binding the URL to a transport, an
 
 A class using :class:`BoundLocation` sets ``storage_options``, ``transport_config`` and ``_given_transport``
 in its constructor, then calls :meth:`~BoundLocation._open` with the URL (again from ``reset`` when DCP
-passes a new ``checkpoint_id``). A writer uses :class:`SavingLocation`, which adds the save's id and the
+passes a new ``checkpoint_id``). A reader uses :class:`LoadingLocation`, which adds each load's id; a writer uses :class:`SavingLocation`, which adds the save's id and the
 rank facts of ``set_up_storage_writer``.
 
 Pickling (``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` sends the writer
@@ -56,7 +56,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError, IncompleteCheckpointError, WrongFormatError
 from dcp_storage.formats.paths import (
@@ -74,10 +74,12 @@ from dcp_storage.formats.spec import Probe, best_formats, registered_formats, sc
 from dcp_storage.transports import TransportConfig
 from dcp_storage.transports.access import missing_bucket
 from dcp_storage.transports.factory import bind_transport, open_transport
+from dcp_storage.transports.guards import begin_load
 
 __all__ = [
     "BoundLocation",
     "Leftovers",
+    "LoadingLocation",
     "SavingLocation",
     "commit_marker",
     "explain_missing",
@@ -128,6 +130,31 @@ class BoundLocation:
     def counters(self) -> dict[str, int]:
         """Requests, bytes and retries so far (see :class:`~dcp_storage.transports.TransportCounters`)."""
         return self.transport.counters.snapshot()
+
+
+class LoadingLocation(BoundLocation):
+    """A reader's :class:`BoundLocation`, with each load's id (``load_id``, stamped on the ``Metadata`` it reads).
+
+    The reader calls :meth:`_open_load` last in its constructor (instead of ``_open``), :meth:`_next_load`
+    from ``reset`` and :meth:`_stamp_load` on the ``Metadata`` its ``read_metadata`` returns.
+    """
+
+    def _open_load(self, path: str | os.PathLike[str]) -> None:
+        self.load_id = uuid.uuid4().hex
+        self._open(path)
+
+    def _next_load(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        """``reset``: another location when DCP names one, every object pinned anew, and a new load id."""
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
+            self._open(checkpoint_id)
+        begin_load(self.transport)  # each object pinned anew to the version this load sees first
+        self.load_id = uuid.uuid4().hex
+
+    def _stamp_load(self, metadata: Metadata) -> Metadata:
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
 
 
 class SavingLocation(BoundLocation):

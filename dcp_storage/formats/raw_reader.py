@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,6 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -46,14 +44,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_storage.errors import CorruptCheckpointError
-from dcp_storage.formats.location import BoundLocation
+from dcp_storage.formats.location import LoadingLocation
 from dcp_storage.formats.paths import check_relative
 from dcp_storage.formats.reading import SliceRead, StoredTensor, dense_gap_of, plan_slice_read, read_slices
 from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_object
 from dcp_storage.strategies.read_strategy import MetadataItems, ReadStrategy, StrategyReading
 from dcp_storage.transports import Transport, TransportConfig
-from dcp_storage.transports.guards import begin_load
 
 __all__ = ["RawTensor", "RawTensorReader", "Scan"]
 
@@ -107,7 +104,7 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
 
 
-class RawTensorReader(BoundLocation, StorageReader):
+class RawTensorReader(LoadingLocation, StorageReader):
     """A DCP ``StorageReader`` for any format whose tensors are raw elements at known offsets (module docstring).
 
     A format plugin's ``open_reader`` factory returns ``RawTensorReader(url, scan, storage_options, ...)``;
@@ -157,8 +154,7 @@ class RawTensorReader(BoundLocation, StorageReader):
         self.coordinator_rank = coordinator_rank
         self.staging_bytes = staging_bytes
         self.storage_data: dict[MetadataIndex, RawTensor] = {}
-        self.load_id = uuid.uuid4().hex
-        self._open(path)
+        self._open_load(path)
 
     def _open(self, url: str | os.PathLike[str]) -> None:
         super()._open(url)
@@ -171,10 +167,7 @@ class RawTensorReader(BoundLocation, StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self._reading.reset()
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
-            self._open(checkpoint_id)
-        begin_load(self.transport)  # each object pinned anew to the version this load sees first
-        self.load_id = uuid.uuid4().hex
+        self._next_load(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -245,8 +238,7 @@ class RawTensorReader(BoundLocation, StorageReader):
             location=reader_location(self),
             kind=type(self).__name__,
         )
-        metadata.storage_meta = StorageMeta(load_id=self.load_id)
-        return metadata
+        return self._stamp_load(metadata)  # a scan's Metadata carries no storage_meta of its own
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         check_planned_keys(running_planner(), metadata)

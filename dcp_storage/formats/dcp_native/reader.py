@@ -41,11 +41,10 @@ narrow it, one item at a time), a rank reads only the bytes it needs: when resha
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -56,13 +55,12 @@ from dcp_storage.formats.columns import columns_of
 from dcp_storage.formats.dcp_native.item_loader import DcpItemLoader, DcpLoaderConfig
 from dcp_storage.formats.dcp_native.manifest_io import default_sums, read_checked_manifest, record_verifier
 from dcp_storage.formats.dcp_native.native import METADATA_FILE, load_metadata, read_metadata_file
-from dcp_storage.formats.location import BoundLocation, find_leftovers, raise_explained
+from dcp_storage.formats.location import LoadingLocation, find_leftovers, raise_explained
 from dcp_storage.formats.paths import METADATA, read_limited
 from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_within_load
 from dcp_storage.strategies.read_strategy import MetadataItems, ReadStrategy, StrategyReading
 from dcp_storage.transports import Transport, TransportConfig
-from dcp_storage.transports.guards import begin_load
 
 __all__ = ["FsspecReader", "MetadataFailure"]
 
@@ -106,7 +104,7 @@ def _only_missing(exc: Any) -> bool:
     )
 
 
-class FsspecReader(BoundLocation, StorageReader):
+class FsspecReader(LoadingLocation, StorageReader):
     """Read a DCP checkpoint (``.metadata`` + ``*.distcp``) from a local path or any fsspec URL.
 
     Args:
@@ -161,9 +159,8 @@ class FsspecReader(BoundLocation, StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self.metadata: Metadata | None = None
         self._manifest: Any = _UNREAD
-        self.load_id = uuid.uuid4().hex
         self.metadata_failure = MetadataFailure()
-        self._open(path)
+        self._open_load(path)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
@@ -178,10 +175,7 @@ class FsspecReader(BoundLocation, StorageReader):
         self.metadata = None
         self._manifest = _UNREAD
         self._reading.reset()
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
-            self._open(checkpoint_id)
-        begin_load(self.transport)  # each object pinned anew to the version this load sees first
-        self.load_id = uuid.uuid4().hex
+        self._next_load(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -197,10 +191,7 @@ class FsspecReader(BoundLocation, StorageReader):
                 )
             )
             self._manifest = manifest[0] if manifest else _UNREAD
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
-        return metadata
+        return self._stamp_load(metadata)
 
     def _read_per_load_files(self) -> tuple[Metadata, tuple[Any, ...]]:
         """``.metadata``, and ``((manifest, stale),)`` unless ``verify=False``: what one rank reads for all."""

@@ -56,13 +56,12 @@ Call order (torch's ``dcp.load`` drives it; every rank calls every step unless n
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -70,7 +69,7 @@ from torch.futures import Future
 from dcp_storage import errors
 from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError, DcpStorageError
 from dcp_storage.formats.dcp_native.reader import MetadataFailure
-from dcp_storage.formats.location import BoundLocation, raise_explained
+from dcp_storage.formats.location import LoadingLocation, raise_explained
 from dcp_storage.formats.paths import temp_name
 from dcp_storage.formats.safetensors.checksums import FileSums
 from dcp_storage.formats.safetensors.chunk_exchange import ChunkSource
@@ -96,7 +95,6 @@ from dcp_storage.runtime import gc_paused
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_object
 from dcp_storage.strategies.read_strategy import MetadataItems, ReadStrategy, StrategyReading
 from dcp_storage.transports import Transport, TransportConfig
-from dcp_storage.transports.guards import begin_load
 from dcp_storage.transports.local_io import fsync_dir
 
 __all__ = [
@@ -262,7 +260,7 @@ def _write_tensor(out: Any, ts: TensorSchedule, source: ChunkSource) -> None:
     out.write(as_memoryview(full))
 
 
-class SafetensorsReader(BoundLocation, StorageReader):
+class SafetensorsReader(LoadingLocation, StorageReader):
     """Read safetensors checkpoints with ``dcp.load`` from a local path or any fsspec URL.
 
     Args:
@@ -321,9 +319,8 @@ class SafetensorsReader(BoundLocation, StorageReader):
         self.verify = verify
         self._given_transport = transport
         self.storage_data: dict[Any, Any] = {}
-        self.load_id = uuid.uuid4().hex
         self.metadata_failure = MetadataFailure()
-        self._open(path)
+        self._open_load(path)
 
     def _open(self, url: str | os.PathLike[str]) -> None:
         super()._open(url)
@@ -338,10 +335,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         self.storage_data = {}
         self._reading.reset()
         self._sums = {}
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
-            self._open(checkpoint_id)
-        begin_load(self.transport)  # each object pinned anew to the version this load sees first
-        self.load_id = uuid.uuid4().hex
+        self._next_load(checkpoint_id)
 
     # ---------------------------------------------------------------------------------------- metadata
     def _scan(self) -> tuple[str, Metadata, dict[str, FileSums]]:
@@ -381,10 +375,7 @@ class SafetensorsReader(BoundLocation, StorageReader):
         else:
             shared = self.metadata_failure.global_read(self._scan)
         self.root, metadata, self._sums = shared
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
-        return metadata
+        return self._stamp_load(metadata)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
