@@ -5,6 +5,7 @@
   (``Broadcasting``, ``BroadcastingTorchSaveReader``), on one sender that finishes or tells every waiting rank
   the error (:func:`dcp_storage.strategies.slice_delivery.sending`);
 * a reader's read-strategy wiring: :class:`dcp_storage.strategies.read_strategy.StrategyReading`;
+* a load's and a save's set-up: :class:`dcp_storage.formats.location.LoadingLocation` and ``SavingLocation``;
 * the device a group's collectives use: :class:`dcp_storage.strategies.collectives.GroupView`, which asks
   torch's rule through :func:`dcp_storage._torch.object_coll_device` (the one module naming it);
 * the byte runs of a row-major slice: :func:`dcp_storage.formats.slices.row_major_runs`;
@@ -128,6 +129,24 @@ def test_one_read_strategy_wiring() -> None:
         "formats/safetensors/reader.py",
         "formats/raw_reader.py",
     }
+
+
+def _defines(name: str) -> set[str]:
+    """Modules defining a function or method called ``name``."""
+    found = set()
+    for module, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                found.add(module)
+    return found
+
+
+def test_one_load_and_save_set_up() -> None:
+    """Readers start each load, and writers each save, through formats/location.py (the torch.save reader,
+    which binds its transport lazily, pins objects itself)."""
+    assert _calls("begin_load") == {"formats/location.py", "formats/torch_save/reader.py"}
+    assert _defines("set_up_storage_writer") == {"formats/location.py"}
+    assert _defines("storage_meta") == {"formats/location.py"}
 
 
 def test_one_group_device_rule() -> None:
