@@ -52,7 +52,7 @@ from dcp_storage.formats.byte_items import ensure_vetted
 from dcp_storage.runtime import host_buffer, wait_for
 from dcp_storage.strategies.collectives import GroupView, reader_location, working_alone
 from dcp_storage.strategies.coordinator_served import CoordinatorServedReader, deliver_bytes, deliver_tensor, plan_jobs
-from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, item_key
+from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender, StandInPlanner, item_key
 
 __all__ = ["Broadcasting"]
 
@@ -183,7 +183,7 @@ def _fold_copies(
     return out, copies
 
 
-class _RoutingPlanner(LoadPlanner):
+class _RoutingPlanner(StandInPlanner):
     """Stands in for the real planner inside the wrapped reader's ``read_data`` on the coordinator.
 
     A slice that several ranks need is read once, into a staging buffer of the stored dtype, and then
@@ -193,7 +193,7 @@ class _RoutingPlanner(LoadPlanner):
     def __init__(
         self, real: LoadPlanner, me: int, sender: SliceSender, stored_dtype: Any, stats: DeliveryStats
     ) -> None:
-        self._real = real
+        super().__init__(real)
         self._me = me
         self._sender = sender
         self._stored_dtype = stored_dtype
@@ -203,11 +203,6 @@ class _RoutingPlanner(LoadPlanner):
         self._staged: dict[int, tuple[tuple[int, int, ReadItem], torch.Tensor]] = {}
         self._copies: dict[int, list[tuple[int, int, ReadItem]]] = {}
         self._open = 0
-
-    def __getattr__(self, name: str) -> Any:  # anything else a reader may look at: the real planner's
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._real, name)
 
     def route(self, chunk: list[tuple[int, int, ReadItem]], copies: dict[int, list[tuple[int, int, ReadItem]]]) -> None:
         self._copies = copies

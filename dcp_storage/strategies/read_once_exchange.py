@@ -36,7 +36,7 @@ from dcp_storage.runtime import host_buffer
 from dcp_storage.strategies.collectives import GroupView
 from dcp_storage.strategies.rank_agreement import agree as _agree
 from dcp_storage.strategies.read_once_plan import ExchangePlan, RoundPlan, nbytes_of
-from dcp_storage.strategies.slice_delivery import checked_destination
+from dcp_storage.strategies.slice_delivery import StandInPlanner, checked_destination
 
 __all__ = ["run_exchange"]
 
@@ -95,7 +95,7 @@ def run_exchange(
     _agree(view, failure)
 
 
-class _Router(LoadPlanner):
+class _Router(StandInPlanner):
     """Stands in for the real planner while this rank reads: slices it also sends are *shared*.
 
     A shared slice is read into the rank's own destination when the bytes can be sent from there (a
@@ -105,7 +105,7 @@ class _Router(LoadPlanner):
     """
 
     def __init__(self, real: LoadPlanner, stored: _Stored, device: torch.device) -> None:
-        self._real = real
+        super().__init__(real)
         self._stored = stored
         self._device = device
         self._shared: dict[int, ReadItem] = {}
@@ -113,11 +113,6 @@ class _Router(LoadPlanner):
         self._dest: dict[int, torch.Tensor] = {}
         self._buffer: dict[int, torch.Tensor] = {}
         self._sendable: dict[int, torch.Tensor] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._real, name)
 
     def share(self, item: ReadItem) -> None:
         self._shared[id(item)] = item

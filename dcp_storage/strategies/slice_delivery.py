@@ -44,6 +44,7 @@ __all__ = [
     "DeliveryConfig",
     "DeliveryStats",
     "SliceSender",
+    "StandInPlanner",
     "canonical_order",
     "checked_destination",
     "item_key",
@@ -107,6 +108,21 @@ def item_key(item: ReadItem) -> tuple[Any, ...]:
 
 def canonical_order(items: Sequence[ReadItem]) -> list[ReadItem]:
     return sorted(items, key=item_key)
+
+
+class StandInPlanner(LoadPlanner):
+    """Stands in for the real planner while a rank reads slices that other ranks need (the coordinator of
+    :class:`~dcp_storage.strategies.Broadcasting`, a rank of ``read_once``'s exchange): a subclass routes
+    ``resolve_tensor`` / ``commit_tensor`` / ``load_bytes``; anything else a reader looks at is the real
+    planner's."""
+
+    def __init__(self, real: LoadPlanner) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._real, name)
 
 
 def checked_destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
