@@ -39,7 +39,7 @@ __all__ = ["LocalTransport", "directory_in_the_way"]
 # Reads feeding checks (block digests) land in pieces of about this size, each hashed while in cache: from
 # a warm page cache, 1 MiB pieces hashed at once cost +8% over the read on one core, one hash after a 256 MiB
 # read +20% (the kernel's copy leaves large reads out of cache).
-HOT_PIECE_BYTES = MiB
+HOT_PIECE_BYTES = 256 * 1024
 
 
 class LocalWriter(CountingWriter):
@@ -148,7 +148,16 @@ class LocalTransport(FsspecTransport):
             def fetch(group: FetchGroup, views: list[memoryview]) -> None:
                 self._fetch_group_local(files.fd(group.path), group, views)
 
-            return RangeRun(requests, groups, fetch, self.executor(), cfg.max_inflight_bytes, HOT_PIECE_BYTES).execute()
+            def read_piece(path: str, offset: int, view: memoryview) -> None:
+                fd = files.fd(path)
+                got = os.preadv(fd, [view], offset)
+                calls = 1 if got == view.nbytes else 1 + preadv_exact(fd, path, [view[got:]], offset + got)
+                self.counters.add(requests=calls, bytes_read=view.nbytes)
+
+            run = RangeRun(
+                requests, groups, fetch, self.executor(), cfg.max_inflight_bytes, HOT_PIECE_BYTES, read_piece
+            )
+            return run.execute()
         finally:
             files.close()  # execute() returns only once no fetch runs any more
 
