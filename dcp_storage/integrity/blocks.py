@@ -218,10 +218,19 @@ class BlockRun:
     def piece(self, offset: int, view: memoryview) -> None:
         """Hash ``view``, the bytes from ``offset``; compare each block it completes."""
         n = view.nbytes
+        cover = self._cover
+        end = offset + n
+        if offset == self._pos and end == self._block_end <= self.hi and self._hasher is None and n <= ONE_CALL_BYTES:
+            got = cover._digest(view)  # the common case: the piece is one whole block
+            if got != cover.digests[self._index]:
+                cover._compare(self._index, got)
+            self._index += 1
+            self._block_end = min(end + cover.block_size, self._record_end)
+            self._pos = end
+            return
         if offset != self._pos or offset + n > self.hi:  # not the next bytes: complete() checks everything
             self._pos = -1
             return
-        cover = self._cover
         one_call = n <= ONE_CALL_BYTES
         at, pos = offset, 0
         while pos < n:

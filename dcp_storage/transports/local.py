@@ -15,7 +15,7 @@ import mmap
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -149,14 +149,24 @@ class LocalTransport(FsspecTransport):
             def fetch(group: FetchGroup, views: list[memoryview]) -> None:
                 self._fetch_group_local(files.fd(group.path), group, views)
 
-            def read_piece(path: str, offset: int, view: memoryview) -> None:
-                fd = files.fd(path)
-                got = os.preadv(fd, [view], offset)
-                calls = 1 if got == view.nbytes else 1 + preadv_exact(fd, path, [view[got:]], offset + got)
-                self.counters.add(requests=calls, bytes_read=view.nbytes)
+            def read_pieces(
+                path: str, offset: int, view: memoryview, step: int, on_piece: Callable[[int, memoryview], None]
+            ) -> None:
+                fd, preadv, calls, done = files.fd(path), os.preadv, 0, 0
+                try:
+                    for at in range(0, view.nbytes, step):
+                        part = view[at : at + step]
+                        got = preadv(fd, [part], offset + at)
+                        calls += 1
+                        if got != part.nbytes:  # short: the rest, or the truncated file named
+                            calls += preadv_exact(fd, path, [part[got:]], offset + at + got)
+                        done += part.nbytes
+                        on_piece(offset + at, part)
+                finally:
+                    self.counters.add(requests=calls, bytes_read=done)
 
             run = RangeRun(
-                requests, groups, fetch, self.executor(), cfg.max_inflight_bytes, HOT_PIECE_BYTES, read_piece
+                requests, groups, fetch, self.executor(), cfg.max_inflight_bytes, HOT_PIECE_BYTES, read_pieces
             )
             return run.execute()
         finally:

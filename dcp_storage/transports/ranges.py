@@ -55,6 +55,7 @@ __all__ = [
     "LocalRuns",
     "RangeRequest",
     "RangeRun",
+    "ReadPiecesFn",
     "Region",
     "RunsRead",
     "Segment",
@@ -200,6 +201,11 @@ def plan_fetches(requests: Sequence[RangeRequest], coalesce_gap: int, max_reques
 # Fill ``views`` (one per segment of the group, in order) with the group's bytes.
 FetchGroupFn = Callable[[FetchGroup, list[memoryview]], None]
 
+# ``read_pieces(path, offset, view, piece_bytes, on_piece)``: fill ``view`` with the bytes of ``path`` from
+# ``offset`` in pieces of ``piece_bytes``, calling ``on_piece(piece_offset, piece_view)`` after each one, before the
+# next is read (and count the reads): a transport whose reads cost no request (local files), in one call per segment.
+ReadPiecesFn = Callable[[str, int, memoryview, int, Callable[[int, memoryview], None]], None]
+
 
 class RangeRun:
     """One ``read_ranges`` call. Build it, call :meth:`execute` once; not reusable."""
@@ -212,17 +218,16 @@ class RangeRun:
         pool: Executor,
         max_inflight_bytes: int,
         hot_pieces: int = 0,
-        read_piece: Callable[[str, int, memoryview], None] | None = None,
+        read_pieces: ReadPiecesFn | None = None,
     ) -> None:
         """``hot_pieces``: when positive, a group feeding requests with ``on_complete`` or ``on_piece`` is
         fetched in pieces of about this many bytes (requests with ``on_piece`` cut inside, every ``hot_pieces``
         bytes), each piece handed to ``on_piece`` and its finished requests completed before the next piece is
         read, so a check there hashes bytes still in the CPU's cache. Only for a transport where a fetch costs
-        no request (local files: a ``preadv`` per piece); an object store keeps one GET. ``read_piece(path,
-        offset, view)``: fills ``view`` with the bytes at ``offset`` (and counts them), the piece reader for
-        requests with ``on_piece`` (else ``fetch`` of a one-piece group): one call per piece, no group."""
+        no request (local files: a ``preadv`` per piece); an object store keeps one GET. ``read_pieces``: how a
+        segment with ``on_piece`` is read (:data:`ReadPiecesFn`; else by ``fetch`` of a group per piece)."""
         self.hot_pieces = hot_pieces
-        self.read_piece = read_piece
+        self.read_pieces = read_pieces
         self.requests = requests
         self.groups = groups
         self.fetch = fetch
@@ -280,7 +285,7 @@ class RangeRun:
         """``group`` in pieces of at most :attr:`hot_pieces` bytes, each handed over before the next is read: a
         segment with ``on_piece`` every ``hot_pieces`` bytes from its start (by :attr:`read_piece` when given),
         the others whole, together up to ``hot_pieces`` bytes."""
-        hot, requests, read = self.hot_pieces, self.requests, self.read_piece
+        hot, requests, read = self.hot_pieces, self.requests, self.read_pieces
         batch: list[Segment] = []
         batch_views: list[memoryview] = []
         size = 0
@@ -299,14 +304,14 @@ class RangeRun:
                 self.fetch(FetchGroup(group.path, batch[0].start, batch[-1].end, batch), batch_views)
                 self._landed(batch, batch_views)
                 batch, batch_views, size = [], [], 0
-            for pos in range(seg.start, seg.end, hot):
-                end = min(pos + hot, seg.end)
-                part = view[pos - seg.start : end - seg.start]
-                if read is not None:
-                    read(group.path, pos, part)
-                else:
+            if read is not None:
+                read(group.path, seg.start, view, hot, on_piece)
+            else:
+                for pos in range(seg.start, seg.end, hot):
+                    end = min(pos + hot, seg.end)
+                    part = view[pos - seg.start : end - seg.start]
                     self.fetch(FetchGroup(group.path, pos, end, [Segment(seg.index, pos, end)]), [part])
-                on_piece(pos, part)
+                    on_piece(pos, part)
             self._segment_done(seg.index)
         if batch:
             self.fetch(FetchGroup(group.path, batch[0].start, batch[-1].end, batch), batch_views)

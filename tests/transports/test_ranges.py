@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -264,9 +266,12 @@ def _pieces_of_a_run(hot_pieces: int, read_piece: bool) -> tuple[list[tuple[str,
         for seg, v in zip(group.segments, views):
             v[:] = data[seg.start : seg.end]
 
-    def read(path: str, offset: int, v: memoryview) -> None:
-        events.append(("read", offset, offset + v.nbytes))
-        v[:] = data[offset : offset + v.nbytes]
+    def read(path: str, offset: int, v: memoryview, step: int, on_piece: Callable[[int, memoryview], None]) -> None:
+        for at in range(0, v.nbytes, step):
+            part = v[at : at + step]
+            events.append(("read", offset + at, offset + at + part.nbytes))
+            part[:] = data[offset + at : offset + at + part.nbytes]
+            on_piece(offset + at, part)
 
     with ThreadPoolExecutor(1) as pool:
         RangeRun(requests, groups, fetch, pool, 1 << 20, hot_pieces, read if read_piece else None).execute()
