@@ -283,27 +283,28 @@ class RangeRun:
 
     def _run_hot(self, group: FetchGroup, views: list[memoryview]) -> None:
         """``group`` in pieces of at most :attr:`hot_pieces` bytes, each handed over before the next is read: a
-        segment with ``on_piece`` every ``hot_pieces`` bytes from its start (by :attr:`read_piece` when given),
+        segment with ``on_piece`` every ``hot_pieces`` bytes from its start (by :attr:`read_pieces` when given),
         the others whole, together up to ``hot_pieces`` bytes."""
         hot, requests, read = self.hot_pieces, self.requests, self.read_pieces
         batch: list[Segment] = []
         batch_views: list[memoryview] = []
-        size = 0
+
+        def flush() -> None:
+            if batch:
+                self.fetch(FetchGroup(group.path, batch[0].start, batch[-1].end, batch[:]), batch_views[:])
+                self._landed(batch, batch_views)
+                batch.clear()
+                batch_views.clear()
+
         for seg, view in zip(group.segments, views):
             on_piece = requests[seg.index].on_piece
             if on_piece is None:
-                if batch and size + (seg.end - seg.start) > hot:
-                    self.fetch(FetchGroup(group.path, batch[0].start, batch[-1].end, batch), batch_views)
-                    self._landed(batch, batch_views)
-                    batch, batch_views, size = [], [], 0
+                if batch and seg.end - batch[0].start > hot:
+                    flush()
                 batch.append(seg)
                 batch_views.append(view)
-                size += seg.end - seg.start
                 continue
-            if batch:
-                self.fetch(FetchGroup(group.path, batch[0].start, batch[-1].end, batch), batch_views)
-                self._landed(batch, batch_views)
-                batch, batch_views, size = [], [], 0
+            flush()
             if read is not None:
                 read(group.path, seg.start, view, hot, on_piece)
             else:
@@ -313,9 +314,7 @@ class RangeRun:
                     self.fetch(FetchGroup(group.path, pos, end, [Segment(seg.index, pos, end)]), [part])
                     on_piece(pos, part)
             self._segment_done(seg.index)
-        if batch:
-            self.fetch(FetchGroup(group.path, batch[0].start, batch[-1].end, batch), batch_views)
-            self._landed(batch, batch_views)
+        flush()
 
     def _segment_done(self, index: int) -> None:
         with self.lock:
