@@ -3,7 +3,7 @@
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_default_verify.py [--mib 256] [--repeats 5] [--no-s3]
+    .venv/bin/python benchmarks/bench_default_verify.py [--mib 256] [--repeats 5] [--no-s3] [--out FILE]
 
 Saves one seeded checkpoint with ``FsspecWriter`` (fp32 ``[rows, 4096]`` matrices of about 16 MiB, so
 each record has 16 block digests), then times single-process ``dcp.load`` calls into pre-allocated full
@@ -11,7 +11,9 @@ tensors (a whole-tensor read: every block of every record checked), verify on an
 same run, best of ``--repeats``: from warm local files, and from moto (S3, in-process server) unless
 ``--no-s3``. It also counts the extra bytes a 2-rank ``Shard(0)`` reshard reads for its covering blocks
 (for 1, 2 and 4 MiB blocks, from the record's start or aligned to the elements), which is what picked the
-block size and the alignment. Prints one JSON line per case.
+block size and the alignment. Prints one JSON line per case (``--out`` also writes them to a JSON file), with
+the process CPU time of each best load beside its wall time: on a busy machine (1-minute load average above
+about 1.5 on 2 cores) wall times are guesses, CPU times less so.
 """
 
 from __future__ import annotations
@@ -41,34 +43,49 @@ def _state(mib: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.w": torch.randn(1024, 4096, generator=g) for i in range(n)}
 
 
-def _time(url: str, options: dict[str, Any] | None, state: dict[str, torch.Tensor], verify: bool | None) -> float:
+RESULTS: list[dict[str, Any]] = []
+
+
+def _emit(line: dict[str, Any]) -> None:
+    RESULTS.append(line)
+    print(json.dumps(line))
+
+
+def _time(
+    url: str, options: dict[str, Any] | None, state: dict[str, torch.Tensor], verify: bool | None
+) -> tuple[float, float]:
+    """Wall and process CPU seconds of one load into fresh, resident (zero-filled) tensors."""
     dest = {k: torch.empty_like(v).fill_(0) for k, v in state.items()}
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     dcp.load(dest, storage_reader=FsspecReader(url, options, verify=verify), no_dist=True)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - cpu
 
 
 def _compare(name: str, url: str, options: dict[str, Any] | None, state: dict[str, torch.Tensor], repeats: int) -> None:
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     _time(url, options, state, None)  # warm: page cache, connections
-    best = {None: math.inf, False: math.inf}
+    best = {None: (math.inf, math.inf), False: (math.inf, math.inf)}
+    loads = []
     for _ in range(repeats):
         for v in (None, False):
-            best[v] = min(best[v], _time(url, options, state, v))
-    on, off = best[None], best[False]
-    print(
-        json.dumps(
-            {
-                "case": name,
-                "bytes": nbytes,
-                "verified_s": round(on, 4),
-                "unverified_s": round(off, 4),
-                "verified_gbps": round(nbytes / on / 1e9, 2),
-                "unverified_gbps": round(nbytes / off / 1e9, 2),
-                "cost_pct": round(100 * (on / off - 1), 1),
-                "load_average_1m": round(os.getloadavg()[0], 2),  # above ~0.5 on 2 cores: a guess, not a figure
-            }
-        )
+            wall, cpu = _time(url, options, state, v)
+            best[v] = (min(best[v][0], wall), min(best[v][1], cpu))
+            loads.append(os.getloadavg()[0])
+    (on, on_cpu), (off, off_cpu) = best[None], best[False]
+    _emit(
+        {
+            "case": name,
+            "bytes": nbytes,
+            "verified_s": round(on, 4),
+            "unverified_s": round(off, 4),
+            "verified_gbps": round(nbytes / on / 1e9, 2),
+            "unverified_gbps": round(nbytes / off / 1e9, 2),
+            "cost_pct": round(100 * (on / off - 1), 1),
+            "verified_cpu_s": round(on_cpu, 4),
+            "unverified_cpu_s": round(off_cpu, 4),
+            "cpu_cost_pct": round(100 * (on_cpu / off_cpu - 1), 1),
+            "load_average_1m": [round(min(loads), 2), round(max(loads), 2)],  # above ~1.5 on 2 cores: a guess
+        }
     )
 
 
@@ -88,7 +105,7 @@ def _extra_bytes() -> None:
                     extra += (end - start) - (hi - lo)
                 line = {"case": "2 ranks Shard(0) extra bytes", "shape": list(shape), "block": block}
                 line |= {"aligned_to_elements": bool(first), "extra_pct": round(100 * extra / data, 2)}
-                print(json.dumps(line))
+                _emit(line)
 
 
 def main() -> None:
@@ -96,7 +113,17 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-s3", action="store_true")
+    p.add_argument("--out", help="also write the JSON lines, as a list, to this file")
     args = p.parse_args()
+    try:
+        _run(args)
+    finally:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(RESULTS, f, indent=1)
+
+
+def _run(args: argparse.Namespace) -> None:
     state = _state(args.mib)
     _extra_bytes()
     with tempfile.TemporaryDirectory() as root:

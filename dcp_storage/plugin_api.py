@@ -14,7 +14,7 @@ checks the in-tree ones. Everything here is kept stable:
   - :func:`plan_fetches` (-> :class:`FetchGroup` s): coalesce :class:`RangeRequest` s closer than
     ``config.coalesce_gap``, split ones over ``config.max_request_bytes``: one store request per group;
   - :class:`RangeRun`: run the groups on an executor within ``config.max_inflight_bytes``, fill each
-    request's buffer, call ``on_complete``, raise the first failure once no fetch runs
+    request's buffer, call ``on_piece`` and ``on_complete``, raise the first failure once no fetch runs
     (``read_ranges`` returns its ``execute()``);
   - :func:`call_with_retry`, :class:`RetryPolicy`, :func:`is_transient`: retry one request under
     ``config.retry`` (backoff, jitter, deadline), and what counts as transient;

@@ -303,49 +303,33 @@ def slice_extent(stored: StoredTensor, offsets: Sequence[int], lengths: Sequence
     return stored.data_offset + first * stored.itemsize, stored.data_offset + (last + 1) * stored.itemsize
 
 
-CHECKED_REQUEST_BYTES = 1 << 20  # a checked read's runs of whole blocks: few requests, each still in cache
+CHECKED_REQUEST_BYTES = 4 << 20  # a checked read's runs of whole blocks (read and hashed in hot pieces locally)
 
 
 def _landing(path: str, lo: int, hi: int, into: memoryview, cover: Cover) -> list[RangeRequest]:
-    """Requests for ``[lo, hi)`` into ``into``: with block digests, runs of whole blocks of about
-    :data:`CHECKED_REQUEST_BYTES` each, whose blocks its request's ``on_complete`` checks in the worker thread
-    that read them, while their bytes are still in cache; a partial block at either end is a request of its
-    own (:func:`_check_edges` checks it). A local transport completes each piece before reading the next
-    (``RangeRun(hot_pieces=...)``): hashed after a whole coalesced group, checks cost +76% on warm reads."""
+    """Requests for ``[lo, hi)`` into ``into``: with block digests, runs of whole blocks of at most
+    :data:`CHECKED_REQUEST_BYTES` (or one block) each, whose blocks a :class:`~.blocks.BlockRun` checks as the
+    bytes land (``on_piece``, in the worker thread that read them: a local transport reads and hands over
+    pieces of ``HOT_PIECE_BYTES``, so each is hashed while in cache; hashed after a whole coalesced group,
+    checks cost +76% on warm reads), or once all landed (``on_complete``); a partial block at either end is a
+    request of its own (:func:`_check_edges` checks it)."""
     if not isinstance(cover, BlockCover):
         return [RangeRequest(path, lo, hi, into=into)]
+    first, last = cover.whole_blocks(lo, hi)
+    if first >= last:  # no whole block: one or two partial ones
+        return [RangeRequest(path, lo, hi, into=into)]
     requests = []
-    run: list[int] = []  # the starts of the whole blocks of the run being gathered, and its end
-    run_end = lo
-
-    def flush() -> None:
-        if run:
-            starts = tuple(run)
-            done = lambda data, at=starts: _check_run(cover, at, data)  # noqa: E731 - binds this run's starts
-            requests.append(
-                RangeRequest(path, starts[0], run_end, into=into[starts[0] - lo : run_end - lo], on_complete=done)
-            )
-            run.clear()
-
-    for a, b, whole in cover.block_ends(lo, hi):
-        if not whole:
-            flush()
-            requests.append(RangeRequest(path, a, b, into=into[a - lo : b - lo]))
-            continue
-        if run and b - run[0] > CHECKED_REQUEST_BYTES:
-            flush()
-        run.append(a)
-        run_end = b
-    flush()
+    if lo < first:
+        requests.append(RangeRequest(path, lo, first, into=into[: first - lo]))
+    pos = first
+    while pos < last:
+        end = cover.run_end(pos, min(pos + CHECKED_REQUEST_BYTES, last))
+        check = cover.run(pos, end)
+        requests.append(RangeRequest(path, pos, end, into[pos - lo : end - lo], check.complete, check.piece))
+        pos = end
+    if last < hi:
+        requests.append(RangeRequest(path, last, hi, into=into[last - lo :]))
     return requests
-
-
-def _check_run(cover: BlockCover, starts: tuple[int, ...], data: memoryview) -> None:
-    """Check each whole block of a run that starts at ``starts[0]`` and landed in ``data``."""
-    base = starts[0]
-    ends = (*starts[1:], base + data.nbytes)
-    for a, b in zip(starts, ends):
-        cover.check_block(a, data[a - base : b - base])
 
 
 def _check_edges(
@@ -356,16 +340,19 @@ def _check_edges(
     if not isinstance(cover, BlockCover):
         cover.check(start, (head, body, tail))
         return
-    pieces = cover.block_ends(lo, hi)
-    _first_lo, first_hi, first_whole = pieces[0]
-    if not first_whole:
-        if len(pieces) == 1:  # one block holds the whole slice
+    first, last = cover.whole_blocks(lo, hi)
+    if first >= last:  # no whole block: the slice lies in one block, or in parts of two
+        middle = cover.covering(lo, lo + 1)[1]
+        if middle >= hi:
             cover.check(start, (head, body, tail))
-            return
-        cover.check(start, (head, body[: first_hi - lo]))
-    last_lo, _last_hi, last_whole = pieces[-1]
-    if not last_whole and len(pieces) > 1:  # last_lo is a block boundary: the block is the body's end and tail
-        cover.check(last_lo, (body[last_lo - lo :], tail))
+        else:
+            cover.check(start, (head, body[: middle - lo]))
+            cover.check(middle, (body[middle - lo :], tail))
+        return
+    if lo < first:
+        cover.check(start, (head, body[: first - lo]))
+    if last < hi:
+        cover.check(last, (body[last - lo :], tail))
 
 
 def dense_gap_of(transport: object) -> int | None:

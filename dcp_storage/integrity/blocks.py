@@ -43,14 +43,16 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 from dcp_storage.errors import CorruptCheckpointError
-from dcp_storage.integrity.checksums import Hasher, checksum, crc32, mismatch, new_hasher
+from dcp_storage.integrity.checksums import Hasher, checksum, crc32, mismatch, new_hasher, one_shot
 from dcp_storage.integrity.manifest import Manifest
 
 __all__ = [
     "BlockCover",
+    "BlockRun",
     "ChecksummedStorage",
     "Cover",
     "DataCrc",
@@ -115,18 +117,20 @@ class BlockCover:
         """The absolute byte range of the blocks that cover ``[lo, hi)``."""
         return self._bounds(self._index(lo))[0], self._bounds(self._index(hi - 1))[1]
 
-    def block_ends(self, lo: int, hi: int) -> list[tuple[int, int, bool]]:
-        """``[lo, hi)`` cut at block boundaries: ``(start, end, whole)``, ``whole`` when the piece is a block."""
-        out = []
-        pos = lo
-        block_lo, block_hi = self._bounds(self._index(lo))
-        record_end = self.start + self.length
-        while pos < hi:  # blocks are contiguous: each starts where the one before ends (planned per slice)
-            end = min(block_hi, hi)
-            out.append((pos, end, pos == block_lo and end == block_hi))
-            pos = end
-            block_lo, block_hi = block_hi, min(block_hi + self.block_size, record_end)
-        return out
+    def whole_blocks(self, lo: int, hi: int) -> tuple[int, int]:
+        """``[first, last)``: the whole blocks inside ``[lo, hi)`` (``first >= last`` when there is none)."""
+        s, e = self._bounds(self._index(lo))
+        first = lo if s == lo else e
+        s, e = self._bounds(self._index(hi - 1))
+        last = hi if e == hi else s
+        return first, last
+
+    def run_end(self, pos: int, limit: int) -> int:
+        """The last block boundary at most ``limit`` after the block boundary ``pos``, or the end of the block
+        at ``pos`` when that block is longer."""
+        s, e = self._bounds(self._index(limit - 1))
+        end = e if e <= limit else s
+        return end if end > pos else self._bounds(self._index(pos))[1]
 
     def check(self, start: int, pieces: Sequence[Any]) -> None:
         """Hash the consecutive ``pieces`` that tile whole blocks from ``start`` (a block boundary)."""
@@ -150,11 +154,29 @@ class BlockCover:
         if hasher is not None:
             raise ValueError(f"{self.where}: the pieces end inside block {index}")
 
-    def check_block(self, lo: int, data: Any) -> None:
-        """Check the one whole block that starts at ``lo`` (run where its bytes land, while in cache)."""
-        hasher = new_hasher(self.algorithm)
-        hasher.update(data)
-        self._compare(self._index(lo), hasher.hexdigest())
+    def check_blocks(self, lo: int, data: memoryview) -> None:
+        """Check the consecutive whole blocks that fill ``data`` (bytes), the first starting at ``lo``: one
+        one-shot hash and one string comparison per block, in the thread the bytes landed in."""
+        digest, digests = self._digest, self.digests
+        index = self._index(lo)
+        pos, n = 0, data.nbytes
+        while pos < n:
+            a, b = self._bounds(index)
+            end = pos + (b - a)
+            if end > n:
+                raise ValueError(f"{self.where}: the bytes end inside block {index}")
+            got = digest(data[pos:end])
+            if got != digests[index]:
+                self._compare(index, got)
+            pos, index = end, index + 1
+
+    @cached_property
+    def _digest(self) -> Callable[[Any], str]:
+        return one_shot(self.algorithm)
+
+    def run(self, lo: int, hi: int) -> BlockRun:
+        """A check of the whole blocks ``[lo, hi)`` fed as their bytes land (:class:`BlockRun`)."""
+        return BlockRun(self, lo, hi)
 
     def _compare(self, index: int, got: str) -> None:
         recorded = self.digests[index]
@@ -164,6 +186,79 @@ class BlockCover:
                 f"{self.where}: bytes [{lo}, {hi}) (block {index} of the record): {mismatch(self.algorithm, recorded)}; "
                 f"the bytes read are not those written; {FIX}"
             )
+
+
+# A piece up to this long (a local read's hot piece, just read, in cache) is hashed block by block with one C call
+# each, the GIL held (~6 us per 256 KiB); a longer one (an object store's whole segment, out of cache) through a
+# hasher that releases the GIL while it hashes, so the store's other threads go on meanwhile.
+ONE_CALL_BYTES = 1 << 20
+
+
+class BlockRun:
+    """Checks the whole blocks ``[lo, hi)`` of a :class:`BlockCover` as their bytes land, piece by piece.
+
+    :meth:`piece` (a read's ``on_piece``) hashes each piece in the worker thread that just read it, while it
+    is in the CPU's cache: a block that is one piece by one one-shot hash, a block over several pieces
+    incrementally. :meth:`complete` (``on_complete``, with all the bytes) checks whatever the pieces did not
+    cover (a transport that never called :meth:`piece`, or pieces out of order), so every byte is checked
+    once whichever way the bytes came.
+    """
+
+    __slots__ = ("_block_end", "_cover", "_hasher", "_index", "_pos", "_record_end", "hi", "lo")
+
+    def __init__(self, cover: BlockCover, lo: int, hi: int) -> None:
+        self._cover = cover
+        self.lo, self.hi = lo, hi
+        self._pos = lo  # the next byte the pieces must start at; -1 once they came out of order
+        self._index = cover._index(lo)
+        self._block_end = cover._bounds(self._index)[1]
+        self._record_end = cover.start + cover.length
+        self._hasher: Hasher | None = None
+
+    def piece(self, offset: int, view: memoryview) -> None:
+        """Hash ``view``, the bytes from ``offset``; compare each block it completes."""
+        n = view.nbytes
+        cover = self._cover
+        end = offset + n
+        if offset == self._pos and end == self._block_end <= self.hi and self._hasher is None and n <= ONE_CALL_BYTES:
+            got = cover._digest(view)  # the common case: the piece is one whole block
+            if got != cover.digests[self._index]:
+                cover._compare(self._index, got)
+            self._index += 1
+            self._block_end = min(end + cover.block_size, self._record_end)
+            self._pos = end
+            return
+        if offset != self._pos or offset + n > self.hi:  # not the next bytes: complete() checks everything
+            self._pos = -1
+            return
+        one_call = n <= ONE_CALL_BYTES
+        at, pos = offset, 0
+        while pos < n:
+            take = min(n - pos, self._block_end - at)
+            hasher = self._hasher
+            if one_call and hasher is None and at + take == self._block_end:  # the whole block here: one call
+                got = cover._digest(view[pos : pos + take])
+            else:
+                if hasher is None:
+                    hasher = self._hasher = new_hasher(cover.algorithm)
+                hasher.update(view[pos : pos + take])
+                if at + take < self._block_end:  # the block goes on in the next piece
+                    at += take
+                    break
+                got, self._hasher = hasher.hexdigest(), None
+            if got != cover.digests[self._index]:
+                cover._compare(self._index, got)
+            at += take
+            pos += take
+            self._index += 1
+            self._block_end = min(self._block_end + cover.block_size, self._record_end)  # the next block's end
+        self._pos = offset + n
+
+    def complete(self, data: memoryview) -> None:
+        """With all of ``[lo, hi)`` in ``data``: check the blocks the pieces did not (all, unless they came in
+        order up to ``hi``)."""
+        if self._pos != self.hi:
+            self._cover.check_blocks(self.lo, data)
 
 
 _DESCRIPTOR = b"PK\x07\x08"

@@ -334,7 +334,9 @@ class Transport(Protocol):
         """Every request, concurrently, coalesced, within ``config.max_inflight_bytes``.
 
         Returns, per request, its filled buffer, or ``None`` for a request with ``on_complete`` (which got
-        the buffer, on an executor thread). Raises the first failure once no request runs any more.
+        the buffer, on an executor thread). Raises the first failure once no request runs any more. A
+        request's ``on_piece`` (its bytes as they land, in order) is optional to honour: :class:`RangeRun`
+        does; a transport that ignores it only loses the early look (``on_complete`` must not rely on it).
         """
         ...
 

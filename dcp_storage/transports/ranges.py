@@ -55,6 +55,7 @@ __all__ = [
     "LocalRuns",
     "RangeRequest",
     "RangeRun",
+    "ReadPiecesFn",
     "Region",
     "RunsRead",
     "Segment",
@@ -101,6 +102,12 @@ class RangeRequest:
     destination tensor, so the bytes land without an extra copy). Without it the transport allocates one.
     ``on_complete``: called with the filled buffer in a worker thread as soon as this request's bytes are
     all in place; with it, the transport drops its reference afterwards, which keeps memory bounded.
+    ``on_piece``: called as ``on_piece(offset, view)`` in the worker thread for each piece of the request's
+    bytes as it lands, before ``on_complete``, in file order from one thread (such a request is never split
+    into parts): a transport that reads in pieces (local files, ``RangeRun(hot_pieces=...)``) calls it
+    after each piece of at most ``hot_pieces`` bytes, while the bytes are still in the CPU's cache; others
+    once, with all of it. A transport that does not know it never calls it: ``on_complete`` must not rely
+    on it.
     """
 
     path: str
@@ -108,6 +115,7 @@ class RangeRequest:
     end: int
     into: memoryview | None = None
     on_complete: Callable[[memoryview], None] | None = None
+    on_piece: Callable[[int, memoryview], None] | None = None
 
     def __post_init__(self) -> None:
         if self.start < 0 or self.end < self.start:
@@ -152,7 +160,7 @@ class FetchGroup:
 
 
 def _split(index: int, req: RangeRequest, max_request_bytes: int) -> list[Segment]:
-    if req.length <= max_request_bytes:
+    if req.length <= max_request_bytes or req.on_piece is not None:  # pieces in order, from one thread
         return [Segment(index, req.start, req.end)]
     return [
         Segment(index, pos, min(pos + max_request_bytes, req.end))
@@ -165,7 +173,8 @@ def plan_fetches(requests: Sequence[RangeRequest], coalesce_gap: int, max_reques
 
     Ranges of the same path are merged when the gap between them is at most ``coalesce_gap`` and the
     merged request stays within ``max_request_bytes``; overlapping ranges start a new group (a group's
-    segments never overlap, so they can be filled by one vectored read).
+    segments never overlap, so they can be filled by one vectored read). A request with ``on_piece`` is
+    never split (its pieces must arrive in order).
     """
     if coalesce_gap < 0 or max_request_bytes <= 0:
         raise ValueError("coalesce_gap must be >= 0 and max_request_bytes > 0")
@@ -192,6 +201,11 @@ def plan_fetches(requests: Sequence[RangeRequest], coalesce_gap: int, max_reques
 # Fill ``views`` (one per segment of the group, in order) with the group's bytes.
 FetchGroupFn = Callable[[FetchGroup, list[memoryview]], None]
 
+# ``read_pieces(path, offset, view, piece_bytes, on_piece)``: fill ``view`` with the bytes of ``path`` from
+# ``offset`` in pieces of ``piece_bytes``, calling ``on_piece(piece_offset, piece_view)`` after each one, before the
+# next is read (and count the reads): a transport whose reads cost no request (local files), in one call per segment.
+ReadPiecesFn = Callable[[str, int, memoryview, int, Callable[[int, memoryview], None]], None]
+
 
 class RangeRun:
     """One ``read_ranges`` call. Build it, call :meth:`execute` once; not reusable."""
@@ -204,12 +218,16 @@ class RangeRun:
         pool: Executor,
         max_inflight_bytes: int,
         hot_pieces: int = 0,
+        read_pieces: ReadPiecesFn | None = None,
     ) -> None:
-        """``hot_pieces``: when positive, a group feeding requests with ``on_complete`` is fetched in pieces of
-        about this many bytes at segment boundaries, each piece's requests completed before the next piece is
-        read, so a check in ``on_complete`` hashes bytes still in the CPU's cache. Only for a transport where
-        a fetch costs no request (local files: a ``preadv`` per piece); an object store keeps one GET."""
+        """``hot_pieces``: when positive, a group feeding requests with ``on_complete`` or ``on_piece`` is
+        fetched in pieces of about this many bytes (requests with ``on_piece`` cut inside, every ``hot_pieces``
+        bytes), each piece handed to ``on_piece`` and its finished requests completed before the next piece is
+        read, so a check there hashes bytes still in the CPU's cache. Only for a transport where a fetch costs
+        no request (local files: a ``preadv`` per piece); an object store keeps one GET. ``read_pieces``: how a
+        segment with ``on_piece`` is read (:data:`ReadPiecesFn`; else by ``fetch`` of a group per piece)."""
         self.hot_pieces = hot_pieces
+        self.read_pieces = read_pieces
         self.requests = requests
         self.groups = groups
         self.fetch = fetch
@@ -240,32 +258,63 @@ class RangeRun:
             for seg in group.segments:
                 req = self.requests[seg.index]
                 views.append(self._buffer(seg.index)[seg.start - req.start : seg.end - req.start])
-            for piece, piece_views in self._pieces(group, views):
-                self.fetch(piece, piece_views)
-                for seg in piece.segments:
-                    self._segment_done(seg.index)
+            requests = self.requests
+            if self.hot_pieces > 0 and any(
+                requests[s.index].on_complete is not None or requests[s.index].on_piece is not None
+                for s in group.segments
+            ):
+                self._run_hot(group, views)
+            else:
+                self.fetch(group, views)
+                self._landed(group.segments, views)
         except BaseException:
             self.failed.set()
             raise
         finally:
             self.budget.release(group.length)
 
-    def _pieces(self, group: FetchGroup, views: list[memoryview]) -> Iterator[tuple[FetchGroup, list[memoryview]]]:
-        """``group`` whole, or cut at segment boundaries into pieces of about :attr:`hot_pieces` bytes."""
-        segments = group.segments
-        if (
-            self.hot_pieces <= 0
-            or len(segments) < 2
-            or all(self.requests[s.index].on_complete is None for s in segments)
-        ):
-            yield group, views
-            return
-        first = 0
-        for i in range(1, len(segments) + 1):
-            if i == len(segments) or segments[i].end - segments[first].start > self.hot_pieces:
-                part = segments[first:i]
-                yield FetchGroup(group.path, part[0].start, part[-1].end, part), views[first:i]
-                first = i
+    def _landed(self, segments: list[Segment], views: list[memoryview]) -> None:
+        """``segments`` are in their views: hand each to its request's ``on_piece``, then complete it."""
+        for seg, view in zip(segments, views):
+            on_piece = self.requests[seg.index].on_piece
+            if on_piece is not None:
+                on_piece(seg.start, view)
+            self._segment_done(seg.index)
+
+    def _run_hot(self, group: FetchGroup, views: list[memoryview]) -> None:
+        """``group`` in pieces of at most :attr:`hot_pieces` bytes, each handed over before the next is read: a
+        segment with ``on_piece`` every ``hot_pieces`` bytes from its start (by :attr:`read_pieces` when given),
+        the others whole, together up to ``hot_pieces`` bytes."""
+        hot, requests, read = self.hot_pieces, self.requests, self.read_pieces
+        batch: list[Segment] = []
+        batch_views: list[memoryview] = []
+
+        def flush() -> None:
+            if batch:
+                self.fetch(FetchGroup(group.path, batch[0].start, batch[-1].end, batch[:]), batch_views[:])
+                self._landed(batch, batch_views)
+                batch.clear()
+                batch_views.clear()
+
+        for seg, view in zip(group.segments, views):
+            on_piece = requests[seg.index].on_piece
+            if on_piece is None:
+                if batch and seg.end - batch[0].start > hot:
+                    flush()
+                batch.append(seg)
+                batch_views.append(view)
+                continue
+            flush()
+            if read is not None:
+                read(group.path, seg.start, view, hot, on_piece)
+            else:
+                for pos in range(seg.start, seg.end, hot):
+                    end = min(pos + hot, seg.end)
+                    part = view[pos - seg.start : end - seg.start]
+                    self.fetch(FetchGroup(group.path, pos, end, [Segment(seg.index, pos, end)]), [part])
+                    on_piece(pos, part)
+            self._segment_done(seg.index)
+        flush()
 
     def _segment_done(self, index: int) -> None:
         with self.lock:

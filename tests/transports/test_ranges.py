@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -235,3 +237,87 @@ def test_hot_pieces_complete_each_piece_before_reading_the_next() -> None:
     events, out = _events_of_a_run(hot_pieces=0)  # an object store: one GET for the group
     assert out == bytes(range(16))
     assert events == [("fetch", 0), ("done", 0), ("done", 4), ("done", 8), ("done", 12)]
+
+
+def _pieces_of_a_run(hot_pieces: int, read_piece: bool) -> tuple[list[tuple[str, int, int]], bytes]:
+    """A 20-byte request with ``on_piece`` between two 4-byte ones without: what landed, in which order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcp_storage.transports.ranges import RangeRun
+
+    data = bytes(range(28))
+    events: list[tuple[str, int, int]] = []
+    out = bytearray(28)
+    view = memoryview(out)
+
+    def piece(offset: int, v: memoryview) -> None:
+        assert bytes(v) == data[offset : offset + v.nbytes]  # the piece's bytes are there when it is handed over
+        events.append(("piece", offset, offset + v.nbytes))
+
+    requests = [
+        RangeRequest("f", 0, 4, view[0:4], lambda _v: events.append(("done", 0, 4))),
+        RangeRequest("f", 4, 24, view[4:24], lambda _v: events.append(("done", 4, 24)), piece),
+        RangeRequest("f", 24, 28, view[24:28]),
+    ]
+    groups = plan_fetches(requests, coalesce_gap=0, max_request_bytes=1 << 20)
+
+    def fetch(group: FetchGroup, views: list[memoryview]) -> None:
+        events.append(("fetch", group.start, group.end))
+        for seg, v in zip(group.segments, views):
+            v[:] = data[seg.start : seg.end]
+
+    def read(path: str, offset: int, v: memoryview, step: int, on_piece: Callable[[int, memoryview], None]) -> None:
+        for at in range(0, v.nbytes, step):
+            part = v[at : at + step]
+            events.append(("read", offset + at, offset + at + part.nbytes))
+            part[:] = data[offset + at : offset + at + part.nbytes]
+            on_piece(offset + at, part)
+
+    with ThreadPoolExecutor(1) as pool:
+        RangeRun(requests, groups, fetch, pool, 1 << 20, hot_pieces, read if read_piece else None).execute()
+    return events, bytes(out)
+
+
+def test_on_piece_gets_each_hot_piece_as_it_lands_before_the_next_is_read() -> None:
+    events, out = _pieces_of_a_run(hot_pieces=8, read_piece=True)
+    assert out == bytes(range(28))
+    assert events == [
+        ("fetch", 0, 4),
+        ("done", 0, 4),
+        ("read", 4, 12),
+        ("piece", 4, 12),
+        ("read", 12, 20),
+        ("piece", 12, 20),
+        ("read", 20, 24),
+        ("piece", 20, 24),
+        ("done", 4, 24),
+        ("fetch", 24, 28),
+    ]
+    events, out = _pieces_of_a_run(hot_pieces=8, read_piece=False)  # pieces through fetch, one segment each
+    assert out == bytes(range(28))
+    assert [e for e in events if e[0] != "done"] == [
+        ("fetch", 0, 4),
+        ("fetch", 4, 12),
+        ("piece", 4, 12),
+        ("fetch", 12, 20),
+        ("piece", 12, 20),
+        ("fetch", 20, 24),
+        ("piece", 20, 24),
+        ("fetch", 24, 28),
+    ]
+    events, out = _pieces_of_a_run(hot_pieces=0, read_piece=False)  # an object store: one GET, then the piece
+    assert out == bytes(range(28))
+    assert events == [("fetch", 0, 28), ("done", 0, 4), ("piece", 4, 24), ("done", 4, 24)]
+
+
+def test_a_request_with_on_piece_is_never_split() -> None:
+    """Its pieces must reach ``on_piece`` in order, from one thread: no parts fetched concurrently."""
+    plain = RangeRequest("a", 0, 100)
+    pieced = RangeRequest("a", 0, 100, on_piece=lambda _o, _v: None)
+    assert [seg_tuples(g) for g in plan_fetches([plain], 0, 30)] == [
+        [(0, 0, 30)],
+        [(0, 30, 60)],
+        [(0, 60, 90)],
+        [(0, 90, 100)],
+    ]
+    assert [seg_tuples(g) for g in plan_fetches([pieced], 0, 30)] == [[(0, 0, 100)]]
