@@ -38,6 +38,7 @@ registry by name, knowing no format itself.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +117,15 @@ class Probe:
     @property
     def basename(self) -> str:
         return posixpath.basename(self.path.rstrip("/"))
+
+    def named(self, suffix: str) -> Iterator[str]:
+        """The names ending with ``suffix``, in listing order (sorted), found at C speed: a directory of a
+        million data files is probed several times over by the sniffers."""
+        return itertools.compress(self.names, map(str.endswith, self.names, itertools.repeat(suffix)))
+
+    def first_named(self, suffix: str) -> str | None:
+        """The first name ending with ``suffix`` (the least, for a sorted listing), or ``None``."""
+        return next(self.named(suffix), None)
 
     def head_of(self, name: str, nbytes: int = HEAD_BYTES) -> bytes:
         """The first ``nbytes`` of ``name`` inside the probed directory."""

@@ -14,13 +14,14 @@ import contextlib
 import mmap
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from dcp_storage.errors import CheckpointNotFoundError, WrongPathTypeError
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, WrongPathTypeError
 from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_backend
 from dcp_storage.transports.local_io import (
     LocalFiles,
@@ -104,6 +105,33 @@ class LocalTransport(FsspecTransport):
             return stat_regular(path, self.confinement).st_size
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
+
+    def listed_sizes(self, path: str) -> dict[str, int]:
+        """Sizes of the regular files directly in the directory ``path`` (:class:`~.protocol.ListedSizes`),
+        from one ``scandir`` of its opened descriptor: the directory is checked to lie inside the checkpoint
+        once, and an entry that is a regular file and no symlink then lies inside it too (what :meth:`size`
+        checks per file). Symlinks and anything else are left out: :meth:`size` decides them."""
+        try:
+            if self.confinement is not None:
+                self.confinement.check(path)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except (OSError, CorruptCheckpointError):  # missing, or not the checkpoint's: size() says why
+            return {}
+        out: dict[str, int] = {}
+        try:
+            if self.confinement is not None:  # a directory swapped for a link out since the check
+                self.confinement.check_opened(path, fd)
+            with os.scandir(fd) as entries:  # the entry's type from the listing: no stat for it
+                names = [entry.name for entry in entries if entry.is_file(follow_symlinks=False)]
+            for name in names:  # lstat by descriptor (a bare stat_result: cheaper than the entry's cached one)
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):  # still a regular file (not swapped for a link since the listing)
+                    out[name] = st.st_size
+        except (OSError, CorruptCheckpointError):
+            return {}
+        finally:
+            os.close(fd)
+        return out
 
     def makedirs(self, path: str) -> None:
         try:

@@ -405,6 +405,21 @@ class LocalRunReads(Protocol):
 
 
 @runtime_checkable
+class ListedSizes(Protocol):
+    """What a store that lists files with their sizes adds (optional): many sizes from one listing.
+
+    ``describe`` shows every data file's size; a checkpoint of a million data files (one per tensor) would
+    otherwise cost a million :meth:`Transport.size` calls. Each size given must be what ``size`` would
+    answer, with the same checks passed; a file the listing cannot vouch for is left out (the caller asks
+    ``size`` for it).
+    """
+
+    def listed_sizes(self, path: str) -> dict[str, int]:
+        """``{name: size}`` of files directly under ``path``, from one listing; empty if there are none."""
+        ...
+
+
+@runtime_checkable
 class MultipartUploads(Protocol):
     """What a store with multipart uploads adds (optional): the uploads a killed writer left behind.
 
