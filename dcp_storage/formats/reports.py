@@ -34,6 +34,7 @@ __all__ = [
     "error_text",
     "named_keys",
     "file_infos",
+    "listed_sizes",
     "size_or_none",
     "tensor_summaries",
     "tensor_table",
@@ -228,12 +229,20 @@ def size_or_none(transport: Any, path: str) -> int | None:
     return transport.size(path) if transport.exists(path) else None
 
 
-def file_infos(transport: Any, root: str, names: Sequence[str]) -> list[FileInfo]:
-    """A row for each of ``names`` (files under ``root``) with its size or ``None``: those the store lists
-    with their sizes from one listing (:class:`~dcp_storage.transports.ListedSizes`: a million data files in
-    a second, not a million ``stat`` calls), the others by :func:`size_or_none`."""
-    listed = transport.listed_sizes(root) if isinstance(transport, ListedSizes) else {}
-    return [FileInfo(n, listed[n] if n in listed else size_or_none(transport, transport.join(root, n))) for n in names]
+def listed_sizes(transport: Any, root: str) -> dict[str, int | None]:
+    """Every entry under ``root`` with its size where one listing tells it
+    (:class:`~dcp_storage.transports.ListedSizes`: a million data files in seconds, not a million checked
+    ``size`` calls); empty where the store cannot (then list and ask :func:`size_or_none`)."""
+    return transport.listed_sizes(root) if isinstance(transport, ListedSizes) else {}
+
+
+def file_infos(transport: Any, root: str, names: Sequence[str], listed: dict[str, int | None]) -> list[FileInfo]:
+    """A row for each of ``names`` (files under ``root``) with its size or ``None`` (missing): from
+    ``listed`` (:func:`listed_sizes`) where it has one, else by :func:`size_or_none`."""
+    return [
+        FileInfo(n, size if size is not None else size_or_none(transport, transport.join(root, n)))
+        for n, size in zip(names, map(listed.get, names))
+    ]
 
 
 def error_text(exc: BaseException) -> str:

@@ -410,12 +410,13 @@ class ListedSizes(Protocol):
 
     ``describe`` shows every data file's size; a checkpoint of a million data files (one per tensor) would
     otherwise cost a million :meth:`Transport.size` calls. Each size given must be what ``size`` would
-    answer, with the same checks passed; a file the listing cannot vouch for is left out (the caller asks
-    ``size`` for it).
+    answer, with the same checks passed; an entry the listing cannot vouch for maps to ``None`` (the caller
+    asks ``size`` for it).
     """
 
-    def listed_sizes(self, path: str) -> dict[str, int]:
-        """``{name: size}`` of files directly under ``path``, from one listing; empty if there are none."""
+    def listed_sizes(self, path: str) -> dict[str, int | None]:
+        """``{name: size or None}`` of every entry directly under ``path`` (hidden temp files too), from one
+        listing; empty if there are none or the listing failed (the caller then lists and asks as usual)."""
         ...
 
 

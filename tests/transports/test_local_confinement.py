@@ -87,7 +87,13 @@ def test_listed_sizes_vouch_only_for_regular_files_and_the_swapped_directory_is_
     os.mkfifo(ckpt / "fifo.distcp")
     transport, root = open_transport(ckpt)
     with transport:
-        assert transport.listed_sizes(root) == {"a.distcp": 10}
+        assert transport.listed_sizes(root) == {
+            "a.distcp": 10,
+            "in.distcp": None,
+            "out.distcp": None,
+            "fifo.distcp": None,
+            "sub": None,
+        }
         assert transport.size(os.path.join(root, "in.distcp")) == 10  # what size() decides for the rest
         with pytest.raises(CorruptCheckpointError):
             transport.size(os.path.join(root, "out.distcp"))

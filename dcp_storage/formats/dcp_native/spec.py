@@ -34,7 +34,7 @@ from dcp_storage.formats.dcp_native.manifest_io import read_manifest
 from dcp_storage.formats.dcp_native.native import METADATA_FILE, columns_of, read_metadata_file
 from dcp_storage.formats.dcp_native.verify import check_dcp, deep_check_dcp
 from dcp_storage.formats.paths import DATA_SUFFIX
-from dcp_storage.formats.reports import CheckpointInfo, TensorInfo, ValueInfo, file_infos, tensor_table
+from dcp_storage.formats.reports import CheckpointInfo, TensorInfo, ValueInfo, file_infos, listed_sizes, tensor_table
 from dcp_storage.formats.safetensors.metadata import looks_like_safetensors
 from dcp_storage.formats.spec import HEAD_BYTES, FormatSpec, Probe
 from dcp_storage.integrity.blocks import manifest_provenance
@@ -111,11 +111,11 @@ def describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | N
             stored: Any = cols.files
         else:
             tensors, values, stored = _table(md)
-        listed = [n for n in transport.listdir(root) if n.endswith(DATA_SUFFIX)]  # unreferenced data files too
-        # In listing order, then the stored names not listed: nearly sorted already (a million names sort
-        # in a tenth of the time a set's order takes).
-        names = sorted(dict.fromkeys([METADATA_FILE, *listed, *stored]))
-        files = file_infos(transport, root, names)
+        sizes = listed_sizes(transport, root)  # one listing, sizes with it: a million data files in seconds
+        listing = sizes or transport.listdir(root)
+        listed = [n for n in listing if n.endswith(DATA_SUFFIX)]  # unreferenced data files too
+        names = sorted(dict.fromkeys([METADATA_FILE, *listed, *stored]))  # not a set: keeps runs in order
+        files = file_infos(transport, root, names, sizes)
         provenance = dcp_provenance(transport, root)
     return CheckpointInfo(url, spec.descriptor, spec.description, "dcp", files, tensors, values, provenance)
 
