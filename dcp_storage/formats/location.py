@@ -275,8 +275,10 @@ def find_leftovers(transport: Any, path: str, names: list[str] | None = None) ->
     """The leftovers of an interrupted save at ``path``, or ``None`` (a commit marker, or nothing of a save).
 
     ``names``: the listing of ``path`` if the caller has one; on a local disk the directory is listed
-    again anyway, because the transport's listing hides temp files.
+    again (the transport's listing hides temp files) unless ``names`` already shows a commit marker.
     """
+    if names is not None and _has_marker(names):  # a marker in part of the listing is one in all of it
+        return None
     if names is None or getattr(transport, "is_local", False):
         names = list_all(transport, path, ordered=False)  # each kind is sorted below
     if _has_marker(names):
