@@ -108,33 +108,34 @@ class LocalTransport(FsspecTransport):
 
     def listed_sizes(self, path: str) -> dict[str, int | None]:
         """Every entry of the directory ``path`` with the size of each regular file
-        (:class:`~.protocol.ListedSizes`), from one ``scandir`` of its opened descriptor: the directory is
+        (:class:`~.protocol.ListedSizes`), from one listing of its opened descriptor: the directory is
         checked to lie inside the checkpoint once, and an entry that is a regular file and no symlink then
         lies inside it too (what :meth:`size` checks per file). Symlinks and anything else map to ``None``:
-        :meth:`size` decides them."""
+        :meth:`size` decides them. One ``lstat`` per entry, through the directory's descriptor."""
         try:
             if self.confinement is not None:
                 self.confinement.check(path)
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except (OSError, CorruptCheckpointError):  # missing, or not the checkpoint's: size() says why
             return {}
-        out: dict[str, int | None] = {}
         try:
             if self.confinement is not None:  # a directory swapped for a link out since the check
                 self.confinement.check_opened(path, fd)
-            with os.scandir(fd) as entries:  # the entry's type from the listing: no stat for it
-                for entry in entries:
-                    out[entry.name] = 0 if entry.is_file(follow_symlinks=False) else None
-            for name, size in out.items():  # lstat by descriptor (a bare stat_result: cheaper than the entry's)
-                if size is not None:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                    # still a regular file (not swapped for a link since the listing)
-                    out[name] = st.st_size if stat.S_ISREG(st.st_mode) else None
+            names = os.listdir(fd)
+            sizes: list[int | None] = []
+            add, lstat, is_regular = sizes.append, os.stat, stat.S_ISREG
+            for name in names:  # lstat through the descriptor: no path walk, no link followed
+                try:
+                    st = lstat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:  # removed since the listing
+                    add(None)
+                    continue
+                add(st.st_size if is_regular(st.st_mode) else None)
         except (OSError, CorruptCheckpointError):
             return {}
         finally:
             os.close(fd)
-        return out
+        return dict(zip(names, sizes))
 
     def makedirs(self, path: str) -> None:
         try:
