@@ -114,10 +114,20 @@ def describe_dcp(url: str, spec: FormatSpec, storage_options: dict[str, Any] | N
         sizes = listed_sizes(transport, root)  # one listing, sizes with it: a million data files in seconds
         listing = sizes or transport.listdir(root)
         listed = [n for n in listing if n.endswith(DATA_SUFFIX)]  # unreferenced data files too
-        names = sorted(dict.fromkeys([METADATA_FILE, *listed, *stored]))  # not a set: keeps runs in order
+        names = _union_sorted(listed, stored)
         files = file_infos(transport, root, names, sizes)
         provenance = dcp_provenance(transport, root)
     return CheckpointInfo(url, spec.descriptor, spec.description, "dcp", files, tensors, values, provenance)
+
+
+def _union_sorted(listed: list[str], stored: Any) -> list[str]:
+    """``sorted({METADATA_FILE, *listed, *stored})``, faster for a million names: the listing (distinct
+    names, none of them ``.metadata``) is sorted alone, and the stored names it lacks, sorted, are merged
+    in (two sorted runs: timsort merges them in linear time)."""
+    extra = set(stored)
+    extra.difference_update(listed)
+    extra.add(METADATA_FILE)
+    return sorted(sorted(extra) + sorted(listed))
 
 
 def _table(md: Any) -> tuple[list[TensorInfo], list[ValueInfo], set[str]]:
