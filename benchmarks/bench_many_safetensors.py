@@ -78,15 +78,15 @@ def hwm():
 if phase != "describe":
     sd = {f"model.layers.{i // 8}.block.{i % 8}.weight": torch.empty(16) for i in range(n)}
 base = hwm()
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 if phase == "describe":
     info = ds.describe(path)
     assert len(info.tensors) == n, len(info.tensors)
 else:
     planner = RemappingLoadPlanner() if phase == "load_ours" else None
     dcp.load(sd, storage_reader=ds.SafetensorsReader(path), planner=planner, no_dist=True)
-seconds = time.perf_counter() - t
-print(json.dumps({"phase": phase, "seconds": seconds, "peak_extra_bytes": hwm() - base}))
+seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+print(json.dumps({"phase": phase, "seconds": seconds, "cpu_seconds": cpu, "peak_extra_bytes": hwm() - base}))
 """
 
 
@@ -112,9 +112,12 @@ def main() -> None:
     load = os.getloadavg()[0]
     rows = [run_phase(path, phase, args.tensors) for phase in phases]
     print(f"{args.tensors} tensors, header {os.path.getsize(path) - args.tensors * PER_TENSOR - 8} bytes")
-    print(f"{'phase':<12} {'seconds':>9} {'peak +MiB':>10}")
+    print(f"{'phase':<12} {'seconds':>9} {'CPU s':>9} {'peak +MiB':>10}")
     for row in rows:
-        print(f"{row['phase']:<12} {row['seconds']:>9.2f} {row['peak_extra_bytes'] / 2**20:>10.0f}")
+        print(
+            f"{row['phase']:<12} {row['seconds']:>9.2f} {row['cpu_seconds']:>9.2f} "
+            f"{row['peak_extra_bytes'] / 2**20:>10.0f}"
+        )
     end_load = os.getloadavg()[0]
     result = {
         "tensors": args.tensors,

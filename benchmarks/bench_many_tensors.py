@@ -8,7 +8,9 @@ Usage::
 The checkpoint is built directly, as torch's ``FileSystemWriter`` lays it out: a ``.metadata`` (pickled
 ``Metadata``: one ``TensorStorageMetadata`` and one storage entry per tensor) and ``--files`` ``.distcp``
 files whose sizes match the storage map (sparse: their bytes are never read here). It is cached under
-``$TMPDIR/dcp-storage-bench/many-<N>``. Tensors are 16 fp32 elements each (64 bytes), 8 per "layer".
+``$TMPDIR/dcp-storage-bench/many-<N>-v2`` (``many-<N>-f<F>-v2`` for another number of files).
+``--one-file-per-tensor`` writes one data file per tensor (a million files at a million tensors: the
+per-file work of the metadata checks, the file table and the readers). Tensors are 16 fp32 elements each (64 bytes), 8 per "layer".
 
 Phases, each in a fresh interpreter so time and peak memory (``VmHWM``) do not mix:
 
@@ -66,7 +68,8 @@ def build(n: int, files: int) -> str:
         TensorStorageMetadata,
     )
 
-    root = os.path.join(tempfile.gettempdir(), "dcp-storage-bench", f"many-{n}-v2")
+    tail = "" if files == 8 else f"-f{files}"  # the 8-file layout keeps its cache name
+    root = os.path.join(tempfile.gettempdir(), "dcp-storage-bench", f"many-{n}{tail}-v2")
     if os.path.exists(os.path.join(root, ".metadata")):
         return root
     os.makedirs(root, exist_ok=True)
@@ -238,7 +241,10 @@ def phase(name: str, root: str, n: int, columns: bool = False) -> dict[str, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tensors", type=int, default=1_000_000)
-    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--files", type=int, default=8, help="data files the tensors are spread over")
+    parser.add_argument(
+        "--one-file-per-tensor", action="store_true", help="one data file per tensor (--files = --tensors)"
+    )
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--profile", choices=PHASES)
     parser.add_argument(
@@ -251,6 +257,8 @@ def main() -> None:
     if args._phase:
         print(json.dumps(phase(args._phase, args._root, args.tensors, args.given_columns)))
         return
+    if args.one_file_per_tensor:
+        args.files = args.tensors
     t0 = time.perf_counter()
     root = build(args.tensors, args.files)
     if args.given_columns:
@@ -265,6 +273,7 @@ def main() -> None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(35)
         return
     results = {}
+    load_start = os.getloadavg()[0]
     for name in args.phases.split(","):
         cmd = [
             sys.executable,
@@ -293,7 +302,13 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump(
-            {"tensors": args.tensors, "files": args.files, "given_columns": args.given_columns, "phases": results},
+            {
+                "tensors": args.tensors,
+                "files": args.files,
+                "given_columns": args.given_columns,
+                "load_average": [load_start, os.getloadavg()[0]],
+                "phases": results,
+            },
             fh,
             indent=1,
         )

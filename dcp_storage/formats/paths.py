@@ -54,7 +54,7 @@ import os
 import re
 import unicodedata
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +86,7 @@ __all__ = [
     "RANK_METADATA_RE",
     "SAFETENSORS_SUFFIX",
     "TEMP_RE",
+    "all_plain",
     "check_byte_item",
     "check_byte_range",
     "check_prefix",
@@ -157,11 +158,29 @@ def check_relative(name: Any, where: str) -> str:
     decodes ``%2e%2e`` into ``..`` and resolves it (yarl, under fsspec's HTTP filesystem, requests
     ``ckpt/%2e%2e/x`` as ``/x``), and NFKC folds fullwidth dots and solidus into ``..`` and ``/``.
     """
+    if type(name) is str and _plain(name):  # what writers name their files: nothing to decode or fold
+        return name
     if not isinstance(name, str) or not name:
         raise CorruptCheckpointError(f"{where}: file name must be a non-empty string, got {name!r}")
     for form in _read_as(name):
         _check_form(name, form, where)
     return name
+
+
+# Names every form of which is the name itself and passes _check_form: ASCII (NFKC leaves it alone), no "%"
+# (nothing to decode), no ":", "\\", "~" or NUL, and "/"-separated parts that are non-empty and do not start
+# with "." (so none is "." or ".."). A name outside this pattern is checked in full; none inside it is refused.
+_plain = re.compile(r"(?:[A-Za-z0-9_\-][A-Za-z0-9_.\-]*/)*[A-Za-z0-9_\-][A-Za-z0-9_.\-]*").fullmatch
+
+
+def all_plain(names: Iterable[Any]) -> bool:
+    """Whether :func:`check_relative` accepts every one of ``names`` without decoding or folding any (one
+    C-level pass: a million data file names in a fraction of a second). ``False`` means only that some name
+    must be checked in full."""
+    try:
+        return all(map(_plain, names))
+    except TypeError:  # a name that is not a string
+        return False
 
 
 def _read_as(name: str) -> list[str]:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from dcp_storage.errors import DcpStorageError
 from dcp_storage.text import redact_urls
+from dcp_storage.transports.protocol import ListedSizes
 
 __all__ = [
     "CheckpointInfo",
@@ -32,6 +33,8 @@ __all__ = [
     "dtype_name",
     "error_text",
     "named_keys",
+    "file_infos",
+    "listed_sizes",
     "size_or_none",
     "tensor_summaries",
     "tensor_table",
@@ -128,8 +131,8 @@ class ValueInfo:
     length: int | None = None
 
 
-@dataclass
-class FileInfo:
+@dataclass(slots=True)
+class FileInfo:  # slotted: a checkpoint of a file per tensor has a million of them
     name: str
     size: int | None  # None: listed by the checkpoint but missing
 
@@ -224,6 +227,22 @@ def dtype_name(dtype: Any) -> str:
 def size_or_none(transport: Any, path: str) -> int | None:
     """A listed file's size, or ``None`` when it is missing (``inspect`` shows it as such)."""
     return transport.size(path) if transport.exists(path) else None
+
+
+def listed_sizes(transport: Any, root: str) -> dict[str, int | None]:
+    """Every entry under ``root`` with its size where one listing tells it
+    (:class:`~dcp_storage.transports.ListedSizes`: a million data files in seconds, not a million checked
+    ``size`` calls); empty where the store cannot (then list and ask :func:`size_or_none`)."""
+    return transport.listed_sizes(root) if isinstance(transport, ListedSizes) else {}
+
+
+def file_infos(transport: Any, root: str, names: Sequence[str], listed: dict[str, int | None]) -> list[FileInfo]:
+    """A row for each of ``names`` (files under ``root``) with its size or ``None`` (missing): from
+    ``listed`` (:func:`listed_sizes`) where it has one, else by :func:`size_or_none`."""
+    return [
+        FileInfo(n, size if size is not None else size_or_none(transport, transport.join(root, n)))
+        for n, size in zip(names, map(listed.get, names))
+    ]
 
 
 def error_text(exc: BaseException) -> str:

@@ -38,6 +38,8 @@ registry by name, knowing no format itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +118,22 @@ class Probe:
     @property
     def basename(self) -> str:
         return posixpath.basename(self.path.rstrip("/"))
+
+    def named(self, suffix: str) -> Iterator[str]:
+        """The names ending with ``suffix``, in listing order (sorted), found at C speed: a directory of a
+        million data files is probed several times over by the sniffers."""
+        return itertools.compress(self.names, map(str.endswith, self.names, itertools.repeat(suffix)))
+
+    def first_named(self, suffix: str) -> str | None:
+        """The first name ending with ``suffix`` (the least, for a sorted listing), or ``None``."""
+        if suffix + "\0" not in self._joined:  # no name ends with it (a NUL-ended name still matches: scanned)
+            return None
+        return next(self.named(suffix), None)
+
+    @functools.cached_property
+    def _joined(self) -> str:
+        """Every name followed by a NUL, as one string: one substring search rules a suffix out."""
+        return "\0".join(self.names) + "\0"
 
     def head_of(self, name: str, nbytes: int = HEAD_BYTES) -> bytes:
         """The first ``nbytes`` of ``name`` inside the probed directory."""

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.tensor import DTensor
 
 from dcp_storage._torch import create_chunk_list, create_read_items
@@ -284,15 +284,39 @@ def build_read_items(state_dict: Mapping[str, Any], metadata: Metadata, pairs: M
     items = []
     for key, ckpt_key in pairs.items():
         value = state_dict[key]
+        stored = metadata.state_dict_metadata[ckpt_key]
+        whole = _whole_item(key, ckpt_key, stored, value)
+        if whole is not None:  # the common case without torch's resharding sweep (a million tensors: seconds)
+            items.append(whole)
+            continue
         # A DTensor on a submesh this rank is not part of has nothing to load here (as in torch).
         if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
             continue
-        for item in create_read_items(ckpt_key, metadata.state_dict_metadata[ckpt_key], value):
+        for item in create_read_items(ckpt_key, stored, value):
             if key != ckpt_key:
                 dest = item.dest_index
                 item = replace(item, dest_index=MetadataIndex(key, dest.offset, dest.index))
             items.append(item)
     return items
+
+
+def _whole_item(key: str, ckpt_key: str, stored: Any, value: Any) -> ReadItem | None:
+    """The one read item torch's resharding gives a plain tensor stored whole, in one chunk, at the
+    tensor's own non-empty shape; ``None`` for anything else (torch's ``create_read_items`` decides)."""
+    if type(value) is not torch.Tensor or type(stored) is not TensorStorageMetadata or len(stored.chunks) != 1:
+        return None
+    chunk, size = stored.chunks[0], value.size()
+    if not (list(chunk.sizes) == list(size) == list(stored.size)) or any(chunk.offsets) or 0 in size:
+        return None
+    zeros = torch.Size([0] * len(size))
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(key, zeros, 0),
+        dest_offsets=zeros,
+        storage_index=MetadataIndex(ckpt_key, zeros, 0),
+        storage_offsets=zeros,
+        lengths=torch.Size(size),
+    )
 
 
 def metadata_from_state_dict(

@@ -180,7 +180,8 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(
         self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
-        flat = _flat_copy(state_dict) if self.flatten_state_dict and self.flatten_sharded_tensors else None
+        with gc_paused():  # two small objects per key, beside a million-entry Metadata: no full collections
+            flat = _flat_copy(state_dict) if self.flatten_state_dict and self.flatten_sharded_tensors else None
         if flat is None:
             super().set_up_planner(state_dict, metadata, is_coordinator)
         else:  # what torch's set_up_planner gives for such a state dict, without its per-value traversals

@@ -14,6 +14,7 @@ from dcp_storage.transports.http_store import HttpTransport
 from dcp_storage.transports.local import LocalTransport
 from dcp_storage.transports.protocol import (
     AtomicWriter,
+    ListedSizes,
     LocalFileAccess,
     LocalRunReads,
     MultipartUploads,
@@ -35,6 +36,7 @@ __all__ = [
     "FsspecTransport",
     "GcsTransport",
     "HttpTransport",
+    "ListedSizes",
     "LocalFileAccess",
     "LocalRunReads",
     "LocalTransport",

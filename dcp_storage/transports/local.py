@@ -14,13 +14,14 @@ import contextlib
 import mmap
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from dcp_storage.errors import CheckpointNotFoundError, WrongPathTypeError
+from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, WrongPathTypeError
 from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_backend
 from dcp_storage.transports.local_io import (
     LocalFiles,
@@ -105,6 +106,37 @@ class LocalTransport(FsspecTransport):
             return stat_regular(path, self.confinement).st_size
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.url(path)}: no such file") from exc
+
+    def listed_sizes(self, path: str) -> dict[str, int | None]:
+        """Every entry of the directory ``path`` with the size of each regular file
+        (:class:`~.protocol.ListedSizes`), from one listing of its opened descriptor: the directory is
+        checked to lie inside the checkpoint once, and an entry that is a regular file and no symlink then
+        lies inside it too (what :meth:`size` checks per file). Symlinks and anything else map to ``None``:
+        :meth:`size` decides them. One ``lstat`` per entry, through the directory's descriptor."""
+        try:
+            if self.confinement is not None:
+                self.confinement.check(path)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except (OSError, CorruptCheckpointError):  # missing, or not the checkpoint's: size() says why
+            return {}
+        try:
+            if self.confinement is not None:  # a directory swapped for a link out since the check
+                self.confinement.check_opened(path, fd)
+            names = os.listdir(fd)
+            sizes: list[int | None] = []
+            add, lstat, is_regular = sizes.append, os.stat, stat.S_ISREG
+            for name in names:  # lstat through the descriptor: no path walk, no link followed
+                try:
+                    st = lstat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:  # removed since the listing
+                    add(None)
+                    continue
+                add(st.st_size if is_regular(st.st_mode) else None)
+        except (OSError, CorruptCheckpointError):
+            return {}
+        finally:
+            os.close(fd)
+        return dict(zip(names, sizes))
 
     def makedirs(self, path: str) -> None:
         try:

@@ -407,6 +407,22 @@ class LocalRunReads(Protocol):
 
 
 @runtime_checkable
+class ListedSizes(Protocol):
+    """What a store that lists files with their sizes adds (optional): many sizes from one listing.
+
+    ``describe`` shows every data file's size; a checkpoint of a million data files (one per tensor) would
+    otherwise cost a million :meth:`Transport.size` calls. Each size given must be what ``size`` would
+    answer, with the same checks passed; an entry the listing cannot vouch for maps to ``None`` (the caller
+    asks ``size`` for it).
+    """
+
+    def listed_sizes(self, path: str) -> dict[str, int | None]:
+        """``{name: size or None}`` of every entry directly under ``path`` (hidden temp files too), from one
+        listing; empty if there are none or the listing failed (the caller then lists and asks as usual)."""
+        ...
+
+
+@runtime_checkable
 class MultipartUploads(Protocol):
     """What a store with multipart uploads adds (optional): the uploads a killed writer left behind.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_storage import FsspecReader, FsspecWriter
 from dcp_storage.errors import ShapeMismatchError, UnsafeCheckpointError
@@ -383,3 +384,55 @@ def test_torch_default_planner_would_run_it(tmp_path: Path, calls: list[str]) ->
     dcp.save({"payload": Payload()}, storage_writer=FileSystemWriter(path))
     dcp.load({"payload": None}, storage_reader=FileSystemReader(path))
     assert calls == ["payload ran"]
+
+
+def test_whole_tensor_items_are_torchs_own() -> None:
+    """``build_read_items``'s shortcut for a plain tensor stored whole gives exactly torch's read items;
+    everything else (another shape, several chunks, an empty or offset chunk, a Parameter) goes to torch."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata as TSM
+
+    from dcp_storage._torch import create_read_items
+    from dcp_storage.planners.matching import build_read_items
+
+    def one(shape: list[int]) -> TSM:
+        return TSM(
+            TensorProperties(dtype=torch.float32),
+            torch.Size(shape),
+            [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))],
+        )
+
+    halves = TSM(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([4, 2]),
+        [
+            ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 2])),
+            ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 2])),
+        ],
+    )
+    cases = {
+        "scalar": (one([]), torch.zeros(())),
+        "vector": (one([5]), torch.zeros(5)),
+        "matrix": (one([3, 4]), torch.zeros(3, 4)),
+        "empty": (one([0, 4]), torch.zeros(0, 4)),
+        "smaller": (one([6]), torch.zeros(4)),
+        "halves": (halves, torch.zeros(4, 2)),
+        "parameter": (one([2]), torch.nn.Parameter(torch.zeros(2))),
+    }
+    metadata = Metadata(state_dict_metadata={f"ckpt.{k}": md for k, (md, _v) in cases.items()})
+    state = {k: v for k, (_md, v) in cases.items()}
+    pairs = {k: f"ckpt.{k}" for k in cases}
+    ours = build_read_items(state, metadata, pairs)
+    theirs = []
+    for key, (md, value) in cases.items():
+        for item in create_read_items(f"ckpt.{key}", md, value):
+            dest = item.dest_index
+            theirs.append(replace(item, dest_index=MetadataIndex(key, dest.offset, dest.index)))
+    assert ours == theirs
+    for a, b in zip(ours, theirs):  # and the same types inside (torch.Size, not lists)
+        assert (type(a.dest_offsets), type(a.lengths), a.dest_index.index) == (
+            type(b.dest_offsets),
+            type(b.lengths),
+            b.dest_index.index,
+        )
+        assert a.storage_index.index == b.storage_index.index

@@ -71,3 +71,33 @@ def test_without_a_swap_the_same_file_reads(tmp_path: Path) -> None:
     transport, root = open_transport(tmp_path / "ckpt")
     with transport:
         assert bytes(transport.read_range(os.path.join(root, "sub", "data"), 0, 16)) == b"d" * 16
+
+
+def test_listed_sizes_vouch_only_for_regular_files_and_the_swapped_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``listed_sizes`` (``describe``'s one listing for a million data files) gives a size only where ``size``
+    would give the same after the same checks: regular files, no links (in or out), no FIFO, no directory;
+    and a listed directory that is swapped for a link out after its check gives none."""
+    inside, outside = _checkpoint(tmp_path)
+    ckpt = inside.parent
+    (ckpt / "a.distcp").write_bytes(b"x" * 10)
+    (ckpt / "in.distcp").symlink_to(ckpt / "a.distcp")
+    (ckpt / "out.distcp").symlink_to(outside / "data")
+    os.mkfifo(ckpt / "fifo.distcp")
+    transport, root = open_transport(ckpt)
+    with transport:
+        assert transport.listed_sizes(root) == {
+            "a.distcp": 10,
+            "in.distcp": None,
+            "out.distcp": None,
+            "fifo.distcp": None,
+            "sub": None,
+        }
+        assert transport.size(os.path.join(root, "in.distcp")) == 10  # what size() decides for the rest
+        with pytest.raises(CorruptCheckpointError):
+            transport.size(os.path.join(root, "out.distcp"))
+        assert transport.listed_sizes(os.path.join(root, "sub")) == {"data": 4096}
+        assert transport.listed_sizes(os.path.join(root, "missing")) == {}
+        _swap_after_each_check(monkeypatch, inside, outside)
+        assert transport.listed_sizes(os.path.join(root, "sub")) == {}  # the opened directory lies outside

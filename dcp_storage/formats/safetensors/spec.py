@@ -204,13 +204,14 @@ def _sniff(probe: Probe) -> int | None:
         if probe.basename.endswith(INDEX_SUFFIX) and probe.head.lstrip().startswith(b"{"):
             return 100
         return 100 if looks_like_safetensors(probe.head, probe.size) else None
-    names = set(probe.names)
-    if any(n.endswith(INDEX_SUFFIX) for n in names):
+    if probe.first_named(INDEX_SUFFIX) is not None:
         return 90
-    tensors = sorted(n for n in names if n.endswith(SAFETENSORS_SUFFIX))
-    if tensors:
-        return 80 if looks_like_safetensors(probe.head_of(tensors[0], HEAD_BYTES), _UNKNOWN_SIZE) else None
-    if METADATA_FILE in names:  # FileSystemWriter(serialization_format=SAFETENSORS): .distcp files are safetensors
+    first = probe.first_named(SAFETENSORS_SUFFIX)  # a directory of a million data files: no Python loop
+    if first is not None:
+        return 80 if looks_like_safetensors(probe.head_of(first, HEAD_BYTES), _UNKNOWN_SIZE) else None
+    if (
+        METADATA_FILE in probe.names
+    ):  # FileSystemWriter(serialization_format=SAFETENSORS): .distcp files are safetensors
         return 100 if dcp_data_kind(probe) == SAFETENSORS else None
     return None
 
