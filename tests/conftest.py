@@ -4,7 +4,7 @@ Hooks
 -----
 ``pytest_sessionstart`` pre-starts :func:`~dcp_storage_testing.distributed.run_ranks`'
 forkserver in the background, so the first multi-rank test does not pay for
-its ``import torch``.
+its ``import torch``; likewise the CLI tests' zygote (``tests/cli/_zygote.py``) when the run holds them.
 
 ``pytest_collection_finish`` starts azurite (installing it with npm on a fresh clone, which takes tens of
 seconds) in a background thread when a collected test will need it, so the first Azure test finds it
@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -54,12 +55,42 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
+# Where the tests that run CLI commands (through tests/cli/_helpers.py's zygote) live.
+_CLI_DIRS = ("tests/cli", "tests/credentials")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _start_cli_zygote() -> None:
+    """Start the CLI tests' zygote (``tests/cli/_zygote.py``: one ``import torch`` for every CLI command) in
+    the background; a test that needs it before it is ready waits for it."""
+    try:
+        from tests.cli._zygote import zygote
+    except ImportError:  # the repository root is not on sys.path (pytest run as a script): start on first use
+        return
+    threading.Thread(target=zygote, name="cli-zygote-start", daemon=True).start()
+
+
+def _runs_cli_tests(session: pytest.Session) -> bool:
+    """Whether the command line names a path that holds CLI tests (no path: the testpaths, which do)."""
+    args = [a.split("::")[0] for a in session.config.args if not a.startswith("-")]
+    if not args:
+        return True
+    for arg in args:
+        path = os.path.relpath(os.path.abspath(arg), _ROOT)
+        if any(d == path or d.startswith(path.rstrip("/") + "/") or path == "." for d in _CLI_DIRS):
+            return True
+    return False
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Start run_ranks' forkserver (which imports torch) while collection runs."""
+    """Start run_ranks' forkserver (which imports torch), and the CLI zygote when the run holds CLI tests,
+    while collection runs."""
     try:
         warm_up()
     except Exception as exc:  # noqa: BLE001 - an optimisation; run_ranks retries
         warnings.warn(f"could not pre-start the run_ranks forkserver: {exc!r}", stacklevel=1)
+    if not session.config.option.collectonly and _runs_cli_tests(session):
+        _start_cli_zygote()
 
 
 # Tests that reach azurite: by fixture, or as the "az" case of a parametrised backend (whose fixture is looked
