@@ -17,6 +17,9 @@ Fixtures
     fault tests share it; tests isolate by container). Skipped with the reason if it cannot start, failed
     when ``CI=true``.
 
+``rank_zygote`` (session)
+    The crash tests' rank-launching zygote, shared with the manager's kill tests.
+
 ``moto_server`` (session)
     A running :class:`~dcp_storage_testing.s3_server.MotoS3Server`. One per
     session (per xdist worker) because start-up costs ~1 s; tests isolate by
@@ -36,10 +39,12 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -183,6 +188,21 @@ def azurite_server() -> Iterator[AzuriteServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def rank_zygote() -> Iterator[Any]:
+    """``tests/crash/_launcher.py``'s ``Zygote`` (torch, dcp_storage and s3fs imported once; jobs of ranks forked
+    from it), one for the session: the crash tests and the manager's kill tests share it."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the kill tests fork ranks from a zygote and use PR_SET_PDEATHSIG and /proc (Linux only)")
+    from crash._launcher import Zygote  # tests/ is on sys.path (rootdir-relative packages, as pytest imports them)
+
+    z = Zygote()
+    try:
+        yield z
+    finally:
+        z.close()
 
 
 @pytest.fixture
