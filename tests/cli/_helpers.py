@@ -41,9 +41,9 @@ SPAWN_ENV = "DCP_STORAGE_CLI_TESTS_SPAWN"
 
 
 def run_python(
-    argv: list[str], env: dict[str, str], input: str | None = None, timeout: float = 120
+    argv: list[str], env: dict[str, str], input: str | None = None, timeout: float = 120, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
-    """``python ARGV`` (``-m MODULE ...``, ``-c CODE ...`` or ``SCRIPT ...``) from the repository root, in a process of its own:
+    """``python ARGV`` (``-m MODULE ...``, ``-c CODE ...`` or ``SCRIPT ...``) from ``cwd``, in a process of its own:
     a fork of the CLI zygote, which imported torch once (``_zygote.py``), or a new interpreter when
     ``DCP_STORAGE_CLI_TESTS_SPAWN=1``."""
     if os.environ.get(SPAWN_ENV, "") not in ("", "0"):
@@ -55,11 +55,11 @@ def run_python(
             text=True,
             timeout=timeout,
             env=env,
-            cwd=REPO,
+            cwd=cwd,
         )
     from ._zygote import zygote
 
-    return zygote().run(argv, env, str(REPO), input, timeout)
+    return zygote().run(argv, env, str(cwd), input, timeout)
 
 
 def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> Result:

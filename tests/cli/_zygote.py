@@ -143,6 +143,8 @@ def _child(job: dict[str, Any], base_path: list[str]) -> None:
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
         os.environ.clear()
         os.environ.update(job["env"])
+        if job["env"].get("OMP_NUM_THREADS", "").isdigit():  # torch read it at import, in the zygote
+            sys.modules["torch"].set_num_threads(max(1, int(job["env"]["OMP_NUM_THREADS"])))
         os.chdir(job["cwd"])
         argv = list(job["argv"])
         extra = [p for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
