@@ -85,14 +85,21 @@ class CliZygote:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd), **paths}) + "\n")
             self.proc.stdin.flush()
-            pid = self._read(30.0)["pid"]
+            pid = 0
             try:
+                pid = self._read(30.0)["pid"]
                 rc = self._read(timeout)["rc"]
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 self._read(30.0)  # the zygote reaps it and reports
                 raise subprocess.TimeoutExpired([sys.executable, *argv], timeout) from None
+            except BaseException:  # interrupted mid-command (pytest-timeout, ^C): the protocol is out of step
+                with contextlib.suppress(ProcessLookupError):
+                    if pid:
+                        os.kill(pid, signal.SIGKILL)
+                self.close()  # the next command starts a new zygote
+                raise
             with open(paths["stdout"], encoding="utf-8", errors="replace") as f:
                 stdout = f.read()
             with open(paths["stderr"], encoding="utf-8", errors="replace") as f:
