@@ -94,7 +94,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         warm_up()
     except Exception as exc:  # noqa: BLE001 - an optimisation; run_ranks retries
         warnings.warn(f"could not pre-start the run_ranks forkserver: {exc!r}", stacklevel=1)
-    if not session.config.option.collectonly and _runs_cli_tests(session):
+    spawn = os.environ.get("DCP_STORAGE_CLI_TESTS_SPAWN", "") not in ("", "0")  # tests/cli/_helpers.py
+    if not session.config.option.collectonly and not spawn and _runs_cli_tests(session):
         _start_cli_zygote()
 
 
