@@ -1,4 +1,5 @@
-"""Running the ``dcp-storage`` CLI from tests: real subprocesses, storage options as flags, bit-exact checks."""
+"""Running the ``dcp-storage`` CLI from tests: processes of their own (forks of a zygote that imported torch
+once), storage options as flags, bit-exact checks."""
 
 from __future__ import annotations
 
@@ -35,32 +36,42 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Set to 1 to run each command in a new interpreter instead of a fork of the zygote (``_zygote.py``).
+SPAWN_ENV = "DCP_STORAGE_CLI_TESTS_SPAWN"
+
+
+def run_python(
+    argv: list[str], env: dict[str, str], input: str | None = None, timeout: float = 120, cwd: Path = REPO
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGV`` (``-m MODULE ...``, ``-c CODE ...`` or ``SCRIPT ...``) from ``cwd``, in a process of its own:
+    a fork of the CLI zygote, which imported torch once (``_zygote.py``), or a new interpreter when
+    ``DCP_STORAGE_CLI_TESTS_SPAWN=1``."""
+    if os.environ.get(SPAWN_ENV, "") not in ("", "0"):
+        return subprocess.run(
+            [sys.executable, *argv],
+            input=input,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+        )
+    from ._zygote import zygote
+
+    return zygote().run(argv, env, str(cwd), input, timeout)
+
+
 def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> Result:
-    """``python -m dcp_storage.cli ARGV`` in a fresh process."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcp_storage.cli", *argv],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or cli_env(),
-        cwd=REPO,
-    )
+    """``python -m dcp_storage.cli ARGV`` in a process of its own (see :func:`run_python`)."""
+    proc = run_python(["-m", "dcp_storage.cli", *argv], env or cli_env(), timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
 def run_batch(commands: list[list[str]], timeout: float = 300, env: dict[str, str] | None = None) -> list[Result]:
-    """Several command lines through ``dcp_storage.cli.main`` in one fresh process (see ``_batch.py``)."""
-    proc = subprocess.run(
-        [sys.executable, str(BATCH)],
-        input=json.dumps(commands),
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or cli_env(),
-        cwd=REPO,
-    )
+    """Several command lines through ``dcp_storage.cli.main`` in one process of its own (see ``_batch.py``
+    and :func:`run_python`)."""
+    proc = run_python([str(BATCH)], env or cli_env(), input=json.dumps(commands), timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     return [Result(**r) for r in json.loads(proc.stdout)]
 

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._helpers import Result, cli_env, run_batch, run_cli
+from ._helpers import Result, cli_env, run_batch, run_cli, run_python
 
 # plugin name -> (template, generated test module)
 PLUGINS = {
@@ -59,16 +59,14 @@ def scaffold_and_install(root: Path) -> Scaffolded:
     # The transport's suite is the whole conformance suite; its 2-then-3-rank test (a minute under load) runs
     # with DCP_STORAGE_SCAFFOLD_RANKS=1 (the core's tests/conformance runs it on every shared backend).
     ranks = [] if os.environ.get("DCP_STORAGE_SCAFFOLD_RANKS") else ["-k", "not fsdp2_save_2_ranks"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--junitxml={report}"]
+    # pytest in a process of its own: a fork of the CLI tests' zygote (torch imported once), see run_python.
+    proc = run_python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--junitxml={report}"]
         + ranks
         + [f"dcp-storage-{name}/tests" for name in PLUGINS],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
+        env,
         timeout=300,
-        check=False,
+        cwd=root,
     )
     output = f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     tests: dict[str, Counter[str]] = {name: Counter() for name in PLUGINS}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._helpers import assert_same_tensors, cli_env, flatten, option_flags, run_batch, run_cli
+from ._helpers import assert_same_tensors, cli_env, flatten, option_flags, run_batch, run_cli, run_python
 
 
 def _load_dcp(path: Path | str, storage_options: dict | None = None) -> dict[str, object]:
@@ -250,8 +250,6 @@ def test_torch_output_of_a_source_failing_midway_is_an_error_not_an_abort(tmp_pa
     abandoned output stream, wrote its end records into the closed file when it was freed: C++ terminate,
     the whole process killed by SIGABRT (exit 134), also in a program that had caught the error."""
     import os
-    import subprocess
-    import sys
 
     import torch.distributed.checkpoint as dcp
 
@@ -277,9 +275,7 @@ def test_torch_output_of_a_source_failing_midway_is_an_error_not_an_abort(tmp_pa
             "gc.collect()\n"
             "print('alive')\n"
         )
-        proc = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=120
-        )
+        proc = run_python(["-c", script], cli_env())
         assert proc.returncode == 0 and proc.stdout.strip() == "alive", proc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the directory the run made is gone too
 

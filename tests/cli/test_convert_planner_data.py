@@ -9,9 +9,6 @@ index); a negative index, a list index mixed with a key, or a tensor under anoth
 from __future__ import annotations
 
 import pickle
-import resource
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ._helpers import REPO, cli_env
+from ._helpers import cli_env, run_python
 
 BIG = 2**40
 
@@ -34,8 +31,14 @@ def _checkpoint(root: Path, state: dict[str, Any], paths: dict[str, tuple[Any, .
     return root
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+# ``python -m dcp_storage.cli ARGV`` with the address space limited to 4 GiB first (a process of its own: a
+# fork of the CLI tests' zygote, see _helpers.run_python).
+_CLI_IN_4_GIB = (
+    "import resource, runpy, sys\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+    "sys.argv = ['dcp-storage', *sys.argv[1:]]\n"
+    "runpy.run_module('dcp_storage.cli', run_name='__main__', alter_sys=True)\n"
+)
 
 
 def test_a_list_index_of_2_to_the_40_is_refused_before_any_allocation(tmp_path: Path) -> None:
@@ -46,16 +49,8 @@ def test_a_list_index_of_2_to_the_40_is_refused_before_any_allocation(tmp_path: 
     )
     assert (ckpt / ".metadata").stat().st_size < 2000
     for to in ("torch", "dcp"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "dcp_storage.cli", "convert", str(ckpt), str(tmp_path / f"out.{to}"), "--to", to],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=cli_env(),
-            cwd=REPO,
-            preexec_fn=_limit_memory,
-            check=False,
-        )
+        argv = ["convert", str(ckpt), str(tmp_path / f"out.{to}"), "--to", to]
+        proc = run_python(["-c", _CLI_IN_4_GIB, *argv], cli_env())
         assert proc.returncode == 1, proc.stderr
         assert "CorruptCheckpointError" in proc.stderr and f"a.{BIG}" in proc.stderr, proc.stderr
         assert "list index" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

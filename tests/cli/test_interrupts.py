@@ -12,28 +12,18 @@ N tensors read.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from ._helpers import REPO, cli_env
+from ._helpers import cli_env, run_python
 
 DRIVER = Path(__file__).with_name("_interrupt_driver.py")
 
 
 def _drive(jobs: list[dict]) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER)],
-        input=json.dumps(jobs),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=cli_env(),
-        cwd=REPO,
-        check=False,
-    )
+    # A process of its own (a fork of the CLI tests' zygote, see run_python): an abort ends it, not the test.
+    proc = run_python([str(DRIVER)], cli_env(), input=json.dumps(jobs), timeout=600)
     assert proc.returncode == 0, (
         f"rc={proc.returncode} (a C++ abort, or a SIGTERM not handled, kills the whole batch)\n{proc.stderr[-3000:]}"
     )

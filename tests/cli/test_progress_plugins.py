@@ -15,7 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from ._helpers import REPO, cli_env, run_cli
+from ._helpers import REPO, cli_env, run_cli, run_python
 
 
 def _run_on_pty(argv: list[str], env: dict[str, str], timeout: float = 120) -> tuple[int, str]:
@@ -91,23 +91,12 @@ def test_plugins_lists_failures_with_reason(tmp_path: Path) -> None:
         "PLANNER = object()\n",
     )
     env = cli_env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent("""
-            import json, sys
-            from tests.cli._batch import run_one
-            print(json.dumps([run_one(a) for a in (["plugins", "--json"], ["plugins"], ["plugins", "--strict"])]))
-        """),
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=120,
-    )
+    code = textwrap.dedent("""
+        import json, sys
+        from tests.cli._batch import run_one
+        print(json.dumps([run_one(a) for a in (["plugins", "--json"], ["plugins"], ["plugins", "--strict"])]))
+    """)
+    proc = run_python(["-c", code], env)
     assert proc.returncode == 0, proc.stderr
     as_json, text, strict = json.loads(proc.stdout)
     assert as_json["rc"] == 0

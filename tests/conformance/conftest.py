@@ -6,8 +6,8 @@ the test, plus its name in :data:`BACKENDS`. The ``location`` fixture is paramet
 :data:`BACKENDS`, so every test of :class:`~conformance.mixin.StorageConformance` runs on every backend
 (``shared_location``, for multi-process tests, over those that several processes can share).
 
-Servers start once per session (per xdist worker): moto from the root ``conftest.py`` (``s3_url``),
-fake-gcs-server and azurite from here. Tests isolate by bucket/container, never by restarting a server.
+Servers start once per session (per xdist worker): moto and azurite from the root ``conftest.py``
+(``s3_url``, ``azurite_server``), fake-gcs-server from here. Tests isolate by bucket/container, never by restarting a server.
 A server that cannot start skips its backend's tests with the reason, or fails them when ``CI=true``.
 """
 
@@ -32,7 +32,7 @@ import fsspec
 import pytest
 
 from dcp_storage_testing._server_process import StartStop
-from dcp_storage_testing.azurite import AzuriteError, AzuriteServer
+from dcp_storage_testing.azurite import AzuriteServer
 from dcp_storage_testing.conformance import Location
 from dcp_storage_testing.gcs_server import FakeGcsServer, FakeGcsServerError
 from dcp_storage_testing.serving import serving
@@ -59,13 +59,6 @@ def _timed_serving(name: str, make: Callable[[], S], errors: tuple[type[BaseExce
 def gcs_server() -> Iterator[FakeGcsServer]:
     """fake-gcs-server for the whole session (in memory, plain HTTP, 127.0.0.1)."""
     with _timed_serving("fake-gcs-server", FakeGcsServer, (FakeGcsServerError, OSError)) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def azurite_server() -> Iterator[AzuriteServer]:
-    """azurite's blob service for the whole session (installed with npm into ``.servers/`` on first use)."""
-    with _timed_serving("azurite", AzuriteServer, (AzuriteError, OSError)) as server:
         yield server
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import subprocess
-import sys
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -263,7 +261,7 @@ def test_no_leak_from_access_errors(
 
 
 def test_no_leak_through_the_cli(secret_location: S3Location) -> None:
-    from tests.cli._helpers import option_flags, run_batch
+    from tests.cli._helpers import option_flags, run_batch, run_cli
 
     url, opts = secret_location
     dcp.save({"w": torch.ones(4), "step": 1}, storage_writer=ds.FsspecWriter(url, opts), no_dist=True)
@@ -282,20 +280,13 @@ def test_no_leak_through_the_cli(secret_location: S3Location) -> None:
     }
     results = dict(zip(commands, run_batch(list(commands.values()), timeout=300)))
     # --debug on a failure re-raises out of main(): that needs a process of its own.
-    debug = subprocess.run(
-        [sys.executable, "-m", "dcp_storage.cli", "--debug", "inspect", wrong, *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        check=False,
-    )
+    debug = run_cli("--debug", "inspect", wrong, *flags)
     assert results["inspect --json --debug"].rc == 0, results["inspect --json --debug"]
     assert results["verify --deep --json --debug"].rc == 0, results["verify --deep --json --debug"]
     assert results["convert"].rc == 0, results["convert"]
     assert results["verify wrong bucket"].rc == 1 and results["inspect wrong bucket"].rc == 1
     assert results["malformed option"].rc == 2 and "KEY=VALUE" in results["malformed option"].stderr
-    assert debug.returncode == 1 and "Traceback" in debug.stderr
+    assert debug.rc == 1 and "Traceback" in debug.stderr
     outputs = {name: r.stdout + r.stderr for name, r in results.items()}
     outputs["inspect wrong bucket --debug"] = debug.stdout + debug.stderr
     leaks = {name: _leaks(text) for name, text in outputs.items() if _leaks(text)}

@@ -1,7 +1,8 @@
 """Every snippet of the README's "Common tasks" section runs, as written, as a script of its own.
 
 The section promises complete scripts, so each ```python block is written to a file in a fresh directory
-and run in a subprocess of this interpreter (hub downloads off). A block whose first line is
+and run in a process of its own (hub downloads off): a fork of the CLI tests' zygote, which imported torch
+once (``tests/cli/_zygote.py``; ``DCP_STORAGE_CLI_TESTS_SPAWN=1`` for a new interpreter). A block whose first line is
 ``# torchrun --nproc-per-node N ...`` runs under torchrun with N gloo ranks on loopback. A snippet that
 raises, asserts or hangs fails its test with the script's output.
 """
@@ -61,10 +62,16 @@ def test_snippet_runs(title: str, code: str, tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(README.parent), env.get("PYTHONPATH")]))
     first = code.splitlines()[0]
     launcher = TORCHRUN.match(first)
-    if launcher:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={launcher[1]}"]
-    else:
-        argv = [sys.executable]
+    if not launcher:  # one process: a fork of the CLI tests' zygote (torch imported once), run as a script
+        from tests.cli._helpers import run_python
+
+        try:
+            done = run_python([str(script)], env, timeout=180, cwd=tmp_path)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"README snippet {title!r} hung (killed after 180 s)")
+        assert done.returncode == 0, f"README snippet {title!r} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        return
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={launcher[1]}"]
     # Own session, so a hung snippet's ranks die with their launcher when the timeout kills the group.
     proc = subprocess.Popen(
         [*argv, str(script)],

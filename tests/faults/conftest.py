@@ -1,8 +1,8 @@
 """Fixtures for fault-injection tests: a :class:`FaultProxy` in front of the session's moto server.
 
 ``fault_proxy`` (module): the proxy, its rules cleared and its counters reset before each test.
-``azurite`` and ``az_proxy`` (package): one azurite for the package's tests (its start-up takes seconds),
-and a proxy in front of it.
+``azurite`` and ``az_proxy`` (package): the session's azurite (root ``conftest.py``; its start-up takes
+seconds), and a proxy in front of it.
 ``proxied_s3`` (function) and ``proxied_s3_module`` (module): ``(s3://bucket/ckpt, storage_options)``
 where the options reach moto *through the proxy*; the bucket is created and deleted on moto directly, so
 bucket admin never meets a fault.
@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 
-from dcp_storage_testing.azurite import AzuriteError, AzuriteServer
+from dcp_storage_testing.azurite import AzuriteServer
 from dcp_storage_testing.fault_proxy import FaultProxy
 from dcp_storage_testing.s3_server import S3Location
-from dcp_storage_testing.serving import serving
 
 # botocore's socket read timeout in these tests: a "slow" fault (held back longer) makes the client time
 # out and retry; a healthy response from moto on a busy 2-core machine comes well within it.
@@ -28,9 +27,9 @@ SLOW_DELAY = 0.6
 
 
 @pytest.fixture(scope="package")
-def azurite() -> Iterator[AzuriteServer]:
-    with serving("azurite", AzuriteServer, (AzuriteError, OSError)) as server:
-        yield server
+def azurite(azurite_server: AzuriteServer) -> AzuriteServer:
+    """The session's azurite (root ``conftest.py``): its start-up takes seconds, so one serves every test."""
+    return azurite_server
 
 
 @pytest.fixture(scope="package")

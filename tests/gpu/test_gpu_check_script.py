@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 def test_gpu_check_dry_run_on_cpu() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu", "--ranks", "2"], capture_output=True, text=True, timeout=240
-    )
+    from tests.cli._helpers import run_python  # the script as __main__ in a fork of the zygote (torch imported)
+
+    proc = run_python([str(SCRIPT), "--cpu", "--ranks", "2"], dict(os.environ), timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all checks passed" in proc.stdout

@@ -150,10 +150,10 @@ print(json.dumps(out))
 
 def test_state_attacks_are_live_without_the_guard() -> None:
     """Each attack changes the process (or the instance) when only the allow-list stands in its way."""
+    from tests.cli._helpers import run_python  # a process of its own: a fork of the zygote (torch imported)
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run(
-        [sys.executable, "-c", _LIVE], check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
-    )
+    res = run_python(["-c", _LIVE], env, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     for name in [*P.STATE_ATTACKS, *P.RECORD_STATE_ATTACKS]:

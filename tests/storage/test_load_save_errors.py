@@ -5,8 +5,7 @@ rank raised it, and the readers' metadata fallback reports one failure once."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -39,9 +38,10 @@ except BaseException as exc:
 
 
 def _child(url: str, options: dict[str, Any], how: str) -> tuple[dict[str, Any], list[str]]:
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, url, json.dumps(options), how], capture_output=True, text=True, timeout=240
-    )
+    """``python -c CHILD ...`` in a process of its own (a fork of the CLI tests' zygote: torch imported once)."""
+    from tests.cli._helpers import run_python
+
+    done = run_python(["-c", CHILD, url, json.dumps(options), how], dict(os.environ), timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr.splitlines()
 

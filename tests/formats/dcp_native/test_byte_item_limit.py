@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import pickle
 import subprocess
-import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -57,15 +56,10 @@ _LOAD = textwrap.dedent(
 
 
 def _run(ckpt: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", _LOAD, str(ckpt)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, **env},
-        check=False,
-    )
+    """``python -c _LOAD CKPT`` in a process of its own (a fork of the CLI tests' zygote: torch imported once)."""
+    from tests.cli._helpers import run_python
+
+    return run_python(["-c", _LOAD, str(ckpt)], {**os.environ, **env}, timeout=120)
 
 
 def test_an_8_gib_byte_item_in_a_sparse_file_is_refused_before_any_allocation(tmp_path: Path) -> None:
