@@ -125,10 +125,10 @@ class Probe:
         return itertools.compress(self.names, map(str.endswith, self.names, itertools.repeat(suffix)))
 
     def first_named(self, suffix: str) -> str | None:
-        """The first name ending with ``suffix`` (the least, for a sorted listing), or ``None``."""
+        """The least name ending with ``suffix`` (whatever order the transport lists in), or ``None``."""
         if suffix + "\0" not in self._joined:  # no name ends with it (a NUL-ended name still matches: scanned)
             return None
-        return next(self.named(suffix), None)
+        return min(self.named(suffix), default=None)
 
     @functools.cached_property
     def _joined(self) -> str:

@@ -90,9 +90,16 @@ class CliZygote:
                 pid = self._read(30.0)["pid"]
                 rc = self._read(timeout)["rc"]
             except TimeoutError:
+                if not pid:  # the zygote never forked: it is stuck, start a new one next time
+                    self.close()
+                    raise subprocess.TimeoutExpired([sys.executable, *argv], timeout) from None
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                self._read(30.0)  # the zygote reaps it and reports
+                    os.kill(pid, signal.SIGKILL)  # never pid 0: that would be this whole process group
+                try:
+                    self._read(30.0)  # the zygote reaps it and reports
+                except BaseException:
+                    self.close()  # out of step: the next command starts a new zygote
+                    raise
                 raise subprocess.TimeoutExpired([sys.executable, *argv], timeout) from None
             except BaseException:  # interrupted mid-command (pytest-timeout, ^C): the protocol is out of step
                 with contextlib.suppress(ProcessLookupError):
@@ -207,6 +214,25 @@ def _child(job: dict[str, Any], base_path: list[str]) -> None:
         os._exit(code & 0xFF)
 
 
+def _wait_or_orphaned(child: int) -> int:
+    """The child's wait status; if the test process goes away meanwhile (its end of the zygote's stdin
+    closes: killed by a CI timeout), the child is killed and this process exits, so neither outlives it."""
+    import select
+
+    while True:
+        done, raw = os.waitpid(child, os.WNOHANG)
+        if done:
+            return raw
+        # The test process writes nothing while a command runs (it waits for the rc), so stdin turning
+        # readable means it closed.
+        readable, _, _ = select.select([sys.stdin], [], [], 0.05)
+        if readable:
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+            os._exit(0)
+
+
 def _serve() -> None:
     import importlib
 
@@ -231,7 +257,7 @@ def _serve() -> None:
                 _child(job, base_path)
             out.write(json.dumps({"pid": child}) + "\n")
             out.flush()
-            _, raw = os.waitpid(child, 0)
+            raw = _wait_or_orphaned(child)
             child = 0
             rc = -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
             out.write(json.dumps({"rc": rc}) + "\n")
