@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dcp_storage.integrity.checksums import DEFAULT_ALGORITHM
+
 from ._helpers import run_batch
 
 
@@ -113,7 +115,9 @@ def test_verify_good_checkpoints(sources: dict[str, Path], damaged: dict[str, Pa
         assert r.rc == 0, r
         assert r.stderr == ""
     assert "OK" in results[0].stdout and "--deep" in results[0].stdout
-    assert "xxh3_64 checksums of 11 records in 2 files checked" in results[1].stdout  # FsspecWriter records them
+    assert (
+        f"{DEFAULT_ALGORITHM} checksums of 11 records in 2 files checked" in results[1].stdout
+    )  # FsspecWriter records them
     assert "no checksums recorded" in results[2].stdout  # safetensors' own save_file records none
     report = json.loads(results[3].stdout)
     assert report["ok"] and report["checked"]["tensors_read"] == report["checked"]["tensors"] > 0

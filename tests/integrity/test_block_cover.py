@@ -17,6 +17,7 @@ from dcp_storage.formats.dcp_native.torch_record import parse_tensor_record
 from dcp_storage.formats.dcp_native.writer import FsspecWriter
 from dcp_storage.formats.reading import StoredTensor, plan_slice_read, read_slices
 from dcp_storage.integrity.blocks import BlockCover
+from dcp_storage.integrity.checksums import digest_width
 from dcp_storage.transports.factory import open_transport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -27,11 +28,24 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor,
     root = tmp_path_factory.mktemp("blocks")
     w = torch.randn(1024, 1000, generator=torch.Generator().manual_seed(3))  # 3.9 MiB: 5 blocks
     dcp.save({"w": w}, storage_writer=FsspecWriter(str(root)), no_dist=True)
-    files = json.loads((root / ".dcp_storage.json").read_bytes())["checksums"]["files"]
-    ((name, entry),) = files.items()
+    sums = json.loads((root / ".dcp_storage.json").read_bytes())["checksums"]
+    ((name, entry),) = sums["files"].items()
     (item,) = entry["items"]
     (offset, digests, first, size) = entry["blocks"][0]
-    return root / name, w, {"offset": offset, "length": item[1], "digests": digests, "first": first, "size": size}
+    algorithm = sums["algorithm"]
+    return (
+        root / name,
+        w,
+        {
+            "offset": offset,
+            "length": item[1],
+            "digests": digests,
+            "first": first,
+            "size": size,
+            "algorithm": algorithm,
+            "width": digest_width(algorithm),
+        },
+    )
 
 
 def _read(path: Path, w: torch.Tensor, rec: dict, offsets: list[int], lengths: list[int], dest: torch.Tensor) -> int:
@@ -39,8 +53,11 @@ def _read(path: Path, w: torch.Tensor, rec: dict, offsets: list[int], lengths: l
     with transport:
         head = bytes(transport.read_range(fpath, rec["offset"], rec["offset"] + 4096))
         parsed = parse_tensor_record(head, rec["length"], str(path))
-        digests = tuple(rec["digests"][i : i + 16] for i in range(0, len(rec["digests"]), 16))
-        cover = BlockCover(rec["offset"], rec["length"], rec["size"], digests, "xxh3_64", str(path), rec["first"])
+        width = rec["width"]
+        digests = tuple(rec["digests"][i : i + width] for i in range(0, len(rec["digests"]), width))
+        cover = BlockCover(
+            rec["offset"], rec["length"], rec["size"], digests, rec["algorithm"], str(path), rec["first"]
+        )
         stored = StoredTensor(
             fpath, rec["offset"] + parsed.data_start, parsed.dtype, parsed.shape, parsed.stride, 0, str(path)
         )
@@ -53,7 +70,7 @@ def _read(path: Path, w: torch.Tensor, rec: dict, offsets: list[int], lengths: l
 def test_the_first_block_is_the_header(saved: tuple[Path, torch.Tensor, dict]) -> None:
     _path, _w, rec = saved
     assert 0 < rec["first"] < 4096 and rec["size"] == 64 * 1024  # 4 MB of elements: 1/64 of them, a power of 2
-    assert len(rec["digests"]) == 16 * (1 + -(-(rec["length"] - rec["first"]) // rec["size"]))
+    assert len(rec["digests"]) == rec["width"] * (1 + -(-(rec["length"] - rec["first"]) // rec["size"]))
 
 
 def test_every_slice_shape_is_bit_exact(saved: tuple[Path, torch.Tensor, dict]) -> None:
@@ -81,7 +98,7 @@ def test_a_shard0_split_on_a_block_boundary_reads_nothing_more(saved: tuple[Path
     dcp.save({"w": w2}, storage_writer=FsspecWriter(str(root)), no_dist=True)
     entry = next(iter(json.loads((root / ".dcp_storage.json").read_bytes())["checksums"]["files"].values()))
     _offset, digests, first, size = entry["blocks"][0]
-    rec2 = {"offset": 0, "length": entry["items"][0][1], "digests": digests, "first": first, "size": size}
+    rec2 = {**rec, "offset": 0, "length": entry["items"][0][1], "digests": digests, "first": first, "size": size}
     name = next(root.glob("*.distcp"))
     assert _read(name, w2, rec2, [0, 0], [512, 1024], torch.empty(512, 1024)) == 512 * 1024 * 4
     assert _read(name, w2, rec2, [512, 0], [512, 1024], torch.empty(512, 1024)) - 512 * 1024 * 4 < 4096

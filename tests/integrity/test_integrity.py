@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_storage import FsspecReader, FsspecWriter, open_reader, verify
 from dcp_storage.cli import main as cli_main
-from dcp_storage.integrity.checksums import ALGORITHMS, HashingWriter, checksum
+from dcp_storage.integrity.checksums import ALGORITHMS, DEFAULT_ALGORITHM, HashingWriter, checksum
 from dcp_storage.integrity.manifest import MANIFEST_FILE, Manifest
 from dcp_storage.opening import UnknownFormatError
 from dcp_storage_testing.distributed import run_ranks
@@ -70,7 +70,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_manifest_written_and_torch_still_loads(ckpt: Path) -> None:
     manifest = Manifest.from_json((ckpt / MANIFEST_FILE).read_bytes(), str(ckpt))
     assert manifest.format == "dcp/1" and manifest.format_distribution == "dcp-storage"
-    assert manifest.writer.startswith("dcp-storage/") and manifest.algorithm == "xxh3_64"
+    assert manifest.writer.startswith("dcp-storage/") and manifest.algorithm == DEFAULT_ALGORITHM
     records = dcp_records(ckpt)
     assert len(records) == 5 and {r[0] for r in records} == set(manifest.files)
     for name, entry in manifest.files.items():
@@ -78,7 +78,7 @@ def test_manifest_written_and_torch_still_loads(ckpt: Path) -> None:
         assert entry.size == len(data)
         assert sum(i.length for i in entry.items) == len(data)  # items tile the file
         for item in entry.items:
-            assert checksum(data[item.offset : item.end], "xxh3_64") == item.digest
+            assert checksum(data[item.offset : item.end], DEFAULT_ALGORITHM) == item.digest
     out = _blank()
     dcp.load(out, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)  # torch's own reader
     assert torch.equal(out["model"]["embed"], _state()["model"]["embed"]) and out["step"] == 7
@@ -132,7 +132,7 @@ def test_verify_cli_exit_codes(ckpt: Path, tmp_path: Path, capsys: pytest.Captur
     shutil.copytree(ckpt, good)
     assert cli_main(["verify", str(good), "--deep"]) == 0
     out = capsys.readouterr().out
-    assert "OK" in out and "xxh3_64 checksums of 5 records in 5 files checked" in out
+    assert "OK" in out and f"{DEFAULT_ALGORITHM} checksums of 5 records in 5 files checked" in out
 
     damaged = tmp_path / "damaged"
     shutil.copytree(ckpt, damaged)
@@ -159,7 +159,7 @@ def test_verify_cli_exit_codes(ckpt: Path, tmp_path: Path, capsys: pytest.Captur
 def test_inspect_shows_descriptors(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    assert "written:    dcp/1 by dcp-storage/" in out and "checksums:  xxh3_64, 5 records" in out
+    assert "written:    dcp/1 by dcp-storage/" in out and f"checksums:  {DEFAULT_ALGORITHM}, 5 records" in out
 
 
 def test_unknown_format_descriptor_names_the_distribution(ckpt: Path, tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from dcp_storage.formats.safetensors.checksums import (
     WRITER_KEY,
     FileSums,
 )
+from dcp_storage.integrity.checksums import DEFAULT_ALGORITHM, digest_width
 from dcp_storage.integrity.manifest import MANIFEST_FILE, Manifest
 from dcp_storage_testing.distributed import run_ranks
 
@@ -109,7 +110,11 @@ def test_writes_provenance_and_checksums_and_verifies_clean(which: str, request:
     for f in files:
         with safe_open(str(f), "pt") as st:  # the reference library still loads it
             md = st.metadata()
-        assert md["format"] == "pt" and md[WRITER_KEY].startswith("dcp-storage/") and md[ALGORITHM_KEY] == "xxh3_64"
+        assert (
+            md["format"] == "pt"
+            and md[WRITER_KEY].startswith("dcp-storage/")
+            and md[ALGORITHM_KEY] == DEFAULT_ALGORITHM
+        )
         assert HEADER_KEY in md and all(CHECKSUM_PREFIX + k in md for k in load_file(str(f)))
     if which == "dist_ckpt":  # sharded tensors carry one digest per rank's chunk
         md = {}
@@ -117,16 +122,16 @@ def test_writes_provenance_and_checksums_and_verifies_clean(which: str, request:
             with safe_open(str(f), "pt") as st:
                 md.update(st.metadata())
         assert json.loads(md[CHECKSUM_PREFIX + "proj"])[1][0] == [0, 20]
-        assert len(md[CHECKSUM_PREFIX + "norm"]) == 16  # replicated: written whole, once
+        assert len(md[CHECKSUM_PREFIX + "norm"]) == digest_width(DEFAULT_ALGORITHM)  # replicated: written whole, once
     report = verify(ckpt, deep=True)
     assert report.ok, report.problems
-    assert any("xxh3_64 checksums of" in n for n in report.notes), report.notes
+    assert any(f"{DEFAULT_ALGORITHM} checksums of" in n for n in report.notes), report.notes
     shallow = verify(ckpt)
     assert shallow.ok and any("header checksums of" in n for n in shallow.notes), shallow.notes
     out = _load(ckpt, ref)
     assert all(torch.equal(out[k], ref[k]) for k in ref)
     prov = describe(str(ckpt)).provenance
-    assert prov["writer"].startswith("dcp-storage/") and prov["checksums"] == "xxh3_64", prov
+    assert prov["writer"].startswith("dcp-storage/") and prov["checksums"] == DEFAULT_ALGORITHM, prov
 
 
 @pytest.mark.parametrize("which", ["dist_ckpt", "single_ckpt"])
@@ -220,7 +225,7 @@ def test_convert_to_dcp_records_manifest_and_verifies_deep(single_ckpt: Path, tm
     out = tmp_path / "as_dcp"
     assert cli_main(["convert", str(single_ckpt), str(out), "--to", "dcp"]) == 0
     manifest = Manifest.from_json((out / MANIFEST_FILE).read_bytes(), str(out))
-    assert manifest.format == "dcp/1" and manifest.algorithm == "xxh3_64"
+    assert manifest.format == "dcp/1" and manifest.algorithm == DEFAULT_ALGORITHM
     assert sum(len(f.items) for f in manifest.files.values()) == len(_single_state())
     report = verify(out, deep=True)
     assert report.ok and any("checksums of" in n for n in report.notes), (report.problems, report.notes)
@@ -240,7 +245,10 @@ def test_two_ranks_streaming_to_s3_record_checksums(s3_url: Any) -> None:
     url, options = s3_url
     run_ranks(R.save_dtensors, 2, url, options, timeout=120.0)
     report = verify(url, options, deep=True)
-    assert report.ok and any("xxh3_64 checksums of" in n for n in report.notes), (report.problems, report.notes)
+    assert report.ok and any(f"{DEFAULT_ALGORITHM} checksums of" in n for n in report.notes), (
+        report.problems,
+        report.notes,
+    )
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url, **options)
