@@ -77,6 +77,7 @@ __all__ = [
     "PendingUpload",
     "ScatterSink",
     "abort_pending",
+    "client_ready",
     "can_stream",
     "create_local",
     "fsspec_put_if_absent",
@@ -119,7 +120,7 @@ async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
         raise translated from exc
 
 
-def _client_ready(fs: Any) -> None:
+def client_ready(fs: Any) -> None:
     """Build s3fs's client (once per filesystem) before a request's deadline starts counting.
 
     Building it is local work (botocore loads its service model and endpoint rules), not a request in flight;
@@ -131,7 +132,7 @@ def _client_ready(fs: Any) -> None:
 
 def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
     """Blocking :func:`_call`: ``s3_call(fs, "put_object", Bucket=..., Key=..., Body=...)``."""
-    _client_ready(fs)
+    client_ready(fs)
     return bounded_sync(fs.loop, _call, fs, method, **kwargs)
 
 
@@ -232,7 +233,7 @@ def stream_range(
     With ``if_match`` the GET is conditional on that ETag (a ``412`` raises
     :class:`~.versions.VersionConditionFailed`); ``saw(etag)`` gets the answer's ETag before any ``emit``.
     """
-    _client_ready(fs)
+    client_ready(fs)
     return int(bounded_sync(fs.loop, _get_range, fs, path, start, end, emit, if_match, saw))
 
 
@@ -262,7 +263,7 @@ def read_object(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
 
 def read_object_version(fs: Any, path: str, max_bytes: int | None = None) -> tuple[bytes, str | None]:
     """:func:`read_object` and the answer's ETag."""
-    _client_ready(fs)
+    client_ready(fs)
     data, etag = bounded_sync(fs.loop, _get_object, fs, path, max_bytes)
     return bytes(data), etag
 

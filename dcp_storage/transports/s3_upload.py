@@ -23,6 +23,7 @@ the credentials, endpoint and ``s3_additional_kwargs`` of the filesystem.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import logging
@@ -33,9 +34,10 @@ from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from dcp_storage.errors import TransportError
-from dcp_storage.transports.s3_stream import s3_call
+from dcp_storage.integrity.checksums import crc32
+from dcp_storage.transports.s3_stream import client_ready, s3_call
 
-__all__ = ["MAX_PARTS", "Runner", "S3AtomicUpload", "part_size_at", "put_object", "upload_memory"]
+__all__ = ["MAX_PARTS", "Runner", "S3AtomicUpload", "body_checksum", "part_size_at", "put_object", "upload_memory"]
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -67,11 +69,32 @@ def upload_memory(size: int, base: int, max_pending: int) -> int:
         number += _PARTS_PER_SIZE
 
 
+def body_checksum(fs: Any, body: bytes | bytearray | memoryview) -> dict[str, str]:
+    """``{"ChecksumCRC32": ...}`` for a ``PutObject`` or ``UploadPart`` body, computed here by ISA-L, where
+    botocore would compute the same CRC-32 itself with zlib; ``{}`` where it would not.
+
+    botocore adds a CRC-32 of every upload body by default (``request_checksum_calculation="when_supported"``)
+    and computes it with zlib, about 2.4 GB/s here: 0.1 s of CPU per 256 MiB saved, on the thread that sends.
+    Given the value, it sends the same ``x-amz-checksum-crc32`` and computes nothing (ISA-L: 17-60 GB/s). A
+    client configured ``"when_required"`` (a store that refuses checksum headers), or a caller whose
+    ``s3_additional_kwargs`` name a checksum, gets none from us.
+    """
+    client_ready(fs)
+    client = getattr(fs, "_s3", None)
+    config = getattr(getattr(client, "meta", None), "config", None)
+    if getattr(config, "request_checksum_calculation", None) != "when_supported":
+        return {}
+    if any(k.startswith("Checksum") for k in getattr(fs, "s3_additional_kwargs", None) or {}):
+        return {}
+    return {"ChecksumCRC32": base64.b64encode(crc32(body).to_bytes(4, "big")).decode("ascii")}
+
+
 def put_object(fs: Any, path: str, data: bytes | bytearray | memoryview, runner: Runner) -> None:
     """One retried ``PutObject`` of ``data`` (a whole small file: metadata, an index)."""
     bucket, key, _ = fs.split_path(path)
     body = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # sent as it is: no copy
-    runner(lambda: s3_call(fs, "put_object", Bucket=bucket, Key=key, Body=body), f"write ({len(body)} bytes)")
+    sums = body_checksum(fs, body)
+    runner(lambda: s3_call(fs, "put_object", Bucket=bucket, Key=key, Body=body, **sums), f"write ({len(body)} bytes)")
     fs.invalidate_cache(path)  # s3fs caches listings; its own writers invalidate them the same way
 
 
@@ -174,6 +197,7 @@ class S3AtomicUpload:
             UploadId=self._upload_id,
             PartNumber=number,
             Body=body,
+            **body_checksum(self.fs, body),
         )
         part: dict[str, Any] = {"PartNumber": number, "ETag": out["ETag"]}
         if "ChecksumSHA256" in out:  # as s3fs does: only a checksum the caller asked for
@@ -199,7 +223,7 @@ class S3AtomicUpload:
         try:
             if self._upload_id is None:
                 body, self._buffer = self._buffer, bytearray()
-                self._call("put_object", f"write ({len(body)} bytes)", Body=body)
+                self._call("put_object", f"write ({len(body)} bytes)", Body=body, **body_checksum(self.fs, body))
             else:
                 if self._buffer:
                     tail, self._buffer = self._buffer, bytearray()
