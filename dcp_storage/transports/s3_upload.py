@@ -34,8 +34,12 @@ from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from dcp_storage.errors import TransportError
-from dcp_storage.integrity.checksums import crc32
 from dcp_storage.transports.s3_stream import client_ready, s3_call
+
+try:  # ISA-L's CRC-32 (zip's and S3's polynomial); zlib's where no wheel exists
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency
+    from zlib import crc32
 
 __all__ = ["MAX_PARTS", "Runner", "S3AtomicUpload", "body_checksum", "part_size_at", "put_object", "upload_memory"]
 
