@@ -26,6 +26,7 @@ only way to learn it in time, so it lives here with the other couplings to torch
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from collections.abc import Callable
@@ -73,6 +74,8 @@ __all__ = [
     "tensor_rebuilders",
     "torch_fsspec_classes",
     "traverse_for_current_version",
+    "SAVE_WITHOUT_CRC",
+    "save_without_crc",
     "zip_writer",
 ]
 
@@ -111,6 +114,8 @@ PRIVATE_NAMES: tuple[str, ...] = (
     "torch.nn.Module._buffers",
     "torch.nn.Module._modules",
     "torch.nn.Module._non_persistent_buffers_set",
+    "torch.serialization._get_storage_alignment",
+    "torch.serialization._save",
     "torch.storage._dtype_to_storage_type_map",
     "torch.storage._new_dtypes",
 )
@@ -184,6 +189,42 @@ def legacy_storage_type(dtype: torch.dtype) -> Any:
         return None
     name = _dtype_to_storage_type_map().get(dtype)
     return getattr(torch, name) if name else None
+
+
+def save_without_crc(obj: Any, stream: Any) -> None:
+    """``torch.save(obj, stream)`` with torch's zip writer told to compute no CRC-32 (each entry's is 0):
+    :func:`~dcp_storage.formats.writing.save_record` fills them in. torch's ``save`` takes no such option
+    per call (its ``serialization.config`` is global state), so this is ``torch.save``'s own body: a writer
+    over the stream, ``serialization._save`` with torch.save's defaults (pickle, protocol 2), and the end
+    records written on the way out."""
+    import pickle
+
+    writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
+    try:
+        torch.serialization._save(obj, writer, pickle, 2, False)
+    except BaseException:
+        # Finish the archive (torch then marks the writer finished, so its destructor writes nothing), but
+        # raise what failed, not what the half-written archive's end records make of it.
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
+    writer.write_end_of_file()
+    stream.flush()
+
+
+def _save_without_crc_available() -> bool:
+    """Whether this torch has ``serialization._save`` of the signature :func:`save_without_crc` calls."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(torch.serialization._save).parameters)
+        torch.serialization._get_storage_alignment()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return params[:5] == ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
+
+
+SAVE_WITHOUT_CRC = _save_without_crc_available()
 
 
 def zip_writer(stream: Any, alignment: int) -> Any:

@@ -1,4 +1,4 @@
-"""How a rank's save is laid out in data files, and how its write errors are reported.
+"""How a rank's save is laid out in data files, how its write errors are reported, and its records written.
 
 Write errors as a save reports them: the storage's own error, naming the path, not what torch made of it.
 
@@ -26,13 +26,22 @@ import errno
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from dcp_storage._torch import item_size, split_by_size_and_type
-from dcp_storage.errors import StorageFullError
+from dcp_storage._torch import SAVE_WITHOUT_CRC, item_size, save_without_crc, split_by_size_and_type
+from dcp_storage.errors import DcpStorageError, StorageFullError
+
+try:  # ISA-L's CRC-32 (zip's polynomial); zlib's where no wheel exists
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency
+    from zlib import crc32 as _crc32
 
 __all__ = [
     "FULL_ERRNOS",
+    "ZipCrcFiller",
+    "ZipLayoutError",
+    "save_record",
     "MemoryFile",
     "RECORD_OVERHEAD",
     "RecordingWriter",
@@ -159,3 +168,136 @@ class MemoryFile:
         self._view.release()
         del self.data[self._pos :]
         return self.data
+
+
+def save_record(obj: Any, stream: Any) -> None:
+    """``torch.save(obj, stream)`` with each zip entry's CRC-32 computed by ISA-L: the same entries, offsets
+    and CRC-32s as torch.save writes (``tests/formats/dcp_native/test_record_crc.py``).
+
+    torch's zip writer computes its CRC-32s with a table-driven loop (``crc32_16bytes``): in a DCP save of
+    512 MiB on one process that was 0.33 of the save's 0.57 s of CPU, more than serialising and writing
+    together. Here torch's writer is told to compute none and :class:`ZipCrcFiller` fills in each entry's
+    CRC-32 in the data descriptor and the central directory as they pass, computed by ISA-L (17-60 GB/s
+    here) over the entry's bytes as they are written. Where this torch
+    has no ``serialization._save`` of the signature used, it is ``torch.save`` itself.
+    """
+    if not SAVE_WITHOUT_CRC:
+        torch.save(obj, stream)
+        return
+    filler = ZipCrcFiller(stream)
+    save_without_crc(obj, filler)
+    filler.finished()
+
+
+_LOCAL = b"PK\x03\x04"
+_DESCRIPTOR = b"PK\x07\x08"
+_CENTRAL = b"PK\x01\x02"
+
+
+class ZipLayoutError(DcpStorageError, RuntimeError):
+    """torch's zip writer wrote something :class:`ZipCrcFiller` does not know; nothing is written with a
+    missing CRC-32."""
+
+
+class ZipCrcFiller:
+    """The stream torch's zip writer writes to when told to compute no CRC-32: fills them in on the way.
+
+    torch's writer (miniz) writes each entry as separate calls: a 30-byte local header, the name, the
+    extra field, the data, then a data descriptor (signature, CRC-32, compressed and uncompressed size:
+    16 bytes, 24 with zip64); at the end the central directory in one call, then the end records. The
+    filler hashes the data calls, writes the descriptor with the CRC-32 put in, and puts each entry's CRC-32
+    into its central directory record. Every field it relies on is checked (the descriptor's and the
+    central directory's sizes against the bytes seen, a zero CRC where it writes one): anything else
+    raises :class:`ZipLayoutError` instead of writing an archive with a wrong CRC-32.
+    """
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self._meta = -1  # name and extra bytes still to come after a local header; -1: not in an entry
+        self._in_data = False
+        self._described = True
+        self._crc = 0
+        self._size = 0
+        self._entries: list[tuple[int, int]] = []  # (crc, size) of each entry, in order
+        self._central = 0  # central directory records filled in
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if self._in_data:
+            if n in (16, 24) and view[:4] == _DESCRIPTOR and self._descriptor_fits(view):
+                out = bytearray(view)
+                out[4:8] = self._crc.to_bytes(4, "little")
+                self._entries.append((self._crc, self._size))
+                self._in_data = False
+                self._out.write(out)
+                return n
+            self._crc = _crc32(view, self._crc)
+            self._size += n
+        elif self._meta > 0:
+            if n > self._meta:
+                raise ZipLayoutError(
+                    f"a {n}-byte write where {self._meta} bytes of an entry's name and extra field were due"
+                )
+            self._meta -= n
+            if self._meta == 0:
+                self._entry_begins()
+        elif n == 30 and view[:4] == _LOCAL:
+            if int.from_bytes(view[14:18], "little") != 0:
+                raise ZipLayoutError("a local header with a CRC-32 already")
+            # With a data descriptor (bit 3) the data follows; without one, only an empty entry (CRC-32 0).
+            self._described = bool(int.from_bytes(view[6:8], "little") & 0x8)
+            if not self._described and int.from_bytes(view[18:26], "little") != 0:
+                raise ZipLayoutError("a local header of a non-empty entry without a data descriptor")
+            self._meta = int.from_bytes(view[26:28], "little") + int.from_bytes(view[28:30], "little")
+            if self._meta == 0:
+                self._out.write(view)
+                self._entry_begins()
+                return n
+        elif n >= 46 and view[:4] == _CENTRAL:
+            out = bytearray(view)
+            self._fill_central(out)
+            self._out.write(out)
+            return n
+        elif not self._entries or self._central != len(self._entries):  # only the end records remain
+            raise ZipLayoutError(f"an unexpected {n}-byte write between entries")
+        self._out.write(view)
+        return n
+
+    def _entry_begins(self) -> None:
+        """The local header, name and extra field are out: the data comes next, or nothing (empty entry)."""
+        self._meta = -1
+        if self._described:
+            self._in_data, self._crc, self._size = True, 0, 0
+        else:
+            self._entries.append((0, 0))
+
+    def _descriptor_fits(self, view: memoryview) -> bool:
+        wide = view.nbytes == 24
+        sizes = [int.from_bytes(view[a : a + (8 if wide else 4)], "little") for a in ((8, 16) if wide else (8, 12))]
+        return int.from_bytes(view[4:8], "little") == 0 and sizes == [self._size, self._size]
+
+    def _fill_central(self, out: bytearray) -> None:
+        pos = 0
+        while pos + 46 <= len(out) and out[pos : pos + 4] == _CENTRAL:
+            if self._central >= len(self._entries):
+                raise ZipLayoutError("more central directory records than entries written")
+            crc, size = self._entries[self._central]
+            stored = int.from_bytes(out[pos + 24 : pos + 28], "little")
+            if int.from_bytes(out[pos + 16 : pos + 20], "little") != 0 or stored not in (size, 0xFFFFFFFF):
+                raise ZipLayoutError(f"central directory record {self._central} does not match its entry")
+            out[pos + 16 : pos + 20] = crc.to_bytes(4, "little")
+            self._central += 1
+            pos += 46 + sum(int.from_bytes(out[pos + a : pos + a + 2], "little") for a in (28, 30, 32))
+        if pos != len(out):
+            raise ZipLayoutError("a central directory write that ends inside a record")
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def finished(self) -> None:
+        """Check that every entry written got its CRC-32 into the central directory."""
+        if self._in_data or self._meta > 0 or self._central != len(self._entries):
+            raise ZipLayoutError(
+                f"the archive ended with {len(self._entries)} entries and {self._central} central directory records"
+            )

@@ -72,6 +72,7 @@ from dcp_storage.formats.dcp_native.records import SeekableTransform
 from dcp_storage.formats.paths import DATA_SUFFIX, INFLATED, inflation_limit
 from dcp_storage.formats.safetensors.convert_out import pack_by_bytes
 from dcp_storage.formats.spec import ConvertTarget, Fetch, OutTensor, OutValue, WriteDestination, WriteOptions
+from dcp_storage.formats.writing import save_record
 from dcp_storage.integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for
 from dcp_storage.integrity.manifest import MANIFEST_FILE, install_hint, manifest_bytes
 from dcp_storage.runtime import held_interrupts
@@ -361,7 +362,7 @@ def write_dcp(
             for out, tensor in fetch.tensors(group):
                 stream.begin(block_size_for(tensor.numel() * tensor.element_size()))
                 with held_interrupts():  # torch's C++ zip writer calls stream.write (dcp_storage.runtime)
-                    torch.save(tensor, stream)  # type: ignore[arg-type]
+                    save_record(tensor, stream)  # torch.save, its CRC-32s by ISA-L
                 offset, length, digest = stream.end()
                 del tensor
                 records.append((name, offset, length, digest, stream.blocks, stream.first_block, stream.blocks_size))

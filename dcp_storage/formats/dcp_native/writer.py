@@ -71,7 +71,14 @@ from dcp_storage.formats.dcp_native.reader import _is_fsspec_url
 from dcp_storage.formats.dcp_native.spec import FORMAT as DCP_FORMAT
 from dcp_storage.formats.location import SavingLocation
 from dcp_storage.formats.paths import DATA_SUFFIX, LOCK_RE, RANK_METADATA_RE
-from dcp_storage.formats.writing import MemoryFile, RecordingWriter, estimated_bytes, group_items, write_error
+from dcp_storage.formats.writing import (
+    MemoryFile,
+    RecordingWriter,
+    estimated_bytes,
+    group_items,
+    save_record,
+    write_error,
+)
 from dcp_storage.integrity.blocks import ChecksummedStorage, unwrap_results
 from dcp_storage.integrity.checksums import (
     BLOCK_SIZE,
@@ -343,7 +350,7 @@ class FsspecWriter(ClaimingWriter, SavingLocation, StorageWriter):
                         )
                     out.write(data.getbuffer())
                 else:
-                    torch.save(_compact_cpu(data), out)  # type: ignore[arg-type]
+                    save_record(_compact_cpu(data), out)  # torch.save, its CRC-32s by ISA-L
             _start, length, digest = stream.end()
             stored = StorageInfo(name, offset, length, transform_descriptors=self._encoder.descriptors)
             info = (
