@@ -240,14 +240,22 @@ def test_overwrite_true_never_shows_a_reader_a_torn_mix(backend: str, request: p
     url, options, _ = sub_location(request.getfixturevalue(f"{backend}_location"), "ckpt")
     states = [{**race_state(0, who), "e": random_bits((256, 256), torch.float32, who)} for who in range(2)]
     saves = 16 if backend == "local" else 8
+    seen = {"old/new": 0, "refused": 0, "torn": 0}
+
+    def save(i: int) -> None:
+        w = FsspecWriter(url, options, overwrite=True, thread_count=2, single_file_per_rank=False)
+        dcp.save(states[i % 2], storage_writer=w, no_dist=True)
 
     def writer() -> None:
-        for i in range(saves):
-            w = FsspecWriter(url, options, overwrite=True, thread_count=2, single_file_per_rank=False)
-            dcp.save(states[i % 2], storage_writer=w, no_dist=True)
+        # At least ``saves`` saves, and on until a load has met one mid-way (a quick save on a busy machine can
+        # slip between two loads many times in a row): a fixed count made the proof depend on the timing.
+        i = 0
+        while i < saves or (not seen["refused"] and i < 20 * saves):
+            save(i)
+            i += 1
+        seen["saves"] = i
 
-    writer()  # a complete checkpoint to start from
-    seen = {"old/new": 0, "refused": 0, "torn": 0}
+    save(1)  # a complete checkpoint to start from
     job = threading.Thread(target=writer, name="overwriting-saves")
     job.start()
     while job.is_alive() or not seen["old/new"]:
@@ -258,7 +266,7 @@ def test_overwrite_true_never_shows_a_reader_a_torn_mix(backend: str, request: p
             continue
         seen["old/new" if any(matches(got, s) for s in states) else "torn"] += 1
     job.join()
-    print(f"\n{backend}: loads during {saves} overwrite=True saves: {seen}")
+    print(f"\n{backend}: loads during {seen.pop('saves')} overwrite=True saves: {seen}")
     assert seen["torn"] == 0 and seen["old/new"] > 0, seen
     assert seen["refused"] > 0, f"no load ran while a save did, so this proved nothing: {seen}"
 
