@@ -3,7 +3,9 @@
 Reads open only regular files inside their checkpoint (``confinement``, :mod:`.local_open`) and fill the
 caller's buffers with ``preadv`` (:mod:`.local_io`); a whole-file read is refused from the file's size
 before any byte is read when it is over ``max_bytes``. Writes go to a temp file beside the target, are
-``fsync``ed and renamed over it (the directory is synced too), so a file appears whole or not at all.
+``fsync``ed and renamed over it (the directory is synced too), so a file appears whole or not at all; a
+file's bytes go out from page-aligned buffers with ``O_DIRECT`` where the file system allows it
+(:class:`LocalWriter`), one write at a time per process.
 The strided-copy fast path (:mod:`.local_runs`) and the raw descriptors (:meth:`local_files`) are what
 the core's local fast paths use.
 """
@@ -11,12 +13,17 @@ the core's local fast paths use.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import fcntl
 import mmap
 import os
 import shutil
 import stat
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -45,25 +52,212 @@ HOT_PIECE_BYTES = 256 * 1024
 
 
 class LocalWriter(CountingWriter):
-    """A local temp file's writer that starts writeback of every ``WRITEBACK_BYTES`` written
-    (:func:`~dcp_storage.transports.local_io.start_writeback`); the commit still ``fsync``s."""
+    """A local temp file's writer: bytes staged in page-aligned buffers and written with ``O_DIRECT``.
 
-    WRITEBACK_BYTES = 32 * MiB
+    Why: a buffered save copies every byte into the page cache and then waits in ``fsync`` while the kernel
+    writes it back; the copy, the page-cache bookkeeping and the reclaim of those pages later cost CPU the
+    serialiser needs, and the fsync waits for writeback that started late. Here each ``STAGE_BYTES`` buffer
+    goes to the disk with ``O_DIRECT`` as soon as it is full, written by the process's disk thread
+    (:func:`_disk_thread`) while the caller fills the other buffer, and nothing is left dirty for ``fsync``,
+    which is still made: durability is unchanged. A save's data then does not sit in the page cache either
+    (a save does not read it back). Measured here (a 527 MiB model, one process, a fresh process per save,
+    medians of 6): 0.38 s and 0.38 s of CPU, against 0.54 s and 0.65 s buffered and 0.24 s for the same bytes
+    written alone with ``O_DIRECT``. A write that fails in the disk thread is raised by the caller's next
+    ``write`` or by :meth:`finish`.
+
+    ``O_DIRECT`` is switched on (``fcntl``) only when the first buffer is full, so a file smaller than one
+    buffer (``.metadata``, a lock, a manifest) is one plain ``write``; the tail of a larger file (what is
+    left under the 4 KiB alignment) is written with the flag off again. A file system that refuses the flag
+    (tmpfs, some FUSE and network file systems) gets plain writes of the same buffers, each followed by
+    :func:`~dcp_storage.transports.local_io.start_writeback`, as before ``O_DIRECT``.
+    """
+
+    STAGE_BYTES = 8 * MiB
+    ALIGN = 4096
 
     def __init__(self, raw: Any, counters: Any) -> None:
         super().__init__(raw, counters)
-        self._synced = 0
+        self._fd: int = raw.fileno()
+        self._stages: list[_StageBuffer | None] = [_StageBuffer(self.STAGE_BYTES), None]
+        self._stage: _StageBuffer = self._stages[0]  # type: ignore[assignment]
+        self._filled = 0
+        self._on_disk = 0  # bytes handed to the disk (written or being written)
+        self._pending: Future[None] | None = None
+        self.direct: bool | None = None  # None: not tried yet (no full buffer so far)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        step = self.WRITEBACK_BYTES
-        for pos in range(0, max(view.nbytes, 1), step):  # a big tensor: writeback starts after each piece
-            super().write(view[pos : pos + step])
-            if self.written - self._synced >= step:
-                self._raw.flush()
-                start_writeback(self._raw.fileno(), self._synced, self.written - self._synced)
-                self._synced = self.written
-        return view.nbytes
+        n, pos = view.nbytes, 0
+        source = buffer_address(view) if n >= _MEMMOVE_FROM else None
+        while pos < n:
+            take = min(n - pos, self.STAGE_BYTES - self._filled)
+            if source is None:
+                self._stage.view[self._filled : self._filled + take] = view[pos : pos + take]
+            else:  # a C call that releases the GIL: the disk thread's write returns without waiting for it
+                ctypes.memmove(self._stage.address + self._filled, source + pos, take)
+            self._filled += take
+            pos += take
+            if self._filled == self.STAGE_BYTES:
+                self._hand_over()
+        self.written += n
+        self._counters.add(bytes_written=n)
+        return n
+
+    def flush(self) -> None:
+        """Nothing to do: staged bytes go out when a buffer fills and at :meth:`finish`."""
+
+    def finish(self) -> None:
+        """Write what is staged and wait: whole 4 KiB blocks as before, the rest with ``O_DIRECT`` off."""
+        self._wait()
+        if not self._filled:
+            return
+        aligned = self._filled - self._filled % self.ALIGN if self.direct else 0
+        if aligned:
+            self._write(self._stage.view[:aligned], self._on_disk)
+            self._on_disk += aligned
+        if self._filled > aligned:
+            if self.direct:
+                self._set_direct(False)
+                self.direct = False
+            self._write(self._stage.view[aligned : self._filled], self._on_disk)
+            self._on_disk += self._filled - aligned
+        self._filled = 0
+
+    def close(self) -> None:
+        """Wait for a write in flight (its error is the caller's already, or moot) and unmap the buffers.
+
+        Called before the file is closed, also after a failure: the disk thread must be done with the
+        descriptor before it is closed (and its number reused by another file). Idempotent.
+        """
+        try:
+            self._wait()
+        except OSError:
+            pass
+        for stage in self._stages:
+            if stage is not None:
+                stage.close()
+        self._stages = [None, None]
+
+    def _hand_over(self) -> None:
+        """The full buffer goes to the writing thread; the caller fills the other one meanwhile."""
+        if self.direct is None:
+            self.direct = self._set_direct(True)
+        self._wait()
+        if self._stages[1] is None:
+            self._stages[1] = _StageBuffer(self.STAGE_BYTES)
+        full, offset = self._stage, self._on_disk
+        self._on_disk += self.STAGE_BYTES
+        self._pending = _disk_thread().submit(self._write, full.view, offset)
+        self._stage = self._stages[1] if full is self._stages[0] else self._stages[0]  # type: ignore[assignment]
+        self._filled = 0
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _write(self, view: memoryview, offset: int) -> None:
+        try:
+            _pwrite_all(self._fd, view, offset)
+        except OSError as exc:
+            if not (self.direct and exc.errno == errno.EINVAL):
+                raise
+            self._set_direct(False)  # the alignment refused: plain writes from here
+            self.direct = False
+            _pwrite_all(self._fd, view, offset)
+        if not self.direct:
+            start_writeback(self._fd, offset, view.nbytes)
+
+    def _set_direct(self, on: bool) -> bool:
+        """Turn ``O_DIRECT`` on or off for the file; ``False`` where the system or file system refuses."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return False
+        try:
+            flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | flag if on else flags & ~flag)
+        except OSError:
+            return False
+        return on
+
+
+class _StageBuffer:
+    """An anonymous mapping (page-aligned, as ``O_DIRECT`` needs) and a view of it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.map = mmap.mmap(-1, nbytes)
+        self.view = memoryview(self.map)
+        self._anchor = ctypes.c_char.from_buffer(self.map)
+        self.address = ctypes.addressof(self._anchor)
+
+    def close(self) -> None:
+        del self._anchor
+        self.view.release()
+        self.map.close()
+
+
+# Writes of at least this many bytes are copied into the stage by ``ctypes.memmove``, which releases the GIL;
+# a slice assignment holds it for the whole copy (0.9 ms per 8 MiB), and a disk thread whose ``pwrite`` has
+# returned waits for it: measured here, an O_DIRECT writer beside a copying thread got 0.9 GB/s against 2.6.
+_MEMMOVE_FROM = 256 * 1024
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [  # noqa: RUF012 - ctypes' declaration
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.py_object),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """The address of a contiguous buffer's first byte, read-only ones included (``None`` if it has none).
+
+    ``ctypes.c_char.from_buffer`` takes writable buffers only, and torch's zip writer hands its bytes over as
+    read-only memoryviews. The caller keeps ``view`` alive while the address is used.
+    """
+    if not view.contiguous:
+        return None
+    info = _PyBuffer()
+    if ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(view), ctypes.byref(info), 0) != 0:
+        return None
+    try:
+        return info.buf  # type: ignore[no-any-return]
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(info))
+
+
+_DISK: tuple[int, ThreadPoolExecutor] | None = None
+_DISK_LOCK = threading.Lock()
+
+
+def _disk_thread() -> ThreadPoolExecutor:
+    """The process's one thread that writes stage buffers, in the order they are handed over.
+
+    One write at a time: measured here, 8 MiB ``O_DIRECT`` writes alternating between two files reach the
+    disk's single-stream rate (2.3 GB/s), two at once 1.3-1.5 GB/s (the kernel already splits one large
+    direct write into many device requests). A child process after ``fork`` gets a thread of its own (the
+    parent's does not exist there).
+    """
+    global _DISK
+    with _DISK_LOCK:
+        if _DISK is None or _DISK[0] != os.getpid():
+            _DISK = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="dcp-storage-disk"))
+        return _DISK[1]
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 @builtin_backend
@@ -231,11 +425,11 @@ class LocalTransport(FsspecTransport):
         directory = os.path.dirname(path) or "."
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-        raw = open(tmp, "wb")  # noqa: SIM115 - closed in both branches below
+        raw = open(tmp, "wb", buffering=0)  # noqa: SIM115 - closed in both branches below
         writer = LocalWriter(raw, self.counters)
         try:
             yield writer
-            raw.flush()
+            writer.finish()
             os.fsync(raw.fileno())
             raw.close()
             try:
@@ -245,11 +439,14 @@ class LocalTransport(FsspecTransport):
             self.counters.add(requests=1)
             fsync_dir(directory)
         except BaseException:
-            with contextlib.suppress(OSError):  # a full disk fails the close's flush too: remove the temp anyway
+            writer.close()  # the disk thread is done with the descriptor before it is closed
+            with contextlib.suppress(OSError):  # a full disk fails the close too: remove the temp anyway
                 raw.close()
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
             raise
+        finally:
+            writer.close()
 
 
 def directory_in_the_way(url: str) -> WrongPathTypeError:
