@@ -27,6 +27,16 @@ def _transport(root: str) -> LocalTransport:
     return transport  # type: ignore[return-value]
 
 
+def _assert_round_trip(tmp_path: Any, data: bytes) -> None:
+    """One ``write`` of ``data`` through ``open_atomic``; the file then holds exactly ``data``."""
+    transport = _transport(str(tmp_path))
+    path = transport.join(str(tmp_path), "f.bin")
+    with transport.open_atomic(path) as f:
+        f.write(data)
+    with open(path, "rb") as got:
+        assert got.read() == data
+
+
 def _pieces(data: bytes, seed: int) -> list[memoryview]:
     """``data`` cut at random points: tiny writes (zip headers) and long ones (a tensor's elements)."""
     rng = random.Random(seed)
@@ -82,13 +92,7 @@ def test_where_o_direct_is_refused_plain_writes_give_the_same_bytes(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(LocalWriter, "_set_direct", lambda self, on: False)
-    data = random.Random(3).randbytes(2 * STAGE + 777)
-    transport = _transport(str(tmp_path))
-    path = transport.join(str(tmp_path), "f.bin")
-    with transport.open_atomic(path) as f:
-        f.write(data)
-    with open(path, "rb") as got:
-        assert got.read() == data
+    _assert_round_trip(tmp_path, random.Random(3).randbytes(2 * STAGE + 777))
 
 
 def test_an_alignment_the_disk_refuses_falls_back_to_plain_writes(
@@ -104,13 +108,7 @@ def test_an_alignment_the_disk_refuses_falls_back_to_plain_writes(
         real(fd, view, offset)
 
     monkeypatch.setattr(local, "_pwrite_all", picky)
-    data = random.Random(4).randbytes(3 * STAGE + 4097)
-    transport = _transport(str(tmp_path))
-    path = transport.join(str(tmp_path), "f.bin")
-    with transport.open_atomic(path) as f:
-        f.write(data)
-    with open(path, "rb") as got:
-        assert got.read() == data
+    _assert_round_trip(tmp_path, random.Random(4).randbytes(3 * STAGE + 4097))
 
 
 def test_a_failing_disk_write_reaches_the_caller_and_leaves_nothing(
