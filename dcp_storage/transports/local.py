@@ -227,7 +227,10 @@ def buffer_address(view: memoryview) -> int | None:
     if not view.contiguous:
         return None
     info = _PyBuffer()
-    if ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(view), ctypes.byref(info), 0) != 0:
+    try:  # a failure sets a Python error, which ctypes raises
+        if ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(view), ctypes.byref(info), 0) != 0:
+            return None
+    except (BufferError, TypeError, ValueError):
         return None
     try:
         return info.buf  # type: ignore[no-any-return]
