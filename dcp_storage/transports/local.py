@@ -104,7 +104,18 @@ class LocalWriter(CountingWriter):
         return n
 
     def flush(self) -> None:
-        """Nothing to do: staged bytes go out when a buffer fills and at :meth:`finish`."""
+        """Put the staged bytes in the file now (a plain write; they stay staged and go out again, direct,
+        when their buffer is full: positioned writes of the same bytes)."""
+        self._wait()
+        if not self._filled:
+            return
+        if self.direct:
+            self._set_direct(False)
+        try:
+            _pwrite_all(self._fd, self._stage.view[: self._filled], self._on_disk)
+        finally:
+            if self.direct:
+                self._set_direct(True)
 
     def finish(self) -> None:
         """Write what is staged and wait: whole 4 KiB blocks as before, the rest with ``O_DIRECT`` off."""
@@ -133,10 +144,10 @@ class LocalWriter(CountingWriter):
             self._wait()
         except OSError:
             pass
-        for stage in self._stages:
+        stages, self._stages = self._stages, [None, None]
+        for stage in stages:
             if stage is not None:
                 stage.close()
-        self._stages = [None, None]
 
     def _hand_over(self) -> None:
         """The full buffer goes to the writing thread; the caller fills the other one meanwhile."""
@@ -191,9 +202,11 @@ class _StageBuffer:
         self.address = ctypes.addressof(self._anchor)
 
     def close(self) -> None:
+        """Unmap now, or, while a traceback still holds a slice of it, when the last slice goes (never raises)."""
         del self._anchor
-        self.view.release()
-        self.map.close()
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            self.map.close()
 
 
 # Writes of at least this many bytes are copied into the stage by ``ctypes.memmove``, which releases the GIL;

@@ -19,6 +19,7 @@ from typing import Any
 
 from dcp_storage.cli import main
 from dcp_storage.conversion.source import TensorSource
+from dcp_storage.transports.local import LocalWriter
 from dcp_storage.transports.protocol import CountingWriter
 
 state: dict[str, Any] = {}
@@ -34,11 +35,18 @@ def fire(amount: int, at: str) -> None:
 
 
 real_write = CountingWriter.write
+real_local_write = LocalWriter.write
 real_read = TensorSource.read_tensors
 
 
 def write(self: CountingWriter, data: Any) -> int:
     n = real_write(self, data)
+    fire(n, "write")
+    return n
+
+
+def local_write(self: LocalWriter, data: Any) -> int:
+    n = real_local_write(self, data)
     fire(n, "write")
     return n
 
@@ -50,6 +58,7 @@ def read_tensors(self: TensorSource, wanted: Any) -> Any:
 
 
 CountingWriter.write = write  # type: ignore[method-assign]
+LocalWriter.write = local_write  # type: ignore[method-assign]
 TensorSource.read_tensors = read_tensors  # type: ignore[method-assign]
 
 results = []
