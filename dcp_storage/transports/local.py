@@ -104,18 +104,9 @@ class LocalWriter(CountingWriter):
         return n
 
     def flush(self) -> None:
-        """Put the staged bytes in the file now (a plain write; they stay staged and go out again, direct,
-        when their buffer is full: positioned writes of the same bytes)."""
-        self._wait()
-        if not self._filled:
-            return
-        if self.direct:
-            self._set_direct(False)
-        try:
-            _pwrite_all(self._fd, self._stage.view[: self._filled], self._on_disk)
-        finally:
-            if self.direct:
-                self._set_direct(True)
+        """Nothing to do: staged bytes go out when a buffer fills and at :meth:`finish` (the temp file is
+        nobody's to read before the commit). ``torch.save`` flushes after every record: a write here would
+        send each file's partial buffer twice."""
 
     def finish(self) -> None:
         """Write what is staged and wait: whole 4 KiB blocks as before, the rest with ``O_DIRECT`` off."""
