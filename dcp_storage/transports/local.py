@@ -119,8 +119,7 @@ class LocalWriter(CountingWriter):
             self._on_disk += aligned
         if self._filled > aligned:
             if self.direct:
-                self._set_direct(False)
-                self.direct = False
+                self._go_plain()
             self._write(self._stage.view[aligned : self._filled], self._on_disk)
             self._on_disk += self._filled - aligned
         self._filled = 0
@@ -164,11 +163,14 @@ class LocalWriter(CountingWriter):
         except OSError as exc:
             if not (self.direct and exc.errno == errno.EINVAL):
                 raise
-            self._set_direct(False)  # the alignment refused: plain writes from here
-            self.direct = False
+            self._go_plain()  # the alignment refused: plain writes from here
             _pwrite_all(self._fd, view, offset)
         if not self.direct:
             start_writeback(self._fd, offset, view.nbytes)
+
+    def _go_plain(self) -> None:
+        self._set_direct(False)
+        self.direct = False
 
     def _set_direct(self, on: bool) -> bool:
         """Turn ``O_DIRECT`` on or off for the file; ``False`` where the system or file system refuses."""
