@@ -258,14 +258,6 @@ def test_byte_level_variants_are_none():
 
 
 @needs_native
-def test_memory_format_code_out_of_range_is_none():
-    data = pickle.dumps(bench_metadata(1))
-    enc = b"_MEM_FORMAT_ENCODING\x94\x93\x94K\x00"
-    assert enc in data
-    assert native_decode.decode_columns(data.replace(enc, enc[:-1] + b"\x07")) is None
-
-
-@needs_native
 def test_every_truncation_is_none():
     for n in range(len(SMALL)):
         assert native_decode.decode_columns(SMALL[:n]) is None, n

@@ -14,7 +14,8 @@
  * BININT1/BININT2/BININT/LONG1 integers in [0, 2**63-1]; SHORT_BINUNICODE/BINUNICODE/BINUNICODE8 strings of
  * plain valid UTF-8; GLOBAL/STACK_GLOBAL of the table's names; NEWOBJ (empty arguments) of the DCP metadata
  * classes then one BUILD with exactly their fields; REDUCE of torch.Size (tuple of ints),
- * torch.serialization._get_layout (a layout name), _MEM_FORMAT_ENCODING (0, 1 or 2) and the pathlib classes
+ * torch.serialization._get_layout (a layout name), _MEM_FORMAT_ENCODING (0, 1 or 2), builtins.getattr of
+ * _MEM_FORMAT_ENCODING and a member name (how Python 3.11.0-3.11.4 pickle enum members) and the pathlib classes
  * (string parts). Anything else (another opcode, global or shape; a GET of a list, dict or unbuilt object;
  * duplicate keys; a chunk without exactly one storage entry; bytes after STOP) makes ``decode`` return
  * None and the caller takes the general path (guarded unpickler and checks), which names the problem.
@@ -48,7 +49,7 @@ enum { DK_EMPTY = 0, DK_GENERIC, DK_SDM, DK_STORAGE, DK_PLANNER };
 /* global kinds (the table passed from Python) */
 enum {
     G_METADATA = 0, G_TSM, G_BSM, G_CSM, G_TP, G_MI, G_SI, G_SM, /* classes: NEWOBJ + BUILD */
-    G_SIZE, G_GET_LAYOUT, G_MEMFMT, G_DTYPE, G_LAYOUT, G_PATH, G_NKINDS
+    G_SIZE, G_GET_LAYOUT, G_MEMFMT, G_DTYPE, G_LAYOUT, G_PATH, G_GETATTR, G_NKINDS
 };
 
 typedef struct Obj Obj;
@@ -308,6 +309,8 @@ typedef struct D {
     size_t ng;
     LEntry *lay;
     size_t nlay;
+    LEntry *memfmt; /* _MEM_FORMAT_ENCODING's member names; a member's value is its row */
+    size_t nmemfmt;
     /* stack and marks */
     Val *stack;
     size_t sp;
@@ -1057,6 +1060,15 @@ static int reduce(D *d, Val fn, Val args, Val *out) {
         *out = vsimple(T_MEMFMT, it[0].u.i);
         r = OK;
         break;
+    case G_GETATTR: /* getattr(_MEM_FORMAT_ENCODING, member name): nothing else */
+        if (a->n != 2 || it[0].tag != T_GLOBAL || d->g[it[0].u.i].kind != G_MEMFMT || it[1].tag != T_STR) goto done;
+        for (size_t i = 0; i < d->nmemfmt; i++)
+            if ((size_t)d->memfmt[i].len == it[1].len && memcmp(d->memfmt[i].name, sptr(d, it[1]), it[1].len) == 0) {
+                *out = vsimple(T_MEMFMT, (int64_t)i);
+                r = OK;
+                break;
+            }
+        break;
     case G_PATH: {
         if (!all_str(args)) goto done;
         Obj *p = obj_new(K_PATH);
@@ -1534,15 +1546,23 @@ static void teardown(D *d) {
     for (i = 0; i < sizeof(tabs) / sizeof(tabs[0]); i++) free(tabs[i]->s);
     free(d->g);
     free(d->lay);
+    free(d->memfmt);
 }
 
-static int load_tables(D *d, PyObject *table, PyObject *layouts) {
-    if (!PyTuple_Check(table) || !PyTuple_Check(layouts)) return PYERR;
-    Py_ssize_t ng = PyTuple_GET_SIZE(table), nl = PyTuple_GET_SIZE(layouts), i;
-    if (ng > 0xFFFF || nl > 0xFFFF) return PYERR;
+static int load_tables(D *d, PyObject *table, PyObject *layouts, PyObject *memfmts) {
+    if (!PyTuple_Check(table) || !PyTuple_Check(layouts) || !PyTuple_Check(memfmts)) {
+        PyErr_SetString(PyExc_TypeError, "the tables must be tuples");
+        return PYERR;
+    }
+    Py_ssize_t ng = PyTuple_GET_SIZE(table), nl = PyTuple_GET_SIZE(layouts), nm = PyTuple_GET_SIZE(memfmts), i;
+    if (ng > 0xFFFF || nl > 0xFFFF || nm > 3) { /* T_MEMFMT holds 0, 1 or 2 (see TensorProperties) */
+        PyErr_SetString(PyExc_ValueError, "table too long");
+        return PYERR;
+    }
     d->g = (GEntry *)calloc((size_t)ng + 1, sizeof(GEntry));
     d->lay = (LEntry *)calloc((size_t)nl + 1, sizeof(LEntry));
-    if (!d->g || !d->lay) return NOMEM;
+    d->memfmt = (LEntry *)calloc((size_t)nm + 1, sizeof(LEntry));
+    if (!d->g || !d->lay || !d->memfmt) return NOMEM;
     for (i = 0; i < ng; i++) {
         GEntry *e = &d->g[i];
         PyObject *mod, *name, *obj;
@@ -1566,23 +1586,32 @@ static int load_tables(D *d, PyObject *table, PyObject *layouts) {
         if (!(d->lay[i].name = PyUnicode_AsUTF8AndSize(name, &d->lay[i].len))) return PYERR;
         d->lay[i].obj = obj;
     }
+    for (i = 0; i < nm; i++) {
+        PyObject *name = PyTuple_GET_ITEM(memfmts, i);
+        if (!PyUnicode_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "a memory format name must be a str");
+            return PYERR;
+        }
+        if (!(d->memfmt[i].name = PyUnicode_AsUTF8AndSize(name, &d->memfmt[i].len))) return PYERR;
+    }
     d->ng = (size_t)ng;
     d->nlay = (size_t)nl;
+    d->nmemfmt = (size_t)nm;
     return OK;
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *data, *table, *layouts, *result = NULL;
+    PyObject *data, *table, *layouts, *memfmts, *result = NULL;
     Py_buffer view;
     D d;
     int r;
-    if (!PyArg_ParseTuple(args, "OOO:decode", &data, &table, &layouts)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOO:decode", &data, &table, &layouts, &memfmts)) return NULL;
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return NULL;
     memset(&d, 0, sizeof(d));
     d.b = (const unsigned char *)view.buf;
     d.len = (size_t)view.len;
-    r = load_tables(&d, table, layouts);
+    r = load_tables(&d, table, layouts, memfmts);
     if (r) { /* the caller's table, not the file */
         teardown(&d);
         PyBuffer_Release(&view);
@@ -1612,7 +1641,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
-     "decode(data, table, layouts) -> tuple | None: the columns of a regular DCP .metadata pickle, else None."},
+     "decode(data, table, layouts, memory_formats) -> tuple | None: the columns of a regular DCP .metadata "
+     "pickle, else None."},
     {NULL, NULL, 0, NULL},
 };
 

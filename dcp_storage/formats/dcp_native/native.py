@@ -100,9 +100,9 @@ _CLASS_KINDS = {
     "MetadataIndex": 5,
     "StorageMeta": 7,
 }
-_SIZE, _GET_LAYOUT, _MEMFMT, _DTYPE, _LAYOUT, _PATH = 8, 9, 10, 11, 12, 13
+_SIZE, _GET_LAYOUT, _MEMFMT, _DTYPE, _LAYOUT, _PATH, _GETATTR = 8, 9, 10, 11, 12, 13, 14
 
-_tables: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+_tables: tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]] | None = None
 
 
 def available() -> bool:
@@ -110,7 +110,15 @@ def available() -> bool:
     return _native_decode is not None
 
 
-def _build_tables() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+def _memory_format_names() -> tuple[str, ...]:
+    """``_MEM_FORMAT_ENCODING``'s member names, each at the row of its value (what the decoder expects)."""
+    by_value = {member.value: member.name for member in MemoryFormatEncoding}
+    if sorted(by_value) != list(range(len(by_value))) or len(by_value) > 3:
+        return ()  # a torch whose enum changed: getattr-pickled members go to the general path
+    return tuple(by_value[value] for value in range(len(by_value)))
+
+
+def _build_tables() -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
     layouts: list[tuple[str, Any]] = []
     seen: set[str] = set()
     for value in vars(torch).values():
@@ -138,9 +146,11 @@ def _build_tables() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
             kind, payload = _LAYOUT, layout_row[str(obj)]
         elif module == "pathlib" and isinstance(obj, type) and issubclass(obj, pathlib.PurePath):
             kind = _PATH
-        if kind is not None:  # everything else (OrderedDict, getattr, _reconstructor, ...): general path
+        elif name == "getattr" and module in ("builtins", "__builtin__"):
+            kind = _GETATTR  # Python 3.11.0-3.11.4 pickle an enum member as getattr(enum, name)
+        if kind is not None:  # everything else (OrderedDict, _reconstructor, ...): general path
             table.append((module, name, kind, obj, payload))
-    return tuple(table), tuple(layouts)
+    return tuple(table), tuple(layouts), _memory_format_names()
 
 
 def decode_columns(data: bytes | bytearray | memoryview) -> MetadataColumns | None:
