@@ -8,7 +8,7 @@ Usage::
 Saves one seeded checkpoint with ``FsspecWriter`` (fp32 ``[rows, 4096]`` matrices of about 16 MiB, so
 each record has 16 block digests), then times single-process ``dcp.load`` calls into pre-allocated full
 tensors (a whole-tensor read: every block of every record checked), verify on and off interleaved in the
-same run, best of ``--repeats``: from warm local files, and from moto (S3, in-process server) unless
+same run, best and median of ``--repeats``: from warm local files, and from moto (S3, in-process server) unless
 ``--no-s3``. It also counts the extra bytes a 2-rank ``Shard(0)`` reshard reads for its covering blocks
 (for 1, 2 and 4 MiB blocks, from the record's start or aligned to the elements), which is what picked the
 block size and the alignment. Prints one JSON line per case (``--out`` also writes them to a JSON file), with
@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -65,13 +66,16 @@ def _compare(name: str, url: str, options: dict[str, Any] | None, state: dict[st
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     _time(url, options, state, None)  # warm: page cache, connections
     best = {None: (math.inf, math.inf), False: (math.inf, math.inf)}
+    walls: dict[bool | None, list[float]] = {None: [], False: []}
     loads = []
     for _ in range(repeats):
         for v in (None, False):
             wall, cpu = _time(url, options, state, v)
             best[v] = (min(best[v][0], wall), min(best[v][1], cpu))
+            walls[v].append(wall)
             loads.append(os.getloadavg()[0])
     (on, on_cpu), (off, off_cpu) = best[None], best[False]
+    on_median, off_median = statistics.median(walls[None]), statistics.median(walls[False])
     _emit(
         {
             "case": name,
@@ -81,6 +85,9 @@ def _compare(name: str, url: str, options: dict[str, Any] | None, state: dict[st
             "verified_gbps": round(nbytes / on / 1e9, 2),
             "unverified_gbps": round(nbytes / off / 1e9, 2),
             "cost_pct": round(100 * (on / off - 1), 1),
+            "verified_median_s": round(on_median, 4),
+            "unverified_median_s": round(off_median, 4),
+            "median_cost_pct": round(100 * (on_median / off_median - 1), 1),
             "verified_cpu_s": round(on_cpu, 4),
             "unverified_cpu_s": round(off_cpu, 4),
             "cpu_cost_pct": round(100 * (on_cpu / off_cpu - 1), 1),

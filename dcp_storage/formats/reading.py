@@ -325,7 +325,7 @@ def _landing(path: str, lo: int, hi: int, into: memoryview, cover: Cover) -> lis
     while pos < last:
         end = cover.run_end(pos, min(pos + CHECKED_REQUEST_BYTES, last))
         check = cover.run(pos, end)
-        requests.append(RangeRequest(path, pos, end, into[pos - lo : end - lo], check.complete, check.piece))
+        requests.append(RangeRequest(path, pos, end, into[pos - lo : end - lo], check.complete, check))
         pos = end
     if last < hi:
         requests.append(RangeRequest(path, last, hi, into=into[last - lo :]))

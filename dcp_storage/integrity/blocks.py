@@ -254,6 +254,33 @@ class BlockRun:
             self._block_end = min(self._block_end + cover.block_size, self._record_end)  # the next block's end
         self._pos = offset + n
 
+    __call__ = piece  # it is the request's ``on_piece`` (a :class:`~dcp_storage.transports.ranges.Crc32Pieces`)
+
+    def crc32_blocks(self, offset: int, nbytes: int) -> tuple[int, int] | None:
+        """With CRC-32 digests, for all of ``[lo, hi)`` from the start: ``(first block's length, block length)``
+        (a transport then reads and hashes in one native loop, :meth:`crc32_digested`); else ``None``."""
+        cover = self._cover
+        if cover.algorithm != "crc32" or offset != self._pos or offset != self.lo or offset + nbytes != self.hi:
+            return None
+        return self._block_end - offset, cover.block_size
+
+    def crc32_digested(self, offset: int, nbytes: int, crcs: Sequence[int]) -> None:
+        """The CRC-32 of each block of ``[lo, hi)``, as :meth:`crc32_blocks` laid them out: compare them all."""
+        cover = self._cover
+        if (
+            offset != self._pos
+            or offset + nbytes != self.hi
+            or self._index + len(crcs) != cover._index(self.hi - 1) + 1
+        ):
+            self._pos = -1  # not what was asked for: complete() checks every block from the bytes
+            return
+        digests, index = cover.digests, self._index
+        for value in crcs:
+            if f"{value:08x}" != digests[index]:
+                cover._compare(index, f"{value:08x}")
+            index += 1
+        self._index, self._pos = index, self.hi
+
     def complete(self, data: memoryview) -> None:
         """With all of ``[lo, hi)`` in ``data``: check the blocks the pieces did not (all, unless they came in
         order up to ``hi``)."""

@@ -33,13 +33,24 @@ from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_bac
 from dcp_storage.transports.local_io import (
     LocalFiles,
     fsync_dir,
+    native_crc32_reads,
+    pread_crc32,
     preadv_exact,
     read_whole,
     start_writeback,
     stat_regular,
 )
 from dcp_storage.transports.protocol import CountingWriter, MiB
-from dcp_storage.transports.ranges import FetchGroup, LocalRuns, RangeRequest, RangeRun, Region, RunsRead, plan_fetches
+from dcp_storage.transports.ranges import (
+    Crc32Pieces,
+    FetchGroup,
+    LocalRuns,
+    RangeRequest,
+    RangeRun,
+    Region,
+    RunsRead,
+    plan_fetches,
+)
 from dcp_storage.transports.s3_stream import create_local
 
 __all__ = ["LocalTransport", "directory_in_the_way"]
@@ -388,6 +399,13 @@ class LocalTransport(FsspecTransport):
                 path: str, offset: int, view: memoryview, step: int, on_piece: Callable[[int, memoryview], None]
             ) -> None:
                 fd, preadv, calls, done = files.fd(path), os.preadv, 0, 0
+                hashed = native_crc32_reads() and isinstance(on_piece, Crc32Pieces)
+                layout = on_piece.crc32_blocks(offset, view.nbytes) if hashed else None  # type: ignore[attr-defined]
+                if layout is not None:  # read and hashed in one native loop
+                    calls, crcs = pread_crc32(fd, path, view, offset, *layout)
+                    self.counters.add(requests=calls, bytes_read=view.nbytes)
+                    on_piece.crc32_digested(offset, view.nbytes, crcs)
+                    return
                 try:
                     for at in range(0, view.nbytes, step):
                         part = view[at : at + step]

@@ -24,6 +24,8 @@ Vectored positioned reads on local files.
 
 ``os.preadv`` fills the caller's buffers (often destination tensor memory) straight from the page cache:
 no intermediate ``bytes`` object, no extra copy. Gaps between coalesced ranges land in a scratch buffer.
+:func:`pread_crc32` also reads straight into the destination, and CRC-32s each block as it lands in one
+native loop (``_pread_crc32.c``): what a default-checked local load reads.
 """
 
 from __future__ import annotations
@@ -34,10 +36,21 @@ import os
 import stat
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, FileTooLargeError, TransportError
 
-__all__ = ["Confinement", "LocalFiles", "fsync_dir", "open_regular", "preadv_exact", "read_whole", "stat_regular"]
+__all__ = [
+    "Confinement",
+    "LocalFiles",
+    "fsync_dir",
+    "native_crc32_reads",
+    "open_regular",
+    "pread_crc32",
+    "preadv_exact",
+    "read_whole",
+    "stat_regular",
+]
 
 
 # Hugging Face's hub cache keeps files in ``<repo>/blobs/`` and links them from ``<repo>/snapshots/<rev>/``
@@ -258,6 +271,57 @@ def preadv_exact(fd: int, path: str, buffers: list[memoryview], offset: int) -> 
         position += got
         pending = _advance(batch, got) + pending[len(batch) :]
     return calls
+
+
+# A piece of a hashed read: hashed right after ``pread`` put it in the destination, while in the core's L2. With
+# 2 threads over 256 MiB warm: +11.5% against one plain read at 32 KiB, +7.0% at 128 KiB, +9.9% at 512 KiB.
+CRC32_PIECE_BYTES = 128 * 1024
+
+_native_crc32: Any = None  # the _pread_crc32 module once its CRC-32 function is set and checked; False: none
+
+
+def native_crc32_reads() -> bool:
+    """Whether :func:`pread_crc32` runs here: the C extension is built and ISA-L's CRC-32 found and checked."""
+    global _native_crc32
+    if _native_crc32 is None:
+        _native_crc32 = _load_native_crc32() or False
+    return _native_crc32 is not False
+
+
+def _load_native_crc32() -> Any:
+    try:
+        from isal import isal_zlib  # noqa: PLC0415 - only a hashed local read needs it
+
+        from dcp_storage.transports import _pread_crc32  # noqa: PLC0415 - optional C extension
+    except ImportError:
+        return None
+    try:  # the isal extension is loaded already: this finds it, and in it the function isal_zlib.crc32 calls
+        function = ctypes.CDLL(isal_zlib.__file__).crc32_gzip_refl
+    except (OSError, AttributeError):
+        return None
+    _pread_crc32.set_crc32(ctypes.cast(function, ctypes.c_void_p).value)
+    sample = bytes(range(256)) * 64
+    if any(_pread_crc32.crc32(sample, v) != isal_zlib.crc32(sample, v) for v in (0, 0x12345678)):
+        return None  # not the function we expect: keep hashing through isal_zlib
+    return _pread_crc32
+
+
+def pread_crc32(fd: int, path: str, view: memoryview, offset: int, first: int, block: int) -> tuple[int, list[int]]:
+    """Fill ``view`` from ``offset`` of ``fd`` and return (``pread`` calls, zip CRC-32 of each block).
+
+    Blocks: the first ``first`` bytes, then every ``block`` bytes, the last ending with ``view``. One native
+    loop reads and hashes piece by piece (:data:`CRC32_PIECE_BYTES`) with the GIL released. Raises
+    :class:`CorruptCheckpointError` naming ``path`` if the file ends early, like :func:`preadv_exact`. Only
+    where :func:`native_crc32_reads`.
+    """
+    got, calls, crcs = _native_crc32.pread_crc32(fd, view, offset, CRC32_PIECE_BYTES, first, block)
+    if got < view.nbytes:  # the end of the file came first: named here, unless it grew meanwhile
+        calls += preadv_exact(fd, path, [view[got:]], offset + got)
+        crcs, at, end = [], 0, min(first, view.nbytes)
+        while at < view.nbytes:  # the bytes are all there now: hash them here (a rare path)
+            crcs.append(_native_crc32.crc32(view[at:end]))
+            at, end = end, min(end + block, view.nbytes)
+    return calls, crcs
 
 
 class LocalFiles:

@@ -44,12 +44,13 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from dcp_storage.errors import CorruptCheckpointError
 
 __all__ = [
     "ByteBudget",
+    "Crc32Pieces",
     "FetchGroup",
     "FetchGroupFn",
     "LocalRuns",
@@ -205,6 +206,26 @@ FetchGroupFn = Callable[[FetchGroup, list[memoryview]], None]
 # ``offset`` in pieces of ``piece_bytes``, calling ``on_piece(piece_offset, piece_view)`` after each one, before the
 # next is read (and count the reads): a transport whose reads cost no request (local files), in one call per segment.
 ReadPiecesFn = Callable[[str, int, memoryview, int, Callable[[int, memoryview], None]], None]
+
+
+@runtime_checkable
+class Crc32Pieces(Protocol):
+    """An ``on_piece`` that only checks zip's CRC-32 of consecutive blocks of its request's bytes.
+
+    A transport that reads and hashes in one native loop (local files:
+    :func:`~dcp_storage.transports.local_io.pread_crc32`) asks :meth:`crc32_blocks` for the block layout of
+    the bytes it is about to read and hands the CRC-32s to :meth:`crc32_digested` instead of calling it
+    piece by piece: no Python call per piece. Any other transport just calls it.
+    """
+
+    def __call__(self, offset: int, view: memoryview) -> None: ...
+
+    def crc32_blocks(self, offset: int, nbytes: int) -> tuple[int, int] | None:
+        """``(first, block)``: the blocks of ``[offset, offset + nbytes)`` are its first ``first`` bytes, then every
+        ``block`` bytes, the last one ending with it; ``None``: call it with the pieces instead."""
+
+    def crc32_digested(self, offset: int, nbytes: int, crcs: Sequence[int]) -> None:
+        """The CRC-32 of each of those blocks, in order, all of ``[offset, offset + nbytes)`` read."""
 
 
 class RangeRun:
