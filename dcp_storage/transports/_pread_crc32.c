@@ -63,9 +63,12 @@ static PyObject *pread_crc32(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!PyArg_ParseTuple(args, "iw*LLLL:pread_crc32", &fd, &view, &offset, &piece, &first, &block)) return NULL;
-    if (offset < 0 || piece <= 0 || first <= 0 || block <= 0 || view.len <= 0) {
+    const long long most = 1LL << 60; /* so that no sum below overflows */
+    if (offset < 0 || piece <= 0 || first <= 0 || block <= 0 || view.len <= 0 || offset > most || piece > most ||
+        first > most || block > most || (long long)view.len > most) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "pread_crc32: offset >= 0, and piece, first, block and the buffer > 0");
+        PyErr_SetString(PyExc_ValueError,
+                        "pread_crc32: offset >= 0, and piece, first, block and the buffer > 0, each at most 2**60");
         return NULL;
     }
     unsigned char *dst = (unsigned char *)view.buf;

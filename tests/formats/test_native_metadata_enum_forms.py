@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 from typing import Any
 
 import pytest
@@ -104,3 +105,19 @@ def test_memory_format_names_follow_the_enum_values():
     names = native_decode._memory_format_names()
     assert [_MEM_FORMAT_ENCODING[name].value for name in names] == list(range(len(names)))
     assert len(names) == len(_MEM_FORMAT_ENCODING)
+
+
+@needs_native
+@pytest.mark.parametrize("protocol", [3, 4, 5])
+def test_python_2_s_builtin_module_only_in_protocol_2(protocol):
+    """``__builtin__.getattr`` is what protocol 2 writes; pickle.loads maps it only there, and so do we."""
+    py2 = dumps(bench_metadata(2), "getattr", 2)
+    assert b"__builtin__" in py2 and native_decode.decode_columns(py2) is not None
+    good = pickletools.optimize(dumps(bench_metadata(2), "getattr", protocol))  # frames rebuilt after the edit
+    assert native_decode.decode_columns(good) is not None
+    data = good.replace(b"\x8c\x08builtins", b"\x8c\x0b__builtin__").replace(b"cbuiltins\n", b"c__builtin__\n")
+    data = pickletools.optimize(data)
+    assert b"__builtin__" in data
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(data)
+    assert native_decode.decode_columns(data) is None

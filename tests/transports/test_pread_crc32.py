@@ -72,6 +72,9 @@ def test_a_file_that_ends_early_is_named(tmp_path: Path) -> None:
             local_io._native_crc32.pread_crc32(-1, memoryview(bytearray(10)), 0, 4, 4, 4)
         with pytest.raises(ValueError):
             local_io._native_crc32.pread_crc32(fd, memoryview(bytearray(10)), 0, 0, 4, 4)
+        for args in ((0, 4, 4, 2**62), (0, 4, 2**62, 4), (2**62, 4, 4, 4), (0, 2**62, 4, 4)):  # no sum overflows
+            with pytest.raises(ValueError):
+                local_io._native_crc32.pread_crc32(fd, memoryview(bytearray(10)), *args)
         with pytest.raises(TypeError):
             local_io._native_crc32.pread_crc32(fd, b"read-only", 0, 4, 4, 4)
     finally:

@@ -1111,6 +1111,8 @@ static int newobj(D *d, Val cls, Val args, Val *out) {
 
 static int find_global(D *d, const unsigned char *mod, size_t modlen, const unsigned char *name, size_t namelen,
                        Val *out) {
+    /* pickle maps Python 2's module names (__builtin__.getattr) only for protocols 0-2: as pickle.loads does */
+    if (d->b[1] >= 3 && modlen == 11 && memcmp(mod, "__builtin__", 11) == 0) return REFUSE;
     for (size_t i = 0; i < d->ng; i++) {
         GEntry *e = &d->g[i];
         if ((size_t)e->modlen == modlen && (size_t)e->namelen == namelen && memcmp(e->mod, mod, modlen) == 0 &&
