@@ -292,7 +292,7 @@ def _load_native_crc32() -> Any:
     try:
         from isal import isal_zlib  # noqa: PLC0415 - only a hashed local read needs it
 
-        from dcp_storage.transports import _pread_crc32  # noqa: PLC0415 - optional C extension
+        import dcp_storage.transports._pread_crc32 as _pread_crc32  # noqa: PLC0415 - optional C extension
     except ImportError:
         return None
     try:  # the isal extension is loaded already: this finds it, and in it the function isal_zlib.crc32 calls

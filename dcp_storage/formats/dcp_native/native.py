@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import pathlib
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -322,14 +322,22 @@ class StateDictView(ColumnView, Mapping[str, Any]):
         return (StateDictView, (self.columns,))
 
 
-class StorageDataView(ColumnView, Mapping[MetadataIndex, StorageInfo]):
-    """``Metadata.storage_data`` over columns: one ``MetadataIndex`` per chunk (and per value)."""
+class StorageDataView(ColumnView, Mapping[MetadataIndex, Any]):
+    """``Metadata.storage_data`` over columns: one ``MetadataIndex`` per chunk (and per value), whose value
+    ``value(columns, chunk)`` builds (a DCP ``_StorageInfo``; another format's own record, such as a
+    safetensors ``StoredChunk``; a module-level function, so that the view pickles)."""
 
     serves = "storage_data"
 
-    def __init__(self, cols: MetadataColumns, rows: _Rows | None = None) -> None:
+    def __init__(
+        self,
+        cols: MetadataColumns,
+        rows: _Rows | None = None,
+        value: Callable[[MetadataColumns, int], Any] | None = None,
+    ) -> None:
         self.columns = cols
         self._rows = rows if rows is not None else _Rows(cols)
+        self._value = value or _storage_info
 
     def _chunk(self, index: object) -> int | None:
         if not isinstance(index, MetadataIndex):
@@ -337,11 +345,11 @@ class StorageDataView(ColumnView, Mapping[MetadataIndex, StorageInfo]):
         i = self._rows.row(index.fqn)
         return None if i is None else self._rows.chunk(i, index.offset)
 
-    def __getitem__(self, index: MetadataIndex) -> StorageInfo:
+    def __getitem__(self, index: MetadataIndex) -> Any:
         c = self._chunk(index)
         if c is None:
             raise KeyError(index)
-        return _storage_info(self.columns, c)
+        return self._value(self.columns, c)
 
     def __contains__(self, index: object) -> bool:
         return self._chunk(index) is not None
@@ -366,16 +374,17 @@ class StorageDataView(ColumnView, Mapping[MetadataIndex, StorageInfo]):
         return self._rows.table()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (StorageDataView, (self.columns,))
+        return (StorageDataView, (self.columns, None, None if self._value is _storage_info else self._value))
 
 
-def lazy_metadata(cols: MetadataColumns) -> Metadata:
-    """A torch ``Metadata`` whose maps are views of ``cols`` (see the module docstring)."""
+def lazy_metadata(cols: MetadataColumns, value: Callable[[MetadataColumns, int], Any] | None = None) -> Metadata:
+    """A torch ``Metadata`` whose maps are views of ``cols`` (see the module docstring); ``value`` builds a
+    storage entry (:class:`StorageDataView`; DCP's ``_StorageInfo`` by default)."""
     rows = _Rows(cols)
     return Metadata(
         state_dict_metadata=StateDictView(cols, rows),  # type: ignore[arg-type]
         planner_data=cols.planner_data,
-        storage_data=StorageDataView(cols, rows),
+        storage_data=StorageDataView(cols, rows, value),
         storage_meta=cols.storage_meta,
         version=cols.version,
     )

@@ -38,10 +38,18 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, ShapeMismatchError
 from dcp_storage.formats.byte_items import deliver_byte_item
+from dcp_storage.formats.dcp_native.native import lazy_min_entries
 from dcp_storage.formats.paths import check_relative
 from dcp_storage.formats.reading import SliceRead, dense_gap_of, plan_slice_read, read_slices
 from dcp_storage.formats.safetensors.checksums import FileSums, require_checksummed
-from dcp_storage.formats.safetensors.header import LENGTH_BYTES, SafetensorsHeader, header_length, parse_header
+from dcp_storage.formats.safetensors.header import (
+    LENGTH_BYTES,
+    HeaderColumns,
+    SafetensorsHeader,
+    header_length,
+    parse_header,
+    scan_columns,
+)
 from dcp_storage.formats.safetensors.metadata import Blob, Layout, StoredBytes, StoredChunk, build_metadata, resolve
 from dcp_storage.integrity.blocks import batches_by_bytes
 from dcp_storage.runtime import gc_paused, writable_bytes
@@ -114,15 +122,21 @@ def _sizes(transport: Transport, layout: Layout, files: Sequence[str]) -> dict[s
         return dict(zip(files, pool.map(one, files)))
 
 
+_MIN_ENTRY_BYTES = 48  # the fewest bytes a canonical header entry takes: ,"":{"dtype":"U8","shape":[],...}
+
+
 def read_headers(
     transport: Transport,
     layout: Layout,
     blobs: Sequence[Blob],
     config: SafetensorsScanConfig | None = None,
     raw: dict[Blob, bytes] | None = None,
-) -> tuple[dict[Blob, SafetensorsHeader], dict[str, str]]:
+    columns: bool = False,
+) -> tuple[dict[Blob, Any], dict[str, str]]:
     """Every blob's parsed header, and the URL of each file (for messages). ``raw``, if given, receives each
-    blob's header bytes (length prefix and JSON), for callers that check its digest without reading it again."""
+    blob's header bytes (length prefix and JSON), for callers that check its digest without reading it again.
+    ``columns``: a header that may list :func:`~.dcp_native.native.lazy_min_entries` tensors or more is first
+    scanned into arrays (a :class:`~.header.HeaderColumns`, when it is canonical; else parsed as JSON)."""
     config = config or SafetensorsScanConfig()
     files = sorted({b.file for b in blobs})
     paths = {f: resolve(transport, layout.root, f) for f in files}
@@ -158,15 +172,17 @@ def read_headers(
         for blob, buf in zip(short, transport.read_ranges(rest)):
             heads[blob] += bytes(buf)  # type: ignore[arg-type]
 
-    headers = {
-        b: parse_header(
-            memoryview(heads[b])[LENGTH_BYTES : needed[b]],
-            avail[b] - needed[b],
-            where(b),
-            ends_the_file=layout.kind != "dcp",  # torch's DCP-safetensors: further blobs may follow in the file
+    ends = layout.kind != "dcp"  # torch's DCP-safetensors: further blobs may follow in the file
+    scan_from = lazy_min_entries() * _MIN_ENTRY_BYTES if columns and ends else None
+    headers: dict[Blob, Any] = {}
+    for b in blobs:
+        body = memoryview(heads[b])[LENGTH_BYTES : needed[b]]
+        found = None
+        if scan_from is not None and len(body) >= scan_from:
+            found = scan_columns(body, avail[b] - needed[b], where(b), ends_the_file=ends)
+        headers[b] = (
+            found if found is not None else parse_header(body, avail[b] - needed[b], where(b), ends_the_file=ends)
         )
-        for b in blobs
-    }
     if raw is not None:
         raw.update({b: heads[b][: needed[b]] for b in blobs})
     return headers, urls
@@ -176,14 +192,14 @@ def scan_metadata(
     transport: Transport,
     layout: Layout,
     config: SafetensorsScanConfig | None = None,
-    found: dict[Blob, tuple[SafetensorsHeader, bytes, str]] | None = None,
+    found: dict[Blob, tuple[SafetensorsHeader | HeaderColumns, bytes, str]] | None = None,
 ) -> Metadata:
     """Read every header ``layout`` needs and build its DCP ``Metadata`` (with the storage map).
 
     ``found``, if given, receives each blob's parsed header, its raw bytes and its file's URL.
     """
     raw: dict[Blob, bytes] | None = {} if found is not None else None
-    headers, urls = read_headers(transport, layout, blobs_of(layout), config, raw)
+    headers, urls = read_headers(transport, layout, blobs_of(layout), config, raw, columns=True)
     if found is not None and raw is not None:
         found.update({b: (headers[b], raw[b], urls[b.file]) for b in headers})
     return build_metadata(layout, headers, urls)

@@ -57,8 +57,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError
-from dcp_storage.formats.columns import columns_of
-from dcp_storage.formats.dcp_native.native import METADATA_FILE, read_metadata_file
+from dcp_storage.formats.columns import MetadataColumns, columns_of
+from dcp_storage.formats.dcp_native.native import METADATA_FILE, lazy_metadata, lazy_min_entries, read_metadata_file
 from dcp_storage.formats.location import raise_if_incomplete
 from dcp_storage.formats.paths import INDEX, INDEX_FILE, check_relative, read_limited
 from dcp_storage.formats.paths import SAFETENSORS_SUFFIX as SUFFIX
@@ -66,6 +66,9 @@ from dcp_storage.formats.reading import StoredTensor
 from dcp_storage.formats.safetensors.header import (
     LENGTH_BYTES,
     MAX_HEADER_BYTES,
+    SAFETENSORS_TO_TORCH,
+    SHARDING_INFO_KEY,
+    HeaderColumns,
     SafetensorsHeader,
     TensorEntry,
     saved_offsets,
@@ -261,11 +264,82 @@ class StoredBytes:
     transforms: tuple[str, ...] = ()
 
 
-def build_metadata(layout: Layout, headers: Mapping[Blob, SafetensorsHeader], urls: Mapping[str, str]) -> Metadata:
-    """The DCP ``Metadata`` of ``layout`` given every blob's header; ``urls``: relative file -> URL."""
+def build_metadata(
+    layout: Layout, headers: Mapping[Blob, SafetensorsHeader | HeaderColumns], urls: Mapping[str, str]
+) -> Metadata:
+    """The DCP ``Metadata`` of ``layout`` given every blob's header; ``urls``: relative file -> URL.
+
+    Headers scanned as columns (:func:`~.header.scan_columns`) are served as views of one set of columns
+    (:func:`_from_header_columns`) when the layout allows; otherwise each becomes a plain header again."""
+    if layout.kind != "dcp" and headers and all(isinstance(h, HeaderColumns) for h in headers.values()):
+        md = _from_header_columns(layout, headers, urls)  # type: ignore[arg-type]
+        if md is not None:
+            return md
+    plain = {b: h.header() if isinstance(h, HeaderColumns) else h for b, h in headers.items()}
     if layout.kind == "dcp":
-        return _from_dcp_metadata(layout, headers, urls)
-    return _from_headers(layout, headers, urls)
+        return _from_dcp_metadata(layout, plain, urls)
+    return _from_headers(layout, plain, urls)
+
+
+def _from_header_columns(
+    layout: Layout, headers: Mapping[Blob, HeaderColumns], urls: Mapping[str, str]
+) -> Metadata | None:
+    """The metadata of whole tensors, each in one file, as views of columns (a million tensors: about 100
+    bytes each instead of torch's ~2 KB of objects), or ``None`` where :func:`_from_headers` must decide
+    (fewer tensors than :func:`~.dcp_native.native.lazy_min_entries`, torch's pieces of a tensor, a name in
+    two files, an index that disagrees with the files: the general path assembles or names them)."""
+    blobs = sorted(headers, key=lambda b: (b.file, b.base))
+    parts = [headers[b] for b in blobs]
+    if sum(len(h.names) for h in parts) < lazy_min_entries() or any(b.base for b in blobs):
+        return None
+    if any(SHARDING_INFO_KEY in (h.metadata or {}) for h in parts):
+        return None
+    names = [n for h in parts for n in h.names]
+    if len(set(names)) != len(names):
+        return None
+    weight_map = layout.weight_map
+    if weight_map:
+        file_of = {n: b.file for b, h in zip(blobs, parts) for n in h.names}
+        if len(file_of) != len(weight_map) or any(file_of.get(n) != f for n, f in weight_map.items()):
+            return None
+    dtype_names = sorted({n for h in parts for n in h.dtype_names})
+    rows = {n: i for i, n in enumerate(dtype_names)}
+    dims = np.concatenate([h.dims for h in parts])
+    dims_before = np.cumsum([0] + [len(h.dims) for h in parts[:-1]]).tolist()
+    shape_at = np.concatenate([[0], *(h.shape_at[1:] + n for h, n in zip(parts, dims_before))]).astype(np.int64)
+    count = len(names)
+    cols = MetadataColumns(
+        names=names,
+        is_bytes=np.zeros(count, dtype=bool),
+        prop=np.concatenate([np.array([rows[n] for n in h.dtype_names], dtype=np.int32)[h.dtype] for h in parts]),
+        properties=[TensorProperties(dtype=SAFETENSORS_TO_TORCH[n]) for n in dtype_names],
+        shape_at=shape_at,
+        dims=dims,
+        chunk_at=np.arange(count + 1, dtype=np.int64),
+        chunk_offsets=np.zeros(len(dims), dtype=np.int64),
+        chunk_sizes=dims,
+        box_at=shape_at,
+        file=np.concatenate([np.full(len(h.names), i, dtype=np.int32) for i, h in enumerate(parts)]),
+        byte_offset=np.concatenate([h.begin + (b.base + h.data_start) for b, h in zip(blobs, parts)]),
+        byte_length=np.concatenate([h.end - h.begin for h in parts]),
+        transform=np.full(count, -1, dtype=np.int32),
+        files=[b.file for b in blobs],
+        transforms=[],
+    )
+    return lazy_metadata(cols, _stored_chunk)
+
+
+def _stored_chunk(cols: MetadataColumns, c: int) -> StoredChunk:
+    """The storage entry of chunk ``c`` of safetensors columns (one chunk per tensor: chunk ``c`` is row ``c``)."""
+    lo, hi = int(cols.box_at[c]), int(cols.box_at[c + 1])
+    dtype = cols.properties[int(cols.prop[c])].dtype
+    return StoredChunk(
+        cols.files[int(cols.file[c])],
+        int(cols.byte_offset[c]),
+        dtype,
+        tuple(cols.chunk_sizes[lo:hi].tolist()),
+        cols.names[c],
+    )
 
 
 # ------------------------------------------------------------------------------------- plain and HF

@@ -23,9 +23,19 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcp_storage.errors import DcpStorageError
+from dcp_storage.formats.columns import column_table, columns_of
 from dcp_storage.formats.dcp_native.spec import SAFETENSORS, dcp_data_kind
 from dcp_storage.formats.paths import HF_SHARD_RE, INDEX_SUFFIX, METADATA_FILE, SAFETENSORS_SUFFIX
-from dcp_storage.formats.reports import CheckpointInfo, FileInfo, VerifyReport, error_text, size_or_none, tensor_table
+from dcp_storage.formats.reports import (
+    CheckpointInfo,
+    FileInfo,
+    TensorInfo,
+    ValueInfo,
+    VerifyReport,
+    error_text,
+    size_or_none,
+    tensor_table,
+)
 from dcp_storage.formats.safetensors.checksums import FileSums
 from dcp_storage.formats.safetensors.convert_out import TARGET
 from dcp_storage.formats.safetensors.loader import blobs_of, read_headers, scan_metadata
@@ -66,20 +76,11 @@ def describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str, 
             if blob.base == 0
         }
         del found
-        storage = md.storage_data or {}
-
-        # keyed by plain tuples: a MetadataIndex per lookup was seconds at a million tensors
-        by_key = {(k.fqn, None if k.offset is None else tuple(k.offset)): v for k, v in storage.items()}
-
-        def locate(fqn: str, offsets: list[int] | None) -> tuple[Any, ...]:
-            entry = by_key.get((fqn, None if offsets is None else tuple(offsets)))
-            if isinstance(entry, StoredChunk):
-                return (entry.file, entry.data_offset, math.prod(entry.shape) * entry.dtype.itemsize)
-            if isinstance(entry, StoredBytes):
-                return (entry.file, entry.offset, entry.length)
-            return (None, None, None)
-
-        tensors, values = tensor_table(md, locate)
+        cols = columns_of(md)
+        if cols is not None:  # a header scanned as columns: rows built from arrays when asked for
+            tensors, values = column_table(cols)
+        else:
+            tensors, values = _table(md)
         names = list(layout.files)
         if layout.kind == "index" and layout.index_path is not None:
             names.append(posixpath.basename(layout.index_path.replace(os.sep, "/")))
@@ -93,6 +94,22 @@ def describe_safetensors(url: str, spec: FormatSpec, storage_options: dict[str, 
         )
     kind = _LAYOUTS.get(layout.kind, layout.kind)
     return CheckpointInfo(url, spec.descriptor, spec.description, kind, files, tensors, values, provenance)
+
+
+def _table(md: Any) -> tuple[list[TensorInfo], list[ValueInfo]]:
+    """The rows of a plain ``Metadata``, each chunk placed by its storage entry."""
+    # keyed by plain tuples: a MetadataIndex per lookup was seconds at a million tensors
+    by_key = {(k.fqn, None if k.offset is None else tuple(k.offset)): v for k, v in (md.storage_data or {}).items()}
+
+    def locate(fqn: str, offsets: list[int] | None) -> tuple[Any, ...]:
+        entry = by_key.get((fqn, None if offsets is None else tuple(offsets)))
+        if isinstance(entry, StoredChunk):
+            return (entry.file, entry.data_offset, math.prod(entry.shape) * entry.dtype.itemsize)
+        if isinstance(entry, StoredBytes):
+            return (entry.file, entry.offset, entry.length)
+        return (None, None, None)
+
+    return tensor_table(md, locate)
 
 
 _SIBLINGS_NAMED = 8
