@@ -41,6 +41,7 @@ in the same order); what changes is the cost at a million tensors:
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,14 @@ def whole_single_chunk(cols: MetadataColumns) -> np.ndarray:
     """Per entry: a tensor of at least one element stored as one chunk covering it (offsets 0, sizes = shape)."""
     n, c = len(cols.names), cols.chunk_count
     per_entry = np.diff(cols.chunk_at)
+    if c == n and (per_entry == 1).all() and np.array_equal(cols.box_at, cols.shape_at):
+        # a chunk per entry, laid out like the shapes (safetensors; DCP unsharded): compared element by element,
+        # with no index arrays unless some element differs (a million entries: ~60 MB fewer temporaries)
+        odd = (cols.chunk_offsets != 0) | (cols.chunk_sizes != cols.dims) | (cols.dims == 0)
+        out = ~cols.is_bytes
+        if odd.any():
+            out &= np.bincount(np.repeat(np.arange(n), np.diff(cols.shape_at))[odd], minlength=n) == 0
+        return out
     entry_of_chunk = np.repeat(np.arange(n), per_entry)
     dims_per_chunk = np.diff(cols.box_at)
     chunk_of_elem = np.repeat(np.arange(c), dims_per_chunk)
@@ -171,11 +180,13 @@ def plan_on_columns(
     dtypes: list[str] = []
     casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     items: list[ReadItem] = []
-    is_bytes = cols.is_bytes.tolist()
-    shape_at = cols.shape_at.tolist()
-    dims = cols.dims.tolist()
-    prop = cols.prop.tolist()
-    simple = whole_single_chunk(cols).tolist() if build else []
+    # per-entry columns as compact sequences (bytes, array), not lists: 1-8 bytes an entry instead of 8 plus an int
+    # object, which at a million entries is the planning's peak
+    is_bytes = cols.is_bytes.astype(np.uint8).tobytes()
+    shape_at = array("q", cols.shape_at.astype(np.int64).tobytes())
+    dims = array("q", cols.dims.astype(np.int64).tobytes())
+    prop = array("i", cols.prop.astype(np.int32).tobytes())
+    simple = whole_single_chunk(cols).astype(np.uint8).tobytes() if build else b""
     stored_dtypes = [p.dtype for p in cols.properties]
     entry = metadata.state_dict_metadata.entry  # type: ignore[attr-defined]
     allowed: dict[tuple[Any, Any], bool] = {}

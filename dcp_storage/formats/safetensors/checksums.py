@@ -153,12 +153,13 @@ class FileSums:
         self.algorithm = md.get(ALGORITHM_KEY)
         self.header_digest = md.get(HEADER_KEY)
         self.values = {k[len(CHECKSUM_PREFIX) :]: v for k, v in md.items() if k.startswith(CHECKSUM_PREFIX)}
-        self.raw_header = raw_header
         # A damaged key must not make a file look unchecked: any one of ours claims the whole set.
         fixed = {WRITER_KEY: self.writer, FORMAT_KEY: self.format, ALGORITHM_KEY: self.algorithm}
         fixed[HEADER_KEY] = self.header_digest
         self.missing = sorted(k for k, v in fixed.items() if v is None)
         self.present = len(self.missing) < len(fixed) or bool(self.values)
+        # kept only to check the header's digest: a file without ours does not hold 100 MB per 1M-tensor header
+        self.raw_header = raw_header if self.present else None
 
     def header_problem(self) -> str | None:
         """Why the stored header fails its digest (``None``: it matches, or the file records no checksums)."""

@@ -395,8 +395,8 @@ class _Runs:
             return False
         kinds = self.kinds
         self.dtype.append(np.array([kinds.setdefault(d, len(kinds)) for d in dtypes_b], dtype=np.int32))
-        self.ndim.append(np.array([s.count(b",") + 1 if s else 0 for s in shapes_b], dtype=np.int64))
-        self.dims.append(_ints(b",".join(s for s in shapes_b if s).split(b",") if any(shapes_b) else ()))
+        self.ndim.append(np.fromiter((s.count(b",") + 1 if s else 0 for s in shapes_b), np.int64, len(shapes_b)))
+        self.dims.append(_ints(b",".join(s for s in shapes_b if s).split(b",") if any(shapes_b) else []))
         self.begin.append(_ints(begins_b))
         self.end.append(_ints(ends_b))
         return True
@@ -426,7 +426,7 @@ class _Runs:
 
 
 def _ints(digits: Any) -> np.ndarray:
-    return np.array([int(d) for d in digits], dtype=np.int64)
+    return np.fromiter(map(int, digits), dtype=np.int64, count=len(digits))
 
 
 def _scanned_metadata(body: memoryview, first: int) -> dict[str, str] | None | bool:

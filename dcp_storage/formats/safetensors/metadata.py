@@ -294,8 +294,8 @@ def _from_header_columns(
         return None
     if any(SHARDING_INFO_KEY in (h.metadata or {}) for h in parts):
         return None
-    names = [n for h in parts for n in h.names]
-    if len(set(names)) != len(names):
+    names = parts[0].names if len(parts) == 1 else [n for h in parts for n in h.names]
+    if len(parts) > 1 and len(set(names)) != len(names):  # each header's own names are distinct (scan_columns)
         return None
     weight_map = layout.weight_map
     if weight_map:
