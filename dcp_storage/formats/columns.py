@@ -471,8 +471,9 @@ def _byte_counts(cols: MetadataColumns, rows: np.ndarray) -> tuple[np.ndarray, d
         at = np.flatnonzero(ndim == k)
         dims = cols.dims[start[at, None] + np.arange(k)]  # (rows, k); k = 0: one element each
         size = itemsize[cols.prop[rows[at]]]
-        estimate = dims.astype(np.float64).prod(axis=1) * size
-        out[at] = dims.prod(axis=1) * size
+        with np.errstate(over="ignore", invalid="ignore"):  # too large for int64: the exact rows below
+            estimate = dims.astype(np.float64).prod(axis=1) * size
+            out[at] = dims.prod(axis=1) * size
         for j in at[estimate >= _EXACT].tolist():
             r = int(rows[j])
             exact[j] = math.prod(cols.dims[cols.shape_at[r] : cols.shape_at[r + 1]].tolist()) * int(

@@ -447,7 +447,8 @@ def _products(ndim: np.ndarray, shape_at: np.ndarray, dims: np.ndarray, itemsize
     out = itemsize.copy()
     has = np.flatnonzero(ndim > 0)
     if len(has):
-        approx = np.multiply.reduceat(dims.astype(np.float64), shape_at[has]) * itemsize[has]
+        with np.errstate(over="ignore", invalid="ignore"):  # inf, or inf * 0 = nan (then the exact product is 0)
+            approx = np.multiply.reduceat(dims.astype(np.float64), shape_at[has]) * itemsize[has]
         if (approx >= _PRODUCT_GUARD).any():
             return None  # the general path computes it exactly (and refuses it, or not)
         out[has] = np.multiply.reduceat(dims, shape_at[has]) * itemsize[has]

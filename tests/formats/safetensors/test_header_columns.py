@@ -140,6 +140,17 @@ def test_what_the_scan_does_not_take_the_general_path_decides(name: str) -> None
     assert scan_columns(header, size, "f") is None, name
 
 
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("shape", [[999999999999999999] * 20 + [0], [2] * 1023 + [0], [4294967296] * 3])
+def test_shapes_whose_float_product_overflows_warn_nothing(shape: list[int]) -> None:
+    """A product that overflows float64 (then inf * 0 = nan) is no warning, and the verdict is the general path's."""
+    nbytes = 0 if 0 in shape else 8
+    header = json.dumps({"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, nbytes]}}, separators=(",", ":"))
+    got = scan_columns(header.encode(), nbytes, "f")
+    ref = _general(header.encode(), nbytes)
+    assert got.header() == ref if got is not None else isinstance(ref, Exception)
+
+
 def test_random_mutations_never_accept_what_the_general_path_refuses() -> None:
     tensors = {f"t{i}": torch.zeros(i % 4, 3, dtype=torch.float16 if i % 2 else torch.float32) for i in range(40)}
     tensors["s"] = torch.tensor(1.0)
