@@ -22,7 +22,10 @@ What it does:
     DTensors. In torch 2.13 it does not complete (non-coordinators ``empty_like`` the DTensor and
     broadcast into it); it runs under ``--torch-dtensor-timeout`` and is reported as such;
   - ``torch full`` / ``ours full``: both readers into plain full tensors on every rank (the only mode
-    torch's reader completes), for a like-for-like time and memory comparison.
+    torch's reader completes), for a like-for-like time and memory comparison;
+  - ``gloo Shard(0)`` / ``gloo full``: gloo's own limit, the same run: the coordinator broadcasts the bytes
+    one other rank receives in that case (its shard; every tensor) from a ready 64 MiB buffer, no file.
+    The summary line gives ours as a fraction of it (gloo's seconds over ours).
 
 * Reported per case: load seconds (slowest rank, from a barrier to ``dcp.load`` returning), coordinator
   peak RSS minus its baseline (``resource.getrusage(RUSAGE_SELF).ru_maxrss`` in the rank process; the
@@ -218,7 +221,44 @@ def bench_rank(rank: int, world: int, impl: str, target: str, path: str, spec: S
     }
 
 
+def gloo_rank(rank: int, world: int, target: str, spec: Spec) -> dict[str, Any]:
+    """gloo's own limit for the bytes a non-coordinator of the load receives: the coordinator broadcasts that
+    many bytes (its shard for ``Shard(0)``, every tensor for ``full``) from a ready buffer, 64 MiB at a time."""
+    import torch
+    import torch.distributed as dist
+
+    full = spec_bytes(spec)
+    nbytes = full if target == "full" else full // world
+    buf = torch.empty(64 * MiB, dtype=torch.uint8)
+    if rank == 0:
+        buf.random_(0, 256, generator=torch.Generator().manual_seed(SEED))
+    dist.barrier()
+    start = time.perf_counter()
+    for at in range(0, nbytes, buf.numel()):
+        dist.broadcast(buf[: min(buf.numel(), nbytes - at)], src=0)
+    seconds = time.perf_counter() - start
+    return {"rank": rank, "seconds": seconds, "received": 0 if rank == 0 else nbytes, "shard_bytes": nbytes}
+
+
 # ============================================================================================ driver
+def run_gloo(target: str, spec: Spec, world: int, timeout: float) -> dict[str, Any]:
+    from dcp_storage_testing.distributed import run_ranks
+
+    start = time.monotonic()
+    ranks = run_ranks(gloo_rank, world, target, spec, timeout=timeout)
+    return {
+        "case": f"gloo {target}",
+        "status": "ok (broadcast of the bytes a rank receives, no file)",
+        "seconds": max(r["seconds"] for r in ranks),
+        "coordinator_peak_minus_baseline": 0,
+        "others_peak_minus_baseline": 0,
+        "received_over_shard": [r["received"] / r["shard_bytes"] for r in ranks],
+        "coordinator_bytes_read": 0,
+        "ranks": ranks,
+        "wall": time.monotonic() - start,
+    }
+
+
 def run_case(impl: str, target: str, path: str, spec: Spec, world: int, verify: bool, timeout: float) -> dict[str, Any]:
     from dcp_storage_testing.distributed import RankFailedError, RankTimeoutError, run_ranks
 
@@ -280,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="per case")
     parser.add_argument(
         "--cases",
-        default="ours:Shard(0),torch:Shard(0),torch:full,ours:full",
-        help="comma-separated impl:target pairs to run",
+        default="ours:Shard(0),gloo:Shard(0),torch:Shard(0),torch:full,ours:full,gloo:full",
+        help="comma-separated impl:target pairs to run (impl: ours, torch, or gloo: its broadcast limit)",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -301,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         best: dict[str, Any] | None = None
         for _ in range(repeats if timeout == args.timeout else 1):
             try:
-                res = run_case(impl, target, path, spec, args.world, not args.no_verify, timeout)
+                if impl == "gloo":
+                    res = run_gloo(target, spec, args.world, timeout)
+                else:
+                    res = run_case(impl, target, path, spec, args.world, not args.no_verify, timeout)
             except Exception:  # noqa: BLE001 - report and go on with the other cases
                 res = {"case": f"{impl} {target}", "status": "error: " + traceback.format_exc().splitlines()[-1]}
             if best is None or ("seconds" in res and res["seconds"] < best.get("seconds", float("inf"))):
@@ -313,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         results.append(best)
     print_table(results, ckpt_bytes, largest)
+    by_case = {r["case"]: r for r in results if "seconds" in r}
+    for target in ("Shard(0)", "full"):
+        ours, limit = by_case.get(f"ours {target}"), by_case.get(f"gloo {target}")
+        if ours and limit:
+            print(f"ours {target}: {limit['seconds'] / ours['seconds']:.2f}x gloo's broadcast of the same bytes")
     out = args.json or os.path.join(HERE, "results", f"broadcast_torch_save{'_quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     import torch

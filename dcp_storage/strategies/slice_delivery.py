@@ -167,9 +167,12 @@ class SliceSender:
         self._inflight_bytes = 0
 
     # ---------------------------------------------------------------------------------- sending
-    def reserve(self, nbytes: int) -> None:
-        """Wait until ``nbytes`` more can be held without exceeding the in-flight budget."""
-        while self._inflight and self._inflight_bytes + nbytes > self.config.max_inflight_bytes:
+    def reserve(self, nbytes: int, limit: int | None = None) -> None:
+        """Wait until ``nbytes`` more can be held with at most ``limit`` bytes held in all (the in-flight budget
+        by default): a coordinator about to read slices passes the bytes it holds anyway for its largest
+        tensor, so that it reads the next slices while the last ones are still being sent."""
+        limit = max(limit or 0, self.config.max_inflight_bytes)
+        while self._inflight and self._inflight_bytes + nbytes > limit:
             self._wait_oldest()
 
     def send_tensor(self, rank: int, index: int, tensor: torch.Tensor) -> None:

@@ -291,6 +291,7 @@ class _Server:
         self.sender = sender
         self.config = config
         self.stats = stats
+        self._largest = max((d.nbytes for d in archive.tensors.values()), default=0)
 
     def run(self) -> None:
         # Identical slices wanted by several ranks (replicated tensors, full loads) are read once.
@@ -331,7 +332,9 @@ class _Server:
         return math.prod(int(n) for n in item.lengths) * self.archive.tensors[item.storage_index.fqn].itemsize
 
     def _flush(self, batch: list[list[tuple[int, int, ReadItem]]], held: int) -> None:
-        self.sender.reserve(held)  # let earlier sends drain before holding more
+        # Let earlier sends drain before holding more, but read on while they and these slices fit in the bytes
+        # of the largest tensor, which a full load stages anyway: reads overlap sends, the peak stays the same.
+        self.sender.reserve(held, limit=self._largest)
         works: list[SliceRead] = []
         for jobs in batch:
             item = jobs[0][2]
