@@ -165,6 +165,7 @@ class SliceSender:
         self.config = config or DeliveryConfig()
         self._inflight: collections.deque[tuple[list[Any], list[Any], int]] = collections.deque()
         self._inflight_bytes = 0
+        self._after: dict[int, list[Callable[[], None]]] = {}  # id of an in-flight entry -> run once it is sent
 
     # ---------------------------------------------------------------------------------- sending
     def reserve(self, nbytes: int, limit: int | None = None) -> None:
@@ -206,8 +207,17 @@ class SliceSender:
         self.stats.messages_sent += 1
         self.stats.sent_per_rank[rank] = self.stats.sent_per_rank.get(rank, 0) + nbytes
 
+    def after_sent(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once every send issued so far has completed (now, if none is in flight): a coordinator that
+        sends from its own destination commits it only then, so that nothing writes to bytes being sent."""
+        if not self._inflight:
+            fn()
+            return
+        self._after.setdefault(id(self._inflight[-1]), []).append(fn)
+
     def _wait_oldest(self) -> None:
-        works, _buffers, nbytes = self._inflight.popleft()
+        entry = self._inflight.popleft()
+        works, _buffers, nbytes = entry
         for w in works:
             if w is not None:
                 w.wait()
@@ -216,6 +226,8 @@ class SliceSender:
             # in-flight budget bounds device memory and not just queued work.
             torch.cuda.current_stream(self.view.device).synchronize()
         self._inflight_bytes -= nbytes
+        for fn in self._after.pop(id(entry), ()):
+            fn()
 
     def finish(self) -> None:
         """Wait for every send; check every rank got all its items."""
@@ -249,6 +261,7 @@ class SliceSender:
                     w.wait()
         self._inflight.clear()
         self._inflight_bytes = 0
+        self._after.clear()  # the load failed: nothing more is committed
 
 
 @contextlib.contextmanager

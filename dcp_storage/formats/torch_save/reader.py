@@ -38,6 +38,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
@@ -292,6 +293,7 @@ class _Server:
         self.config = config
         self.stats = stats
         self._largest = max((d.nbytes for d in archive.tensors.values()), default=0)
+        self._own: dict[int, torch.Tensor | None] = {}  # id of a slice's jobs -> _own_buffer
 
     def run(self) -> None:
         # Identical slices wanted by several ranks (replicated tensors, full loads) are read once.
@@ -328,6 +330,8 @@ class _Server:
     def _staging_size(self, jobs: list[tuple[int, int, ReadItem]]) -> int:
         if all(rank == self.view.rank for rank, _i, _item in jobs):
             return 0  # read straight into the destination (or a staging buffer of its own size)
+        # A slice sent from this rank's destination (_own_buffer) counts too: resolving every destination here,
+        # before any read, would make a planner that hands out staging tensors allocate them all at once.
         item = jobs[0][2]
         return math.prod(int(n) for n in item.lengths) * self.archive.tensors[item.storage_index.fqn].itemsize
 
@@ -340,8 +344,11 @@ class _Server:
             item = jobs[0][2]
             stored = self.archive.stored(item.storage_index.fqn)
             lengths = tuple(int(n) for n in item.lengths)
+            own = self._own_buffer(jobs)
             if len(jobs) == 1 and jobs[0][0] == self.view.rank:
                 dest = self.planner.resolve_tensor(item).detach()
+            elif own is not None:  # read into this rank's destination, sent from there
+                dest = own
             else:
                 dest = host_buffer(lengths, stored.dtype, self.view.device)
             work = plan_slice_read(jobs, stored, _global_offsets(item), lengths, dest)
@@ -350,6 +357,35 @@ class _Server:
             works.append(work)
         read_slices(self.archive.transport, works, self._done, staging_bytes=1 << 62)
 
+    def _own_buffer(self, jobs: list[tuple[int, int, ReadItem]]) -> torch.Tensor | None:
+        """This rank's destination of a slice other ranks load too, when the read can land there and the sends
+        go from it (contiguous, the stored dtype, on the transfer device, the slice's shape): no staging buffer
+        and no copy (a load into full tensors: every tensor). Resolved once per slice."""
+        key = id(jobs)
+        if key not in self._own:
+            mine = [item for rank, _i, item in jobs if rank == self.view.rank]
+            dest = self.planner.resolve_tensor(mine[0]).detach() if len(jobs) > 1 and len(mine) == 1 else None
+            desc = self.archive.tensors.get(jobs[0][2].storage_index.fqn)
+            fits = (
+                dest is not None
+                and desc is not None
+                and dest.is_contiguous()
+                and dest.dtype == desc.dtype
+                and dest.device == self.view.device
+                and list(dest.shape) == [int(n) for n in mine[0].lengths]
+            )
+            self._own[key] = dest if fits else None
+        return self._own[key]
+
     def _done(self, work: SliceRead) -> None:
         jobs: list[Job] = work.key  # type: ignore[assignment]
-        deliver_tensor(jobs, work.dest, self.view.rank, self.planner, self.sender, self.stats)
+        own = self._own.get(id(jobs))
+        if own is None or work.dest is not own:
+            deliver_tensor(jobs, work.dest, self.view.rank, self.planner, self.sender, self.stats)
+            return
+        for rank, index, item in jobs:
+            if rank != self.view.rank:
+                self.sender.send_tensor(rank, index, own)
+        mine = next(item for rank, _i, item in jobs if rank == self.view.rank)
+        self.stats.bytes_local += own.numel() * own.element_size()
+        self.sender.after_sent(lambda: self.planner.commit_tensor(mine, own))  # nothing writes to bytes in flight
