@@ -224,6 +224,44 @@ def fail_mid_transfer(rank: int, world: int, local_path: str) -> dict[str, Any]:
         module.read_slices = original  # type: ignore[assignment]
 
 
+def fail_in_commit(rank: int, world: int, local_path: str) -> dict[str, Any]:
+    """A load into full tensors whose planner fails in ``commit_tensor`` on the coordinator, which commits a
+    slice only once it was sent from that destination (``SliceSender.after_sent``): every rank must raise that
+    error, promptly, and the slices committed before it are the file's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import DynamicMetaLoadPlanner
+
+    from dcp_storage import BroadcastingTorchSaveReader
+    from dcp_storage.errors import CorruptCheckpointError
+
+    saved = torch.load(local_path, weights_only=True)
+    reference = {k: v for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    committed: list[str] = []
+
+    class FailingCommit(DynamicMetaLoadPlanner):
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            fqn = read_item.dest_index.fqn
+            if rank == 0 and len(committed) == 2:
+                raise CorruptCheckpointError(f"{local_path}: injected failure in commit_tensor ({fqn})")
+            assert _same_bits(tensor, reference[fqn]), fqn  # committed only with all its bytes in place
+            committed.append(fqn)
+            super().commit_tensor(read_item, tensor)
+
+    state = {k: torch.zeros_like(v) for k, v in reference.items()}
+    start = time.monotonic()
+    try:
+        dcp.load(state, storage_reader=BroadcastingTorchSaveReader(local_path), planner=FailingCommit())
+        return {"raised": "nothing", "text": "", "seconds": time.monotonic() - start}
+    except CheckpointException as exc:
+        mine = exc.failures.get(rank)
+        return {
+            "raised": type(mine[0]).__name__ if mine else None,
+            "text": str(mine[0]) if mine else str(exc),
+            "seconds": time.monotonic() - start,
+        }
+
+
 def world3(
     rank: int, world: int, local_path: str, sources: list[tuple[str, dict[str, Any]]], dcp_dir: str
 ) -> dict[str, Any]:
@@ -233,6 +271,7 @@ def world3(
         "share": check_share_object(rank, world),
         "small_budgets": load_small_budgets(rank, world, local_path),
         "mid_transfer": fail_mid_transfer(rank, world, local_path),
+        "in_commit": fail_in_commit(rank, world, local_path),
     }
 
 

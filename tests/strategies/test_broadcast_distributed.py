@@ -136,6 +136,18 @@ def test_failure_mid_transfer_reaches_every_rank(world3: list[dict[str, Any]]) -
     assert any(res["mid_transfer"]["received"] > 0 for res in world3[1:]), "the failure should come after some data"
 
 
+def test_a_commit_failing_on_the_coordinator_reaches_every_rank(world3: list[dict[str, Any]]) -> None:
+    """The coordinator commits a slice it sent from its own destination only after the sends: a failure there
+    still reaches every rank, promptly (and what it committed before had all its bytes)."""
+    for rank, res in enumerate(world3):
+        rep = res["in_commit"]
+        # the coordinator's own error; another rank got it sent mid-transfer, or had all its slices and gets it
+        # from DCP's gather of every rank's result (raised=None: no failure of its own, the exception names rank 0's)
+        assert rep["raised"] == "CorruptCheckpointError" or (rank and rep["raised"] is None), f"rank {rank}: {rep}"
+        assert "injected failure in commit_tensor" in rep["text"], f"rank {rank}: {rep['text']}"
+        assert rep["seconds"] < 10, f"rank {rank} took {rep['seconds']:.1f}s to fail"
+
+
 def test_share_object_world3(world3: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(world3):
         share = res["share"]
