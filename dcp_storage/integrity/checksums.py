@@ -4,9 +4,9 @@ A checkpoint names its algorithm (``"xxh3_64"``, ``"xxh64"``, ``"crc32c"``, ``"c
 any of them whatever the writer's default. :data:`DEFAULT_ALGORITHM` is the fastest one measured here on the
 bytes a load has just read (256 KiB pieces, in cache): zip's CRC-32 by ISA-L (PCLMULQDQ/VPCLMULQDQ folding)
 at 60-80 GB/s on one core, xxh3_64 at 38-55, crc32c 15, zlib's crc32 5. Loads check every byte by default,
-so this is what a warm local load pays: about +20% with CRC-32 read and hashed in one native loop
-(:mod:`dcp_storage.transports.local_io`'s ``pread_crc32``), +29-33% with CRC-32 pieces hashed from Python,
-+37-42% with xxh3_64 (2 threads, 256 MiB; ``benchmarks/bench_default_verify.py``). Checkpoints written with xxh3_64 (the default before) keep it.
+so this is what a warm local load pays: +9-15% with CRC-32 read and hashed in one native loop per 16 MiB
+run (:mod:`dcp_storage.transports.local_io`'s ``pread_crc32``), +29-33% with CRC-32 pieces hashed from
+Python, +37-42% with xxh3_64 (2 threads, 256 MiB; ``benchmarks/bench_default_verify.py``). Checkpoints written with xxh3_64 (the default before) keep it.
 Digests are fixed-width lowercase hex, so a record's size is known before its value (the safetensors
 writer reserves header space for them).
 
