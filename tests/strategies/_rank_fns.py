@@ -213,15 +213,20 @@ def fail_mid_transfer(rank: int, world: int, local_path: str) -> dict[str, Any]:
         dcp.load(state, storage_reader=reader, planner=DynamicMetaLoadPlanner())
         return {"raised": None}
     except CheckpointException as exc:
-        mine = exc.failures.get(rank)
-        return {
-            "raised": type(mine[0]).__name__ if mine else None,
-            "text": str(mine[0]) if mine else str(exc),
-            "seconds": time.monotonic() - start,
-            "received": reader.stats["bytes_received"],
-        }
+        return {**_failure(exc, rank, start), "received": reader.stats["bytes_received"]}
     finally:
         module.read_slices = original  # type: ignore[assignment]
+
+
+def _failure(exc: Any, rank: int, start: float) -> dict[str, Any]:
+    """What a rank saw of a failed ``dcp.load``: its own error (``raised=None``: none of its own, the text then
+    names the failing ranks') and how long after ``start``."""
+    mine = exc.failures.get(rank)
+    return {
+        "raised": type(mine[0]).__name__ if mine else None,
+        "text": str(mine[0]) if mine else str(exc),
+        "seconds": time.monotonic() - start,
+    }
 
 
 def fail_in_commit(rank: int, world: int, local_path: str) -> dict[str, Any]:
@@ -254,12 +259,7 @@ def fail_in_commit(rank: int, world: int, local_path: str) -> dict[str, Any]:
         dcp.load(state, storage_reader=BroadcastingTorchSaveReader(local_path), planner=FailingCommit())
         return {"raised": "nothing", "text": "", "seconds": time.monotonic() - start}
     except CheckpointException as exc:
-        mine = exc.failures.get(rank)
-        return {
-            "raised": type(mine[0]).__name__ if mine else None,
-            "text": str(mine[0]) if mine else str(exc),
-            "seconds": time.monotonic() - start,
-        }
+        return _failure(exc, rank, start)
 
 
 def world3(
