@@ -17,6 +17,7 @@ from dcp_storage.integrity.blocks import BlockCover
 from dcp_storage.integrity.checksums import checksum
 from dcp_storage.transports import local_io
 from dcp_storage.transports.factory import open_transport
+from tests.integrity._flips import assert_block_flips_refused
 
 needs_native = pytest.mark.skipif(not local_io.native_crc32_reads(), reason="_pread_crc32 not built")
 START = 4096
@@ -144,13 +145,8 @@ def test_a_checked_local_read_refuses_a_flip_in_any_block(
         transport.read_ranges(_landing(name, START, START + len(data), memoryview(into), cover))
         assert into == data
         assert (sum(calls) == len(data) and len(calls) == 1) if native else not calls  # one run of <= 16 MiB
-        for at in (0, first - 1, first, first + size - 1, first + 5 * size + 12345, len(data) - 1):
-            bad = bytearray(data)
-            bad[at] ^= 0x80
-            path.write_bytes(b"\0" * START + bytes(bad))
-            block = 0 if at < first else 1 + (at - first) // size
-            with pytest.raises(CorruptCheckpointError, match=rf"block {block} of the record"):
-                transport.read_ranges(_landing(name, START, START + len(data), memoryview(bytearray(len(data))), cover))
+        at = (0, first - 1, first, first + size - 1, first + 5 * size + 12345, len(data) - 1)
+        assert_block_flips_refused(transport, path, name, data, START, first, size, cover, at)
 
 
 def test_crc32s_that_do_not_fit_leave_every_block_to_complete() -> None:
