@@ -228,21 +228,30 @@ def deliver_tensor(
     sender: SliceSender,
     stats: DeliveryStats,
     committed: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> None:
     """A slice read once (``staged``: its stored bytes) to every job that needs it.
 
     One job of this rank alone: ``staged`` is its destination, committed as it is (or as ``committed``, the
     tensor the reader handed back). Several jobs: ``staged`` is a staging buffer, copied into this rank's
-    destination (checked first) and sent to the other ranks.
+    destination (checked first) and sent to the other ranks; with ``in_place``, ``staged`` is this rank's
+    destination itself: sent from, and committed only once those sends are done
+    (:meth:`~.slice_delivery.SliceSender.after_sent`), so that nothing writes to bytes in flight.
     """
     shared = len(jobs) > 1
+    deferred: list[ReadItem] = []
     for rank, index, item in jobs:
         if rank != me:
             sender.send_tensor(rank, index, staged)
+            continue
+        stats.bytes_local += staged.numel() * staged.element_size()
+        if in_place:
+            deferred.append(item)  # after every send of the slice has been issued
             continue
         dest = staged if committed is None else committed
         if shared:
             dest = checked_destination(planner, item)
             dest.copy_(staged)
-        stats.bytes_local += staged.numel() * staged.element_size()
         planner.commit_tensor(item, dest)
+    for item in deferred:
+        sender.after_sent(lambda item=item: planner.commit_tensor(item, staged))

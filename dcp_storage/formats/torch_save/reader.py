@@ -380,12 +380,5 @@ class _Server:
     def _done(self, work: SliceRead) -> None:
         jobs: list[Job] = work.key  # type: ignore[assignment]
         own = self._own.get(id(jobs))
-        if own is None or work.dest is not own:
-            deliver_tensor(jobs, work.dest, self.view.rank, self.planner, self.sender, self.stats)
-            return
-        for rank, index, item in jobs:
-            if rank != self.view.rank:
-                self.sender.send_tensor(rank, index, own)
-        mine = next(item for rank, _i, item in jobs if rank == self.view.rank)
-        self.stats.bytes_local += own.numel() * own.element_size()
-        self.sender.after_sent(lambda: self.planner.commit_tensor(mine, own))  # nothing writes to bytes in flight
+        in_place = own is not None and work.dest is own  # read into this rank's destination: sent from it
+        deliver_tensor(jobs, work.dest, self.view.rank, self.planner, self.sender, self.stats, in_place=in_place)
