@@ -272,7 +272,7 @@ def build_metadata(
     Headers scanned as columns (:func:`~.header.scan_columns`) are served as views of one set of columns
     (:func:`_from_header_columns`) when the layout allows; otherwise each becomes a plain header again."""
     if layout.kind != "dcp" and headers and all(isinstance(h, HeaderColumns) for h in headers.values()):
-        md = _from_header_columns(layout, headers, urls)  # type: ignore[arg-type]
+        md = _from_header_columns(layout, headers)  # type: ignore[arg-type]
         if md is not None:
             return md
     plain = {b: h.header() if isinstance(h, HeaderColumns) else h for b, h in headers.items()}
@@ -281,9 +281,7 @@ def build_metadata(
     return _from_headers(layout, plain, urls)
 
 
-def _from_header_columns(
-    layout: Layout, headers: Mapping[Blob, HeaderColumns], urls: Mapping[str, str]
-) -> Metadata | None:
+def _from_header_columns(layout: Layout, headers: Mapping[Blob, HeaderColumns]) -> Metadata | None:
     """The metadata of whole tensors, each in one file, as views of columns (a million tensors: about 100
     bytes each instead of torch's ~2 KB of objects), or ``None`` where :func:`_from_headers` must decide
     (fewer tensors than :func:`~.dcp_native.native.lazy_min_entries`, torch's pieces of a tensor, a name in
