@@ -117,6 +117,27 @@ def estimated_bytes(items: Sequence[WriteItem]) -> int:
     return sum((item_size(i) if i.type != WriteItemType.BYTE_IO else 0) + RECORD_OVERHEAD for i in items)
 
 
+def write_order(items: Sequence[WriteItem]) -> list[WriteItem]:
+    """The order of one data file's records: byte items first (torch's order), then the tensors alternately
+    the largest and the smallest left.
+
+    Why: each record costs a fixed ~0.3 ms of CPU (pickle, zip headers, checksums) however small, and the
+    disk only waits on records whose bytes are not made yet. torch's split hands each file its items
+    largest first, so a file ended with a run of small ones (a transformer's norms and biases: about 100
+    records, 30 ms here) while the disk had nothing left to write. Alternating puts each small record's CPU
+    beside a large record's disk time.
+    """
+    tensors = sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=item_size, reverse=True)
+    out = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    low, high = 0, len(tensors) - 1
+    while low <= high:
+        out.append(tensors[low])
+        if low != high:
+            out.append(tensors[high])
+        low, high = low + 1, high - 1
+    return out
+
+
 def group_items(
     items: Sequence[WriteItem], *, local: bool, thread_count: int, single_file_per_rank: bool, object_bytes: int
 ) -> list[list[WriteItem]]:
@@ -211,6 +232,11 @@ class ZipCrcFiller:
     raises :class:`ZipLayoutError` instead of writing an archive with a wrong CRC-32.
     """
 
+    # An entry's data goes on in pieces of this size, each CRC'd just before: the writer below hashes and
+    # copies it while it is still in the L2 cache, and the disk gets its first bytes after one piece, not
+    # after the CRC of the whole tensor (5 ms for 64 MiB here, during which the disk had nothing to write).
+    PIECE = 1024 * 1024
+
     def __init__(self, out: Any) -> None:
         self._out = out
         self._meta = -1  # name and extra bytes still to come after a local header; -1: not in an entry
@@ -232,7 +258,15 @@ class ZipCrcFiller:
                 self._in_data = False
                 self._out.write(out)
                 return n
-            self._crc = _crc32(view, self._crc)
+            if n <= self.PIECE:
+                self._crc = _crc32(view, self._crc)
+            else:  # a tensor's elements: each piece hashed, then passed on, while it is still in the CPU cache
+                for pos in range(0, n, self.PIECE):
+                    piece = view[pos : pos + self.PIECE]
+                    self._crc = _crc32(piece, self._crc)
+                    self._out.write(piece)
+                self._size += n
+                return n
             self._size += n
         elif self._meta > 0:
             if n > self._meta:

@@ -26,6 +26,8 @@ Vectored positioned reads on local files.
 no intermediate ``bytes`` object, no extra copy. Gaps between coalesced ranges land in a scratch buffer.
 :func:`pread_crc32` also reads straight into the destination, and CRC-32s each block as it lands in one
 native loop (``_pread_crc32.c``): what a default-checked local load reads.
+
+:func:`buffer_address` gives the writer's GIL-free copies (``ctypes.memmove``) a buffer's address.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ from typing import Any
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, FileTooLargeError, TransportError
 
 __all__ = [
+    "MEMMOVE_FROM",
     "Confinement",
     "LocalFiles",
+    "buffer_address",
     "fsync_dir",
     "native_crc32_reads",
     "open_regular",
@@ -422,3 +426,45 @@ def fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# Writes of at least this many bytes are copied into the stage by ``ctypes.memmove``, which releases the GIL;
+# a slice assignment holds it for the whole copy (0.9 ms per 8 MiB), and a disk thread whose ``pwrite`` has
+# returned waits for it: measured here, an O_DIRECT writer beside a copying thread got 0.9 GB/s against 2.6.
+MEMMOVE_FROM = 256 * 1024
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [  # noqa: RUF012 - ctypes' declaration
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.py_object),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """The address of a contiguous buffer's first byte, read-only ones included (``None`` if it has none).
+
+    ``ctypes.c_char.from_buffer`` takes writable buffers only, and torch's zip writer hands its bytes over as
+    read-only memoryviews. The caller keeps ``view`` alive while the address is used.
+    """
+    if not view.contiguous:
+        return None
+    info = _PyBuffer()
+    try:  # a failure sets a Python error, which ctypes raises
+        if ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(view), ctypes.byref(info), 0) != 0:
+            return None
+    except (BufferError, TypeError, ValueError):
+        return None
+    try:
+        return info.buf  # type: ignore[no-any-return]
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(info))

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 
 from dcp_storage import FsspecReader, FsspecWriter, TransportConfig, verify
-from dcp_storage.formats.writing import MemoryFile, estimated_bytes, group_items
+from dcp_storage.formats.writing import MemoryFile, estimated_bytes, group_items, write_order
 from dcp_storage.transports import local
 from dcp_storage_testing.compare import same_bits
 
@@ -28,6 +28,20 @@ def _state() -> dict[str, torch.Tensor]:
 
 def _items(sd: dict[str, Any]) -> list[Any]:
     return list(create_default_local_save_plan(sd, True).items)
+
+
+def test_a_file_s_records_alternate_large_and_small_after_its_byte_items() -> None:
+    """Each small record's CPU sits beside a large record's disk time; no run of small records at the end."""
+    import io
+
+    sd: dict[str, Any] = {f"t{n}": torch.zeros(n) for n in (5, 1000, 7, 300, 64, 9, 2000)}
+    sd["extra"] = io.BytesIO(b"step 7")
+    items = _items(sd)
+    ordered = write_order(items)
+    assert sorted(map(id, ordered)) == sorted(map(id, items))  # each item once
+    assert ordered[0].index.fqn == "extra"  # byte items first, as torch writes them
+    assert [i.index.fqn for i in ordered[1:]] == ["t2000", "t5", "t1000", "t7", "t300", "t9", "t64"]
+    assert write_order([]) == []
 
 
 def test_grouping_disk_and_object_store() -> None:
@@ -74,16 +88,19 @@ def test_local_writeback_starts_while_writing_and_fsync_stays(tmp_path: Path, mo
     from dcp_storage.transports.local import LocalWriter
 
     monkeypatch.setattr(LocalWriter, "_set_direct", lambda self, on: False)
-    monkeypatch.setattr(local, "start_writeback", lambda fd, off, n: calls.append((off, n)))
-    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(local, "start_writeback", lambda fd, off, n: every.append((fd, off, n)))
+    every: list[tuple[int, int, int]] = []
     synced: list[int] = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     sd = {"w": torch.randn(20 * MiB)}  # 80 MiB in one file
     dcp.save(sd, storage_writer=FsspecWriter(tmp_path / "c", thread_count=1), no_dist=True)
-    big = [c for c in calls if c[1] == LocalWriter.STAGE_BYTES]
-    assert len(big) >= 9 and big[0][0] == 0, calls
-    assert all(b[0] == a[0] + a[1] for a, b in zip(big, big[1:]))  # consecutive ranges
+    calls = [(off, n) for _, off, n in every]
+    calls = calls[: next((i for i in range(1, len(calls)) if calls[i][0] == 0), len(calls))]  # the data file's
+    assert len(calls) >= 9 and calls[0][0] == 0, calls  # buffer by buffer, not once at the end
+    assert all(b[0] == a[0] + a[1] for a, b in zip(calls, calls[1:])), calls  # consecutive ranges
+    assert max(n for _, n in calls) <= LocalWriter.STAGE_BYTES
+    assert sum(n for _, n in calls) == os.path.getsize(tmp_path / "c" / "__0_0.distcp")
     assert synced  # the commit's fsync is still made
     out = {"w": torch.zeros(20 * MiB)}
     dcp.load(out, storage_reader=FsspecReader(tmp_path / "c"), no_dist=True)

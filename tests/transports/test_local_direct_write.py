@@ -64,28 +64,72 @@ def test_bytes_on_disk_are_the_bytes_written(tmp_path: Any, size: int) -> None:
     assert [n for n in os.listdir(tmp_path) if n != "f.bin"] == []  # no temp file left
 
 
-def test_a_large_file_is_written_with_o_direct_a_small_one_plainly(tmp_path: Any) -> None:
-    seen: list[bool] = []
+def _spy_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, int, int]]:
+    """Every ``pwrite`` of the writer: (``O_DIRECT`` on, offset, size)."""
+    seen: list[tuple[bool, int, int]] = []
     real = local._pwrite_all
 
     def spy(fd: int, view: memoryview, offset: int) -> None:
-        seen.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        seen.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), offset, view.nbytes))
         real(fd, view, offset)
 
+    monkeypatch.setattr(local, "_pwrite_all", spy)
+    return seen
+
+
+def test_a_large_file_is_written_with_o_direct_a_small_one_plainly(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _spy_writes(monkeypatch)
     transport = _transport(str(tmp_path))
-    local._pwrite_all, saved = spy, real
-    try:
-        with transport.open_atomic(transport.join(str(tmp_path), "big")) as f:
-            f.write(bytes(3 * STAGE + 100))
-        big, seen[:] = list(seen), []
-        with transport.open_atomic(transport.join(str(tmp_path), "small")) as f:
-            f.write(b"x" * 5000)
-    finally:
-        local._pwrite_all = saved
-    if not any(big):
+    with transport.open_atomic(transport.join(str(tmp_path), "big")) as f:
+        f.write(bytes(3 * STAGE + 100))
+    big, seen[:] = list(seen), []
+    with transport.open_atomic(transport.join(str(tmp_path), "small")) as f:
+        f.write(b"x" * 5000)
+    if not any(direct for direct, _, _ in big):
         pytest.skip("this file system refuses O_DIRECT; the plain path is what ran")
-    assert big == [True, True, True, False], big  # three full buffers direct, the 100-byte tail plain
-    assert seen == [False]
+    assert [direct for direct, _, _ in big] == [True] * (len(big) - 1) + [False], big  # the 100-byte tail plain
+    assert big[-1][2] == 100 and all(n % 4096 == 0 and n <= STAGE for _, _, n in big[:-1])
+    assert [o for _, o, _ in big] == [sum(n for _, _, n in big[:i]) for i in range(len(big))]  # contiguous
+    assert seen == [(False, 0, 5000)]
+
+
+def test_an_idle_disk_gets_the_first_mib_at_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing in flight: the first ``EARLY_BYTES`` go to the disk while the caller is still writing."""
+    seen = _spy_writes(monkeypatch)
+    transport = _transport(str(tmp_path))
+    piece = bytes(64 * 1024)
+    with transport.open_atomic(transport.join(str(tmp_path), "f")) as f:
+        for _ in range(LocalWriter.EARLY_BYTES // len(piece)):
+            f.write(piece)
+        f._wait()  # type: ignore[attr-defined]
+        assert seen and seen[0][1:] == (0, LocalWriter.EARLY_BYTES), seen  # out before finish
+        f.write(piece)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hand_overs_at_any_fill_level_keep_the_bytes_and_the_alignment(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """The disk seen idle at random moments: buffers go out part-filled, their tails under 4 KiB carried
+    into the next one. Every direct write stays 4 KiB aligned and the file holds exactly what was written."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(local._DISK_WRITES, "idle", lambda: rng.random() < 0.3)
+    seen = _spy_writes(monkeypatch)
+    data = random.Random(100 + seed).randbytes(2 * STAGE + rng.randrange(3 * 4096))
+    transport = _transport(str(tmp_path))
+    path = transport.join(str(tmp_path), "f.bin")
+    view, pos = memoryview(data), 0
+    with transport.open_atomic(path) as f:
+        while pos < len(data):
+            n = rng.choice([1, 7, 4096, 5000, 300_000, 1_500_000])
+            f.write(view[pos : pos + n])
+            pos += n
+    with open(path, "rb") as got:
+        assert got.read() == data
+    assert all(o % 4096 == 0 and n % 4096 == 0 for direct, o, n in seen if direct), seen
+    assert sum(1 for _, _, n in seen if n < STAGE) > 3  # part-filled buffers went out
 
 
 def test_where_o_direct_is_refused_plain_writes_give_the_same_bytes(

@@ -78,6 +78,7 @@ from dcp_storage.formats.writing import (
     group_items,
     save_record,
     write_error,
+    write_order,
 )
 from dcp_storage.integrity.blocks import ChecksummedStorage, unwrap_results
 from dcp_storage.integrity.checksums import (
@@ -296,15 +297,13 @@ class FsspecWriter(ClaimingWriter, SavingLocation, StorageWriter):
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner, *, in_memory: bool
     ) -> list[WriteResult]:
-        """Write one data file; byte items first, then tensors (torch's order), committed atomically.
+        """Write one data file in :func:`write_order` (byte items first), committed atomically.
 
         ``in_memory``: build it in memory and send it by one request (small objects on object stores);
         otherwise stream it through the transport's atomic writer (local temp file, multipart upload).
         """
         path = self.transport.join(self.root, name)
-        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
-            i for i in items if i.type != WriteItemType.BYTE_IO
-        ]
+        ordered = write_order(items)
         recorder: RecordingWriter | None = None
         try:
             if in_memory:

@@ -17,6 +17,7 @@ from dcp_storage.formats.writing import ZipCrcFiller, ZipLayoutError, save_recor
 
 OBJECTS = {
     "matrix": torch.randn(256, 300),
+    "pieces": torch.randn(3 * ZipCrcFiller.PIECE // 4 + 5),  # elements passed on in 3 whole pieces and a part
     "empty": torch.empty(0),
     "empty_2d": torch.empty(0, 3),
     "scalar": torch.tensor(3.0),
