@@ -410,11 +410,7 @@ def _registry_distribution(registry_name: str, cls: type) -> str | None:
 
 def format_distribution(name: str) -> str | None:
     """The distribution that registers format ``name`` (``dcp-storage`` for the built-in ones)."""
-
-    for info in registry.list("formats"):
-        if info.name == name:
-            return None if info.distribution.startswith("<") else info.distribution
-    return None
+    return registry.distribution_of("formats", name)
 
 
 def describe_extension(descriptor: str, extension: Any | None = None) -> ExtensionInfo:

@@ -450,3 +450,42 @@ def test_url_redaction_helper() -> None:
         assert not _url_leaks(shown) and shown.endswith(": no such file"), shown
         assert not _url_leaks(mask_credentials(url))
     assert redact_urls("https://h/x?X-Amz-Expires=3600&part=2") == "https://h/x?X-Amz-Expires=3600&part=2"
+
+
+def test_pattern_masking_skips_only_texts_a_pattern_cannot_match() -> None:
+    """The word gate in ``mask_credentials`` changes nothing: every pattern run on every text gives the same
+    result, for ASCII texts in any case and for texts with letters that (?i) folds but ``lower`` does not."""
+    import random
+
+    from dcp_storage.text import _PATTERNS, mask_credentials, redact_urls
+
+    def every_pattern(text: str) -> str:
+        for pattern, replacement, _ in _PATTERNS:
+            text = pattern.sub(replacement, text)
+        return redact_urls(text)
+
+    rng = random.Random(7)
+    pieces = [
+        "x-amz-security-token",
+        "'x-amz-security-token'",
+        "credential=",
+        "x-amz-credential=",
+        "'authorization'",
+        ": b'",
+        "=",
+        " ",
+        "/",
+        "'",
+        "&",
+        "abc",
+        "ſ",
+        "K",
+        "İ",
+        "ı",
+        "\u212a",
+        ":",
+    ]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 8)))
+        text = "".join(c.upper() if rng.random() < 0.3 else c for c in text)
+        assert mask_credentials(text) == every_pattern(text), text

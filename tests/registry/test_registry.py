@@ -42,6 +42,23 @@ def test_programmatic_register_and_restore() -> None:
         registry.register("formats", "dcp", "json:dumps")
 
 
+def test_distribution_of_answers_as_the_full_registry_does() -> None:
+    """The shortcut for this package's own names (no scan of every distribution) gives what the scan gives,
+    for every registered name of every kind, before and after the scan; a name registered by hand is
+    nobody's distribution."""
+    registry.reload()
+    quick = {(k, n): registry.distribution_of(k, n) for k in registry.KINDS for n in ("dcp", "safetensors", "nope")}
+    full = {(p.kind, p.name): (None if p.distribution.startswith("<") else p.distribution) for p in registry.list()}
+    for (kind, name), dist in quick.items():
+        assert dist == full.get((kind, name)), (kind, name)
+    assert quick[("formats", "dcp")] == "dcp-storage"
+    for (kind, name), dist in full.items():
+        assert registry.distribution_of(kind, name) == dist
+    with registry.registered("formats", "dcp", "json:dumps"):
+        assert registry.distribution_of("formats", "dcp") is None
+    assert registry.distribution_of("formats", "dcp") == "dcp-storage"
+
+
 def _install_fake_distribution(root: Path, dist: str, module: str, entry_points: str, body: str) -> None:
     """A real ``*.dist-info`` with entry points on sys.path: discovered exactly like an installed wheel."""
     (root / f"{module}.py").write_text(textwrap.dedent(body))
