@@ -32,6 +32,7 @@ Pass the same ``process_group`` as to ``dcp.load`` (default: the default group).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -47,7 +48,7 @@ from dcp_storage.formats.location import raise_explained
 from dcp_storage.formats.reading import SliceRead, plan_slice_read, read_slices
 from dcp_storage.formats.torch_save import TorchSaveArchive, TorchSaveArchiveConfig
 from dcp_storage.planners.planner import enforce_for, rules_of
-from dcp_storage.runtime import host_buffer
+from dcp_storage.runtime import HostBufferPool
 from dcp_storage.strategies.collectives import GroupView, reader_location, running_planner
 from dcp_storage.strategies.coordinator_served import (
     CoordinatorServedReader,
@@ -294,6 +295,9 @@ class _Server:
         self.stats = stats
         self._largest = max((d.nbytes for d in archive.tensors.values()), default=0)
         self._own: dict[int, torch.Tensor | None] = {}  # id of a slice's jobs -> _own_buffer
+        # Staging of slices only sent, reused once their sends are done; within the bytes a full load stages.
+        self._pool = HostBufferPool(view.device, max(self._largest, config.staging_bytes))
+        self._pooled: set[int] = set()  # ids of the staging tensors taken from the pool and in use
 
     def run(self) -> None:
         # Identical slices wanted by several ranks (replicated tensors, full loads) are read once.
@@ -312,20 +316,70 @@ class _Server:
         by_tensor: dict[str, list[tuple[tuple[int, ...], list[tuple[int, int, ReadItem]]]]] = {}
         for (fqn, offsets, _lengths), jobs in slices.items():
             by_tensor.setdefault(fqn, []).append((offsets, jobs))
-        batch: list[list[tuple[int, int, ReadItem]]] = []
-        held = 0
+        # Slices only this rank loads are read between the batches of slices it sends, in proportion, so that
+        # the sends in flight and this rank's own reading overlap all along (in file order, a 2 GiB Shard(0)
+        # load at 2 ranks spent 0.35 s of its 0.98 s waiting for sends; 0.95 s now, with the pooled staging).
+        # An own slice whose stored bytes interleave with a sent one's (columns of one tensor) stays beside it:
+        # one read of the shared span serves both. So do all of them from object stores, where a separate
+        # request per slice would fetch more (each request's read-ahead) for a network that is not the bound.
+        apart_ok = bool(getattr(self.archive.transport, "is_local", False))
+        remote: list[list[tuple[int, int, ReadItem]]] = []
+        own: collections.deque[list[tuple[int, int, ReadItem]]] = collections.deque()
         for fqn in self.archive.file_order():
-            for _offsets, jobs in sorted(by_tensor.pop(fqn, []), key=lambda entry: entry[0]):
-                size = self._staging_size(jobs)
-                if batch and held + size > self.config.staging_bytes:
-                    self._flush(batch, held)
-                    batch, held = [], 0
-                batch.append(jobs)
-                held += size
+            entries = sorted(by_tensor.pop(fqn, []), key=lambda entry: entry[0])
+            sent = [self._span(jobs) for _o, jobs in entries if any(r != self.view.rank for r, _i, _t in jobs)]
+            for _offsets, jobs in entries:
+                mine = all(rank == self.view.rank for rank, _i, _item in jobs)
+                low, high = self._span(jobs)
+                apart = all(high <= a or b <= low for a, b in sent)
+                (own if mine and apart and apart_ok else remote).append(jobs)
         if by_tensor:  # _check_item ran in prepare_global_plan; this is a plan that changed after it
             raise CorruptCheckpointError(f"{self.archive.url}: the file has no tensors {sorted(by_tensor)}")
-        if batch:
-            self._flush(batch, held)
+        own_total = sum(self._slice_bytes(jobs) for jobs in own)
+        remote_total = sum(self._slice_bytes(jobs) for jobs in remote) or 1
+        own_read = remote_read = 0
+        batch: list[list[tuple[int, int, ReadItem]]] = []
+        held = 0
+        for jobs in remote + [[]]:  # an empty entry flushes the last batch
+            size = self._staging_size(jobs) if jobs else 0
+            if batch and (not jobs or held + size > self.config.staging_bytes):
+                remote_read += sum(self._slice_bytes(j) for j in batch)
+                own_read += self._read_own(own, own_total * remote_read // remote_total - own_read)
+                self._flush(batch, held)
+                batch, held = [], 0
+            if jobs:
+                batch.append(jobs)
+                held += size
+        while own:
+            own_read += self._read_own(own, self.config.staging_bytes)
+
+    def _read_own(self, own: collections.deque[list[tuple[int, int, ReadItem]]], nbytes: int) -> int:
+        """Read the next of this rank's own slices, about ``nbytes`` of them in batches of at most one staging
+        budget (none when ``nbytes`` <= 0); the bytes read."""
+        done = 0
+        while own and done < nbytes:
+            batch, size = [], 0
+            while own and done + size < nbytes and (not batch or size < self.config.staging_bytes):
+                jobs = own.popleft()
+                size += self._slice_bytes(jobs)
+                batch.append(jobs)
+            self._flush(batch, 0)
+            done += size
+        return done
+
+    def _span(self, jobs: list[tuple[int, int, ReadItem]]) -> tuple[int, int]:
+        """The elements of the tensor's storage a slice lies within: [first, last + 1) ((0, 0) when empty)."""
+        item = jobs[0][2]
+        desc = self.archive.tensors[item.storage_index.fqn]
+        offsets, lengths = _global_offsets(item), [int(n) for n in item.lengths]
+        if any(n == 0 for n in lengths):
+            return 0, 0
+        first = sum(o * st for o, st in zip(offsets, desc.stride))
+        return first, first + sum((n - 1) * st for n, st in zip(lengths, desc.stride)) + 1
+
+    def _slice_bytes(self, jobs: list[tuple[int, int, ReadItem]]) -> int:
+        item = jobs[0][2]
+        return math.prod(int(n) for n in item.lengths) * self.archive.tensors[item.storage_index.fqn].itemsize
 
     def _staging_size(self, jobs: list[tuple[int, int, ReadItem]]) -> int:
         if all(rank == self.view.rank for rank, _i, _item in jobs):
@@ -350,7 +404,8 @@ class _Server:
             elif own is not None:  # read into this rank's destination, sent from there
                 dest = own
             else:
-                dest = host_buffer(lengths, stored.dtype, self.view.device)
+                dest = self._pool.take(lengths, stored.dtype)
+                self._pooled.add(id(dest))
             work = plan_slice_read(jobs, stored, _global_offsets(item), lengths, dest)
             if self.verify:
                 work.check = self.archive.crc_check(item.storage_index.fqn, _global_offsets(item), lengths)
@@ -382,3 +437,6 @@ class _Server:
         own = self._own.get(id(jobs))
         in_place = own is not None and work.dest is own  # read into this rank's destination: sent from it
         deliver_tensor(jobs, work.dest, self.view.rank, self.planner, self.sender, self.stats, in_place=in_place)
+        if id(work.dest) in self._pooled:  # back to the pool once every send of it is done
+            self._pooled.discard(id(work.dest))
+            self.sender.after_sent(lambda staged=work.dest: self._pool.give_back(staged))
