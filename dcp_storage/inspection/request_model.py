@@ -175,7 +175,7 @@ class _Reads:
             out.bytes += group.end - group.start
 
     def _call(self, items: Sequence[ReadItem], out: RankCounts) -> set[str]:
-        """One ``DcpItemLoader.load``: sizes, whole records, header probes, then every slice's runs."""
+        """One ``DcpItemLoader.load``: sizes, whole records and header probes (one round), every slice's runs."""
         cfg = self.config
         entries: dict[tuple[str, int, int], ReadItem] = {}
         for item in items:
@@ -194,8 +194,7 @@ class _Reads:
             info = self.storage[item.storage_index]
             if (info.relative_path, int(info.offset)) not in fetched_whole:
                 runs += self._runs(item, info)
-        self._fetch(whole, out)
-        self._fetch(probes, out)
+        self._fetch(whole + probes, out)
         self._fetch(runs, out)
         return {path for path, _o, _n in entries}
 

@@ -240,8 +240,10 @@ class DcpItemLoader:
                 probe[entry] = self.config.probe_bytes
         records: dict[RecordEntry, TensorRecord] = {}
         decoded: dict[RecordEntry, torch.Tensor] = {}
-        self._fetch_whole(whole)
-        self._probe_headers(probe, whole, records)
+        # Whole records and the others' headers in one round (a round waits for its slowest request; a small
+        # record and the next one's header coalesce): on s3rver, two rounds took 0.42 s of a 1.06 s load.
+        probed = self._fetch_whole(whole, probe)
+        self._probe_headers(probe, whole, records, first=probed)
         self._fetch_whole(whole)  # records the probe could not slice
 
         byte_entries = {entries[id(i)] for i in items if i.type == LoadItemType.BYTE_IO}  # a set: O(1) lookups
@@ -280,19 +282,26 @@ class DcpItemLoader:
             loader = FramedItemLoader(self.transport, self.config.probe_bytes, self.config.staging_bytes)
             loader.load(framed, self._destination, planner.commit_tensor, self.metadata)
 
-    def _fetch_whole(self, whole: dict[RecordEntry, memoryview | None]) -> None:
+    def _fetch_whole(
+        self, whole: dict[RecordEntry, memoryview | None], probe: dict[RecordEntry, int] | None = None
+    ) -> list[memoryview | None] | None:
+        """Fetch the records of ``whole`` not fetched yet, and with ``probe`` the first ``probe[entry]`` bytes
+        of its records in the same round: returned in ``probe``'s order (``None`` without ``probe``)."""
         todo = [e for e, v in whole.items() if v is None]
-        if not todo:
-            return
+        heads = [RangeRequest(self._path(e), e.offset, e.offset + min(n, e.length)) for e, n in (probe or {}).items()]
         reqs = [RangeRequest(self._path(e), e.offset, e.offset + e.length) for e in todo]
-        self._check_sizes(todo)
-        for entry, buf in zip(todo, self.transport.read_ranges(reqs)):
+        if not reqs and not heads:
+            return [] if probe is not None else None
+        self._check_sizes([*todo, *(probe or {})])
+        bufs = self.transport.read_ranges(reqs + heads)
+        for entry, buf in zip(todo, bufs):
             if self.verifier is not None:
                 self.verifier.check(entry.relative_path, entry.offset, entry.length, buf)
             elif self.sums is not None and self.sums.manifest.item(entry.relative_path, entry.offset, entry.length):
                 self.sums.check(entry.relative_path, entry.offset, entry.length, buf)
                 self._digested.add(entry)
             whole[entry] = buf
+        return bufs[len(todo) :] if probe is not None else None
 
     def _check_sizes(self, entries: Sequence[RecordEntry]) -> None:
         """Name a missing or short data file up front instead of failing mid-read.
@@ -319,17 +328,22 @@ class DcpItemLoader:
         whole: dict[RecordEntry, memoryview | None],
         records: dict[RecordEntry, TensorRecord],
         headers: dict[RecordEntry, memoryview] | None = None,
+        first: Sequence[memoryview | None] | None = None,
     ) -> None:
         """Parse the first ``probe[entry]`` bytes of each record into ``records`` (reading more where the
         header is longer); records that cannot be sliced go to ``whole``. ``headers``, if given, receives
-        each parsed record's bytes before its data."""
-        if probe:
+        each parsed record's bytes before its data. ``first``: those first bytes, already fetched (in
+        ``probe``'s order; sizes checked)."""
+        if probe and first is None:
             self._check_sizes(list(probe))
         while probe:
             todo = list(probe.items())
-            reqs = [RangeRequest(self._path(e), e.offset, e.offset + min(n, e.length)) for e, n in todo]
-            probe = {}
-            for (entry, n), buf in zip(todo, self.transport.read_ranges(reqs)):
+            if first is None:
+                first = self.transport.read_ranges(
+                    [RangeRequest(self._path(e), e.offset, e.offset + min(n, e.length)) for e, n in todo]
+                )
+            bufs, first, probe = first, None, {}
+            for (entry, n), buf in zip(todo, bufs):
                 try:
                     records[entry] = parse_tensor_record(buf, entry.length, self._where(entry))  # type: ignore[arg-type]
                 except NeedMoreBytes as more:
