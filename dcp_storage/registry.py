@@ -113,8 +113,19 @@ class _Registry:
             return self._entries
 
     @staticmethod
-    def _rank(dist: str) -> tuple[int, str]:
-        return (0 if dist.replace("_", "-").lower() == OWN_DISTRIBUTION else 1, dist.lower())
+    def _rank(info: PluginInfo) -> tuple[int, int, str]:
+        """Who keeps a name two distributions claim: this package's own entry point (the one its installed
+        distribution declares, under that distribution's exact name), then a distribution of its name in
+        another spelling, then the first by name. A distribution that only calls itself ``DCP-Storage``
+        no longer ties with this package (and :meth:`distribution_of` answers as discovery does)."""
+        own = _own_entry_points()
+        if own is not None and info.distribution == own[1] and info.name in own[0].get(info.kind, ()):
+            return (0, 0, "")
+        return (
+            1,
+            0 if info.distribution.replace("_", "-").lower() == OWN_DISTRIBUTION else 1,
+            info.distribution.lower(),
+        )
 
     def _add(self, table: dict[str, PluginInfo], info: PluginInfo) -> None:
         old = table.get(info.name)
@@ -123,7 +134,7 @@ class _Registry:
             return
         if old.distribution == info.distribution and old.target == info.target:
             return  # the same distribution seen twice on sys.path
-        keep, drop = (old, info) if self._rank(old.distribution) <= self._rank(info.distribution) else (info, old)
+        keep, drop = (old, info) if self._rank(old) <= self._rank(info) else (info, old)
         warnings.warn(
             f"dcp-storage: {info.kind} plugin {info.name!r} is claimed by {old.distribution!r} ({old.target_name}) "
             f"and {info.distribution!r} ({info.target_name}); using {keep.distribution!r}",

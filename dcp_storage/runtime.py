@@ -156,6 +156,20 @@ _pauses = 0  # pauses running now, in every thread
 _turned_off = False  # whether the first of them turned the collector off (and the last must turn it on)
 
 
+def _collector_after_fork() -> None:
+    """In a child after ``fork``: the pauses were the parent's threads' (which are not here to end them), so
+    the collector is on again if a pause turned it off, and the count starts afresh."""
+    global _lock, _pauses, _turned_off
+    _lock = threading.Lock()
+    if _pauses and _turned_off:
+        gc.enable()
+    _pauses, _turned_off = 0, False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_collector_after_fork)
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Disable the cyclic collector for the block (unless it is already off), and restore it after."""
@@ -169,7 +183,7 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         with _lock:
-            _pauses -= 1
+            _pauses = max(0, _pauses - 1)  # a block a fork found running in the child's forking thread: at 0
             if _pauses == 0 and _turned_off:
                 _turned_off = False
                 gc.enable()

@@ -90,3 +90,21 @@ def test_overlapping_pauses_in_two_threads_keep_it_off_until_the_last_ends() -> 
         t.join(10)
     assert during_b == [False]
     assert gc.isenabled()
+
+
+def test_a_child_forked_inside_a_pause_gets_its_collector_back() -> None:
+    """The pause belongs to the parent's thread, which is not in the child: the child's collector is on, and
+    its own later pauses end as they should."""
+    import os
+
+    with gc_paused():
+        assert not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child's outcome is its exit status
+            ok = gc.isenabled()
+            with gc_paused():
+                ok = ok and not gc.isenabled()
+            os._exit(0 if ok and gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()

@@ -177,7 +177,11 @@ class LocalWriter(CountingWriter):
         self._stage.view[: self._filled] = full.view[out : out + self._filled]
         self._on_disk += out
         _DISK_WRITES.started()
-        self._pending = _disk_thread().submit(self._write_counted, full.view[:out], offset)
+        try:
+            self._pending = _disk_thread().submit(self._write_counted, full.view[:out], offset)
+        except RuntimeError:  # the interpreter is shutting down (its thread pools take no more work): write here
+            _DISK_WRITES.ended()
+            self._write(full.view[:out], offset)
 
     def _write_counted(self, view: memoryview, offset: int) -> None:
         try:
@@ -253,8 +257,15 @@ class _WritesInFlight:
     def idle(self) -> bool:
         return self._count == 0  # one read of an int: a stale answer only moves a hand-over by one write
 
+    def forget(self) -> None:
+        """In a child after ``fork``: the writes in flight were the parent's (its disk thread is not here)."""
+        self._lock = threading.Lock()
+        self._count = 0
+
 
 _DISK_WRITES = _WritesInFlight()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_DISK_WRITES.forget)
 _DISK: tuple[int, ThreadPoolExecutor] | None = None
 _DISK_LOCK = threading.Lock()
 

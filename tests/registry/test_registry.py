@@ -112,6 +112,24 @@ def test_broken_plugin_is_reported_and_isolated(plugin_path: Path) -> None:
     assert status["goodplanner"].status == "loaded"
 
 
+def test_a_distribution_that_only_calls_itself_dcp_storage_does_not_take_a_builtin_name(plugin_path: Path) -> None:
+    """Its METADATA names it ``DCP-Storage`` (another spelling of this package's name), from a folder of
+    another name, first on sys.path: the built-in entry point is kept, before and after discovery alike."""
+    module = plugin_path / "fakeplug_spelled.py"
+    module.write_text("FORMAT = 'impostor'\n")
+    info = plugin_path / "aaa-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: DCP-Storage\nVersion: 9.9\n")
+    (info / "entry_points.txt").write_text("[dcp_storage.formats]\ndcp = fakeplug_spelled:FORMAT\n")
+    (info / "RECORD").write_text("")
+    before = registry.distribution_of("formats", "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kept = {p.name: p for p in registry.list("formats")}["dcp"]
+    assert before == registry.distribution_of("formats", "dcp") == kept.distribution == "dcp-storage"
+    assert registry.get("formats", "dcp").descriptor == "dcp/1"
+
+
 def test_name_clash_warns_and_prefers_builtin(plugin_path: Path) -> None:
     _install_fake_distribution(
         plugin_path,

@@ -179,6 +179,32 @@ def test_a_failing_disk_write_reaches_the_caller_and_leaves_nothing(
     assert os.listdir(tmp_path) == []
 
 
+def test_a_write_when_the_disk_thread_takes_no_more_work_is_made_in_the_caller(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At interpreter shutdown thread pools refuse new work: the buffer is written by the caller instead (the
+    same bytes, no error), and no write is left counted as in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    closed = ThreadPoolExecutor(1)
+    closed.shutdown()
+    monkeypatch.setattr(local, "_disk_thread", lambda: closed)
+    _assert_round_trip(tmp_path, random.Random(5).randbytes(2 * STAGE + 4097))
+    assert local._DISK_WRITES.idle()
+
+
+def test_a_child_forked_during_a_write_starts_with_no_write_in_flight(tmp_path: Any) -> None:
+    local._DISK_WRITES.started()  # as if the parent's disk thread were writing at the fork
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child's outcome is its exit status
+            os._exit(0 if local._DISK_WRITES.idle() else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        local._DISK_WRITES.ended()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_the_disk_thread_is_the_process_s_own_after_fork(tmp_path: Any) -> None:
     """A child forked after a save has no copy of the parent's disk thread: it gets one of its own, and its
     save completes (a stale executor would queue the write forever)."""
