@@ -3,6 +3,7 @@ by one PUT, and local writeback started while writing (the fsync at commit stays
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,6 @@ def _items(sd: dict[str, Any]) -> list[Any]:
 
 def test_a_file_s_small_records_are_spread_among_its_large_ones() -> None:
     """Each few small records' CPU sits beside a large record's disk time; no run of small ones at the end."""
-    import io
 
     big = 1024 * 1024 // 4  # float32 elements of one SMALL_RECORD
     sizes = {"a": 3 * big, "b": 2 * big, "c": big, "x1": 5, "x2": 900, "x3": 7, "x4": 30, "x5": 64, "x6": 9, "x7": 2}

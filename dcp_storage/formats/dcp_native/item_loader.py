@@ -284,14 +284,14 @@ class DcpItemLoader:
 
     def _fetch_whole(
         self, whole: dict[RecordEntry, memoryview | None], probe: dict[RecordEntry, int] | None = None
-    ) -> list[memoryview | None] | None:
+    ) -> list[memoryview | None]:
         """Fetch the records of ``whole`` not fetched yet, and with ``probe`` the first ``probe[entry]`` bytes
-        of its records in the same round: returned in ``probe``'s order (``None`` without ``probe``)."""
+        of its records in the same round: returned in ``probe``'s order."""
         todo = [e for e, v in whole.items() if v is None]
         heads = [RangeRequest(self._path(e), e.offset, e.offset + min(n, e.length)) for e, n in (probe or {}).items()]
         reqs = [RangeRequest(self._path(e), e.offset, e.offset + e.length) for e in todo]
         if not reqs and not heads:
-            return [] if probe is not None else None
+            return []
         self._check_sizes([*todo, *(probe or {})])
         bufs = self.transport.read_ranges(reqs + heads)
         for entry, buf in zip(todo, bufs):
@@ -301,7 +301,7 @@ class DcpItemLoader:
                 self.sums.check(entry.relative_path, entry.offset, entry.length, buf)
                 self._digested.add(entry)
             whole[entry] = buf
-        return bufs[len(todo) :] if probe is not None else None
+        return bufs[len(todo) :]
 
     def _check_sizes(self, entries: Sequence[RecordEntry]) -> None:
         """Name a missing or short data file up front instead of failing mid-read.

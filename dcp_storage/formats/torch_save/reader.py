@@ -36,7 +36,7 @@ import collections
 import dataclasses
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -322,7 +322,7 @@ class _Server:
         # An own slice whose stored bytes interleave with a sent one's (columns of one tensor) stays beside it:
         # one read of the shared span serves both. So do all of them from object stores, where a separate
         # request per slice would fetch more (each request's read-ahead) for a network that is not the bound.
-        apart_ok = bool(getattr(self.archive.transport, "is_local", False))
+        apart_ok = bool(self.archive.transport.is_local)
         remote: list[list[tuple[int, int, ReadItem]]] = []
         own: collections.deque[list[tuple[int, int, ReadItem]]] = collections.deque()
         for fqn in self.archive.file_order():
@@ -338,20 +338,29 @@ class _Server:
         own_total = sum(self._slice_bytes(jobs) for jobs in own)
         remote_total = sum(self._slice_bytes(jobs) for jobs in remote) or 1
         own_read = remote_read = 0
+        for batch, held in self._batches(remote):
+            remote_read += sum(self._slice_bytes(jobs) for jobs in batch)
+            own_read += self._read_own(own, own_total * remote_read // remote_total - own_read)
+            self._flush(batch, held)
+        while own:
+            self._read_own(own, self.config.staging_bytes)
+
+    def _batches(
+        self, entries: list[list[tuple[int, int, ReadItem]]]
+    ) -> Iterator[tuple[list[list[tuple[int, int, ReadItem]]], int]]:
+        """``entries`` in order, cut into batches of at most one staging budget (at least one entry each),
+        with the staging bytes each holds."""
         batch: list[list[tuple[int, int, ReadItem]]] = []
         held = 0
-        for jobs in remote + [[]]:  # an empty entry flushes the last batch
-            size = self._staging_size(jobs) if jobs else 0
-            if batch and (not jobs or held + size > self.config.staging_bytes):
-                remote_read += sum(self._slice_bytes(j) for j in batch)
-                own_read += self._read_own(own, own_total * remote_read // remote_total - own_read)
-                self._flush(batch, held)
+        for jobs in entries:
+            size = self._staging_size(jobs)
+            if batch and held + size > self.config.staging_bytes:
+                yield batch, held
                 batch, held = [], 0
-            if jobs:
-                batch.append(jobs)
-                held += size
-        while own:
-            own_read += self._read_own(own, self.config.staging_bytes)
+            batch.append(jobs)
+            held += size
+        if batch:
+            yield batch, held
 
     def _read_own(self, own: collections.deque[list[tuple[int, int, ReadItem]]], nbytes: int) -> int:
         """Read the next of this rank's own slices, about ``nbytes`` of them in batches of at most one staging
@@ -386,8 +395,7 @@ class _Server:
             return 0  # read straight into the destination (or a staging buffer of its own size)
         # A slice sent from this rank's destination (_own_buffer) counts too: resolving every destination here,
         # before any read, would make a planner that hands out staging tensors allocate them all at once.
-        item = jobs[0][2]
-        return math.prod(int(n) for n in item.lengths) * self.archive.tensors[item.storage_index.fqn].itemsize
+        return self._slice_bytes(jobs)
 
     def _flush(self, batch: list[list[tuple[int, int, ReadItem]]], held: int) -> None:
         # Let earlier sends drain before holding more, but read on while they and these slices fit in the bytes
