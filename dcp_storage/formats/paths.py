@@ -253,6 +253,26 @@ def check_byte_item(length: int, where: str, key: str) -> None:
         raise FileTooLargeError(f"{where} (item {key!r})", length, cap, BYTE_ITEM.what, fix)
 
 
+def check_file_ends(transport: Any, ends: dict[str, int], sizes: dict[str, int]) -> None:
+    """Name a missing or short data file up front instead of failing mid-read: ``ends`` maps each file to the
+    byte its records need it to reach; ``sizes`` keeps the sizes asked (a ``HEAD`` or ``stat`` each, concurrent).
+
+    Local files too: a ranged read fetches only a record's header and the slice's bytes, so a file cut inside
+    the last record's zip trailer would otherwise load without a word.
+    """
+    unknown = [path for path in ends if path not in sizes]
+    if len(unknown) > 1:
+        sizes.update(zip(unknown, transport.executor().map(transport.size, unknown)))
+    for path, end in ends.items():
+        size = sizes.get(path)
+        if size is None:
+            size = sizes[path] = transport.size(path)
+        if size < end:
+            raise CorruptCheckpointError(
+                f"{transport.url(path)}: file is {size} bytes but the metadata needs {end} (truncated?)"
+            )
+
+
 def read_limited(transport: Any, path: str, limit: ByteLimit) -> bytes:
     """The whole file at ``path``, if it has at most ``limit`` bytes: a larger one raises
     :class:`~dcp_storage.errors.FileTooLargeError` naming it, the limit and how to raise it, having read

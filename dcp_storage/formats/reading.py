@@ -165,6 +165,8 @@ class SliceRead:
     mapped: tuple[StoredTensor, tuple[int, ...]] | None = None  # (stored, offsets): local many-run read
     check: Callable[[torch.Tensor], None] | None = None  # called with the landed bytes (CPU) before delivery
     window: tuple[int, torch.dtype] | None = None  # staging holds covering bytes: the slice starts at this byte
+    # False once the bytes landed: they are not the slice's (planned on a guessed layout); not delivered
+    landed: Callable[[], bool] | None = None
 
     @property
     def staging_bytes(self) -> int:
@@ -383,34 +385,43 @@ def read_slices(
     works: Sequence[SliceRead],
     on_done: Callable[[SliceRead], None],
     staging_bytes: int = 256 * 1024 * 1024,
-) -> None:
+    extra: Sequence[RangeRequest] = (),
+) -> list[SliceRead]:
     """Fetch every slice, in batches holding at most ``staging_bytes`` of staging buffers.
 
     ``on_done(work)`` runs in the calling thread once ``work.dest`` holds its bytes (commit it there).
+    ``extra``: other requests fetched with the first batch (one round instead of two). Returns the works
+    whose ``landed`` said the bytes are not theirs, undelivered.
     """
     batch: list[SliceRead] = []
+    missed: list[SliceRead] = []
     held = 0
     for work in works:
         if batch and held + work.staging_bytes > staging_bytes:
-            _finish(transport, batch, on_done)
-            batch, held = [], 0
+            missed += _finish(transport, batch, on_done, extra)
+            batch, held, extra = [], 0, ()
         batch.append(work)
         held += work.staging_bytes
-    if batch:
-        _finish(transport, batch, on_done)
+    if batch or extra:
+        missed += _finish(transport, batch, on_done, extra)
+    return missed
 
 
-def _finish(transport: Transport, batch: list[SliceRead], on_done: Callable[[SliceRead], None]) -> None:
-    transport.read_ranges([r for w in batch for r in w.requests])
+def _finish(
+    transport: Transport, batch: list[SliceRead], on_done: Callable[[SliceRead], None], extra: Sequence[RangeRequest]
+) -> list[SliceRead]:
+    transport.read_ranges([*extra, *(r for w in batch for r in w.requests)])
     mapped = [w for w in batch if w.mapped is not None]
     tiny = [w for w in mapped if _run_bytes(w) < _MAP_BELOW_RUN_BYTES]
     if tiny:
         _copy_from_map(transport, tiny)
     if len(tiny) < len(mapped):
         _copy_mapped(transport, [w for w in mapped if w.mapped is not None])
-    for work in batch:
+    missed = [w for w in batch if w.landed is not None and not w.landed()]
+    for work in (w for w in batch if not any(w is m for m in missed)):
         work.deliver()
         on_done(work)
+    return missed
 
 
 def _run_bytes(work: SliceRead) -> int:

@@ -13,9 +13,10 @@ bytes each rank makes, the metadata requests, and the bytes ranks send each othe
   every slice it reads for others, as for destinations that hold their slices in place);
 * how a read becomes requests: what :class:`~dcp_storage.formats.dcp_native.item_loader.DcpItemLoader`
   does per read call (a ``HEAD`` per data file, records up to 256 KiB fetched whole, a 4 KiB header probe
-  per larger record, then each slice's byte runs from :func:`~dcp_storage.formats.slices.slice_runs`),
-  grouped by the transport's :func:`~dcp_storage.transports.ranges.plan_fetches` (256 KiB coalescing,
-  32 MiB parts).
+  per larger record, then each slice's byte runs from :func:`~dcp_storage.formats.slices.slice_runs`; or,
+  when every larger record's layout is guessed from its length, its header with its runs and the whole
+  records in one round), grouped by the transport's :func:`~dcp_storage.transports.ranges.plan_fetches`
+  (256 KiB coalescing, 32 MiB parts).
 
 Ranks whose plans are equal (replicas) share one plan object, and independent replica groups whose
 structure is the same (every ``Shard`` coordinate of an HSDP mesh) are planned once and counted for each,
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from dcp_storage.formats.dcp_native.torch_record import predicted_record
 from dcp_storage.formats.slices import count_runs, slice_runs
 from dcp_storage.inspection.summary import RECORD_TRAILER, even_split, synthetic_transformer
 from dcp_storage.strategies.read_once_plan import ReadOnceConfig, plan_read_once
@@ -66,6 +68,9 @@ class ModelConfig:
     # Per-load files fetched once by the coordinator: ``.metadata``, and the manifest ``.dcp_storage.json``
     # that a default (verified) load of a checkpoint this library wrote also reads.
     per_load_files: int = 2
+    # Records whose layout their length gives away are not probed (``DcpLoaderConfig.guess_layouts``, on by
+    # default on object stores): their headers come with their data.
+    guess_layouts: bool = True
 
 
 @dataclass(frozen=True)
@@ -175,35 +180,44 @@ class _Reads:
             out.bytes += group.end - group.start
 
     def _call(self, items: Sequence[ReadItem], out: RankCounts) -> set[str]:
-        """One ``DcpItemLoader.load``: sizes, whole records and header probes (one round), every slice's runs."""
+        """One ``DcpItemLoader.load``: sizes; whole records and header probes (one round), every slice's runs;
+        or, when every probed record's layout is guessed, all of it in one round."""
         cfg = self.config
-        entries: dict[tuple[str, int, int], ReadItem] = {}
+        entries: dict[tuple[str, int, int], list[ReadItem]] = {}
         for item in items:
             info = self.storage[item.storage_index]
-            entries.setdefault((info.relative_path, int(info.offset), int(info.length)), item)
-        whole, probes, runs = [], [], []
-        for (path, offset, length), first in entries.items():
-            info = self.storage[first.storage_index]
+            entries.setdefault((info.relative_path, int(info.offset), int(info.length)), []).append(item)
+        whole, probes, heads, runs = [], [], [], []
+        for (path, offset, length), group in entries.items():
+            first, info = group[0], self.storage[group[0].storage_index]
             small = length <= max(cfg.small_item_bytes, cfg.probe_bytes)
             if first.type == LoadItemType.BYTE_IO or small or getattr(info, "transform_descriptors", None):
                 whole.append(RangeRequest(path, offset, offset + length))
+                continue
+            md = self.md[first.storage_index.fqn]
+            shape, dtype = self._chunk_shape(md, first), md.properties.dtype  # type: ignore[union-attr]
+            rec = predicted_record(dtype, tuple(shape), length) if cfg.guess_layouts else None
+            if rec is not None:
+                heads.append(RangeRequest(path, offset, offset + rec.data_start, max_gap=cfg.probe_bytes))
+                runs += [r for i in group for r in self._runs(i, info, offset + rec.data_start)]
             else:
                 probes.append(RangeRequest(path, offset, offset + min(cfg.probe_bytes, length)))
-        fetched_whole = {(r.path, r.start) for r in whole}
-        for item in items:
-            info = self.storage[item.storage_index]
-            if (info.relative_path, int(info.offset)) not in fetched_whole:
-                runs += self._runs(item, info)
-        self._fetch(whole + probes, out)
-        self._fetch(runs, out)
+                base = offset + length - RECORD_TRAILER - math.prod(shape) * dtype.itemsize
+                runs += [r for i in group for r in self._runs(i, info, base)]
+        if heads and not probes:  # whole records merged across record overheads only, as the headers
+            whole = [RangeRequest(r.path, r.start, r.end, max_gap=cfg.probe_bytes) for r in whole]
+            self._fetch(whole + heads + runs, out)
+        else:
+            self._fetch(whole + probes, out)
+            self._fetch(heads + runs, out)
         return {path for path, _o, _n in entries}
 
-    def _runs(self, item: ReadItem, info: Any) -> list[RangeRequest]:
-        """The byte runs of a slice (``plan_slice_read``'s: a dense slice of many runs is read as its span)."""
+    def _runs(self, item: ReadItem, info: Any, base: int) -> list[RangeRequest]:
+        """The byte runs of a slice whose tensor's data starts at ``base`` (``plan_slice_read``'s: a dense slice
+        of many runs is read as its span)."""
         md = self.md[item.storage_index.fqn]
         shape = self._chunk_shape(md, item)
         itemsize = md.properties.dtype.itemsize
-        base = int(info.offset) + int(info.length) - RECORD_TRAILER - math.prod(shape) * itemsize
         offsets, lengths = [int(o) for o in item.storage_offsets], [int(n) for n in item.lengths]
         if math.prod(lengths) == 0:
             return []

@@ -108,7 +108,8 @@ class RangeRequest:
     into parts): a transport that reads in pieces (local files, ``RangeRun(hot_pieces=...)``) calls it
     after each piece of at most ``hot_pieces`` bytes, while the bytes are still in the CPU's cache; others
     once, with all of it. A transport that does not know it never calls it: ``on_complete`` must not rely
-    on it.
+    on it. ``max_gap``: at most this many bytes nobody asked for (which another rank may be reading) are
+    fetched to merge it with a neighbour; ``None``: the transport's ``coalesce_gap``.
     """
 
     path: str
@@ -117,6 +118,7 @@ class RangeRequest:
     into: memoryview | None = None
     on_complete: Callable[[memoryview], None] | None = None
     on_piece: Callable[[int, memoryview], None] | None = None
+    max_gap: int | None = None
 
     def __post_init__(self) -> None:
         if self.start < 0 or self.end < self.start:
@@ -175,7 +177,7 @@ def plan_fetches(requests: Sequence[RangeRequest], coalesce_gap: int, max_reques
     Ranges of the same path are merged when the gap between them is at most ``coalesce_gap`` and the
     merged request stays within ``max_request_bytes``; overlapping ranges start a new group (a group's
     segments never overlap, so they can be filled by one vectored read). A request with ``on_piece`` is
-    never split (its pieces must arrive in order).
+    never split (its pieces must arrive in order). No request is merged across more than its ``max_gap``.
     """
     if coalesce_gap < 0 or max_request_bytes <= 0:
         raise ValueError("coalesce_gap must be >= 0 and max_request_bytes > 0")
@@ -190,6 +192,7 @@ def plan_fetches(requests: Sequence[RangeRequest], coalesce_gap: int, max_reques
             and last.path == path
             and last.end <= seg.start
             and seg.start - last.end <= coalesce_gap
+            and (seg.start == last.end or _bridges(requests, last, seg))
             and seg.end - last.start <= max_request_bytes
         ):
             last.segments.append(seg)
@@ -197,6 +200,13 @@ def plan_fetches(requests: Sequence[RangeRequest], coalesce_gap: int, max_reques
         else:
             groups.append(FetchGroup(path, seg.start, seg.end, [seg]))
     return groups
+
+
+def _bridges(requests: Sequence[RangeRequest], group: FetchGroup, seg: Segment) -> bool:
+    """Whether ``seg`` may be merged into ``group`` across the gap between them: within both requests' ``max_gap``."""
+    gap = seg.start - group.end
+    mine, theirs = requests[seg.index].max_gap, requests[group.segments[-1].index].max_gap
+    return (mine is None or gap <= mine) and (theirs is None or gap <= theirs)
 
 
 # Fill ``views`` (one per segment of the group, in order) with the group's bytes.

@@ -62,6 +62,7 @@ __all__ = [
     "check_record_matches",
     "decode_whole",
     "needs_whole_chunk",
+    "record_bytes_bound",
     "saved_chunk",
     "stored_dtype",
 ]
@@ -91,6 +92,20 @@ def check_record_matches(
             f"{list(chunk.offsets)} of {index.fqn!r} is {want_dtype} {list(chunk.sizes)}; the metadata and the "
             "data files do not belong together (re-save the checkpoint, or restore its original .metadata)"
         )
+
+
+# A torch.save record holds, besides the tensor's bytes, a few small zip entries (data.pkl, byteorder,
+# version, serialization id), their headers and the 64-byte alignment padding: about 1.5 KB.
+_RECORD_OVERHEAD = 64 * 1024
+
+
+def record_bytes_bound(metadata: Metadata | None, item: ReadItem) -> int:
+    """The most bytes the record of ``item``'s saved chunk can hold, from the metadata (0: it does not say)."""
+    chunk = saved_chunk(metadata, item.storage_index)
+    dtype = stored_dtype(metadata, item.storage_index.fqn)
+    if chunk is None or dtype is None:
+        return 0
+    return math.prod(chunk.sizes) * dtype.itemsize + _RECORD_OVERHEAD
 
 
 class DecodesTooLarge(ValueError):

@@ -22,6 +22,7 @@ for the general path, which also gives a damaged header its checksum error inste
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Iterable, Sequence
@@ -35,7 +36,8 @@ from dcp_storage.errors import DcpStorageError
 from dcp_storage.formats.dcp_native.framed_items import RecordEntry, check_record_matches
 from dcp_storage.formats.dcp_native.torch_record import TensorRecord
 from dcp_storage.formats.paths import METADATA_FILE
-from dcp_storage.integrity.blocks import RecordVerifier
+from dcp_storage.formats.reading import StoredTensor, slice_extent
+from dcp_storage.integrity.blocks import BlockCover, Cover, DataCrc, RecordVerifier, key_name
 from dcp_storage.integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, Hasher, checksum
 from dcp_storage.integrity.manifest import (
     MANIFEST_FILE,
@@ -49,10 +51,11 @@ from dcp_storage.integrity.manifest import (
     writer_descriptor,
 )
 from dcp_storage.runtime import writable_bytes
-from dcp_storage.text import printable
+from dcp_storage.text import printable, redact_urls
 from dcp_storage.transports import RangeRequest, Transport
 
 __all__ = [
+    "SliceCovers",
     "build_manifest",
     "default_sums",
     "load_verified_in_place",
@@ -60,6 +63,8 @@ __all__ = [
     "read_manifest",
     "record_verifier",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 def build_manifest(
@@ -118,16 +123,17 @@ _READ = object()  # record_verifier's default: read the manifest now
 
 
 def read_checked_manifest(
-    transport: Any, root: str, metadata: bytes | None, *, strict: bool
+    transport: Any, root: str, metadata: bytes | None, *, strict: bool, raw: Any = _READ
 ) -> tuple[Manifest | None, bool]:
     """``(manifest, stale)`` for a load that read the ``.metadata`` bytes ``metadata`` (``None``: not
     compared).
 
     ``stale``: the manifest describes another ``.metadata`` (ignored, warned once). Outside ``strict``
     (``verify=True``) a manifest that cannot be read is ignored with a warning, so a damaged manifest never
-    stops a load that torch's reader would do; the zip CRC-32s still check what they cover.
+    stops a load that torch's reader would do; the zip CRC-32s still check what they cover. ``raw``: the
+    manifest's bytes (``None``: it has none) if the caller fetched them already.
     """
-    raw = manifest_bytes(transport, root)
+    raw = manifest_bytes(transport, root) if raw is _READ else raw
     if raw is None:
         return None, False
     url = transport.url(transport.join(root, MANIFEST_FILE))
@@ -334,3 +340,74 @@ def _direct_destination(loader: InPlaceLoader, job: _Job) -> torch.Tensor | None
     if dest.device.type != "cpu" or dest.dtype != rec.dtype or not dest.is_contiguous():
         return None
     return dest
+
+
+class SliceCovers:
+    """What checks each slice a default load reads by ranges (``DcpItemLoader(check_zips=True)``): the covering
+    blocks of the record's digests in the manifest (``sums``), else a whole tensor's zip CRC-32, else nothing
+    (said once in the debug log). One per loader: it says each thing once."""
+
+    def __init__(self, sums: RecordVerifier | None, root_url: str) -> None:
+        self.sums = sums
+        self.root_url = root_url
+        self._unchecked_said = False
+        self._costly_said = False
+
+    def cover(
+        self, item: ReadItem, entry: RecordEntry, rec: TensorRecord, stored: StoredTensor, where: str
+    ) -> Cover | None:
+        """The check of ``item``'s slice of ``entry`` (``rec`` its layout, ``stored`` where its elements lie)."""
+        return self._affordable(self._cover(item, entry, rec, where), stored, item)
+
+    def _affordable(self, cover: Cover | None, stored: StoredTensor, item: ReadItem) -> Cover | None:
+        """``cover`` unless reading what it covers adds more than a quarter (or two blocks) to the slice's
+        bytes: a column slice (``Shard(1)``) would read its whole record on every rank. Such a slice is read
+        alone and unchecked (the debug log says so once; ``verify=True`` reads and checks whole records)."""
+        if cover is None or not isinstance(cover, BlockCover) or math.prod(item.lengths) == 0:
+            return cover
+        needed = math.prod(item.lengths) * stored.itemsize
+        start, end = cover.covering(*slice_extent(stored, item.storage_offsets, item.lengths))
+        if end - start <= needed + max(needed // 4, 2 * cover.block_size):
+            return cover
+        if not self._costly_said:
+            self._costly_said = True
+            _log.debug(
+                "%s: slices whose covering blocks would read more than a quarter beyond their bytes (column slices, "
+                "Shard(1)) are read alone and delivered unchecked; verify=True checks them by reading whole records",
+                redact_urls(self.root_url),
+            )
+        return None
+
+    def _cover(self, item: ReadItem, entry: RecordEntry, rec: TensorRecord, where: str) -> Cover | None:
+        """What checks the slice ``item`` reads of the record ``entry``: its covering blocks when the manifest
+        records them, else the zip CRC-32 of a whole tensor; ``None`` (unchecked, said once) otherwise."""
+        where = f"{where} (holding {key_name(item.storage_index)})"
+        start = entry.offset
+        expected = self.sums.manifest.item(entry.relative_path, entry.offset, entry.length) if self.sums else None
+        block_size = self.sums.manifest.block_size if self.sums else None
+        if expected is not None and block_size is not None and self.sums is not None:
+            if expected.blocks:
+                algorithm = self.sums.algorithm
+                size = expected.block_size or block_size
+                return BlockCover(start, entry.length, size, expected.blocks, algorithm, where, expected.first_block)
+            else:  # a record without blocks (at most WHOLE_BELOW bytes of data) is its own block
+                return BlockCover(
+                    start, entry.length, max(entry.length, 1), (expected.digest,), self.sums.algorithm, where
+                )
+        whole = (
+            rec.storage_offset == 0
+            and rec.is_row_major
+            and not any(item.storage_offsets)
+            and tuple(item.lengths) == tuple(rec.shape)
+            and rec.storage_nbytes == rec.itemsize * math.prod(rec.shape)
+        )
+        if whole:
+            return DataCrc(start + rec.data_start, rec.storage_nbytes, start + entry.length, where)
+        if not self._unchecked_said:
+            self._unchecked_said = True
+            _log.debug(
+                "%s: the checkpoint records no block checksums (torch's writer, or an older dcp-storage): slices of "
+                "its records are delivered unchecked; whole records and whole tensors are checked",
+                redact_urls(self.root_url),
+            )
+        return None

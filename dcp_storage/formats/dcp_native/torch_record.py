@@ -23,7 +23,9 @@ from __future__ import annotations
 import collections
 import copyreg
 import enum
+import functools
 import io
+import math
 import pathlib
 import re
 from dataclasses import dataclass
@@ -52,6 +54,8 @@ __all__ = [
     "load_tensor_record",
     "metadata_allow_list",
     "parse_tensor_record",
+    "predicted_record",
+    "tensor_over_record",
 ]
 
 
@@ -353,6 +357,65 @@ def _parse_record(buf: memoryview, record_len: int, path: str) -> TensorRecord:
         )
     check_view(spec.size, spec.stride, spec.storage_offset, spec.dtype.itemsize, data_size, path)
     return TensorRecord(spec.dtype, spec.size, spec.stride, spec.storage_offset, data_start, data_size)
+
+
+def tensor_over_record(data: memoryview, rec: TensorRecord) -> torch.Tensor:
+    """A tensor over ``data`` (a whole record) as ``rec`` describes it; shares memory with ``data``."""
+    if rec.storage_nbytes == 0:
+        return torch.empty(rec.shape, dtype=rec.dtype)
+    raw = data[rec.data_start : rec.data_start + rec.storage_nbytes]
+    if raw.readonly:
+        raw = memoryview(bytearray(raw))
+    flat = torch.frombuffer(raw, dtype=torch.uint8).view(rec.dtype)
+    return flat.as_strided(rec.shape, rec.stride, rec.storage_offset)
+
+
+# A record's zip uses 64-bit fields from 4 GiB on, which changes the bytes around its data: no layout guessed there.
+_ZIP32_BELOW = (1 << 32) - (1 << 20)
+
+
+def predicted_record(dtype: torch.dtype, shape: tuple[int, ...], record_len: int) -> TensorRecord | None:
+    """The layout of a ``record_len``-byte record holding a row-major tensor of ``dtype`` and ``shape``, if it is
+    laid out as this process's ``torch.save`` lays out such a tensor; ``None`` if its length says otherwise.
+
+    Why: on an object store, learning each record's header first costs a round of requests before any data;
+    a record whose length is exactly header + data + trailer of torch's own layout can have its header and
+    data fetched together. A guess only: the caller parses the header bytes that came with the data and
+    reads the record again the usual way unless :func:`parse_tensor_record` gives exactly this.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not 0 < nbytes < _ZIP32_BELOW:
+        return None
+    head, tail = _header_bytes(dtype, len(shape)), _trailer_bytes(nbytes % 64)
+    if head is None or tail is None or head + nbytes + tail != record_len:
+        return None
+    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+    return TensorRecord(dtype, tuple(shape), stride, 0, head, nbytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _header_bytes(dtype: torch.dtype, ndim: int) -> int | None:
+    """Bytes before the data in this torch's record of a ``dtype`` tensor of ``ndim`` dimensions (the pickle of
+    a larger shape is a few bytes longer, which the 64-byte alignment of the data almost always absorbs)."""
+    return _layout_of(torch.zeros((1,) * ndim, dtype=dtype))[0] if dtype.itemsize else None
+
+
+@functools.lru_cache(maxsize=64)
+def _trailer_bytes(rest: int) -> int | None:
+    """Bytes after the data in this torch's record of a tensor of ``64 * k + rest`` bytes (the entries after the
+    data are padded to 64-byte alignment, so only the remainder matters)."""
+    return _layout_of(torch.zeros(64 + rest, dtype=torch.uint8))[1]
+
+
+def _layout_of(tensor: torch.Tensor) -> tuple[int | None, int | None]:
+    buffer = io.BytesIO()
+    try:
+        torch.save(tensor, buffer)
+        raw = buffer.getvalue()
+        rec = parse_tensor_record(raw, len(raw), "<torch.save layout>")
+    except Exception:  # a dtype this torch cannot save or we cannot parse: no guess
+        return None, None
+    return rec.data_start, len(raw) - rec.data_start - rec.storage_nbytes
 
 
 _FORBIDDEN = re.compile(r"(?:GLOBAL|global)\s+([\w.]+(?:\s*\.\s*\w+)?)")

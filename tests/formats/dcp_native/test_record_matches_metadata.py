@@ -2,8 +2,8 @@
 
 torch's reader narrows whatever tensor a record holds to the slice it wants, so a ``.metadata`` that lies
 about a chunk's shape or dtype (edited, or paired with another save's data files) loads without an error.
-Every read path refuses it: records read whole, records read by slices, records verified in place, and
-``verify --deep``; the error names the data file, the key and both descriptions.
+Every read path refuses it: records read whole, records read by slices (also with their layout guessed from
+the metadata and fetched with the data, as on object stores), records verified in place, and ``verify --deep``; the error names the data file, the key and both descriptions.
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from dcp_storage import FsspecReader, FsspecWriter, open_reader
 from dcp_storage.errors import CorruptCheckpointError
+from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
 from dcp_storage.inspection import verify
 
+# Record layouts guessed from the metadata (as on object stores): the header read with the data must agree.
+GUESSING = DcpLoaderConfig(guess_layouts=True)
 BIG = 70_000  # float32 elements: above the loader's small-record size, so it is read by slices
 
 
@@ -56,8 +59,13 @@ def _shape_big(md: Any) -> None:
     item.chunks[0] = ChunkStorageMetadata(torch.Size([0]), torch.Size([10]))
 
 
+def _dtype_big(md: Any) -> None:
+    md.state_dict_metadata["big"].properties.dtype = torch.int32  # same byte count, same record length
+
+
 CASES = {
     "dtype": (_dtype, {"ids": torch.zeros(10, dtype=torch.float64)}),
+    "dtype-sliced-record": (_dtype_big, {"big": torch.zeros(BIG, dtype=torch.int32)}),
     "shape-whole-record": (_shape_small, {"ids": torch.zeros(4, dtype=torch.int64)}),
     "shape-sliced-record": (_shape_big, {"big": torch.zeros(10)}),
 }
@@ -72,8 +80,8 @@ def _loads(root: Path, dest: dict[str, torch.Tensor], make: Callable[[str], Any]
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize(
     "make",
-    [open_reader, lambda u: FsspecReader(u, verify=True)],
-    ids=["open_reader", "verify=True"],
+    [open_reader, lambda u: FsspecReader(u, verify=True), lambda u: FsspecReader(u, loader_config=GUESSING)],
+    ids=["open_reader", "verify=True", "guessed-layouts"],
 )
 def test_a_record_that_is_not_its_chunk_is_refused(tmp_path: Path, name: str, make: Callable[[str], Any]) -> None:
     edit, dest = CASES[name]
@@ -101,7 +109,11 @@ def test_verify_deep_reports_the_mismatch(tmp_path: Path, name: str) -> None:
 
 def test_an_honest_checkpoint_still_loads_every_way(tmp_path: Path) -> None:
     root = _lying(tmp_path / "ckpt", lambda md: None)
-    for make in (open_reader, lambda u: FsspecReader(u, verify=True)):
+    for make in (
+        open_reader,
+        lambda u: FsspecReader(u, verify=True),
+        lambda u: FsspecReader(u, loader_config=GUESSING),
+    ):
         dest = {k: torch.zeros_like(v) for k, v in _state().items()}
         _loads(root, dest, make)
         for k, v in _state().items():

@@ -1,0 +1,172 @@
+"""Record layouts guessed from the metadata: one round of requests instead of two on object stores.
+
+A DCP load reads each record's header (where its tensor's bytes start) before its data. A record whose length
+is exactly what this torch's ``torch.save`` writes for its chunk's shape and dtype has its header fetched with
+its data instead (``DcpLoaderConfig.guess_layouts``, on by default for object stores); the item is delivered
+only if that header says exactly what was guessed, and read again the usual way otherwise. Checked here: the
+guess against real records, that a load takes one round, that wrong guesses (a transposed tensor, a lying
+``.metadata``, a damaged header) still load right or fail with the usual error, and that no byte another
+rank reads is fetched to merge requests.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_storage import FsspecReader, FsspecWriter
+from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
+from dcp_storage.formats.dcp_native.torch_record import parse_tensor_record, predicted_record
+from dcp_storage.transports.ranges import RangeRequest, plan_fetches
+from dcp_storage_testing.s3_server import S3Location
+
+GUESS, PROBE = DcpLoaderConfig(guess_layouts=True), DcpLoaderConfig(guess_layouts=False)
+
+
+def _record(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.complex64]
+SHAPES = [(1,), (7,), (300,), (70_000,), (64, 33), (3, 5, 7), (2, 3, 4, 5), (1, 2, 3, 4, 5, 6)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_guess_is_the_record_s_layout_or_none(dtype: torch.dtype) -> None:
+    guessed = 0
+    for shape in SHAPES:
+        tensor = torch.ones(shape, dtype=dtype)
+        raw = _record(tensor)
+        real = parse_tensor_record(raw, len(raw), "t")
+        guess = predicted_record(dtype, shape, len(raw))
+        assert guess is None or guess == real, (shape, guess, real)
+        guessed += guess is not None
+        for wrong in (len(raw) - 1, len(raw) + 1, len(raw) + 64):  # another layout: never a guess
+            assert predicted_record(dtype, shape, wrong) is None
+    assert guessed >= len(SHAPES) - 1  # a longer pickle may cross the data's 64-byte alignment once
+
+
+def test_no_guess_for_zip64_sized_or_empty_records() -> None:
+    assert predicted_record(torch.float32, (0, 4), 1000) is None
+    huge = (1 << 30, 4)  # 16 GiB: the zip's 64-bit fields change the bytes around the data
+    assert predicted_record(torch.float32, huge, math.prod(huge) * 4 + 2000) is None
+
+
+def test_a_header_is_merged_across_record_overheads_only() -> None:
+    data = RangeRequest("f", 10_000, 20_000)
+    near = RangeRequest("f", 20_500, 21_000, max_gap=4096)  # the next record's header, 500 bytes on
+    far = RangeRequest("f", 100_000, 101_000, max_gap=4096)  # 79 KB on: another rank's bytes between
+    groups = plan_fetches([data, near, far], coalesce_gap=256 * 1024, max_request_bytes=1 << 30)
+    assert [(g.start, g.end) for g in groups] == [(10_000, 21_000), (100_000, 101_000)]
+    plain = plan_fetches([data, RangeRequest("f", 100_000, 101_000)], 256 * 1024, 1 << 30)
+    assert [(g.start, g.end) for g in plain] == [(10_000, 101_000)]  # without max_gap: the transport's gap
+
+
+def _state(*without: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    state = {
+        "w": torch.randn(300, 257),  # sliced records (over 256 KiB)
+        "emb": torch.randn(700, 128).to(torch.bfloat16),
+        "f8": torch.randn(70_000).to(torch.float8_e4m3fn),  # its pickle crosses the 64-byte alignment: no guess
+        "t": torch.randn(513, 129).t(),  # saved transposed by torch's writer: guessed row-major, read again
+        "norm": torch.randn(257),  # small: fetched whole
+        "step": torch.tensor(7),
+    }
+    return {k: v for k, v in state.items() if k not in without}
+
+
+def _save(root: Path, state: dict[str, torch.Tensor], writer: str = "torch") -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = dcp.FileSystemWriter(str(root)) if writer == "torch" else FsspecWriter(str(root))
+        dcp.save(state, storage_writer=made, no_dist=True)
+
+
+def _load(
+    url: str, config: DcpLoaderConfig | None, state: dict[str, torch.Tensor], options: dict[str, Any] | None = None
+) -> tuple[FsspecReader, int]:
+    """Load ``url`` into zeros shaped like ``state`` and compare; the reader and how many rounds it took."""
+    dest = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+    reader = FsspecReader(url, dict(options or {}), loader_config=config)
+    rounds = 0
+    real = reader.transport.read_ranges
+
+    def counting(requests: Any) -> Any:
+        nonlocal rounds
+        rounds += 1
+        return real(requests)
+
+    reader.transport.read_ranges = counting  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(dest, storage_reader=reader, no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(dest[key].float(), value.float()), key
+    return reader, rounds
+
+
+@pytest.mark.parametrize("writer", ["torch", "dcp_storage"])
+def test_guessed_loads_equal_probed_ones(tmp_path: Path, writer: str) -> None:
+    _save(tmp_path / "ckpt", _state(), writer)
+    for config in (GUESS, PROBE):
+        _load(str(tmp_path / "ckpt"), config, _state())
+
+
+def test_one_round_when_every_layout_is_guessed(tmp_path: Path) -> None:
+    state = _state("f8", "t")
+    _save(tmp_path / "ckpt", state)
+    guessed, guessed_rounds = _load(str(tmp_path / "ckpt"), GUESS, state)
+    probed, probed_rounds = _load(str(tmp_path / "ckpt"), PROBE, state)
+    assert (guessed_rounds, probed_rounds) == (1, 2)
+    assert guessed.transport.counters.requests < probed.transport.counters.requests
+
+
+def test_a_wrong_guess_is_read_again(tmp_path: Path) -> None:
+    """The transposed tensor's record has the length of a row-major one: guessed, refused by its header, read
+    again the usual way (a header round and a data round for it alone)."""
+    state = _state("f8")
+    _save(tmp_path / "ckpt", state)
+    _reader, rounds = _load(str(tmp_path / "ckpt"), GUESS, state)
+    assert rounds == 3
+
+
+def test_a_damaged_guessed_header_fails_as_usual(tmp_path: Path) -> None:
+    state = _state("f8", "t")
+    _save(tmp_path / "ckpt", state)
+    info = next(v for k, v in FsspecReader(str(tmp_path / "ckpt")).read_metadata().storage_data.items() if k.fqn == "w")
+    path = tmp_path / "ckpt" / info.relative_path
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"data.pkl", info.offset) + len(b"data.pkl")  # the pickle follows the entry's name
+    raw[at : at + 40] = b"\xff" * 40
+    path.write_bytes(bytes(raw))
+    messages = []
+    for config in (GUESS, PROBE):
+        with pytest.raises(BaseException) as caught:  # dcp.load wraps our error in a CheckpointException
+            _load(str(tmp_path / "ckpt"), config, state)
+        text = str(caught.value)
+        messages += [line for line in text.splitlines() if line.startswith("dcp_storage.errors.CorruptCheckpointError")]
+        assert info.relative_path in messages[-1] and "data.pkl" in messages[-1], text
+    assert messages[0] == messages[1]  # the same error either way
+
+
+def test_on_an_object_store_guessing_is_the_default(s3_url: S3Location, tmp_path: Path) -> None:
+    """One round and fewer requests than with probes first, and not a byte more."""
+    state = _state("f8", "t")
+    _save(tmp_path / "ckpt", state)
+    url, options = s3_url
+    fsspec.filesystem("s3", **options).put(str(tmp_path / "ckpt"), url, recursive=True)
+    guessed, guessed_rounds = _load(url, None, state, options)
+    probed, probed_rounds = _load(url, PROBE, state, options)
+    assert (guessed_rounds, probed_rounds) == (1, 2)
+    assert guessed.transport.counters.requests < probed.transport.counters.requests
+    assert guessed.transport.counters.bytes_read <= probed.transport.counters.bytes_read
