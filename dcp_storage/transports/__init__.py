@@ -14,6 +14,7 @@ from dcp_storage.transports.http_store import HttpTransport
 from dcp_storage.transports.local import LocalTransport
 from dcp_storage.transports.protocol import (
     AtomicWriter,
+    ClientSetUp,
     ListedSizes,
     LocalFileAccess,
     LocalRunReads,
@@ -33,6 +34,7 @@ __all__ = [
     "client_identity",
     "AtomicWriter",
     "AzureTransport",
+    "ClientSetUp",
     "FsspecTransport",
     "GcsTransport",
     "HttpTransport",

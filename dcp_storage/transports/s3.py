@@ -35,6 +35,7 @@ from dcp_storage.transports.s3_stream import (
     ScatterSink,
     abort_pending,
     can_stream,
+    client_ready,
     list_pending,
     read_object,
     read_object_version,
@@ -126,6 +127,10 @@ class S3Transport(FsspecTransport):
     """Objects in S3 or an S3-compatible store (``s3://``, ``s3a://``)."""
 
     serves = staticmethod(can_stream)  # the filesystems this class is the transport of
+
+    def set_up_client(self) -> None:
+        """Build s3fs's client now (:class:`~.protocol.ClientSetUp`)."""
+        client_ready(self.fs)
 
     def pending_uploads(self, path: str) -> list[PendingUpload]:
         """In-progress multipart uploads of ``path`` or under it (:mod:`.s3_pending`): the whole listing under

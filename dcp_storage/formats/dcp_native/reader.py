@@ -62,7 +62,7 @@ from dcp_storage.integrity.manifest import manifest_bytes
 from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_within_load
 from dcp_storage.strategies.read_strategy import MetadataItems, ReadStrategy, StrategyReading
-from dcp_storage.transports import Transport, TransportConfig
+from dcp_storage.transports import ClientSetUp, Transport, TransportConfig
 
 __all__ = ["FsspecReader", "MetadataFailure"]
 
@@ -187,6 +187,8 @@ class FsspecReader(LoadingLocation, StorageReader):
                 return None  # type: ignore[return-value]
             metadata = found
         else:
+            if isinstance(self.transport, ClientSetUp):  # the other ranks build theirs while one reads
+                self.transport.set_up_client()
             metadata, manifest = self.metadata_failure.global_read(
                 lambda: share_within_load(
                     self._read_per_load_files, location=reader_location(self), kind=type(self).__name__

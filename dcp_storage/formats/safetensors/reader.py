@@ -94,7 +94,7 @@ from dcp_storage.planners.planner import check_planned_keys
 from dcp_storage.runtime import gc_paused
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_object
 from dcp_storage.strategies.read_strategy import MetadataItems, ReadStrategy, StrategyReading
-from dcp_storage.transports import Transport, TransportConfig
+from dcp_storage.transports import ClientSetUp, Transport, TransportConfig
 from dcp_storage.transports.local_io import fsync_dir
 
 __all__ = [
@@ -361,6 +361,8 @@ class SafetensorsReader(LoadingLocation, StorageReader):
             # dcp.load asks for per-rank metadata only after the global read failed; there is none here, and
             # None makes torch report the global failure alone (see metadata_fallback).
             return None  # type: ignore[return-value]
+        if isinstance(self.transport, ClientSetUp):  # the other ranks build theirs while the coordinator scans
+            self.transport.set_up_client()
         if self.broadcast_metadata:
             # The coordinator scans; its result or its error reaches every rank (see share_object).
             shared = self.metadata_failure.global_read(

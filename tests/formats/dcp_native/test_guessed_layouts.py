@@ -22,9 +22,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import dcp_storage.formats.dcp_native.reader as reader_module
 from dcp_storage import FsspecReader, FsspecWriter
 from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
 from dcp_storage.formats.dcp_native.torch_record import parse_tensor_record, predicted_record
+from dcp_storage.transports import ClientSetUp
 from dcp_storage.transports.ranges import RangeRequest, plan_fetches
 from dcp_storage_testing.s3_server import S3Location
 
@@ -170,3 +172,21 @@ def test_on_an_object_store_guessing_is_the_default(s3_url: S3Location, tmp_path
     assert (guessed_rounds, probed_rounds) == (1, 2)
     assert guessed.transport.counters.requests < probed.transport.counters.requests
     assert guessed.transport.counters.bytes_read <= probed.transport.counters.bytes_read
+
+
+def test_every_rank_builds_its_client_before_the_metadata_is_shared(
+    s3_url: S3Location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that receives the ``.metadata`` another rank read builds its S3 client meanwhile, in read_metadata,
+    not at its first data request after the wait; building it sends no request."""
+    state = _state("f8", "t")
+    _save(tmp_path / "ckpt", state)
+    url, options = s3_url
+    fsspec.filesystem("s3", **options).put(str(tmp_path / "ckpt"), url, recursive=True)
+    coordinator = FsspecReader(url, dict(options))
+    shared = coordinator._read_per_load_files()
+    monkeypatch.setattr(reader_module, "share_within_load", lambda fn, **kw: shared)  # another rank read it
+    other = FsspecReader(url, dict(options))
+    assert isinstance(other.transport, ClientSetUp) and getattr(other.transport.fs, "_s3", None) is None
+    other.read_metadata()
+    assert other.transport.fs._s3 is not None and other.transport.counters.requests == 0
