@@ -255,13 +255,13 @@ def check_byte_item(length: int, where: str, key: str) -> None:
 
 def check_file_ends(transport: Any, ends: dict[str, int], sizes: dict[str, int]) -> None:
     """Name a missing or short data file up front instead of failing mid-read: ``ends`` maps each file to the
-    byte its records need it to reach; ``sizes`` keeps the sizes asked (a ``HEAD`` or ``stat`` each, concurrent).
+    byte its records need it to reach; ``sizes`` keeps the sizes asked (a ``stat`` each, or concurrent ``HEAD``s).
 
     Local files too: a ranged read fetches only a record's header and the slice's bytes, so a file cut inside
     the last record's zip trailer would otherwise load without a word.
     """
     unknown = [path for path in ends if path not in sizes]
-    if len(unknown) > 1:
+    if len(unknown) > 1 and not getattr(transport, "is_local", True):
         sizes.update(zip(unknown, transport.executor().map(transport.size, unknown)))
     for path, end in ends.items():
         size = sizes.get(path)
