@@ -198,7 +198,8 @@ class _Reads:
             shape, dtype = self._chunk_shape(md, first), md.properties.dtype  # type: ignore[union-attr]
             rec = predicted_record(dtype, tuple(shape), length) if cfg.guess_layouts else None
             if rec is not None:
-                heads.append(RangeRequest(path, offset, offset + rec.data_start, max_gap=cfg.probe_bytes))
+                gap = max(0, cfg.probe_bytes - rec.data_start)  # as the loader: no more than the probe it replaces
+                heads.append(RangeRequest(path, offset, offset + rec.data_start, max_gap=gap))
                 runs += [r for i in group for r in self._runs(i, info, offset + rec.data_start)]
             else:
                 probes.append(RangeRequest(path, offset, offset + min(cfg.probe_bytes, length)))

@@ -151,7 +151,8 @@ def test_gs_forbidden(gs_forbidding: tuple[Location, FaultProxy]) -> None:
         "does not have storage.objects.get access",
         ("the store refused the request", *gs_fix),
     )
-    assert reader.counters["retries"] == 0 and proxy.counters().faults["forbidden_403"] == 1  # one request, no retry
+    # .metadata and the manifest are fetched together on an object store: two requests, neither retried
+    assert reader.counters["retries"] == 0 and proxy.counters().faults["forbidden_403"] == 2
     exc = _access_error(lambda: dcp.save(dict(STATE), storage_writer=ds.FsspecWriter(url + "-2", opts), no_dist=True))
     _assert_message(exc, "gs://", "HTTP 403", gs_fix)
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
 from dcp_storage.formats.columns import saved_chunk, stored_dtype
@@ -61,6 +61,7 @@ __all__ = [
     "RecordEntry",
     "check_record_matches",
     "decode_whole",
+    "framable_groups",
     "needs_whole_chunk",
     "record_bytes_bound",
     "saved_chunk",
@@ -106,6 +107,19 @@ def record_bytes_bound(metadata: Metadata | None, item: ReadItem) -> int:
     if chunk is None or dtype is None:
         return 0
     return math.prod(chunk.sizes) * dtype.itemsize + _RECORD_OVERHEAD
+
+
+def framable_groups(
+    items: Sequence[ReadItem], entries: dict[int, RecordEntry], metadata: Metadata | None, small_item_bytes: int
+) -> dict[RecordEntry, list[ReadItem]]:
+    """The tensor items of records stored through one transform and larger than ``small_item_bytes``, by record,
+    where no item needs the whole chunk (those, and small records, keep the whole-item path)."""
+    groups: dict[RecordEntry, list[ReadItem]] = {}
+    for item in items:
+        entry = entries[id(item)]
+        if len(entry.transforms) == 1 and entry.length > small_item_bytes and item.type != LoadItemType.BYTE_IO:
+            groups.setdefault(entry, []).append(item)
+    return {e: group for e, group in groups.items() if not any(needs_whole_chunk(i, metadata) for i in group)}
 
 
 class DecodesTooLarge(ValueError):

@@ -52,7 +52,7 @@ from dcp_storage.formats.dcp_native.framed_items import (
     FramedItemLoader,
     RecordEntry,
     check_record_matches,
-    needs_whole_chunk,
+    framable_groups,
     record_bytes_bound,
 )
 from dcp_storage.formats.dcp_native.manifest_io import SliceCovers, load_verified_in_place
@@ -64,6 +64,7 @@ from dcp_storage.formats.dcp_native.torch_record import (
     load_tensor_record,
     parse_tensor_record,
     predicted_record,
+    relayout_whole,
     tensor_over_record,
 )
 from dcp_storage.formats.paths import check_byte_item, check_file_ends
@@ -150,6 +151,7 @@ class DcpItemLoader:
         # checked by their digests, slices by their covering blocks
         self.sums = sums
         self._digested: set[RecordEntry] = set()  # records read whole and checked against their digest
+        self._heard: dict[RecordEntry, TensorRecord] = {}  # the headers fetched with guessed layouts' data
         self.covers = SliceCovers(sums, transport.url(root))  # what checks each ranged slice
         self._planner: LoadPlanner | None = None
         self._sizes: dict[str, int] = {}  # file sizes seen by this loader (load() may run once per round)
@@ -188,23 +190,13 @@ class DcpItemLoader:
     def _framed_jobs(
         self, items: Sequence[ReadItem], entries: dict[int, RecordEntry]
     ) -> list[tuple[ReadItem, FramedItem]]:
-        """Tensor items stored through one seekable transform that this rank needs only part of.
-
-        They are read frame by frame (:mod:`.framed_items`); whole-chunk reads, checked (``verifier``) reads
-        and small items keep the whole-item path.
-        """
+        """Tensor items stored through one seekable transform that this rank needs only part of
+        (:func:`framable_groups`), read frame by frame (:mod:`.framed_items`); checked (``verifier``) reads keep
+        the whole-item path."""
         if self.verifier is not None:
             return []
-        groups: dict[RecordEntry, list[ReadItem]] = {}
-        for item in items:
-            entry = entries[id(item)]
-            framable = len(entry.transforms) == 1 and entry.length > self.config.small_item_bytes
-            if framable and item.type != LoadItemType.BYTE_IO:
-                groups.setdefault(entry, []).append(item)
         jobs: list[tuple[ReadItem, FramedItem]] = []
-        for entry, group in groups.items():
-            if any(needs_whole_chunk(i, self.metadata) for i in group):
-                continue
+        for entry, group in framable_groups(items, entries, self.metadata, self.config.small_item_bytes).items():
             key, where = group[0].storage_index.fqn, self._where(entry)
             (ext,) = self.transforms.resolve(entry.transforms, where, key)
             if isinstance(ext, SeekableTransform):
@@ -278,8 +270,9 @@ class DcpItemLoader:
         if late:
             self._took_whole(whole, list(late), list(late.values()))
             self._deliver_whole(items, entries, whole, firsts, planner, set(late))
-        if missed:  # a guessed layout the header contradicts: those items the usual way
-            self._load([w.key for w in missed], planner, guess=False)  # type: ignore[misc]
+        again = [w for w in missed if not self._relaid(w, entries[id(w.key)], guessed, planner)]
+        if again:  # a guessed layout the header contradicts: those items the usual way
+            self._load([w.key for w in again], planner, guess=False)  # type: ignore[misc]
         if framed:
             loader = FramedItemLoader(self.transport, self.config.probe_bytes, self.config.staging_bytes)
             loader.load(framed, self._destination, planner.commit_tensor, self.metadata)
@@ -348,18 +341,29 @@ class DcpItemLoader:
         """:meth:`_plan_ranged` on the guessed layout ``rec``, with the record's header fetched alongside (by its
         first item); delivered only if that header says exactly ``rec``."""
         work = self._plan_ranged(item, entry, rec)
-        if entry not in heads:  # merged across record overheads only, not across another rank's bytes
+        if entry not in heads:  # merged across no more bytes than the probe it replaces would have read
             head, at = heads.setdefault(entry, bytearray(rec.data_start)), entry.offset
-            gap = self.config.probe_bytes
+            gap = max(0, self.config.probe_bytes - rec.data_start)
             work.requests.insert(0, RangeRequest(self._path(entry), at, at + len(head), memoryview(head), max_gap=gap))
         work.landed = functools.partial(self._guess_held, entry, rec, heads[entry])
         return work
 
     def _guess_held(self, entry: RecordEntry, rec: TensorRecord, head: bytearray) -> bool:
         try:
-            return parse_tensor_record(memoryview(head), entry.length, self._where(entry)) == rec
+            self._heard[entry] = parse_tensor_record(memoryview(head), entry.length, self._where(entry))
         except (NeedMoreBytes, UnsupportedRecord, CorruptCheckpointError):
             return False  # read again the usual way, which names a damaged header
+        return self._heard[entry] == rec
+
+    def _relaid(
+        self, work: SliceRead, entry: RecordEntry, guessed: dict[RecordEntry, TensorRecord], planner: LoadPlanner
+    ) -> bool:
+        """A wrong guess of only the strides of a whole tensor: its bytes laid out again in memory, committed."""
+        heard = self._heard.get(entry)
+        if heard is None or not relayout_whole(work, guessed[entry], heard):
+            return False
+        planner.commit_tensor(work.key, work.dest)  # type: ignore[arg-type]
+        return True
 
     def _fetch_whole(
         self, whole: dict[RecordEntry, memoryview | None], probe: dict[RecordEntry, int] | None = None

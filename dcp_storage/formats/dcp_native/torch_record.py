@@ -43,6 +43,7 @@ from dcp_storage.formats.dcp_native.records import (
     walk_records,
 )
 from dcp_storage.formats.paths import check_view
+from dcp_storage.formats.reading import SliceRead
 from dcp_storage.formats.slices import is_row_major
 from dcp_storage.safe_unpickle import AllowListUnpickler, StandInRefusal, globals_of
 
@@ -55,6 +56,7 @@ __all__ = [
     "metadata_allow_list",
     "parse_tensor_record",
     "predicted_record",
+    "relayout_whole",
     "tensor_over_record",
 ]
 
@@ -204,8 +206,8 @@ class _StorageType:
 def _rebuild_v2(
     storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None
 ) -> _Spec:
-    if not isinstance(storage, _StorageRef) or storage.dtype is None or hooks:
-        raise UnsupportedRecord("tensor with hooks or untyped storage")
+    if not isinstance(storage, _StorageRef) or storage.dtype is None or hooks or metadata:
+        raise UnsupportedRecord("tensor with hooks, conj/neg bits or untyped storage")
     return _Spec(storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype)
 
 
@@ -219,8 +221,8 @@ def _rebuild_v3(
     dtype: Any,
     metadata: Any = None,
 ) -> _Spec:
-    if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype) or hooks:
-        raise UnsupportedRecord("tensor with hooks or unknown dtype")
+    if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype) or hooks or metadata:
+        raise UnsupportedRecord("tensor with hooks, conj/neg bits (torch.load applies them) or unknown dtype")
     return _Spec(storage, int(storage_offset), tuple(size), tuple(stride), dtype)
 
 
@@ -393,27 +395,50 @@ def predicted_record(dtype: torch.dtype, shape: tuple[int, ...], record_len: int
     return TensorRecord(dtype, tuple(shape), stride, 0, head, nbytes)
 
 
+def relayout_whole(work: SliceRead, guess: TensorRecord, real: TensorRecord) -> bool:
+    """For a read planned on the layout ``guess`` whose header says ``real``: if only the strides differ and
+    ``work`` read the whole tensor (so its bytes are the whole storage), check those bytes and lay them out in
+    the destination as ``real`` says. ``True`` if done; ``False``: the slice must be read again.
+
+    Why: torch's writer saves transposed and channels_last tensors as they are, with the length of a row-major
+    record, so their layout is guessed wrong; reading them again would fetch every such tensor twice.
+    """
+    placed = (real.dtype, real.shape, real.data_start, real.storage_nbytes, real.storage_offset)
+    plain = work.window is None and work.strided is None and work.mapped is None
+    if placed != (guess.dtype, guess.shape, guess.data_start, guess.storage_nbytes, 0) or not plain:
+        return False
+    if tuple(work.lengths) != tuple(real.shape):  # a slice of the tensor: not the storage it read
+        return False
+    landed = work.staging if work.staging is not None else work.dest
+    if work.check is not None:
+        work.check(landed)  # the bytes as stored, before they move
+    flat = landed.reshape(-1) if work.staging is not None else landed.reshape(-1).clone()
+    work.dest.copy_(flat.as_strided(real.shape, real.stride))
+    work.staging, work.requests = None, []
+    return True
+
+
 @functools.lru_cache(maxsize=256)
 def _header_bytes(dtype: torch.dtype, ndim: int) -> int | None:
     """Bytes before the data in this torch's record of a ``dtype`` tensor of ``ndim`` dimensions (the pickle of
     a larger shape is a few bytes longer, which the 64-byte alignment of the data almost always absorbs)."""
-    return _layout_of(torch.zeros((1,) * ndim, dtype=dtype))[0] if dtype.itemsize else None
+    return _layout_of((1,) * ndim, dtype)[0]
 
 
 @functools.lru_cache(maxsize=64)
 def _trailer_bytes(rest: int) -> int | None:
     """Bytes after the data in this torch's record of a tensor of ``64 * k + rest`` bytes (the entries after the
     data are padded to 64-byte alignment, so only the remainder matters)."""
-    return _layout_of(torch.zeros(64 + rest, dtype=torch.uint8))[1]
+    return _layout_of((64 + rest,), torch.uint8)[1]
 
 
-def _layout_of(tensor: torch.Tensor) -> tuple[int | None, int | None]:
+def _layout_of(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int | None, int | None]:
     buffer = io.BytesIO()
     try:
-        torch.save(tensor, buffer)
+        torch.save(torch.zeros(shape, dtype=dtype), buffer)
         raw = buffer.getvalue()
         rec = parse_tensor_record(raw, len(raw), "<torch.save layout>")
-    except Exception:  # a dtype this torch cannot save or we cannot parse: no guess
+    except Exception:  # a dtype this torch cannot make, save or we cannot parse (quantized ones): no guess
         return None, None
     return rec.data_start, len(raw) - rec.data_start - rec.storage_nbytes
 

@@ -226,6 +226,7 @@ class _Decoder:
     ) -> TensorDescriptor:
         if not isinstance(storage, _StorageRef) or storage.dtype is None:
             raise CorruptCheckpointError(f"{self.where}: _rebuild_tensor_v2 needs a typed storage")
+        self._plain_view(metadata)
         return self._tensor(storage, storage_offset, size, stride, storage.dtype)
 
     def _rebuild_v3(
@@ -241,7 +242,18 @@ class _Decoder:
     ) -> TensorDescriptor:
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"{self.where}: _rebuild_tensor_v3 with dtype {dtype!r}")
+        self._plain_view(metadata)
         return self._tensor(storage, storage_offset, size, stride, dtype)
+
+    def _plain_view(self, metadata: Any) -> None:
+        """Refuse a view whose values are not its stored elements (a lazy conjugate or negative, ``t.conj()``):
+        its slices are read as raw elements, which would drop the bit and load the wrong values."""
+        if metadata:
+            raise CorruptCheckpointError(
+                f"{self.where}: a tensor is stored as a view with {sorted(metadata) if isinstance(metadata, dict) else metadata} "
+                "bits set (a lazy conj() or neg()), which this reader cannot apply to ranged reads; load the file with "
+                "torch.load, or save t.resolve_conj().resolve_neg() instead"
+            )
 
     def _rebuild_parameter(self, data: Any, requires_grad: Any = False, backward_hooks: Any = None) -> TensorDescriptor:
         if not isinstance(data, TensorDescriptor):

@@ -21,10 +21,12 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 import dcp_storage.formats.dcp_native.reader as reader_module
 from dcp_storage import FsspecReader, FsspecWriter
-from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
+from dcp_storage.formats.dcp_native.item_loader import DcpItemLoader, DcpLoaderConfig
 from dcp_storage.formats.dcp_native.torch_record import parse_tensor_record, predicted_record
 from dcp_storage.transports import ClientSetUp
 from dcp_storage.transports.ranges import RangeRequest, plan_fetches
@@ -87,6 +89,10 @@ def _state(*without: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k not in without}
 
 
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
 def _save(root: Path, state: dict[str, torch.Tensor], writer: str = "torch") -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -113,7 +119,7 @@ def _load(
         warnings.simplefilter("ignore")
         dcp.load(dest, storage_reader=reader, no_dist=True)
     for key, value in state.items():
-        assert torch.equal(dest[key].float(), value.float()), key
+        assert torch.equal(_bits(dest[key]), _bits(value)), key
     return reader, rounds
 
 
@@ -133,13 +139,109 @@ def test_one_round_when_every_layout_is_guessed(tmp_path: Path) -> None:
     assert guessed.transport.counters.requests < probed.transport.counters.requests
 
 
-def test_a_wrong_guess_is_read_again(tmp_path: Path) -> None:
-    """The transposed tensor's record has the length of a row-major one: guessed, refused by its header, read
-    again the usual way (a header round and a data round for it alone)."""
+@pytest.mark.parametrize("writer", ["torch", "dcp_storage"])
+def test_a_wrong_guess_of_a_whole_tensor_is_laid_out_again_in_memory(tmp_path: Path, writer: str) -> None:
+    """Transposed and channels_last tensors are saved as they are, with the length of a row-major record: their
+    layout is guessed wrong, and their bytes (the whole storage) are laid out again, not fetched again."""
+    state = _state("f8")
+    state["conv"] = torch.randn(64, 32, 3, 3).to(memory_format=torch.channels_last)
+    _save(tmp_path / "ckpt", state, writer)
+    guessed, rounds = _load(str(tmp_path / "ckpt"), GUESS, state)
+    probed, _rounds = _load(str(tmp_path / "ckpt"), PROBE, state)
+    assert rounds == 1
+    assert guessed.transport.counters.bytes_read <= probed.transport.counters.bytes_read
+
+
+class _Planner(LoadPlanner):
+    """Delivers hand-made read items into given tensors (a rank's slices, without a process group)."""
+
+    def __init__(self, dests: dict[int, torch.Tensor]) -> None:
+        self.dests, self.committed = dests, 0
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def create_local_plan(self) -> Any: ...
+
+    def create_global_plan(self, plans: Any) -> Any: ...
+
+    def finish_plan(self, plan: Any) -> Any: ...
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None: ...
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return self.dests[id(read_item)]
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self.committed += 1
+
+
+def _slice_load(
+    url: str, options: dict[str, Any], config: DcpLoaderConfig, key: str, rows: slice
+) -> tuple[torch.Tensor, int, FsspecReader]:
+    """Load rows ``rows`` of ``key`` alone through the loader, as one rank of a ``Shard(0)`` load would."""
+    reader = FsspecReader(url, dict(options), loader_config=config)
+    metadata = reader.read_metadata()
+    shape = metadata.state_dict_metadata[key].size
+    offsets, lengths = [rows.start] + [0] * (len(shape) - 1), [rows.stop - rows.start, *shape[1:]]
+    index = MetadataIndex(key, torch.Size([0] * len(shape)))
+    item = ReadItem(
+        LoadItemType.TENSOR, index, torch.Size([0] * len(shape)), index, torch.Size(offsets), torch.Size(lengths)
+    )
+    dest = torch.zeros(lengths, dtype=metadata.state_dict_metadata[key].properties.dtype)
+    planner = _Planner({id(item): dest})
+    loader = DcpItemLoader(
+        reader.transport, reader.root, metadata.storage_data, config, metadata=metadata, check_zips=True
+    )
+    rounds = 0
+    real = reader.transport.read_ranges
+
+    def counting(requests: Any) -> Any:
+        nonlocal rounds
+        rounds += 1
+        return real(requests)
+
+    reader.transport.read_ranges = counting  # type: ignore[method-assign]
+    loader.load([item], planner)
+    assert planner.committed == 1
+    return dest, rounds, reader
+
+
+def test_a_wrong_guess_of_a_slice_is_read_again(tmp_path: Path) -> None:
+    """Rows of a transposed tensor are not a run of its stored bytes: read again the usual way."""
     state = _state("f8")
     _save(tmp_path / "ckpt", state)
-    _reader, rounds = _load(str(tmp_path / "ckpt"), GUESS, state)
-    assert rounds == 3
+    dest, rounds, _reader = _slice_load(str(tmp_path / "ckpt"), {}, GUESS, "t", slice(30, 100))
+    assert rounds == 3  # everything, then the transposed record's header probe, then its rows
+    assert torch.equal(dest, state["t"][30:100])
+
+
+def test_a_guessed_slice_fetches_no_more_than_a_probed_one(s3_url: S3Location, tmp_path: Path) -> None:
+    """The header fetched with a slice's rows is merged across no more bytes than the probe it replaces."""
+    state = {"w": torch.randn(1000, 1000)}
+    _save(tmp_path / "ckpt", state)
+    url, options = s3_url
+    fsspec.filesystem("s3", **options).put(str(tmp_path / "ckpt"), url, recursive=True)
+    for rows in (slice(1, 11), slice(500, 510), slice(990, 1000)):
+        got, rounds, guessed = _slice_load(url, options, DcpLoaderConfig(), "w", rows)
+        _got, _rounds, probed = _slice_load(url, options, PROBE, "w", rows)
+        assert torch.equal(got, state["w"][rows]) and rounds == 1
+        assert guessed.transport.counters.bytes_read <= probed.transport.counters.bytes_read, rows
+
+
+def test_quantized_dtypes_are_not_guessed() -> None:
+    for dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2):
+        assert predicted_record(dtype, (600, 600), 361_577) is None
+
+
+@pytest.mark.parametrize("config", [GUESS, PROBE], ids=["guessed", "probed"])
+def test_conjugate_and_negative_views_load_their_values(tmp_path: Path, config: DcpLoaderConfig) -> None:
+    """A lazy ``conj()`` or ``neg()`` view is saved as its storage plus a bit; the raw elements are not its
+    values, so such a record is loaded whole by torch.load, which applies the bit."""
+    torch.manual_seed(0)
+    state = {"c": torch.randn(300, 300, dtype=torch.complex64).conj(), "n": torch.randn(300, 300)._neg_view()}
+    _save(tmp_path / "ckpt", state)
+    resolved = {k: v.resolve_conj().resolve_neg() for k, v in state.items()}
+    _load(str(tmp_path / "ckpt"), config, resolved)
 
 
 def test_a_damaged_guessed_header_fails_as_usual(tmp_path: Path) -> None:

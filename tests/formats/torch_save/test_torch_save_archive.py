@@ -370,3 +370,15 @@ def test_reader_rejects_bad_arguments(saved: tuple[str, dict[str, Any]]) -> None
 def test_value_bytes_are_plain_torch_save(saved: tuple[str, dict[str, Any]]) -> None:
     archive = open_archive(saved[0])
     assert torch.load(io.BytesIO(archive.value_bytes("ids")), weights_only=True) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("lazy", ["conj", "neg"])
+def test_a_lazy_conjugate_or_negative_view_is_refused_not_loaded_wrong(tmp_path: Path, lazy: str) -> None:
+    """``torch.save(t.conj())`` stores ``t``'s elements plus a bit; ranged reads of the raw elements would drop
+    it and load other values, so the archive refuses such a tensor, saying what to do."""
+    base = torch.randn(20, 20, dtype=torch.complex64)
+    path = tmp_path / "lazy.pt"
+    torch.save({"v": base.conj() if lazy == "conj" else base._neg_view(), "plain": base}, path)
+    transport, root = FsspecTransport.from_url(str(path))
+    with pytest.raises(CorruptCheckpointError, match=rf"lazy.pt.*\['{lazy}'\] bits set.*resolve_conj\(\)"):
+        TorchSaveArchive.open(transport, root)
