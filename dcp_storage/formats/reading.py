@@ -417,11 +417,12 @@ def _finish(
         _copy_from_map(transport, tiny)
     if len(tiny) < len(mapped):
         _copy_mapped(transport, [w for w in mapped if w.mapped is not None])
-    missed = [w for w in batch if w.landed is not None and not w.landed()]
-    for work in (w for w in batch if not any(w is m for m in missed)):
-        work.deliver()
-        on_done(work)
-    return missed
+    missed = {id(w): w for w in batch if w.landed is not None and not w.landed()}
+    for work in batch:
+        if id(work) not in missed:
+            work.deliver()
+            on_done(work)
+    return list(missed.values())
 
 
 def _run_bytes(work: SliceRead) -> int:
