@@ -144,12 +144,14 @@ def run_cases(rank: int, world: int, paths: dict[str, str], cases: dict[str, dic
             bad = [k for k, v in ref.items() if not torch.equal(target[k], v)]
             out[name] = {"raised": False, "text": "", "bad": bad}
         out[name]["seconds"] = time.monotonic() - began
-    # A last good load: the group is still in step after every case above.
-    target = {k: torch.zeros_like(v) for k, v in ref.items()}
-    began = time.monotonic()
-    dcp.load(target, storage_reader=_reader("read_once", paths))
-    out["_after"] = {
-        "bad": [k for k, v in ref.items() if not torch.equal(target[k], v)],
-        "seconds": time.monotonic() - began,
-    }
+    # Last good loads: the group is still in step after every case above (no message of a failed load, and no
+    # receive posted for one, is left to be matched by a later load's).
+    for name, spec in (("_after", "read_once"), ("_after_broadcasting", "broadcasting")):
+        target = {k: torch.zeros_like(v) for k, v in ref.items()}
+        began = time.monotonic()
+        dcp.load(target, storage_reader=_reader(spec, paths))
+        out[name] = {
+            "bad": [k for k, v in ref.items() if not torch.equal(target[k], v)],
+            "seconds": time.monotonic() - began,
+        }
     return out

@@ -96,6 +96,7 @@ def test_every_rank_raises_within_seconds(paths: dict[str, str]) -> None:
     print({name: [round(r[name]["seconds"], 2) for r in reports] for name in CASES})
     for rank, report in enumerate(reports):
         assert report["_after"]["bad"] == [], f"rank {rank}: the load after the cases went wrong"
+        assert report["_after_broadcasting"]["bad"] == [], f"rank {rank}: the broadcast load after the cases"
     assert not problems, "\n".join(problems)
 
 
