@@ -348,8 +348,11 @@ def receive_items(
 def _body_tag(view: GroupView) -> int:
     """The tag of payloads. gloo matches messages by tag, so a receiver can ask for the next header while a
     payload is still on its way: one rendezvous per item instead of two (gloo's send waits for the matching
-    receive). NCCL ignores tags and matches in order: there both go on tag 0, received strictly in turn."""
-    return 1 if view.device.type == "cpu" else 0
+    receive). NCCL ignores tags and matches in order: there (and on any backend but gloo) both go on tag 0,
+    received strictly in turn."""
+    import torch.distributed as dist
+
+    return 1 if view.device.type == "cpu" and str(dist.get_backend(view.group)) == "gloo" else 0
 
 
 def _receive(buffer: torch.Tensor, view: GroupView, src: int) -> None:
