@@ -100,27 +100,32 @@ def _save(root: Path, state: dict[str, torch.Tensor], writer: str = "torch") -> 
         dcp.save(state, storage_writer=made, no_dist=True)
 
 
+def _counting_rounds(reader: FsspecReader) -> list[int]:
+    """A one-element list counting the reader's rounds of requests (its transport's ``read_ranges`` calls)."""
+    rounds = [0]
+    real = reader.transport.read_ranges
+
+    def counting(requests: Any) -> Any:
+        rounds[0] += 1
+        return real(requests)
+
+    reader.transport.read_ranges = counting  # type: ignore[method-assign]
+    return rounds
+
+
 def _load(
     url: str, config: DcpLoaderConfig | None, state: dict[str, torch.Tensor], options: dict[str, Any] | None = None
 ) -> tuple[FsspecReader, int]:
     """Load ``url`` into zeros shaped like ``state`` and compare; the reader and how many rounds it took."""
     dest = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
     reader = FsspecReader(url, dict(options or {}), loader_config=config)
-    rounds = 0
-    real = reader.transport.read_ranges
-
-    def counting(requests: Any) -> Any:
-        nonlocal rounds
-        rounds += 1
-        return real(requests)
-
-    reader.transport.read_ranges = counting  # type: ignore[method-assign]
+    rounds = _counting_rounds(reader)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(dest, storage_reader=reader, no_dist=True)
     for key, value in state.items():
         assert torch.equal(_bits(dest[key]), _bits(value)), key
-    return reader, rounds
+    return reader, rounds[0]
 
 
 @pytest.mark.parametrize("writer", ["torch", "dcp_storage"])
@@ -192,18 +197,10 @@ def _slice_load(
     loader = DcpItemLoader(
         reader.transport, reader.root, metadata.storage_data, config, metadata=metadata, check_zips=True
     )
-    rounds = 0
-    real = reader.transport.read_ranges
-
-    def counting(requests: Any) -> Any:
-        nonlocal rounds
-        rounds += 1
-        return real(requests)
-
-    reader.transport.read_ranges = counting  # type: ignore[method-assign]
+    rounds = _counting_rounds(reader)
     loader.load([item], planner)
     assert planner.committed == 1
-    return dest, rounds, reader
+    return dest, rounds[0], reader
 
 
 def test_a_wrong_guess_of_a_slice_is_read_again(tmp_path: Path) -> None:
