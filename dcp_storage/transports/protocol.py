@@ -417,7 +417,8 @@ class ClientSetUp(Protocol):
     """
 
     def set_up_client(self) -> None:
-        """Build the client now, if it is not built yet (no request is sent)."""
+        """Build the client now, if it is not built yet (no request is sent); never raises: a client that
+        cannot be built is reported by the first request."""
         ...
 
 

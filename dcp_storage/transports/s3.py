@@ -22,6 +22,7 @@ aborted (:mod:`.s3_pending`, the optional :class:`~.protocol.MultipartUploads`).
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -129,8 +130,10 @@ class S3Transport(FsspecTransport):
     serves = staticmethod(can_stream)  # the filesystems this class is the transport of
 
     def set_up_client(self) -> None:
-        """Build s3fs's client now (:class:`~.protocol.ClientSetUp`)."""
-        client_ready(self.fs)
+        """Build s3fs's client now (:class:`~.protocol.ClientSetUp`). A failure is left to the first request, which
+        builds it again under the retry policy and reports it as one of our errors, naming the URL."""
+        with contextlib.suppress(Exception):
+            client_ready(self.fs)
 
     def pending_uploads(self, path: str) -> list[PendingUpload]:
         """In-progress multipart uploads of ``path`` or under it (:mod:`.s3_pending`): the whole listing under
