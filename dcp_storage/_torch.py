@@ -66,6 +66,7 @@ __all__ = [
     "local_shape_and_offset",
     "non_persistent_buffer_names",
     "object_coll_device",
+    "p2p_matches_by_tag",
     "on_thread_stack",
     "save_frame",
     "set_element",
@@ -246,6 +247,14 @@ def object_coll_device(group: Any = None) -> str:
     from torch.distributed.distributed_c10d import _get_object_coll_device
 
     return str(_get_object_coll_device(group))
+
+
+def p2p_matches_by_tag(group: Any = None) -> bool:
+    """Whether point-to-point messages on ``group`` are matched by tag (gloo), not by order alone (NCCL and the
+    rest: a receive there takes the next message whatever its tag)."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)) == "gloo"
 
 
 def sharded_tensor_class() -> type:

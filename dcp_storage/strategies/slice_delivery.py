@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from dcp_storage._torch import p2p_matches_by_tag
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
 from dcp_storage.formats.byte_items import VettedBytes
 from dcp_storage.runtime import writable_bytes
@@ -350,9 +351,7 @@ def _body_tag(view: GroupView) -> int:
     payload is still on its way: one rendezvous per item instead of two (gloo's send waits for the matching
     receive). NCCL ignores tags and matches in order: there (and on any backend but gloo) both go on tag 0,
     received strictly in turn."""
-    import torch.distributed as dist
-
-    return 1 if view.device.type == "cpu" and str(dist.get_backend(view.group)) == "gloo" else 0
+    return 1 if view.device.type == "cpu" and p2p_matches_by_tag(view.group) else 0
 
 
 def _receive(buffer: torch.Tensor, view: GroupView, src: int) -> None:
