@@ -376,7 +376,6 @@ def _receive_tensor(
     src: int,
     stored_dtype: Callable[[ReadItem], torch.dtype],
 ) -> None:
-
     lengths = tuple(int(n) for n in item.lengths)
     try:
         dtype = stored_dtype(item)
