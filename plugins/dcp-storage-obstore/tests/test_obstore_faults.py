@@ -71,9 +71,11 @@ def _save(url: str, options: dict[str, Any], state: dict[str, torch.Tensor], pol
     return writer
 
 
-def _load(url: str, options: dict[str, Any], like: dict[str, torch.Tensor], policy: RetryPolicy) -> Any:
+def _load(
+    url: str, options: dict[str, Any], like: dict[str, torch.Tensor], policy: RetryPolicy, loader_config: Any = None
+) -> Any:
     out = {k: torch.zeros_like(v) for k, v in like.items()}
-    reader = FsspecReader(url, options, transport_config=_config(policy))
+    reader = FsspecReader(url, options, transport_config=_config(policy), loader_config=loader_config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(out, storage_reader=reader, no_dist=True)

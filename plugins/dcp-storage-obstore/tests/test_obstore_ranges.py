@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from dcp_storage.plugin_api import RetryPolicy, TransportError, open_transport
+from dcp_storage.plugin_api import DcpLoaderConfig, RetryPolicy, TransportError, open_transport
 from dcp_storage_testing.fault_proxy import BODY_FAULT_MODES, RANGE_FAULT_MODES, FaultProxy, FaultRule
 from test_obstore_faults import _config, _inner, _load, _options, _save
 from torch.distributed.checkpoint.api import CheckpointException
@@ -138,7 +138,9 @@ def test_load_is_bit_exact_when_one_ranged_read_in_three_is_answered_wrongly(
     options, state = _options(s3_url, faults), _state()
     _save(url, options, state, TOLERANT)
     faults.set_rules([FaultRule(mode, every=3, method="GET")])  # type: ignore[arg-type]
-    loaded, reader = _load(url, options, state, TOLERANT)
+    # Headers probed first, so no request spans a whole object (one record per file here): a 200 that ignores
+    # the range would rightly answer one, and need no retry.
+    loaded, reader = _load(url, options, state, TOLERANT, DcpLoaderConfig(guess_layouts=False))
     for key, want in state.items():
         assert torch.equal(loaded[key].view(torch.uint8), want.view(torch.uint8)), key
     fired = faults.counters().faults[mode]
