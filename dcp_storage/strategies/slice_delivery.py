@@ -170,6 +170,7 @@ class SliceSender:
         self._inflight: collections.deque[tuple[list[Any], list[Any], int]] = collections.deque()
         self._inflight_bytes = 0
         self._after: dict[int, list[Callable[[], None]]] = {}  # id of an in-flight entry -> run once it is sent
+        self._tag = _body_tag(view)  # of payloads
 
     # ---------------------------------------------------------------------------------- sending
     def reserve(self, nbytes: int, limit: int | None = None) -> None:
@@ -203,7 +204,7 @@ class SliceSender:
             payload = payload.to(device, non_blocking=True)
         works = [dist.isend(header, group=self.view.group, group_dst=rank)]
         if nbytes:
-            works.append(dist.isend(payload, group=self.view.group, group_dst=rank, tag=_body_tag(self.view)))
+            works.append(dist.isend(payload, group=self.view.group, group_dst=rank, tag=self._tag))
         self._inflight.append((works, [header, payload, keep], nbytes))
         self._inflight_bytes += nbytes
         self.remaining[rank] -= 1
@@ -257,7 +258,7 @@ class SliceSender:
             with contextlib.suppress(Exception):
                 header = torch.tensor([_ERROR, -1, body.numel()], dtype=torch.int64).to(self.view.device)
                 works.append((dist.isend(header, group=self.view.group, group_dst=rank), header))
-                works.append((dist.isend(body, group=self.view.group, group_dst=rank, tag=_body_tag(self.view)), body))
+                works.append((dist.isend(body, group=self.view.group, group_dst=rank, tag=self._tag), body))
             self.remaining[rank] = 0
         for w, _buf in [*((w, b) for ws, b, _n in self._inflight for w in ws), *works]:
             if w is not None:
@@ -304,7 +305,8 @@ def receive_items(
     ordered = canonical_order(items)
     seen = [False] * len(ordered)
     headers = [torch.empty(3, dtype=torch.int64, device=view.device) for _ in range(2)]
-    ahead = _body_tag(view) != 0  # headers and payloads on two tags: the next header is asked for early
+    tag = _body_tag(view)
+    ahead = tag != 0  # headers and payloads on two tags: the next header is asked for early
     posted = dist.irecv(headers[0], group=view.group, group_src=src) if ordered and ahead else None
     failure: BaseException | None = None
     for n in range(len(ordered)):
@@ -316,7 +318,7 @@ def receive_items(
         kind, index, nbytes = (int(v) for v in header.tolist())
         if kind == _ERROR:
             body = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
-            _receive(body, view, src)
+            _receive(body, view, src, tag)
             raise decode_error(pickle.loads(_to_bytes(body)))  # from our own coordinator rank
         if not 0 <= index < len(ordered) or seen[index] or kind not in (_TENSOR, _BYTES):
             raise DcpStorageError(f"slice delivery out of step: message ({kind}, {index}, {nbytes}) from rank {src}")
@@ -330,16 +332,16 @@ def receive_items(
             if kind == _BYTES:
                 body = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
                 if nbytes:
-                    _receive(body, view, src)
+                    _receive(body, view, src, tag)
                 if item.type != LoadItemType.BYTE_IO:
                     raise DcpStorageError(f"{item.dest_index.fqn}: got bytes for a tensor item")
                 planner.load_bytes(item, VettedBytes(_to_bytes(body)))  # vetted by the coordinator
             else:
-                _receive_tensor(item, nbytes, planner, view, src, stored_dtype)
+                _receive_tensor(item, nbytes, planner, view, src, stored_dtype, tag)
         except _PayloadPending as pending:  # keep draining so the coordinator is never left blocked
             failure = failure or pending.cause
             if nbytes:
-                _receive(torch.empty(nbytes, dtype=torch.uint8, device=view.device), view, src)
+                _receive(torch.empty(nbytes, dtype=torch.uint8, device=view.device), view, src, tag)
         except Exception as exc:  # noqa: BLE001 - the payload was taken; remember the first failure
             failure = failure or exc
     if failure is not None:
@@ -351,13 +353,13 @@ def _body_tag(view: GroupView) -> int:
     payload is still on its way: one rendezvous per item instead of two (gloo's send waits for the matching
     receive). NCCL ignores tags and matches in order: there (and on any backend but gloo) both go on tag 0,
     received strictly in turn."""
-    return 1 if view.device.type == "cpu" and p2p_matches_by_tag(view.group) else 0
+    return 1 if view.distributed and view.device.type == "cpu" and p2p_matches_by_tag(view.group) else 0
 
 
-def _receive(buffer: torch.Tensor, view: GroupView, src: int) -> None:
+def _receive(buffer: torch.Tensor, view: GroupView, src: int, tag: int) -> None:
     import torch.distributed as dist
 
-    dist.recv(buffer, group=view.group, group_src=src, tag=_body_tag(view))
+    dist.recv(buffer, group=view.group, group_src=src, tag=tag)
 
 
 class _PayloadPending(Exception):
@@ -375,6 +377,7 @@ def _receive_tensor(
     view: GroupView,
     src: int,
     stored_dtype: Callable[[ReadItem], torch.dtype],
+    tag: int,
 ) -> None:
     lengths = tuple(int(n) for n in item.lengths)
     try:
@@ -390,7 +393,7 @@ def _receive_tensor(
     if nbytes:
         direct = dest.device == view.device and dest.dtype == dtype and dest.is_contiguous()
         target = dest if direct else torch.empty(lengths, dtype=dtype, device=view.device)
-        _receive(target.reshape(-1).view(torch.uint8), view, src)
+        _receive(target.reshape(-1).view(torch.uint8), view, src, tag)
         if not direct:
             dest.copy_(target)
     planner.commit_tensor(item, dest)
