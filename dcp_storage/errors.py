@@ -45,6 +45,7 @@ __all__ = [
     "StaleManifestWarning",
     "StorageAccessError",
     "StorageFullError",
+    "StorageOptionsError",
     "TargetError",
     "TransportError",
     "UnknownExtensionError",
@@ -233,6 +234,11 @@ class StorageFullError(DcpStorageError, OSError):
 
     def __reduce__(self) -> tuple[object, ...]:  # crosses processes (DCP gathers rank errors by pickle)
         return (type(self), (self.path, self.needed, getattr(self, "errno", None), self.detail))
+
+
+class StorageOptionsError(DcpStorageError, ValueError):
+    """The storage options cannot make a client (an endpoint that is not a URL, a malformed region...): no
+    request was sent. The message names the URL, the client's reason and the option to fix."""
 
 
 class StorageAccessError(DcpStorageError, PermissionError):

@@ -62,7 +62,7 @@ from typing import Any
 from fsspec.asyn import sync
 from fsspec.implementations.memory import MemoryFileSystem
 
-from dcp_storage.errors import DcpStorageError, FileTooLargeError
+from dcp_storage.errors import DcpStorageError, FileTooLargeError, StorageOptionsError
 from dcp_storage.transports.guards import (
     ListingBound,
     RangeMismatchError,
@@ -101,7 +101,7 @@ def can_stream(fs: Any) -> bool:
 
 async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
     """One S3 API call on s3fs's client, with s3fs's per-request options, without s3fs's retry wrapper."""
-    from botocore.exceptions import ClientError  # s3fs depends on botocore
+    from botocore.exceptions import ClientError, EndpointResolutionError  # s3fs depends on botocore
     from s3fs.errors import translate_boto_error
 
     await fs.set_session()
@@ -118,21 +118,43 @@ async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
         if translated is exc:
             raise
         raise translated from exc
+    except EndpointResolutionError as exc:  # an endpoint_url botocore cannot use ("ftp://...")
+        raise options_error(fs, _call_url(kwargs), exc) from exc
 
 
-def client_ready(fs: Any) -> None:
-    """Build s3fs's client (once per filesystem) before a request's deadline starts counting.
+def client_ready(fs: Any, url: str = "") -> None:
+    """Build s3fs's client (once per filesystem) before a request's deadline starts counting; ``url`` (of the
+    request that needs it) is named if the storage options cannot make one (:class:`StorageOptionsError`).
 
     Building it is local work (botocore loads its service model and endpoint rules), not a request in flight;
     inside the deadline it took a share of the first request's time, all of it on a busy machine.
     """
-    if getattr(fs, "_s3", None) is None:
+    if getattr(fs, "_s3", None) is not None:
+        return
+    try:
         sync(fs.loop, fs.set_session)
+    except ValueError as exc:  # botocore checks its options as it builds: "Invalid endpoint: ...", a bad region
+        raise options_error(fs, url, exc) from exc
+
+
+def _call_url(kwargs: dict[str, Any]) -> str:
+    """The URL an API call's ``Bucket``/``Key`` name, for messages."""
+    return f"s3://{kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}".rstrip("/")
+
+
+def options_error(fs: Any, url: str, exc: BaseException) -> StorageOptionsError:
+    """Our error for storage options botocore refused (as it builds its client, or resolves a request's endpoint)."""
+    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+    return StorageOptionsError(
+        f"{url or 's3'}: cannot make an S3 client from the storage options ({exc}; endpoint_url={endpoint!r}): give "
+        "endpoint_url as an http(s) URL such as http://localhost:9000 (or leave it out for AWS) and region_name as "
+        "a region such as us-east-1, in the storage options or AWS_ENDPOINT_URL / AWS_REGION"
+    )
 
 
 def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
     """Blocking :func:`_call`: ``s3_call(fs, "put_object", Bucket=..., Key=..., Body=...)``."""
-    client_ready(fs)
+    client_ready(fs, _call_url(kwargs))
     return bounded_sync(fs.loop, _call, fs, method, **kwargs)
 
 
@@ -233,7 +255,7 @@ def stream_range(
     With ``if_match`` the GET is conditional on that ETag (a ``412`` raises
     :class:`~.versions.VersionConditionFailed`); ``saw(etag)`` gets the answer's ETag before any ``emit``.
     """
-    client_ready(fs)
+    client_ready(fs, fs.unstrip_protocol(path))
     return int(bounded_sync(fs.loop, _get_range, fs, path, start, end, emit, if_match, saw))
 
 
@@ -263,7 +285,7 @@ def read_object(fs: Any, path: str, max_bytes: int | None = None) -> bytes:
 
 def read_object_version(fs: Any, path: str, max_bytes: int | None = None) -> tuple[bytes, str | None]:
     """:func:`read_object` and the answer's ETag."""
-    client_ready(fs)
+    client_ready(fs, fs.unstrip_protocol(path))
     data, etag = bounded_sync(fs.loop, _get_object, fs, path, max_bytes)
     return bytes(data), etag
 

@@ -106,3 +106,29 @@ def test_unwrap_leaves_other_exceptions_alone() -> None:
     wrapped = CheckpointException("load", {0: (ValueError("not ours"), None), 3: (mine, None)})
     assert ds.errors.unwrap(wrapped) is mine, "ours, whichever rank raised it"
     assert isinstance(ds.errors.unwrap(CheckpointException("load", {2: (KeyError("k"), None)})), KeyError)
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"endpoint_url": "localhost:9000"}, "Invalid endpoint: localhost:9000"),  # no scheme: botocore, as it builds
+        ({"endpoint_url": "ftp://127.0.0.1:1"}, "was not a valid URI"),  # botocore, per request (endpoint rules)
+        ({"endpoint_url": "http://user:hunter2@[::1"}, "Invalid IPv6 URL"),
+        ({"endpoint_url": "http://127.0.0.1:1", "client_kwargs": {"region_name": "no such region!"}}, "region_name"),
+    ],
+)
+def test_storage_options_botocore_refuses_are_ours(options: dict[str, Any], said: str) -> None:
+    """Options that cannot make an S3 client: our error naming the URL, botocore's reason and the option to fix,
+    before any request is sent, on loads and saves alike (was: botocore's bare ValueError)."""
+    options = {**options, "key": "k", "secret": "s"}
+    for run in (
+        lambda: ds.load({"w": torch.zeros(1)}, "s3://bucket/ckpt", storage_options=options, format="dcp"),
+        lambda: ds.load({"w": torch.zeros(1)}, "s3://bucket/m.safetensors", storage_options=options),
+        lambda: ds.save({"w": torch.zeros(1)}, "s3://bucket/ckpt", storage_options=options),
+    ):
+        with pytest.raises(ds.errors.StorageOptionsError) as raised:
+            run()
+        text = str(raised.value)
+        assert text.startswith("s3://bucket") and said in text and "endpoint_url" in text, text
+        assert "hunter2" not in text, text
+        assert isinstance(raised.value, ValueError)  # code that caught botocore's ValueError still does
