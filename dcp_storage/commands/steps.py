@@ -165,6 +165,7 @@ def run_gc(args: argparse.Namespace) -> int:
                 "deleted": deleted,
                 "torn_removed": report.torn_removed,
                 "held": report.held,
+                "foreign": report.foreign,
                 "kept": kept,
             }
         )
@@ -175,5 +176,7 @@ def run_gc(args: argparse.Namespace) -> int:
     print(f"{verb} torn folders: {', '.join(map(str, report.torn_removed)) or 'none'}")
     if report.held:
         print(f"left in place (a live save holds them): {', '.join(map(str, report.held))}")
+    if report.foreign:
+        print(f"left in place (they hold files no save leaves): {', '.join(map(str, report.foreign))}")
     print(f"kept steps: {', '.join(map(str, kept)) or 'none'}")
     return 0

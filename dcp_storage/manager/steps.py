@@ -43,7 +43,11 @@ Only the coordinator (rank 0) calls these; :mod:`.agreement` hands every other r
 * deletion happens only after the new step is durable, and removes the commit marker first, so a delete
   killed half way leaves a torn folder (cleaned up later), never a step that looks complete but is not;
 * the newest complete step is never deleted;
-* a torn folder is removed unless a live save holds it (:mod:`.liveness`).
+* the index is believed only where the commit marker it names is there (a marker deleted by hand makes the
+  step torn, not the newest complete one, whose older steps retention would then delete);
+* a torn folder is removed unless a live save holds it (:mod:`.liveness`), and only if everything in it is
+  what a save leaves (:func:`save_leftovers_only`): a ``step-N`` folder holding anything else is another
+  tool's (torchtitan names its folders so too) and is left alone.
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_storage.formats.commit_holder import MARKER_SUFFIX
 from dcp_storage.formats.location import commit_marker, list_all
-from dcp_storage.formats.paths import LOCK_RE
+from dcp_storage.formats.paths import DATA_SUFFIX, HF_SHARD_RE, LOCK_RE, MANIFEST_RE, TEMP_RE
 from dcp_storage.manager.retention import DEFAULT_STALE_AFTER, KeepPolicy, held_by_live_save
 
 __all__ = [
@@ -73,6 +78,7 @@ __all__ = [
     "parse_step",
     "read_index",
     "read_step_info",
+    "save_leftovers_only",
     "scan_step",
     "step_info",
     "step_name",
@@ -273,6 +279,24 @@ class Cleanup:
     deleted: list[int] = field(default_factory=list)
     torn_removed: list[int] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
+    foreign: list[int] = field(default_factory=list)  # torn folders holding more than a save leaves: kept
+
+
+def save_leftovers_only(names: Iterable[str]) -> bool:
+    """Whether every entry of a step folder is something a save leaves: data files, temp files, manifests,
+    locks and their takeover markers, the step's info file."""
+    for name in names:
+        lock = name[: -len(MARKER_SUFFIX)] if name.endswith(MARKER_SUFFIX) else name
+        if not (
+            name.endswith(DATA_SUFFIX)
+            or HF_SHARD_RE.match(name)
+            or TEMP_RE.match(name)
+            or MANIFEST_RE.match(name)
+            or LOCK_RE.match(lock)
+            or name == STEP_INFO_FILE
+        ):
+            return False
+    return True
 
 
 class StepRoot:
@@ -338,8 +362,9 @@ class StepRoot:
     # ---------------------------------------------------------------------------------------- recovery
     def recover(self, *, finished_pids: Iterable[int] = (), dry_run: bool = False) -> Cleanup:
         """On start: reconcile the index with the listing, finish interrupted deletions, remove torn folders
-        that no live save holds, and write the index. One listing of the root, plus one per folder the index
-        does not name as complete (the index itself when absent: every folder)."""
+        that no live save holds and that hold only a save's leftovers, and write the index. One listing of the
+        root, one existence check per step the index names as complete (its commit marker), and one listing
+        per other folder (every folder when there is no index)."""
         cached = read_index(self.transport, self.root)
         names = list_steps(self.transport, self.root)
         index = StepIndex()
@@ -347,7 +372,11 @@ class StepRoot:
         for step, name in names.items():
             known = None if cached is None else cached.steps.get(step)
             interrupted = cached is not None and step in cached.deleting
-            if known is not None and not interrupted:
+            if (
+                known is not None
+                and not interrupted
+                and self.transport.exists(self.transport.join(self.root, name, known))
+            ):
                 index.steps[step] = known
                 if step in cached.metrics:  # type: ignore[union-attr]
                     index.metrics[step] = cached.metrics[step]  # type: ignore[union-attr]
@@ -368,6 +397,14 @@ class StepRoot:
                 stale_after=self.stale_after,
             ):
                 report.held.append(step)
+                continue
+            if not save_leftovers_only(folder.names):
+                _log.warning(
+                    "%s holds files no save of dcp-storage leaves (%s): not a step of this manager, left in place",
+                    self.transport.url(self.transport.join(self.root, name)),
+                    ", ".join(sorted(folder.names)[:5]),
+                )
+                report.foreign.append(step)
                 continue
             report.torn_removed.append(step)
             if not dry_run:

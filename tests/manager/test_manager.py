@@ -22,6 +22,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_storage as ds
+from dcp_storage.cli import main as cli_main
 from dcp_storage.manager.steps import INDEX_FILE, step_name
 from dcp_storage_testing.distributed import run_ranks
 
@@ -189,6 +190,41 @@ def test_lost_marker_makes_a_step_torn(tmp_path: Path) -> None:
         assert mgr.latest_step() == 1
         target = _state(0)
         assert mgr.restore(target) == 1 and target["step"] == 1
+
+
+def test_index_naming_a_step_whose_marker_is_gone_never_costs_the_good_steps(tmp_path: Path) -> None:
+    """The newest step's marker deleted by hand while the index still names it complete: recovery believes
+    the marker, not the index, so retention keeps the last good step and the next save succeeds."""
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=3)) as mgr:
+        for step in (10, 20):
+            mgr.save(step, _state(step))
+    (root / step_name(20) / ".metadata").unlink()  # the index at the root still lists 20
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=1)) as mgr:
+        assert mgr.last_cleanup.torn_removed == [20] and mgr.all_steps() == [10]
+        assert mgr.save(11, _state(11)) is True
+        assert mgr.all_steps() == [11] and mgr.save(20, _state(20)) is True
+        assert mgr.all_steps() == [20]
+    assert cli_main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert _steps(root) == [step_name(20)]
+
+
+def test_step_folders_of_another_tool_are_left_alone(tmp_path: Path) -> None:
+    """A ``step-N`` folder holding anything a save does not leave (another tool's checkpoint, a note) is not
+    this manager's torn step: recovery and ``gc`` leave it, and say so."""
+    root = tmp_path / "run"
+    foreign = {100: "pytorch_model.bin", 200: "notes.txt", 300: "model.pt"}
+    for step, name in foreign.items():
+        (root / step_name(step)).mkdir(parents=True)
+        (root / step_name(step) / name).write_bytes(b"not ours")
+        (root / step_name(step) / "__0_0.distcp").write_bytes(b"\0" * 8)
+    _torn(root, 400)  # a save's leftovers only: removed
+    with ds.CheckpointManager(root) as mgr:
+        assert mgr.last_cleanup.torn_removed == [400] and mgr.last_cleanup.foreign == [100, 200, 300]
+        assert mgr.latest_step() is None
+    assert cli_main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert _steps(root) == [step_name(s) for s in foreign]
+    assert all((root / step_name(s) / n).read_bytes() == b"not ours" for s, n in foreign.items())
 
 
 def test_restore_without_steps_and_of_a_torn_step(tmp_path: Path) -> None:
