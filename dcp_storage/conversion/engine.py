@@ -39,6 +39,7 @@ from dcp_storage.conversion.plan import (
     parse_dtype,
     refuse_overwriting_input,
     resolve_target,
+    storage_target,
 )
 from dcp_storage.conversion.source import TensorSource, byte_batches
 from dcp_storage.errors import StorageFullError, TargetError  # TargetError's old home: kept importable from here
@@ -79,8 +80,8 @@ def same_location(
     a: str, a_opts: dict[str, Any] | None, b: str, b_opts: dict[str, Any] | None, *, inside: bool = False
 ) -> bool:
     """Whether URLs ``a`` and ``b`` name the same place (or, with ``inside``, ``b`` lies within ``a``)."""
-    transport_a, path_a = open_transport(a, a_opts)
-    transport_b, path_b = open_transport(b, b_opts)
+    transport_a, path_a = open_transport(*storage_target(a, a_opts))
+    transport_b, path_b = open_transport(*storage_target(b, b_opts))
     try:
         if type(transport_a) is not type(transport_b):
             return False

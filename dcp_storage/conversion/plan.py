@@ -331,6 +331,18 @@ def _files_of(transport: Transport, root: str) -> Iterator[str]:
         yield transport.join(parent, name)
 
 
+def storage_target(url: str, options: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
+    """The storage a URL's bytes live on: the last link of an fsspec chain (``simplecache::file:///d`` is
+    ``file:///d``, with the options given under its protocol), else the URL itself. The input and output
+    guards compare these, so a cache layered over the input is still the input."""
+    if "::" not in url:
+        return url, options
+    inner = url.rsplit("::", 1)[1]
+    protocol = inner.split("://", 1)[0] if "://" in inner else "file"
+    nested = (options or {}).get(protocol)
+    return inner, nested if isinstance(nested, dict) else None
+
+
 def refuse_overwriting_input(
     src: str, src_opts: dict[str, Any] | None, dst: str, dst_opts: dict[str, Any] | None, *, tool: str = "convert"
 ) -> None:
@@ -339,8 +351,8 @@ def refuse_overwriting_input(
     Called before the output is opened, whatever ``overwrite`` says: a writer replaces and retires files in
     its output location, and no tool may replace or delete its input (module docstring).
     """
-    src_transport, src_root = open_transport(src, src_opts)
-    dst_transport, dst_root = open_transport(dst, dst_opts)
+    src_transport, src_root = open_transport(*storage_target(src, src_opts))
+    dst_transport, dst_root = open_transport(*storage_target(dst, dst_opts))
     try:
         if type(src_transport) is not type(dst_transport):
             return

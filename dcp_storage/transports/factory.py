@@ -49,6 +49,8 @@ def open_transport(
 ) -> tuple[Transport, str]:
     """The transport for ``url`` and the path of ``url`` on it."""
     url = os.fspath(url)
+    if url.startswith("file://localhost/"):  # RFC 8089: the local host's /path (fsspec reads "localhost/path")
+        url = "file://" + url[len("file://localhost") :]
     options = dict(storage_options or {})
     chosen = options.pop(TRANSPORT_OPTION, None)
     options.pop(READ_STRATEGY_OPTION, None)

@@ -169,3 +169,35 @@ def test_cli_merge_refuses_an_existing_output_without_overwrite(tmp_path: Path, 
     assert again.rc == 1 and "CheckpointExistsError" in again.stderr and "--overwrite" in again.stderr, again
     assert forced.rc == 0, forced
     assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("spelling", ["simplecache::file://{d}", "file://localhost{d}"])
+def test_an_output_spelled_as_a_chain_or_with_localhost_is_still_the_input(tmp_path: Path, spelling: str) -> None:
+    """An fsspec chain over the input's own directory (a cache layered on it) and ``file://localhost/...`` name
+    the input's location: refused like a plain path (was: the chain's other transport type skipped the check,
+    and the fp32 input was replaced by its fp16 copy; ``file://localhost/d`` wrote to ``./localhost/d``)."""
+    from dcp_storage import convert
+    from dcp_storage.errors import TargetError
+
+    d = tmp_path / "d"
+    src = d / "model.safetensors"
+    _st(src)
+    before = snapshot(d)
+    with pytest.raises(TargetError, match="holds .*a file of the input"):
+        convert(str(src), spelling.format(d=d), to="safetensors", dtype="fp16", overwrite=True)
+    assert snapshot(d) == before
+
+
+def test_merge_remove_checkpoint_dir_into_a_chained_url_inside_it_is_refused(
+    tmp_path: Path, sources: dict[str, Path]
+) -> None:
+    """``merge ckpt simplecache::file://ckpt/merged --remove-checkpoint-dir`` removed the input and, with it, the
+    merged output inside it (exit 0)."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sources["dcp_tensors"], ckpt)
+    before = snapshot(ckpt)
+    got = run_cli("merge", str(ckpt), f"simplecache::file://{ckpt}/merged", "--remove-checkpoint-dir")
+    assert got.rc == 1 and "TargetError" in got.stderr and "lies inside" in got.stderr, got
+    assert snapshot(ckpt) == before
