@@ -206,7 +206,7 @@ class ReusingStager:
         if self._staged is not None:
             try:
                 with torch.no_grad():
-                    staged = _refill(state, self._staged)
+                    staged = _refill(state, self._staged, {})
                 self.reused += 1
                 return staged
             except _Mismatch:
@@ -226,8 +226,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _refill(src: Any, dst: Any) -> Any:
-    """``dst`` (a staged copy) updated to hold ``src``'s values, tensors copied in place."""
+def _refill(src: Any, dst: Any, ties: dict[int, tuple[int, bool]]) -> Any:
+    """``dst`` (a staged copy) updated to hold ``src``'s values, tensors copied in place; ``ties``: what each
+    staged storage was filled from so far (:func:`_check_ties`)."""
     if isinstance(src, torch.Tensor):
         if not isinstance(dst, torch.Tensor) or isinstance(src, DTensor) != isinstance(dst, DTensor):
             raise _Mismatch
@@ -238,29 +239,45 @@ def _refill(src: Any, dst: Any) -> Any:
             raise _Mismatch
         if isinstance(src, DTensor) and (src.shape != dst.shape or src.stride() != dst.stride()):
             raise _Mismatch
+        _check_ties(ties, s, d)
         d.copy_(s)
         return dst
     if isinstance(src, Mapping):
         if not isinstance(dst, dict) or set(src) != set(dst):
             raise _Mismatch
         for key, value in src.items():
-            dst[key] = _refill(value, dst[key])
+            dst[key] = _refill(value, dst[key], ties)
         return dst
     if isinstance(src, list):
         if not isinstance(dst, list) or len(src) != len(dst):
             raise _Mismatch
         for i, value in enumerate(src):
-            dst[i] = _refill(value, dst[i])
+            dst[i] = _refill(value, dst[i], ties)
         return dst
     if isinstance(src, tuple):
         if not isinstance(dst, tuple) or len(src) != len(dst) or type(src) is not type(dst):
             raise _Mismatch
         return (
-            type(src)(*(_refill(s, d) for s, d in zip(src, dst)))
+            type(src)(*(_refill(s, d, ties) for s, d in zip(src, dst)))
             if hasattr(src, "_fields")
-            else tuple(_refill(s, d) for s, d in zip(src, dst))
+            else tuple(_refill(s, d, ties) for s, d in zip(src, dst))
         )
     return copy.deepcopy(src)
+
+
+def _check_ties(ties: dict[int, tuple[int, bool]], s: torch.Tensor, d: torch.Tensor) -> None:
+    """Staged tensors that share a storage must be filled from one source storage, at the same offsets.
+
+    The stager keeps one copy of a tensor saved under several keys (tied weights); a later state whose
+    tensors are no longer tied would otherwise be copied into that one buffer in turn, and every key saved
+    with the last one's values.
+    """
+    if not d.numel():
+        return
+    here = (s.untyped_storage().data_ptr(), d.storage_offset() == s.storage_offset())
+    first = ties.setdefault(d.untyped_storage().data_ptr(), here)
+    if first is not here and (first[0] != here[0] or not (first[1] and here[1])):
+        raise _Mismatch  # a second tensor in this staged storage, from another source or at another place
 
 
 def state_bytes(state: Any) -> int:

@@ -151,6 +151,44 @@ def test_failed_async_save_raises_next_and_never_counts(tmp_path: Path) -> None:
     assert ds.CheckpointManager(root).latest_step() == 3
 
 
+def test_async_staging_reuse_follows_tied_and_untied_tensors() -> None:
+    """The thread mode's stager reuses its buffers from save to save; one tensor under two keys (tied weights)
+    is staged once, so a later state with the two untied must be staged afresh (it was copied into that one
+    buffer in turn: both keys saved with the last one's values)."""
+    from dcp_storage.manager.retention import ReusingStager
+
+    stager = ReusingStager()
+    tied = torch.ones(4)
+    stager.stage({"embed": tied, "head": tied})
+    staged = stager.stage({"embed": torch.full((4,), 2.0), "head": torch.full((4,), 3.0)})
+    assert staged["embed"].tolist() == [2.0] * 4 and staged["head"].tolist() == [3.0] * 4
+    assert stager.reused == 0  # staged afresh
+    again = stager.stage({"embed": torch.full((4,), 5.0), "head": torch.full((4,), 6.0)})
+    assert again["embed"].tolist() == [5.0] * 4 and again["head"].tolist() == [6.0] * 4 and stager.reused == 1
+    flat = torch.arange(8.0)  # views of one buffer, as in a flat parameter: reused, values in place
+    stager = ReusingStager()
+    stager.stage({"a": flat[:4], "b": flat[4:]})
+    other = torch.arange(8.0) + 10
+    refilled = stager.stage({"a": other[:4], "b": other[4:]})
+    assert (
+        stager.reused == 1
+        and refilled["a"].tolist() == other[:4].tolist()
+        and refilled["b"].tolist() == other[4:].tolist()
+    )
+
+
+def test_thread_mode_save_after_untying_weights(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, async_mode="thread", keep=ds.KeepPolicy(last=5)) as mgr:
+        tied = torch.ones(4)
+        mgr.save(1, {"embed": tied, "head": tied})
+        mgr.save(2, {"embed": torch.full((4,), 2.0), "head": torch.full((4,), 3.0)})
+    out = {"embed": torch.zeros(4), "head": torch.zeros(4)}
+    with ds.CheckpointManager(root) as mgr:
+        assert mgr.restore(out, step=2) == 2
+    assert out["embed"].tolist() == [2.0] * 4 and out["head"].tolist() == [3.0] * 4
+
+
 def test_failed_save_raises_at_wait(tmp_path: Path) -> None:
     mgr = ds.CheckpointManager(tmp_path / "run", async_mode="thread")
     mgr.save(1, {"bad": lambda: None})
