@@ -51,6 +51,7 @@ are taken as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
@@ -58,7 +59,13 @@ from typing import Any, NoReturn
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError, IncompleteCheckpointError, WrongFormatError
+from dcp_storage.errors import (
+    CheckpointNotFoundError,
+    DcpStorageError,
+    IncompleteCheckpointError,
+    LocationMismatchError,
+    WrongFormatError,
+)
 from dcp_storage.formats.paths import (
     DATA_SUFFIX,
     HF_SHARD_RE,
@@ -186,6 +193,48 @@ class SavingLocation(BoundLocation):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def _locate_plan(self, plan: Any) -> Any:
+        """``prepare_local_plan`` of a collective save: the plan says where this rank writes (the writer's own
+        ``storage_data`` kept inside), for :meth:`_check_plan_locations` on the coordinator."""
+        if not self.use_collectives:
+            return plan
+        return dataclasses.replace(plan, storage_data=LocatedPlanData(self._write_location(), plan.storage_data))
+
+    def _check_plan_locations(self, plans: list[Any]) -> list[Any]:
+        """``prepare_global_plan``, before anything is written: every rank writes where the coordinator does
+        (:class:`~dcp_storage.errors.LocationMismatchError`, raised on every rank by DCP, else); the plans as
+        the writer made them. Ranks given different paths would each write their data files to their own path
+        and the coordinator's ``.metadata`` would name files that are not beside it: a checkpoint that looks
+        complete and is not."""
+        mine = self._write_location()
+        for rank, plan in enumerate(plans):
+            there = plan.storage_data
+            if isinstance(there, LocatedPlanData) and there.location != mine:
+                raise LocationMismatchError(
+                    f"rank {rank} of this save writes to {there.location}, but the coordinator writes to {mine}: "
+                    "every rank of one dcp.save must write to the same checkpoint (pass the same path or "
+                    "checkpoint_id on every rank); nothing was written"
+                )
+        return [
+            dataclasses.replace(p, storage_data=p.storage_data.data)
+            if isinstance(p.storage_data, LocatedPlanData)
+            else p
+            for p in plans
+        ]
+
+    def _write_location(self) -> str:
+        text = self.transport.url(self.root)
+        return text.rstrip("/") if "://" in text else os.path.realpath(text)
+
+
+@dataclass(frozen=True)
+class LocatedPlanData:
+    """A collective save's local plan ``storage_data`` until the coordinator's ``prepare_global_plan``: where
+    the rank writes (compared there), and the writer's own ``storage_data``."""
+
+    location: str
+    data: Any = None
 
 
 # What a reader says when nothing of its format is at the URL: its own words add nothing to the hint.

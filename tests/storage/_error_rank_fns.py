@@ -39,3 +39,16 @@ def dcp_load_unwrapped(rank: int, world: int, url: str, bad_rank: int) -> dict[s
             "ours": isinstance(inner, ds.DcpStorageError),
         }
     return {"outer": None}
+
+
+def save_to_own_url(rank: int, world: int, root: str, writer: str) -> dict[str, Any]:
+    """Plain ``dcp.save`` where each rank's writer names another location: refused on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    make = ds.FsspecWriter if writer == "dcp" else ds.SafetensorsWriter
+    try:
+        dcp.save({f"w{rank}": torch.full((4,), float(rank))}, storage_writer=make(f"{root}/step-{rank}"))
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        inner = ds.errors.unwrap(exc)
+        return {"type": type(inner).__name__, "text": str(inner)}
+    return {"type": None}

@@ -132,3 +132,14 @@ def test_storage_options_botocore_refuses_are_ours(options: dict[str, Any], said
         assert text.startswith("s3://bucket") and said in text and "endpoint_url" in text, text
         assert "hunter2" not in text, text
         assert isinstance(raised.value, ValueError)  # code that caught botocore's ValueError still does
+
+
+@pytest.mark.parametrize("writer", ["dcp", "safetensors"])
+def test_ranks_saving_to_different_locations_are_refused_before_writing(tmp_path: Path, writer: str) -> None:
+    """Each rank's writer given its own path: every rank raises LocationMismatchError and nothing is written
+    (was: each rank's data went to its own path, and the coordinator's .metadata named files beside another
+    rank's path, a checkpoint that looked complete)."""
+    for report in run_ranks(R.save_to_own_url, 2, str(tmp_path), writer, timeout=120):
+        assert report["type"] == "LocationMismatchError", report
+        assert "step-0" in report["text"] and "step-1" in report["text"], report
+    assert not any(p.is_file() for p in tmp_path.rglob("*")), sorted(map(str, tmp_path.rglob("*")))

@@ -216,10 +216,11 @@ class FsspecWriter(ClaimingWriter, SavingLocation, StorageWriter):
         prepare_output(self.transport, self.root, coordinator=checks_bucket, create_bucket=self.create_bucket)
         if not self.overwrite:
             refuse_existing(self.transport, self._shadowing_metadata_paths())
-        return plan
+        return self._locate_plan(plan)  # type: ignore[no-any-return]
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator (every rank without collectives) before any rank writes data.
+        plans = self._check_plan_locations(plans)
         local_rank = self.rank if self._rank_local() else None
         lock = lock_name(local_rank)
         ranks = [self.rank] if self._rank_local() else list(range(len(plans)))

@@ -206,7 +206,7 @@ class SafetensorsWriter(ClaimingWriter, SavingLocation, StorageWriter):
             prepare_output(self.transport, self.root, coordinator=True, create_bucket=self.create_bucket)
             if not self.overwrite:
                 refuse_existing(self.transport, self._markers())  # early: the claim decides
-        return dataclasses.replace(plan, storage_data=order)
+        return self._locate_plan(dataclasses.replace(plan, storage_data=order))  # type: ignore[no-any-return]
 
     def _coordinator_index(self, n_plans: int) -> int:
         if n_plans == 1:
@@ -218,6 +218,7 @@ class SafetensorsWriter(ClaimingWriter, SavingLocation, StorageWriter):
         return group_view(load_group(self.process_group))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        plans = self._check_plan_locations(plans)
         if not all(getattr(p, "usable", True) for p in plans):
             raise DcpStorageError(
                 "SafetensorsWriter does not support DCP plan caching (enable_plan_caching=True): each save "
