@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_storage.errors import CheckpointNotFoundError
+from dcp_storage.errors import CheckpointNotFoundError, RankMismatchError
 from dcp_storage.formats.location import find_leftovers
 from dcp_storage.manager.retention import KeepPolicy, ReusingStager, _is_stateful
 from dcp_storage.manager.steps import StepRoot, scan_step, step_name
@@ -188,6 +188,8 @@ class CheckpointManager:
                 "async_mode='thread'"
             )
         self._group = (process_group or dist.group.WORLD) if self._distributed else None
+        if self._group is not None:
+            self._check_same_settings()
         self._own_group = None
         if self._distributed and async_mode == "thread":
             self._own_group = dist.new_group(ranks=dist.get_process_group_ranks(self._group), backend="gloo")
@@ -199,6 +201,26 @@ class CheckpointManager:
         self._closed = False
         self.last_cleanup = None
         self._complete: set[int] = set(agreed(self._group, self._recover, self.root))
+
+    def _check_same_settings(self) -> None:
+        """Every rank of the group manages alike, or every rank raises :class:`RankMismatchError` here: ranks
+        with other async modes, intervals, writers or policies would save other steps at other moments and wait
+        in collectives the others never enter (the thread mode's own group is made collectively, next)."""
+        mine = {
+            "async_mode": self.async_mode,
+            "save_interval_steps": self.save_interval_steps,
+            "writer": self.writer,
+            "keep": repr(self.keep),
+        }
+        every: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(every, mine, group=self._group)
+        differ = {rank: s for rank, s in enumerate(every) if s != every[0]}
+        if differ:
+            raise RankMismatchError(
+                f"CheckpointManager({self.root!r}) was made with other settings on other ranks: rank 0 {every[0]}, "
+                + ", ".join(f"rank {rank} {s}" for rank, s in differ.items())
+                + "; every rank must pass the same async_mode, save_interval_steps, writer and keep"
+            )
 
     # ------------------------------------------------------------------------------------ coordinator
     def _store(self) -> StepRoot:

@@ -42,3 +42,20 @@ def process_mode(rank: int, world: int, root: str) -> dict[str, Any]:
     finally:
         process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None  # stop it now (a global)
         del process
+
+
+def mixed_settings(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1 asks for another async mode, then another interval: every rank raises at construction."""
+    import time
+
+    import dcp_storage as ds
+
+    out: dict[str, Any] = {}
+    for name, kwargs in (("async_mode", {"async_mode": "thread"}), ("interval", {"save_interval_steps": 5})):
+        start = time.monotonic()
+        try:
+            ds.CheckpointManager(root, **(kwargs if rank == 1 else {})).close()
+            out[name] = None
+        except ds.errors.RankMismatchError as exc:
+            out[name] = {"text": str(exc), "seconds": time.monotonic() - start}
+    return out

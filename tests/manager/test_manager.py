@@ -344,6 +344,16 @@ def test_same_answer_on_every_rank(tmp_path: Path) -> None:
     assert results[0] == results[1] == {"latest": 3, "all": [2, 3], "restored": 3, "value": 3.0}
 
 
+def test_ranks_with_other_settings_fail_at_construction(tmp_path: Path) -> None:
+    """Other async modes or intervals on other ranks: RankMismatchError on every rank at once (a rank in
+    thread mode made its own gloo group, a collective the others never entered: a hang for the group's
+    timeout; different intervals saved other steps)."""
+    for report in run_ranks(_manager_fns.mixed_settings, 2, str(tmp_path / "run"), timeout=120):
+        assert "'async_mode': 'thread'" in report["async_mode"]["text"], report
+        assert "'save_interval_steps': 5" in report["interval"]["text"], report
+        assert max(r["seconds"] for r in report.values()) < 10, report
+
+
 def test_process_mode(tmp_path: Path) -> None:
     results = run_ranks(_manager_fns.process_mode, 2, str(tmp_path / "run"), timeout=300)
     assert results[0] == results[1] == {"all": [2], "restored": 2, "value": 2.0}
