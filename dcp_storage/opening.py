@@ -71,6 +71,7 @@ __all__ = [
     "open_reader",
     "open_writer",
     "quiet_torch_checkpoint_logs",
+    "raising_ours",
     "reader_of",
     "save",
 ]
@@ -223,14 +224,26 @@ def _ours(exc: BaseException, storage: Any, verb: str) -> DcpStorageError | None
 def _run(make: Callable[[], Any], call: Callable[[Any], Any], verb: str) -> Any:
     """``call(make())`` with torch's checkpoint logs quiet; a failure that is ours is re-raised alone."""
     storage = None
+
+    def run() -> Any:
+        nonlocal storage
+        storage = make()
+        return call(storage)
+
+    return raising_ours(run, lambda: storage, verb)
+
+
+def raising_ours(call: Callable[[], Any], storage: Callable[[], Any], verb: str) -> Any:
+    """``call()`` (a ``dcp.load``/``dcp.save`` through the reader or writer ``storage()`` returns) with torch's
+    checkpoint logs quiet; a failure that is the library's is raised alone, out of torch's
+    ``CheckpointException``, with a note naming the failing ranks (``dcp_storage.<verb> failed on rank 1``)."""
     with quiet_torch_checkpoint_logs():
         try:
-            storage = make()
-            return call(storage)
+            return call()
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # CheckpointException is a BaseException; what is not ours re-raised
-            ours = _ours(exc, storage, verb)
+            ours = _ours(exc, storage(), verb)
             if ours is None:
                 raise
     raise ours.with_traceback(None) from None  # ours alone: no torch frames, no "during handling" chain

@@ -52,11 +52,11 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_storage.errors import CheckpointNotFoundError, RankMismatchError
+from dcp_storage.errors import CheckpointNotFoundError, NonTensorStateError, RankMismatchError
 from dcp_storage.formats.location import find_leftovers
 from dcp_storage.manager.retention import KeepPolicy, ReusingStager, _is_stateful
 from dcp_storage.manager.steps import StepRoot, scan_step, step_name
-from dcp_storage.opening import open_reader, open_writer, writable_format
+from dcp_storage.opening import open_reader, open_writer, raising_ours, writable_format
 from dcp_storage.strategies.collectives import share_object
 from dcp_storage.transports.access import prepare_output
 from dcp_storage.transports.factory import open_transport
@@ -145,8 +145,9 @@ class CheckpointManager:
             (``dcp.async_save(..., AsyncCheckpointerType.PROCESS)``; the script needs the
             ``if __name__ == "__main__"`` guard).
         writer: the format of each step: ``"dcp"`` (:class:`~dcp_storage.FsspecWriter`), ``"safetensors"``
-            (:class:`~dcp_storage.SafetensorsWriter`, non-tensor state in its extra-state file) or any
-            registered format with a writer.
+            (:class:`~dcp_storage.SafetensorsWriter`; tensor-only state: non-tensor entries such as an
+            optimizer's ``param_groups`` raise ``NonTensorStateError`` at save, since its reader could not restore
+            them) or any registered format with a writer.
         process_group: the ranks that save together (default: the whole job). Every rank of the default
             group must construct the manager (it may create a process group).
         create_bucket: create the URL's bucket if it does not exist (else ``BucketNotFoundError``).
@@ -295,7 +296,22 @@ class CheckpointManager:
     def _run_save(self, step: int, state: dict[str, Any], writer: Any, metrics: dict[str, float] | None) -> int:
         if self._coordinator:
             self._before_save(step)
-        dcp.save(state, storage_writer=writer, process_group=self._save_group, no_dist=not self._distributed)
+        try:
+            raising_ours(
+                lambda: dcp.save(
+                    state, storage_writer=writer, process_group=self._save_group, no_dist=not self._distributed
+                ),
+                lambda: writer,
+                "CheckpointManager.save",
+            )
+        except NonTensorStateError as exc:
+            if self.writer != "safetensors":
+                raise
+            raise NonTensorStateError(
+                exc.keys,
+                fix="CheckpointManager(writer='safetensors') saves tensors only, so this step could not be restored: "
+                "save optimizer and scheduler state with writer='dcp', or save TrainState(model) alone",
+            ) from None
         if self._coordinator:
             self._after_save(step, metrics)
         return step
@@ -328,8 +344,7 @@ class CheckpointManager:
         options: dict[str, Any] = {}
         if self.writer in ("dcp", "safetensors") or self.create_bucket:
             options["create_bucket"] = self.create_bucket
-        if self.writer == "safetensors":
-            options["allow_extra_state"] = True  # optimizer and scheduler state are not all tensors
+        if self.writer == "safetensors":  # tensors only: its reader restores no extra_state.pt (non-tensor values)
             if self._save_group is not None and self.async_mode != "process":
                 options["process_group"] = self._save_group
         return open_writer(url, self.writer, self.storage_options, **options)
@@ -381,7 +396,13 @@ class CheckpointManager:
         app = _app_state(state)
         flat = {k: v.state_dict() if _is_stateful(v) else v for k, v in app.items()}
         reader = open_reader(self._step_url(step), self.writer, self.storage_options)
-        dcp.load(flat, storage_reader=reader, planner=planner, process_group=self._group, no_dist=not self._distributed)
+        raising_ours(
+            lambda: dcp.load(
+                flat, storage_reader=reader, planner=planner, process_group=self._group, no_dist=not self._distributed
+            ),
+            lambda: reader,
+            "CheckpointManager.restore",
+        )
         for key, value in app.items():  # dcp.load fills tensors in place; the rest is handed back here
             if _is_stateful(value):
                 value.load_state_dict(flat[key])

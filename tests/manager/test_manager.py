@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import dcp_storage as ds
 from dcp_storage.cli import main as cli_main
 from dcp_storage.manager.steps import INDEX_FILE, step_name
+from dcp_storage.planners.key_map import IncompatibleKeysError
 from dcp_storage_testing.distributed import run_ranks
 
 from . import _manager_fns
@@ -325,6 +326,35 @@ def test_safetensors_writer(tmp_path: Path) -> None:
         assert mgr.all_steps() == [2]
         target = tensors(0)
         assert mgr.restore(target) == 2 and torch.equal(target["w"], _state(2)["w"])
+
+
+def test_safetensors_writer_refuses_what_it_could_not_restore(tmp_path: Path) -> None:
+    """Optimizer state has non-tensor entries (param_groups): a safetensors step of it was saved and could never
+    be restored (IncompatibleKeysError). It is refused at save time, with our error naming the fix, and the step
+    does not count."""
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    with ds.CheckpointManager(tmp_path / "run", writer="safetensors") as mgr:
+        with pytest.raises(ds.errors.NonTensorStateError, match="writer='dcp'") as raised:
+            mgr.save(1, ds.TrainState(model, optim))
+        assert "param_groups" in str(raised.value)
+        assert mgr.all_steps() == [] and mgr.save(2, ds.TrainState(model)) is True
+        assert mgr.all_steps() == [2]
+
+
+def test_save_and_restore_raise_our_errors_not_torchs(tmp_path: Path) -> None:
+    """``except Exception`` catches them (torch's CheckpointException is a BaseException), named by rank."""
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root) as mgr:
+        mgr.save(1, _state(1))
+        with pytest.raises(IncompatibleKeysError) as raised:
+            mgr.restore({**_state(0), "not_saved": torch.zeros(2)})
+        assert "CheckpointManager.restore failed on" in " ".join(getattr(raised.value, "__notes__", []))
+        (root / step_name(2)).write_text("a file where the step's folder goes")
+        with pytest.raises(ds.DcpStorageError):
+            mgr.save(2, _state(2))
 
 
 def test_memory_store() -> None:
