@@ -45,11 +45,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_storage._torch import flatten_v2_3, set_element
+from dcp_storage.errors import ShapeMismatchError
 from dcp_storage.formats.columns import rows_of
 from dcp_storage.planners.column_plan import PLAIN_TENSORS, DtypePolicy
 from dcp_storage.planners.key_map import KeyMap, KeyMapLike, LoadResult
@@ -362,6 +364,25 @@ def check_planned_keys(planner: Any, metadata: Metadata) -> None:
     rules = rules_of(planner)
     match = match_keys(_planned_keys(planner, state_dict, ckpt_keys, key_map), ckpt_keys, key_map, rules)
     enforce_for(planner, match.missing, match.unexpected, len(match.pairs))
+    if rows is None and type(planner).create_local_plan is DefaultLoadPlanner.create_local_plan:
+        _check_shapes(state_dict, metadata.state_dict_metadata, match.pairs)
+
+
+def _check_shapes(state_dict: Mapping[str, Any], stored: Mapping[str, Any], pairs: Mapping[str, str]) -> None:
+    """:class:`~.errors.ShapeMismatchError` naming every tensor whose (global) shape differs from the stored one,
+    where DCP's default planner would raise a bare ``ValueError`` for the first one."""
+    wrong = []
+    for key, ckpt_key in pairs.items():
+        value, entry = state_dict.get(key), stored.get(ckpt_key)
+        if isinstance(value, torch.Tensor) and isinstance(entry, TensorStorageMetadata):
+            if tuple(value.size()) != tuple(entry.size):
+                wrong.append(f"{key!r} is {list(value.size())} in the state dict, {list(entry.size)} in the checkpoint")
+    if wrong:
+        more = f" (and {len(wrong) - 10} more)" if len(wrong) > 10 else ""
+        raise ShapeMismatchError(
+            f"{len(wrong)} tensor(s) have another shape than the checkpoint's: {'; '.join(wrong[:10])}{more}; build "
+            "the model with the checkpoint's configuration, or leave those keys out of the state dict"
+        )
 
 
 def rules_of(planner: Any) -> KeyRules:

@@ -92,6 +92,9 @@ class CoordinatorServedReader(StorageReader):
         self._metadata: Metadata | None = None
         self._plans: list[LoadPlan] | None = None
         self.delivery = DeliveryStats()
+        # What read_metadata raised, if it did: torch's fallback then quotes it in an AssertionError, and
+        # ds.load / the manager raise this instead (the attribute FsspecReader's MetadataFailure also has).
+        self.metadata_failure = _Failure()
 
     def _view(self) -> GroupView:
         """This rank in the load's group; :data:`~.collectives.SOLO` when it works alone."""
@@ -104,14 +107,19 @@ class CoordinatorServedReader(StorageReader):
     # ------------------------------------------------------------------------------------ steps
     def _share_metadata(self, read: Callable[[], Metadata], location: str | None) -> Metadata:
         """``read_metadata``: ``read()`` on the coordinator; every rank gets its Metadata or its error."""
-        self._view()  # checks coordinator_rank against the group
-        self._metadata = share_object(
-            read,
-            group=self.process_group,
-            src_rank=self.coordinator_rank,
-            location=location,
-            kind=type(self).__name__,
-        )
+        self.metadata_failure.error = None
+        try:
+            self._view()  # checks coordinator_rank against the group
+            self._metadata = share_object(
+                read,
+                group=self.process_group,
+                src_rank=self.coordinator_rank,
+                location=location,
+                kind=type(self).__name__,
+            )
+        except Exception as exc:
+            self.metadata_failure.error = exc
+            raise
         return self._metadata
 
     def _set_up(self, metadata: Metadata, is_coordinator: bool) -> None:
@@ -201,6 +209,12 @@ class CoordinatorServedReader(StorageReader):
         if dtype is None:
             raise CorruptCheckpointError(f"{self.checkpoint_id}: no tensor {item.storage_index.fqn!r} in the metadata")
         return dtype
+
+
+class _Failure:
+    """The error of the last ``read_metadata`` (``None`` after a success)."""
+
+    error: BaseException | None = None
 
 
 def plan_jobs(plans: Sequence[LoadPlan]) -> list[Job]:

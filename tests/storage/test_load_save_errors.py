@@ -143,3 +143,28 @@ def test_ranks_saving_to_different_locations_are_refused_before_writing(tmp_path
         assert report["type"] == "LocationMismatchError", report
         assert "step-0" in report["text"] and "step-1" in report["text"], report
     assert not any(p.is_file() for p in tmp_path.rglob("*")), sorted(map(str, tmp_path.rglob("*")))
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "safetensors", "torch"])
+def test_a_shape_mismatch_is_ours_naming_every_key(tmp_path: Path, fmt: str) -> None:
+    """DCP's default planner raised a bare ValueError for the first tensor of another shape; ours names them all."""
+    url = str(tmp_path / {"dcp": "ckpt", "safetensors": "st", "torch": "m.pt"}[fmt])
+    saved = {"a": torch.arange(300.0), "b": torch.ones(2, 3), "c": torch.zeros(4)}
+    if fmt == "torch":
+        torch.save(saved, url)
+    else:
+        ds.save(saved, url, format=fmt)
+    with pytest.raises(ds.errors.ShapeMismatchError) as raised:
+        ds.load({"a": torch.zeros(301), "b": torch.zeros(3, 2), "c": torch.zeros(4)}, url)
+    text = str(raised.value)
+    assert "'a' is [301] in the state dict, [300] in the checkpoint" in text and "'b' is [3, 2]" in text, text
+    assert "'c'" not in text
+
+
+def test_a_truncated_torch_save_file_is_ours_through_ds_load(tmp_path: Path) -> None:
+    """torch's fallback wrapped the reader's error in an AssertionError; ds.load raises the reader's own."""
+    path = tmp_path / "m.pt"
+    torch.save({"a": torch.arange(300.0)}, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ds.errors.CorruptCheckpointError, match="truncated"):
+        ds.load({"a": torch.zeros(300)}, str(path))
