@@ -101,9 +101,12 @@ def step_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a folder name such as ``step-0000000100`` (or ``step-100``), else ``None``."""
+    """The step of a folder name the manager writes (``step-0000000100``), else ``None``: ``step-100`` (another
+    tool's name, or one made by hand) is not one of its steps, which it opens as ``step_name(step)``."""
     match = STEP_RE.match(name.rstrip("/"))
-    return int(match["n"]) if match else None
+    if not match or step_name(int(match["n"])) != name.rstrip("/"):
+        return None
+    return int(match["n"])
 
 
 KIND = "dcp-storage-steps/1"
@@ -220,15 +223,12 @@ def step_path(transport: Any, root: str, step: int) -> str:
 
 
 def list_steps(transport: Any, root: str) -> dict[int, str]:
-    """``step -> folder name`` for every ``step-<N>`` entry directly under ``root`` (one listing request).
-
-    Two names for one step (``step-100`` beside ``step-0000000100``) keep the zero-padded one, the
-    manager's own name.
-    """
+    """``step -> folder name`` for every step folder directly under ``root`` (one listing request), named as
+    the manager names them (:func:`parse_step`)."""
     found: dict[int, str] = {}
     for name in transport.listdir(root):
         step = parse_step(name)
-        if step is not None and (step not in found or name == step_name(step)):
+        if step is not None:
             found[step] = name
     return dict(sorted(found.items()))
 

@@ -266,6 +266,19 @@ def test_step_folders_of_another_tool_are_left_alone(tmp_path: Path) -> None:
     assert all((root / step_name(s) / n).read_bytes() == b"not ours" for s, n in foreign.items())
 
 
+def test_unpadded_step_folders_are_not_steps(tmp_path: Path) -> None:
+    """``step-7`` (another tool's name, or a copy renamed by hand) was listed as step 7, but restore opened
+    ``step-0000000007`` and failed, and gc reported it deleted while it stayed: it is no step of the manager."""
+    root = tmp_path / "run"
+    ds.save(_state(7), str(root / "step-7"))
+    with ds.CheckpointManager(root) as mgr:
+        assert mgr.latest_step() is None and mgr.all_steps() == []
+        mgr.save(8, _state(8))
+        assert mgr.all_steps() == [8]
+    assert cli_main(["gc", str(root), "--keep-last", "1"]) == 0
+    assert sorted(os.listdir(root)) == sorted([INDEX_FILE, "step-7", step_name(8)])
+
+
 def test_restore_without_steps_and_of_a_torn_step(tmp_path: Path) -> None:
     root = tmp_path / "run"
     with ds.CheckpointManager(root) as mgr:
