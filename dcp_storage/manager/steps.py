@@ -52,8 +52,10 @@ Only the coordinator (rank 0) calls these; :mod:`.agreement` hands every other r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Iterable
@@ -412,7 +414,22 @@ class StepRoot:
         self.index = index
         if not dry_run:
             write_index(self.transport, self.root, index)
+            self._remove_stale_index_temps()
         return report
+
+    def _remove_stale_index_temps(self, older_than: float = 60.0) -> None:
+        """Local disks: the temp files of index writes killed before their rename (one per killed job, never
+        renamed since); a write takes milliseconds, so one older than a minute has no writer left."""
+        if not self.transport.is_local:
+            return
+        for name in list_all(self.transport, self.root):
+            found = TEMP_RE.match(name)
+            if found is None or found["name"] != INDEX_FILE:
+                continue
+            path = self.transport.join(self.root, name)
+            with contextlib.suppress(OSError):
+                if time.time() - os.lstat(path).st_mtime > older_than:
+                    os.remove(path)
 
     # ---------------------------------------------------------------------------------------- a save
     def begin(self, step: int) -> None:

@@ -266,6 +266,19 @@ def test_step_folders_of_another_tool_are_left_alone(tmp_path: Path) -> None:
     assert all((root / step_name(s) / n).read_bytes() == b"not ours" for s, n in foreign.items())
 
 
+def test_temp_files_of_killed_index_writes_are_removed_on_start(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root) as mgr:
+        mgr.save(1, _state(1))
+    old, fresh = root / f".{INDEX_FILE}.{'a' * 32}.tmp", root / f".{INDEX_FILE}.{'b' * 32}.tmp"
+    for path in (old, fresh):
+        path.write_text("{}")
+    os.utime(old, (1, 1))  # a job killed long ago; the fresh one may still be renamed by its writer
+    with ds.CheckpointManager(root) as mgr:
+        assert mgr.latest_step() == 1
+    assert not old.exists() and fresh.exists()
+
+
 def test_unpadded_step_folders_are_not_steps(tmp_path: Path) -> None:
     """``step-7`` (another tool's name, or a copy renamed by hand) was listed as step 7, but restore opened
     ``step-0000000007`` and failed, and gc reported it deleted while it stayed: it is no step of the manager."""
