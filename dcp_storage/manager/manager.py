@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_storage.errors import CheckpointNotFoundError, NonTensorStateError, RankMismatchError
+from dcp_storage.errors import CheckpointNotFoundError, NonTensorStateError, RankMismatchError, StorageAccessError
 from dcp_storage.formats.location import find_leftovers
 from dcp_storage.manager.retention import KeepPolicy, ReusingStager, _is_stateful
 from dcp_storage.manager.steps import StepRoot, scan_step, step_name
@@ -233,7 +233,15 @@ class CheckpointManager:
     def _recover(self) -> list[int]:
         store = self._store()
         prepare_output(store.transport, store.root, coordinator=True, create_bucket=self.create_bucket)
-        self.last_cleanup = store.recover()
+        try:
+            self.last_cleanup = store.recover()
+        except StorageAccessError as exc:  # read-only credentials (an evaluation job): restore still works
+            self.last_cleanup = store.recover(dry_run=True)  # raises if reading is refused too
+            warnings.warn(
+                f"{self.root}: this manager may read but not write there ({exc}); it can restore steps, but its "
+                "saves and clean-up will fail with these credentials",
+                stacklevel=3,
+            )
         if self.last_cleanup.held:
             _log.info("step folders held by a live save, left in place: %s", self.last_cleanup.held)
         return sorted(store.index.steps)

@@ -400,7 +400,7 @@ class StepRoot:
             ):
                 report.held.append(step)
                 continue
-            if not save_leftovers_only(folder.names):
+            if not interrupted and not save_leftovers_only(folder.names):  # a deletion we began is ours to end
                 _log.warning(
                     "%s holds files no save of dcp-storage leaves (%s): not a step of this manager, left in place",
                     self.transport.url(self.transport.join(self.root, name)),

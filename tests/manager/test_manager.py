@@ -248,6 +248,21 @@ def test_index_naming_a_step_whose_marker_is_gone_never_costs_the_good_steps(tmp
     assert _steps(root) == [step_name(20)]
 
 
+def test_a_deletion_killed_half_way_is_finished_on_start(tmp_path: Path) -> None:
+    """The index names a step whose deletion began (its marker may still be there): recovery ends it, as this
+    manager's own step, whatever files it still holds."""
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=5)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    body = {"kind": "dcp-storage-steps/1", "steps": {"2": ".metadata"}, "pending": None, "deleting": [1]}
+    (root / INDEX_FILE).write_text(json.dumps(body))
+    with ds.CheckpointManager(root) as mgr:
+        assert mgr.last_cleanup.torn_removed == [1] and mgr.last_cleanup.foreign == []
+        assert mgr.all_steps() == [2]
+    assert _steps(root) == [step_name(2)]
+
+
 def test_step_folders_of_another_tool_are_left_alone(tmp_path: Path) -> None:
     """A ``step-N`` folder holding anything a save does not leave (another tool's checkpoint, a note) is not
     this manager's torn step: recovery and ``gc`` leave it, and say so."""
@@ -381,6 +396,27 @@ def test_save_and_restore_raise_our_errors_not_torchs(tmp_path: Path) -> None:
         (root / step_name(2)).write_text("a file where the step's folder goes")
         with pytest.raises(ds.DcpStorageError):
             mgr.save(2, _state(2))
+
+
+def test_a_read_only_user_can_restore(moto_server: Any, s3_url: Any) -> None:
+    """Recovery writes the index; credentials that may only read (an evaluation job) could not even construct a
+    manager (StorageAccessError). They restore now, with a warning; credentials that may not read still fail."""
+    url, options = s3_url
+    with ds.CheckpointManager(url + "/run", options) as mgr:
+        mgr.save(1, _state(1))
+    actions = ["s3:GetObject", "s3:ListBucket", "s3:HeadBucket"]
+    allow = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": actions, "Resource": "*"}]}
+    key, secret = moto_server.create_access_key(f"ro-{uuid.uuid4().hex[:8]}", allow)
+    with moto_server.iam_auth():
+        with pytest.warns(UserWarning, match="may read but not write"):
+            mgr = ds.CheckpointManager(url + "/run", {**options, "key": key, "secret": secret})
+        target = _state(0)
+        assert mgr.restore(target) == 1 and torch.equal(target["w"], _state(1)["w"])
+        with pytest.raises(ds.errors.StorageAccessError):
+            mgr.save(2, _state(2))
+        mgr.close()
+        with pytest.raises(ds.errors.StorageAccessError, match="rejected the credentials"):
+            ds.CheckpointManager(url + "/run", {**options, "key": key, "secret": "wrong"})
 
 
 def test_memory_store() -> None:
