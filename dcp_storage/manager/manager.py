@@ -8,13 +8,6 @@ every rank gets its value, or raises its error
 and no collective hangs waiting for it. ``location`` (the manager's root) makes a rank given another root
 raise instead of acting on the coordinator's answer about a different root.
 
-The one save in flight: a background job, its error kept until the next ``save``/``wait``/``close``.
-
-A job is a callable that runs the whole save of one step (staged state in, durable step out) on the
-manager's single worker thread, so at most one save runs at a time and a new one first waits for the
-one before. Its exception is never swallowed: :meth:`InFlight.settle` raises it once, and records the
-step as failed (its folder is torn: the next save removes it, and it never counts as a step).
-
 ``CheckpointManager``: the save/restore loop of a training job, over ``root/step-<N>/`` folders.
 
 Call order (every rank calls every method, in the same order, as with ``dcp.save``/``dcp.load``):
@@ -46,15 +39,20 @@ import os
 import posixpath
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_storage.errors import CheckpointNotFoundError, NonTensorStateError, RankMismatchError, StorageAccessError
+from dcp_storage.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    NonTensorStateError,
+    RankMismatchError,
+    StorageAccessError,
+)
 from dcp_storage.formats.location import find_leftovers
-from dcp_storage.manager.retention import KeepPolicy, ReusingStager, _is_stateful
+from dcp_storage.manager.retention import InFlight, KeepPolicy, ReusingStager, _is_stateful
 from dcp_storage.manager.steps import StepRoot, scan_step, step_name
 from dcp_storage.opening import open_reader, open_writer, raising_ours, writable_format
 from dcp_storage.strategies.collectives import share_object
@@ -80,50 +78,6 @@ def agreed(group: Any, fn: Callable[[], T], location: str | None = None) -> T:
     if not _distributed(group):
         return fn()
     return share_object(fn, group=group, src_rank=0, location=location)
-
-
-class InFlight:
-    """The save running in the background, if any."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._future: Future[Any] | None = None
-        self._step: int | None = None
-        self.failed: list[int] = []  # steps whose save failed, not yet cleaned up
-
-    @property
-    def step(self) -> int | None:
-        return self._step
-
-    def submit(self, step: int, job: Callable[[], Any]) -> None:
-        """Run ``job`` in the background; the caller has :meth:`settle`-d the previous one."""
-        if self._future is not None:
-            raise RuntimeError("a save is already in flight: settle() it first")
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-storage-manager")
-        self._step = step
-        self._future = self._pool.submit(job)
-
-    def settle(self) -> Any:
-        """Wait for the save in flight; raise its exception (once). Returns its result, or ``None``."""
-        future, step = self._future, self._step
-        if future is None:
-            return None
-        try:
-            return future.result()
-        except BaseException:  # torch's CheckpointException is a BaseException
-            if future.done() and not future.cancelled() and future.exception() is not None and step is not None:
-                self.failed.append(step)  # the save failed (not an interrupt of this wait)
-            raise
-        finally:
-            if future.done():  # an interrupt while waiting leaves the save in flight
-                self._future = None
-                self._step = None
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 _log = logging.getLogger(__name__)
@@ -202,6 +156,7 @@ class CheckpointManager:
         self._closed = False
         self.last_cleanup = None
         self._complete: set[int] = set(agreed(self._group, self._recover, self.root))
+        self._rolled_back_to: int | None = None  # restore() of a step older than others stored (see save)
 
     def _check_same_settings(self) -> None:
         """Every rank of the group manages alike, or every rank raises :class:`RankMismatchError` here: ranks
@@ -281,6 +236,7 @@ class CheckpointManager:
         if not force and step % self.save_interval_steps != 0:
             return False
         self._settle()  # at most one save in flight; the previous one's error is raised here
+        self._refuse_abandoned(step)
         if step in self._complete:
             return False
         app = _app_state(state)
@@ -300,6 +256,39 @@ class CheckpointManager:
             self._inflight.submit(step, lambda: self._run_save(step, staged, writer, checked))
             return True
         return self._submit_process_save(step, app, writer, checked)
+
+    def _refuse_abandoned(self, step: int) -> None:
+        """After a restore of an older step, the newer steps are another run's: a save of one of them would be
+        skipped as already stored, and any new step below them deleted by retention (which keeps the newest
+        by number), and a restart would resume from them. Refused until they are discarded."""
+        back = self._rolled_back_to
+        newer = sorted(s for s in self._complete if back is not None and s > back)
+        if not newer or step <= back:  # type: ignore[operator]
+            return
+        raise CheckpointExistsError(
+            f"{self.root}: steps {newer} were saved after step {back}, which was restored; saving step {step} "
+            f"on top of them would mix two runs (a stored step is not saved again, retention keeps the newest "
+            f"steps by number, a restart resumes from step {newer[-1]}): call discard_newer_than({back}) (or "
+            "restore(..., discard_newer=True)) to delete them first, or restore the latest step instead"
+        )
+
+    def discard_newer_than(self, step: int) -> list[int]:
+        """Delete every complete step newer than ``step`` (a rollback: training goes on from ``step``); returns
+        them. Every rank calls it; the coordinator deletes, marker first (a delete killed half way is finished
+        by the next start)."""
+        self._check_open()
+        self._settle()
+        step_name(step)
+
+        def discard() -> list[int]:
+            store = self._store()
+            store.index.steps.update({s: m for s, m in store.rebuild().steps.items() if s not in store.index.steps})
+            return store.delete(sorted(s for s in store.index.steps if s > step))
+
+        gone = agreed(self._group, discard, self.root)
+        self._complete -= set(gone)
+        self._rolled_back_to = None
+        return gone
 
     def _run_save(self, step: int, state: dict[str, Any], writer: Any, metrics: dict[str, float] | None) -> int:
         if self._coordinator:
@@ -383,11 +372,15 @@ class CheckpointManager:
         self._check_open()
         return agreed(self._group, lambda: self._store().steps(), self.root)
 
-    def restore(self, state: Any, step: int | None = None, *, planner: Any = None) -> int:
+    def restore(self, state: Any, step: int | None = None, *, planner: Any = None, discard_newer: bool = False) -> int:
         """Load ``step`` (default: the latest complete one) into ``state`` in place; returns the step.
 
         Raises :class:`~dcp_storage.errors.CheckpointNotFoundError` when the root holds no complete step,
         :class:`~dcp_storage.errors.IncompleteCheckpointError` for a ``step`` that is not complete.
+
+        A rollback (``step`` older than other complete steps): with ``discard_newer=True`` the newer steps are
+        deleted once the load succeeded; without, they stay and a save of a step after ``step`` raises
+        :class:`~dcp_storage.errors.CheckpointExistsError` until :meth:`discard_newer_than` deletes them.
         """
         self._check_open()
         self._settle()
@@ -416,6 +409,11 @@ class CheckpointManager:
                 value.load_state_dict(flat[key])
             elif isinstance(state, MutableMapping) and flat[key] is not value:
                 state[key] = flat[key]  # a non-tensor value (an int, a list): replaced in the caller's dict
+        if any(s > step for s in self._complete):
+            if discard_newer:
+                self.discard_newer_than(step)
+            else:
+                self._rolled_back_to = step
         return step
 
     def _require_complete(self, step: int) -> None:

@@ -458,6 +458,11 @@ class StepRoot:
         doomed = policy.delete(list(self.index.steps), self.index.metrics)
         if not doomed or dry_run:
             return doomed
+        return self.delete(doomed)
+
+    def delete(self, doomed: list[int]) -> list[int]:
+        """Delete these complete steps: named in the index as being deleted first, so a delete killed half way
+        is finished by the next recovery; returns them."""
         self.index.deleting = list(doomed)
         for step in doomed:
             self.index.steps.pop(step, None)

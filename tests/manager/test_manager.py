@@ -294,6 +294,30 @@ def test_temp_files_of_killed_index_writes_are_removed_on_start(tmp_path: Path) 
     assert not old.exists() and fresh.exists()
 
 
+def test_a_rollback_refuses_to_mix_runs_until_the_newer_steps_are_discarded(tmp_path: Path) -> None:
+    """restore(step=10) with 15 and 20 stored: saving 15 again was skipped as stored, new steps below 20 were
+    deleted by retention, and a restart resumed from the old run's 20. Now such a save raises until the newer
+    steps are discarded; restore(..., discard_newer=True) does it at once."""
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=3)) as mgr:
+        for step in (10, 15, 20):
+            mgr.save(step, _state(step))
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=3)) as mgr:
+        assert mgr.restore(_state(0), step=10) == 10
+        assert mgr.save(10, _state(10)) is False  # the restored step itself: stored, as before
+        with pytest.raises(ds.errors.CheckpointExistsError, match=r"discard_newer_than\(10\)"):
+            mgr.save(11, _state(11))
+        assert mgr.all_steps() == [10, 15, 20]  # nothing lost by refusing
+        assert mgr.discard_newer_than(10) == [15, 20]
+        assert mgr.save(15, _state(15.5)) is True and mgr.all_steps() == [10, 15]
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=3)) as mgr:
+        target = _state(0)
+        assert mgr.restore(target) == 15 and torch.equal(target["b"], _state(15.5)["b"])
+        assert mgr.restore(_state(0), step=10, discard_newer=True) == 10 and mgr.all_steps() == [10]
+        assert mgr.save(11, _state(11)) is True and mgr.all_steps() == [10, 11]
+    assert _steps(root) == [step_name(10), step_name(11)]
+
+
 def test_unpadded_step_folders_are_not_steps(tmp_path: Path) -> None:
     """``step-7`` (another tool's name, or a copy renamed by hand) was listed as step 7, but restore opened
     ``step-0000000007`` and failed, and gc reported it deleted while it stayed: it is no step of the manager."""
