@@ -237,8 +237,9 @@ class StorageFullError(DcpStorageError, OSError):
 
 
 class StorageOptionsError(DcpStorageError, ValueError):
-    """The storage options cannot make a client (an endpoint that is not a URL, a malformed region...): no
-    request was sent. The message names the URL, the client's reason and the option to fix."""
+    """The URL or storage options cannot make a client (an endpoint that is not a URL, a malformed region, a
+    ``file://`` URL naming another host): no request was sent. The message names the URL, the reason and the
+    fix."""
 
 
 class StorageAccessError(DcpStorageError, PermissionError):

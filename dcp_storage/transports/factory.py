@@ -22,6 +22,7 @@ import os
 from typing import Any
 
 from dcp_storage import registry
+from dcp_storage.errors import StorageOptionsError
 from dcp_storage.transports.azure import AzureTransport
 from dcp_storage.transports.fsspec_transport import FsspecTransport
 from dcp_storage.transports.gcs import GcsTransport
@@ -49,8 +50,8 @@ def open_transport(
 ) -> tuple[Transport, str]:
     """The transport for ``url`` and the path of ``url`` on it."""
     url = os.fspath(url)
-    if url.startswith("file://localhost/"):  # RFC 8089: the local host's /path (fsspec reads "localhost/path")
-        url = "file://" + url[len("file://localhost") :]
+    if url.startswith("file://") and not url.startswith("file:///"):
+        url = _local_file_url(url)
     options = dict(storage_options or {})
     chosen = options.pop(TRANSPORT_OPTION, None)
     options.pop(READ_STRATEGY_OPTION, None)
@@ -62,6 +63,18 @@ def open_transport(
         return FsspecTransport.from_url(url, options, config)  # the backend serving the URL's filesystem
     factory = registry.get("transports", chosen)
     return factory.from_url(url, options, config)
+
+
+def _local_file_url(url: str) -> str:
+    """``file://localhost/path`` is ``file:///path`` (RFC 8089); fsspec reads any ``file://host/path`` as the
+    relative path ``host/path`` under the working directory, so another host is refused."""
+    host, _, rest = url[len("file://") :].partition("/")
+    if host == "localhost":
+        return "file:///" + rest
+    raise StorageOptionsError(
+        f"{url}: a file URL naming the host {host!r} (fsspec would write under ./{host}/ instead): give a local "
+        "path, or file:///path"
+    )
 
 
 def bind_transport(

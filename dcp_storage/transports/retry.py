@@ -160,7 +160,9 @@ def bounded_call(fs: Any, name: str, *args: Any, **kwargs: Any) -> Any:
     holds one attempt for the client's own timeouts (the Azure SDK's read timeout; aiohttp has none). The
     coroutine behind the method (``_name``) is run through :func:`bounded_sync` instead.
     """
-    if getattr(fs, "async_impl", False) and hasattr(fs, f"_{name}"):
+    inner = getattr(fs, "fs", None)  # a wrapper (``dir::``'s DirFileSystem) is async only over an async filesystem
+    wraps_sync = inner is not None and not getattr(inner, "async_impl", False)
+    if getattr(fs, "async_impl", False) and hasattr(fs, f"_{name}") and not wraps_sync:
         return bounded_sync(fs.loop, getattr(fs, f"_{name}"), *args, **kwargs)
     return getattr(fs, name)(*args, **kwargs)
 

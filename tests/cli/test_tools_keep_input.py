@@ -201,3 +201,25 @@ def test_merge_remove_checkpoint_dir_into_a_chained_url_inside_it_is_refused(
     got = run_cli("merge", str(ckpt), f"simplecache::file://{ckpt}/merged", "--remove-checkpoint-dir")
     assert got.rc == 1 and "TargetError" in got.stderr and "lies inside" in got.stderr, got
     assert snapshot(ckpt) == before
+
+
+def test_a_file_url_naming_another_host_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsspec reads ``file://host/path`` as ``./host/path``: a save went under the working directory."""
+    import dcp_storage as ds
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ds.errors.StorageOptionsError, match="naming the host 'otherhost'"):
+        ds.save({"w": torch.ones(2)}, "file://otherhost/tmp/x")
+    assert not (tmp_path / "otherhost").exists()
+
+
+def test_dir_chained_urls_save_and_load(tmp_path: Path) -> None:
+    """``dir::`` (fsspec's DirFileSystem over the local disk) is async only over an async filesystem: its
+    directory creation raised a raw AttributeError."""
+    import dcp_storage as ds
+
+    url = f"dir::{tmp_path / 'ckpt'}"
+    ds.save({"w": torch.arange(4.0)}, url)
+    state = {"w": torch.zeros(4)}
+    ds.load(state, url)
+    assert torch.equal(state["w"], torch.arange(4.0))
