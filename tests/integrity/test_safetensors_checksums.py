@@ -148,6 +148,8 @@ def test_single_byte_flips_in_data_are_all_detected(which: str, request: pytest.
             report = verify(ckpt, deep=True)
             named = [p for p in report.problems if f.name in p and repr(key) in p]
             assert named, f"trial {trial}: flip at {f.name}:{pos} ({key!r}) not named: {report.problems}"
+            mismatches = [p for p in named if "checksum mismatch" in p]
+            assert len(mismatches) == 1, f"trial {trial}: one flip, reported {len(mismatches)} times: {mismatches}"
             message = _load_error(ckpt, ref)
             assert f.name in message and repr(key) in message and "checksum mismatch" in message, (trial, message)
 

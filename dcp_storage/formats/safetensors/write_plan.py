@@ -382,12 +382,20 @@ def check_file(
     return sums, problems, compared
 
 
+def _mismatch_key(problem: str) -> str:
+    """What tells two reports of one checksum mismatch apart: the chunk and the digest, not the byte span read."""
+    at = problem.find("(holding ")
+    return problem[at:] if at >= 0 else problem
+
+
 def report_safetensors_checksums(report: Any, transport: Any, paths: list[str], *, deep: bool) -> None:
     """Add the checksum findings of the safetensors files ``paths`` to a ``VerifyReport``."""
     with_sums, without, compared, writers, algorithms = 0, 0, 0, set(), set()
     for path in paths:
         sums, problems, n = check_file(transport, path, deep=deep)
-        report.problems.extend(p for p in problems if p not in report.problems)
+        # once: the deep read of the tensor may have reported the same chunk's mismatch, over its own byte span
+        seen = {_mismatch_key(q) for q in report.problems}
+        report.problems.extend(p for p in problems if _mismatch_key(p) not in seen)
         compared += n
         if sums is None:
             continue
