@@ -155,7 +155,9 @@ class CheckpointManager:
         self._stager = ReusingStager()
         self._closed = False
         self.last_cleanup = None
-        self._complete: set[int] = set(agreed(self._group, self._recover, self.root))
+        complete, foreign = agreed(self._group, self._recover, self.root)
+        self._complete: set[int] = set(complete)
+        self._foreign = set(foreign)  # step folders holding others' files: never saved into (see save)
         self._rolled_back_to: int | None = None  # restore() of a step older than others stored (see save)
 
     def _check_same_settings(self) -> None:
@@ -185,7 +187,7 @@ class CheckpointManager:
             self._root = StepRoot(transport, path)
         return self._root
 
-    def _recover(self) -> list[int]:
+    def _recover(self) -> tuple[list[int], list[int]]:
         store = self._store()
         prepare_output(store.transport, store.root, coordinator=True, create_bucket=self.create_bucket)
         try:
@@ -199,7 +201,7 @@ class CheckpointManager:
             )
         if self.last_cleanup.held:
             _log.info("step folders held by a live save, left in place: %s", self.last_cleanup.held)
-        return sorted(store.index.steps)
+        return sorted(store.index.steps), sorted(self.last_cleanup.foreign)
 
     def _before_save(self, step: int) -> None:
         """Coordinator, before a save's first byte: remove this manager's failed steps, mark ``step`` pending."""
@@ -239,6 +241,12 @@ class CheckpointManager:
         self._refuse_abandoned(step)
         if step in self._complete:
             return False
+        if step in self._foreign:
+            raise CheckpointExistsError(
+                f"{self._step_url(step)} holds files no save of dcp-storage leaves (another tool's?): saving step "
+                f"{step} into it would mix them with the checkpoint, and retention would later delete them with it; "
+                "move that folder away (then make the manager again) or save under another step"
+            )
         app = _app_state(state)
         url = self._step_url(step)
         writer = self._make_writer(url)

@@ -1,11 +1,7 @@
 """A manager root's steps: their layout, the index cache and listing them.
 
-Where each step lives: ``root/step-<N>/``, N zero-padded so that a listing sorts by step.
-
-Ten digits cover any step count a job reaches; a larger step gets more digits (still parsed, and still
-sorted by the listing code, which sorts by the number, never by the name).
-
-The index: a small JSON object at the root that caches which steps are complete.
+Where each step lives: ``root/step-<N>/``, N zero-padded to ten digits (a larger step gets more); only
+such names are steps. The index: a small JSON object at the root that caches which steps are complete.
 
 Why: the truth (a commit marker in each step folder, :mod:`.listing`) costs one listing per step, so a
 root with 1,000 steps would cost 1,001 requests to answer "which step is the latest complete one". The
@@ -31,8 +27,7 @@ A step folder is *complete* when its listing holds the commit marker its format 
 safetensors file), *torn* when it holds anything else (the leftovers of a killed save, or of a delete
 killed half way: deletion removes the marker first), and *empty* when it holds nothing.
 
-This is the slow path, O(steps) requests: one listing of the root, one of each step folder. The manager
-takes it only when its index (:mod:`.index`) is missing or wrong, and for folders the index does not name.
+Listing every folder is the slow path (O(steps) requests), taken only where the index is missing or wrong.
 
 The coordinator's view of a root of step folders: latest step, recovery, commit, retention, deletion.
 
@@ -43,8 +38,9 @@ Only the coordinator (rank 0) calls these; :mod:`.agreement` hands every other r
 * deletion happens only after the new step is durable, and removes the commit marker first, so a delete
   killed half way leaves a torn folder (cleaned up later), never a step that looks complete but is not;
 * the newest complete step is never deleted;
-* the index is believed only where the commit marker it names is there (a marker deleted by hand makes the
-  step torn, not the newest complete one, whose older steps retention would then delete);
+* a step the index names counts only with its commit marker (checked at recovery for the newest steps, and
+  by retention for those it keeps): a marker deleted by hand makes the step torn, never one kept in place
+  of the last good steps;
 * a torn folder is removed unless a live save holds it (:mod:`.liveness`), and only if everything in it is
   what a save leaves (:func:`save_leftovers_only`): a ``step-N`` folder holding anything else is another
   tool's (torchtitan names its folders so too) and is left alone.
@@ -59,6 +55,7 @@ import os
 import re
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +87,7 @@ __all__ = [
 
 
 STEP_DIGITS = 10
+VERIFIED_AT_START = 16  # the newest steps whose commit markers recovery checks (the index is a cache)
 STEP_RE = re.compile(r"^step-(?P<n>[0-9]{1,20})$")
 INDEX_FILE = ".dcp_storage_steps.json"  # at the root: the cache of the complete steps (see .index)
 STEP_INFO_FILE = ".dcp_storage_step.json"  # in a step folder, written after its commit: metrics, time saved
@@ -106,9 +104,8 @@ def parse_step(name: str) -> int | None:
     """The step of a folder name the manager writes (``step-0000000100``), else ``None``: ``step-100`` (another
     tool's name, or one made by hand) is not one of its steps, which it opens as ``step_name(step)``."""
     match = STEP_RE.match(name.rstrip("/"))
-    if not match or step_name(int(match["n"])) != name.rstrip("/"):
-        return None
-    return int(match["n"])
+    step = int(match["n"]) if match else None
+    return step if step is not None and step_name(step) == name.rstrip("/") else None
 
 
 KIND = "dcp-storage-steps/1"
@@ -288,15 +285,11 @@ def save_leftovers_only(names: Iterable[str]) -> bool:
     """Whether every entry of a step folder is something a save leaves: data files, temp files, manifests,
     locks and their takeover markers, the step's info file."""
     for name in names:
-        lock = name[: -len(MARKER_SUFFIX)] if name.endswith(MARKER_SUFFIX) else name
-        if not (
-            name.endswith(DATA_SUFFIX)
-            or HF_SHARD_RE.match(name)
-            or TEMP_RE.match(name)
-            or MANIFEST_RE.match(name)
-            or LOCK_RE.match(lock)
-            or name == STEP_INFO_FILE
-        ):
+        lock = name
+        while lock.endswith(MARKER_SUFFIX):  # a takeover's marker, or a marker's marker (commit_holder)
+            lock = lock[: -len(MARKER_SUFFIX)]
+        ours = name.endswith(DATA_SUFFIX) or name == STEP_INFO_FILE or LOCK_RE.match(lock)
+        if not (ours or any(pattern.match(name) for pattern in (HF_SHARD_RE, TEMP_RE, MANIFEST_RE))):
             return False
     return True
 
@@ -365,20 +358,17 @@ class StepRoot:
     def recover(self, *, finished_pids: Iterable[int] = (), dry_run: bool = False) -> Cleanup:
         """On start: reconcile the index with the listing, finish interrupted deletions, remove torn folders
         that no live save holds and that hold only a save's leftovers, and write the index. One listing of the
-        root, one existence check per step the index names as complete (its commit marker), and one listing
-        per other folder (every folder when there is no index)."""
+        root, one existence check of the commit marker of each step the index names as complete (concurrent),
+        and one listing per other folder (every folder when there is no index)."""
         cached = read_index(self.transport, self.root)
         names = list_steps(self.transport, self.root)
+        marked = self._markers_present(cached, names)
         index = StepIndex()
         report = Cleanup()
         for step, name in names.items():
             known = None if cached is None else cached.steps.get(step)
             interrupted = cached is not None and step in cached.deleting
-            if (
-                known is not None
-                and not interrupted
-                and self.transport.exists(self.transport.join(self.root, name, known))
-            ):
+            if known is not None and not interrupted and marked.get(step, True):
                 index.steps[step] = known
                 if step in cached.metrics:  # type: ignore[union-attr]
                     index.metrics[step] = cached.metrics[step]  # type: ignore[union-attr]
@@ -431,6 +421,17 @@ class StepRoot:
                 if time.time() - os.lstat(path).st_mtime > older_than:
                     os.remove(path)
 
+    def _markers_present(self, cached: StepIndex | None, names: dict[int, str]) -> dict[int, bool]:
+        """Whether the commit marker the index names is there, for the newest steps it names as complete (the
+        index is a cache: a marker deleted by hand makes the step torn, not the newest complete one); older
+        ones are checked when retention would keep them (:meth:`apply`). Asked concurrently."""
+        newest = sorted((s for s in names if cached is not None and s in cached.steps), reverse=True)
+        asked = {s: self.transport.join(self.root, names[s], cached.steps[s]) for s in newest[:VERIFIED_AT_START]}  # type: ignore[union-attr]
+        if not asked:
+            return {}
+        with ThreadPoolExecutor(len(asked), thread_name_prefix="dcp-storage-steps") as pool:
+            return dict(zip(asked, pool.map(self.transport.exists, asked.values())))
+
     # ---------------------------------------------------------------------------------------- a save
     def begin(self, step: int) -> None:
         """Before a save of ``step`` starts: the index names it pending (see :mod:`.index`)."""
@@ -455,10 +456,17 @@ class StepRoot:
 
     def apply(self, policy: KeepPolicy, *, dry_run: bool = False) -> list[int]:
         """Delete the complete steps ``policy`` does not keep (never the newest); returns them."""
-        doomed = policy.delete(list(self.index.steps), self.index.metrics)
-        if not doomed or dry_run:
-            return doomed
-        return self.delete(doomed)
+        while True:
+            doomed = policy.delete(list(self.index.steps), self.index.metrics)
+            kept = [s for s in self.index.steps if s not in doomed]
+            gone = [
+                s for s in kept if not self.transport.exists(self.transport.join(self.folder(s), self.index.steps[s]))
+            ]
+            if not doomed or not gone:  # a kept step without its marker would be kept instead of a good one
+                return self.delete(doomed) if doomed and not dry_run else doomed
+            for step in gone:
+                self.index.steps.pop(step)
+                self.index.metrics.pop(step, None)
 
     def delete(self, doomed: list[int]) -> list[int]:
         """Delete these complete steps: named in the index as being deleted first, so a delete killed half way

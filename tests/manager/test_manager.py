@@ -263,6 +263,20 @@ def test_a_deletion_killed_half_way_is_finished_on_start(tmp_path: Path) -> None
     assert _steps(root) == [step_name(2)]
 
 
+def test_retention_never_keeps_an_old_step_whose_marker_is_gone(tmp_path: Path) -> None:
+    """Recovery checks the markers of the newest steps only; retention checks those it keeps, so a best step
+    whose marker went (older than those) is not kept in place of the best good one."""
+    root = tmp_path / "run"
+    keep = ds.KeepPolicy(last=1, best=1, metric="loss", mode="min")
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=None)) as mgr:
+        for step in range(1, 21):
+            mgr.save(step, _state(step), metrics={"loss": 0.5 if step == 1 else 2.0 - step / 100})
+    (root / step_name(1) / ".metadata").unlink()
+    with ds.CheckpointManager(root, keep=keep) as mgr:
+        mgr.save(21, _state(21), metrics={"loss": 9.0})
+        assert mgr.all_steps() == [20, 21]  # 20: the best good loss; 21: the last
+
+
 def test_step_folders_of_another_tool_are_left_alone(tmp_path: Path) -> None:
     """A ``step-N`` folder holding anything a save does not leave (another tool's checkpoint, a note) is not
     this manager's torn step: recovery and ``gc`` leave it, and say so."""
@@ -273,9 +287,12 @@ def test_step_folders_of_another_tool_are_left_alone(tmp_path: Path) -> None:
         (root / step_name(step) / name).write_bytes(b"not ours")
         (root / step_name(step) / "__0_0.distcp").write_bytes(b"\0" * 8)
     _torn(root, 400)  # a save's leftovers only: removed
+    (root / step_name(400) / ".dcp_storage.lock.takeover.takeover").write_text("{}")  # a marker's marker: ours
     with ds.CheckpointManager(root) as mgr:
         assert mgr.last_cleanup.torn_removed == [400] and mgr.last_cleanup.foreign == [100, 200, 300]
         assert mgr.latest_step() is None
+        with pytest.raises(ds.errors.CheckpointExistsError, match="holds files no save"):
+            mgr.save(200, _state(200))  # its files would be mixed in, and deleted by retention with the step
     assert cli_main(["gc", str(root), "--keep-last", "1"]) == 0
     assert _steps(root) == [step_name(s) for s in foreign]
     assert all((root / step_name(s) / n).read_bytes() == b"not ours" for s, n in foreign.items())
