@@ -206,7 +206,8 @@ class SavingLocation(BoundLocation):
         (:class:`~dcp_storage.errors.LocationMismatchError`, raised on every rank by DCP, else); the plans as
         the writer made them. Ranks given different paths would each write their data files to their own path
         and the coordinator's ``.metadata`` would name files that are not beside it: a checkpoint that looks
-        complete and is not."""
+        complete and is not. With DCP's plan caching (``enable_plan_caching=True``) a rank whose plan did not
+        change sends none, so only the ranks whose plans changed are compared."""
         mine = self._write_location()
         for rank, plan in enumerate(plans):
             there = plan.storage_data

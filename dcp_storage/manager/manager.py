@@ -312,11 +312,13 @@ class CheckpointManager:
         except NonTensorStateError as exc:
             if self.writer != "safetensors":
                 raise
-            raise NonTensorStateError(
+            ours = NonTensorStateError(
                 exc.keys,
                 fix="CheckpointManager(writer='safetensors') saves tensors only, so this step could not be restored: "
                 "save optimizer and scheduler state with writer='dcp', or save TrainState(model) alone",
-            ) from None
+            )
+            ours.__notes__ = list(getattr(exc, "__notes__", []))  # which ranks failed
+            raise ours from None
         if self._coordinator:
             self._after_save(step, metrics)
         return step

@@ -422,6 +422,7 @@ def test_safetensors_writer_refuses_what_it_could_not_restore(tmp_path: Path) ->
         with pytest.raises(ds.errors.NonTensorStateError, match="writer='dcp'") as raised:
             mgr.save(1, ds.TrainState(model, optim))
         assert "param_groups" in str(raised.value)
+        assert raised.value.__notes__ == ["dcp_storage.CheckpointManager.save failed on rank 0"]
         assert mgr.all_steps() == [] and mgr.save(2, ds.TrainState(model)) is True
         assert mgr.all_steps() == [2]
 
