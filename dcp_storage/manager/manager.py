@@ -290,8 +290,8 @@ class CheckpointManager:
 
         def discard() -> list[int]:
             store = self._store()
-            store.index.steps.update({s: m for s, m in store.rebuild().steps.items() if s not in store.index.steps})
-            return store.delete(sorted(s for s in store.index.steps if s > step))
+            newer = sorted(s for s in store.index.steps if s > step)
+            return store.delete(newer) if newer else []
 
         gone = agreed(self._group, discard, self.root)
         self._complete -= set(gone)
@@ -419,11 +419,10 @@ class CheckpointManager:
                 value.load_state_dict(flat[key])
             elif isinstance(state, MutableMapping) and flat[key] is not value:
                 state[key] = flat[key]  # a non-tensor value (an int, a list): replaced in the caller's dict
-        if any(s > step for s in self._complete):
-            if discard_newer:
-                self.discard_newer_than(step)
-            else:
-                self._rolled_back_to = step
+        newer = any(s > step for s in self._complete)
+        if newer and discard_newer:
+            self.discard_newer_than(step)
+        self._rolled_back_to = step if newer and not discard_newer else None
         return step
 
     def _require_complete(self, step: int) -> None:
