@@ -358,8 +358,8 @@ class StepRoot:
     def recover(self, *, finished_pids: Iterable[int] = (), dry_run: bool = False) -> Cleanup:
         """On start: reconcile the index with the listing, finish interrupted deletions, remove torn folders
         that no live save holds and that hold only a save's leftovers, and write the index. One listing of the
-        root, one existence check of the commit marker of each step the index names as complete (concurrent),
-        and one listing per other folder (every folder when there is no index)."""
+        root, one existence check of the commit marker of each of the 16 newest steps the index names as
+        complete (concurrent), and one listing per other folder (every folder when there is no index)."""
         cached = read_index(self.transport, self.root)
         names = list_steps(self.transport, self.root)
         marked = self._markers_present(cached, names)
@@ -458,12 +458,14 @@ class StepRoot:
         """Delete the complete steps ``policy`` does not keep (never the newest); returns them."""
         while True:
             doomed = policy.delete(list(self.index.steps), self.index.metrics)
+            if not doomed:  # nothing deleted: no step is kept in place of another, nothing to check
+                return doomed
             kept = [s for s in self.index.steps if s not in doomed]
             gone = [
                 s for s in kept if not self.transport.exists(self.transport.join(self.folder(s), self.index.steps[s]))
             ]
-            if not doomed or not gone:  # a kept step without its marker would be kept instead of a good one
-                return self.delete(doomed) if doomed and not dry_run else doomed
+            if not gone:  # a kept step without its marker would be kept instead of a good one
+                return doomed if dry_run else self.delete(doomed)
             for step in gone:
                 self.index.steps.pop(step)
                 self.index.metrics.pop(step, None)
