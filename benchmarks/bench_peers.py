@@ -217,6 +217,15 @@ def local_save(run: Run, spec: list, root: str, worlds: list[int]) -> None:
         for who in ("ours-w", "torch-fs-t2"):
             entries.append((_label(who), "save", save_job, world, {**common, "who": who, "s3": False}))
         run.group(f"local save DCP {'1p' if world == 1 else f'{world}r'}", entries)
+    for world in worlds:
+        # The same state saved as HF safetensors: the bar compares it with the disk's limit for the same bytes
+        # and with torch's best writer, FileSystemWriter t2 (its HuggingFaceStorageWriter writes per-rank files
+        # that need a second consolidation pass at 2 ranks, so it runs at 1 process only).
+        common = {"spec": spec, "root": root}
+        entries = [("raw O_DIRECT write+fsync", "raw", odirect_job, world, common)]
+        for who in ("ours-st-w", "torch-fs-t2") + (("torch-hf-w",) if world == 1 else ()):
+            entries.append((_label(who), "save", save_job, world, {**common, "who": who, "s3": False}))
+        run.group(f"local save safetensors {'1p' if world == 1 else f'{world}r'}", entries)
 
 
 def _raw_get_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
@@ -243,6 +252,8 @@ def _label(who: str) -> str:
         "s3tc-w4": "s3torchconnector S3StorageWriter t4",
         "torch-fsspec-w": "torch FsspecWriter",
         "torch-fs-t2": "torch FileSystemWriter t2",
+        "ours-st-w": "dcp_storage SafetensorsWriter",
+        "torch-hf-w": "torch HuggingFaceStorageWriter t2",
     }[who]
 
 

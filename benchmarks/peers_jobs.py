@@ -96,6 +96,14 @@ def _writer(who: str, url: str, so: dict[str, Any], env: dict[str, str]) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as TorchFsspecWriter
 
         return TorchFsspecWriter(url, overwrite=True, **so)
+    if who == "ours-st-w":
+        from dcp_storage import SafetensorsWriter
+
+        return SafetensorsWriter(url, overwrite=True)
+    if who == "torch-hf-w":
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        return HuggingFaceStorageWriter(url, thread_count=2)
     if who == "torch-fs-t2":
         from torch.distributed.checkpoint import FileSystemWriter
 

@@ -1,23 +1,17 @@
 """Reading slices of stored tensors with ranged reads straight into their destinations: the core read machinery of
-every format.
+every format, shared by every format whose tensors lie as raw elements in a file (DCP's ``torch.save``
+records, safetensors, torch.save archives): the format says where a tensor's elements start and how they are
+laid out (:class:`StoredTensor`); this module turns "the slice ``offsets``/``lengths`` of it, into ``dest``"
+into byte-range requests and delivers them.
 
-Whether the chunks of a tensor tile it exactly: every element in one chunk, none in two.
-
-A checkpoint lists each tensor's chunks (DCP ``ChunkStorageMetadata``: offsets and sizes). Counting
-elements is not enough: two chunks that overlap while others leave a gap add up to the tensor's volume,
-and a load would then read the overlap twice and leave the gap as whatever the destination held. So the
-chunks are also checked pairwise for a shared element, by a sweep along one dimension: chunks sorted by
-their start there, each compared only with the chunks still open at its start (a heap by end). Sweeping
-along the dimension with the most distinct chunk starts keeps that set small for real shardings: one
-chunk for ``Shard(0)`` and ``Shard(1)`` alike, a row of the grid for 2-d shardings. A tensor with one
-chunk (the common case) costs nothing beyond the bounds check.
-
-Reading slices of stored tensors with ranged reads, straight into their destinations.
-
-Shared by every format whose tensors lie as raw elements in a file (DCP's ``torch.save`` records,
-safetensors, torch.save archives): the format says where a tensor's elements start and how they are laid
-out (:class:`StoredTensor`); this module turns "the slice ``offsets``/``lengths`` of it, into ``dest``" into
-byte-range requests and delivers them.
+Whether the chunks of a tensor tile it exactly: every element in one chunk, none in two. Counting elements
+is not enough: two chunks that overlap while others leave a gap add up to the tensor's volume, and a load
+would then read the overlap twice and leave the gap as whatever the destination held. So the chunks are
+also checked pairwise for a shared element, by a sweep along one dimension: chunks sorted by their start
+there, each compared only with the chunks still open at its start (a heap by end). Sweeping along the
+dimension with the most distinct chunk starts keeps that set small for real shardings: one chunk for
+``Shard(0)`` and ``Shard(1)`` alike, a row of the grid for 2-d shardings. A tensor with one chunk (the
+common case) costs nothing beyond the bounds check.
 
 A row-major slice becomes one byte run per contiguous stretch (one for a ``Shard(0)`` slice, one per row
 for ``Shard(1)``); runs land directly in ``dest`` when it is a contiguous CPU tensor of the stored dtype,
@@ -50,7 +44,8 @@ import torch
 
 from dcp_storage.errors import ShapeMismatchError
 from dcp_storage.formats.slices import count_runs, is_row_major, row_major_runs, slice_runs
-from dcp_storage.integrity.blocks import BlockCover, Cover
+from dcp_storage.integrity.blocks import BlockCover, Cover, DataCrc
+from dcp_storage.integrity.checksums import crc32
 from dcp_storage.runtime import host_buffer, writable_bytes
 from dcp_storage.transports import LocalFileAccess, LocalRunReads, RangeRequest, RunsRead, Transport
 from dcp_storage.transports.ranges import LocalRuns, Region
@@ -281,12 +276,17 @@ def _plan_covered(
         head = bytearray(lo - start)
         tail = bytearray(end - hi)
         body = writable_bytes(dest := work.dest)
-        work.requests = _landing(stored.path, lo, hi, body, cover)
+        if isinstance(cover, DataCrc) and (lo, hi) == (cover.data_start, cover.data_start + cover.nbytes):
+            crcs: list[int] = []  # the whole tensor's CRC-32, computed by the worker thread that lands it
+            work.requests = [RangeRequest(stored.path, lo, hi, body, lambda v: crcs.append(crc32(v)))]
+            work.check = lambda _: cover.check(start, (head, writable_bytes(dest), tail), crcs[0] if crcs else None)
+        else:
+            work.requests = _landing(stored.path, lo, hi, body, cover)
+            work.check = lambda _landed: _check_edges(cover, start, end, lo, hi, head, writable_bytes(dest), tail)
         if head:
             work.requests.insert(0, RangeRequest(stored.path, start, lo, into=memoryview(head)))
         if tail:
             work.requests.append(RangeRequest(stored.path, hi, end, into=memoryview(tail)))
-        work.check = lambda _landed: _check_edges(cover, start, end, lo, hi, head, writable_bytes(dest), tail)
         return work
     staging = host_buffer((end - start,), torch.uint8, work.dest.device)
     work.staging = staging

@@ -305,7 +305,9 @@ class DataCrc:
     def covering(self, lo: int, hi: int) -> tuple[int, int]:
         return lo, min(hi + DESCRIPTOR_BYTES, self.record_end)
 
-    def check(self, start: int, pieces: Sequence[Any]) -> None:
+    def check(self, start: int, pieces: Sequence[Any], data_crc: int | None = None) -> None:
+        """``data_crc``: the tensor's CRC-32 if computed already (by the worker thread that landed its bytes,
+        while other reads still ran: after every read, the caller's CRCs were most of a load's tail)."""
         if len(pieces) == 1:  # the covering range in one buffer
             buf = memoryview(pieces[0]).cast("B")
             at = self.data_start - start
@@ -315,7 +317,7 @@ class DataCrc:
         recorded = _descriptor_crc(bytes(tail), self.nbytes)
         if recorded is None:  # no descriptor: the CRC is in the headers we did not parse; nothing to check
             return
-        if crc32(data) != recorded:
+        if (crc32(data) if data_crc is None else data_crc) != recorded:
             raise CorruptCheckpointError(
                 f"{self.where}: the tensor's bytes [{self.data_start}, {self.data_start + self.nbytes}) fail their zip "
                 f"CRC-32 (recorded {recorded:08x}): the bytes read are not those written; {FIX}"

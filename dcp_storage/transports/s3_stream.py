@@ -102,7 +102,6 @@ def can_stream(fs: Any) -> bool:
 async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
     """One S3 API call on s3fs's client, with s3fs's per-request options, without s3fs's retry wrapper."""
     from botocore.exceptions import ClientError, EndpointResolutionError  # s3fs depends on botocore
-    from s3fs.errors import translate_boto_error
 
     await fs.set_session()
     client = await fs.get_s3(kwargs.get("Bucket"))
@@ -110,16 +109,26 @@ async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
     try:
         return await bound(**fs._get_s3_method_kwargs(bound, **kwargs))
     except ClientError as exc:
-        if error_code(exc) == "PreconditionFailed" and "IfMatch" in kwargs:
-            raise VersionConditionFailed(
-                f"{method} {kwargs.get('Key')}: the object is not the version read first"
-            ) from exc
-        translated = translate_boto_error(exc)
+        translated = translate_client_error(exc, method, kwargs)
         if translated is exc:
             raise
         raise translated from exc
     except EndpointResolutionError as exc:  # an endpoint_url botocore cannot use ("ftp://...")
         raise options_error(fs, _call_url(kwargs), exc) from exc
+
+
+def translate_client_error(exc: Exception, method: str, kwargs: dict[str, Any]) -> Exception:
+    """What a botocore ``ClientError`` of ``method`` called with ``kwargs`` is raised as (its cause set)."""
+    from s3fs.errors import translate_boto_error
+
+    if error_code(exc) == "PreconditionFailed" and kwargs.get("IfMatch"):
+        failed = VersionConditionFailed(f"{method} {kwargs.get('Key')}: the object is not the version read first")
+        failed.__cause__ = exc
+        return failed
+    translated = translate_boto_error(exc)
+    if translated is not exc:
+        translated.__cause__ = exc
+    return translated  # type: ignore[no-any-return]
 
 
 def client_ready(fs: Any, url: str = "") -> None:
@@ -158,6 +167,9 @@ def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
     return bounded_sync(fs.loop, _call, fs, method, **kwargs)
 
 
+_SCRATCH_BYTES = 1 << 16  # the bytes between coalesced pieces, read and dropped (ScatterSink.fill)
+
+
 class ScatterSink:
     """Writes the bytes of one group range into its segments' buffers, skipping coalescing gaps.
 
@@ -185,6 +197,30 @@ class ScatterSink:
             if p_end > end:
                 break
             i += 1
+
+    def fill(self, pos: int, end: int, readinto: Callable[[memoryview], int], landed: Callable[[int], None]) -> int:
+        """Read ``[pos, end)`` of the range with ``readinto`` straight into the segments' buffers (the gaps
+        into a scratch buffer); ``landed(p)`` after each read that ends at ``p``. Returns where the bytes
+        stopped: ``end``, or less if the body ended first."""
+        pieces, i, at = self._pieces, 0, pos
+        scratch: memoryview | None = None
+        while at < end:
+            while i < len(pieces) and pieces[i][1] <= at:
+                i += 1
+            if i < len(pieces) and pieces[i][0] <= at:
+                p_start, p_end, view = pieces[i]
+                target = view[at - p_start : min(p_end, end) - p_start]
+            else:
+                gap_end = min(end, pieces[i][0]) if i < len(pieces) else end
+                if scratch is None:
+                    scratch = memoryview(bytearray(_SCRATCH_BYTES))
+                target = scratch[: min(_SCRATCH_BYTES, gap_end - at)]
+            n = readinto(target)
+            if not n:
+                break
+            at += n
+            landed(at)
+        return at
 
 
 async def _get_range(

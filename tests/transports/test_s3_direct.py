@@ -1,0 +1,156 @@
+"""Direct S3 ranged GETs (:func:`dcp_storage.transports.s3.direct_range`), on moto: the bytes land in place
+through the worker thread's own connection, every error is the one the aiobotocore path raises, and the path
+is left to aiobotocore wherever the request would differ (options that are signed headers, a proxy, the
+client's own retries, the switch)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import dcp_storage.transports.s3 as s3_module
+from dcp_storage.errors import CheckpointNotFoundError, ObjectChangedError
+from dcp_storage.transports import FsspecTransport, RangeRequest, RetryPolicy, TransportConfig
+from dcp_storage.transports.s3_stream import ScatterSink, client_ready
+
+SIZE = 3 << 20
+BLOB = random.Random(7).randbytes(SIZE)
+CONFIG = TransportConfig(retry=RetryPolicy(max_attempts=3, initial_backoff=0.01, deadline=30.0))
+
+
+@pytest.fixture
+def blob(s3_url: Any) -> Iterator[tuple[Any, str, str, dict[str, Any]]]:
+    """``(transport, path of a 3 MiB object, url, storage options)``."""
+    url, options = s3_url
+    transport, root = FsspecTransport.from_url(url, options, CONFIG)
+    with transport:
+        path = transport.join(root, "blob")
+        transport.write_file(path, BLOB)
+        transport.begin_load()
+        yield transport, path, url, options
+
+
+def _no_aiobotocore_gets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the aiobotocore ranged GET fail the test; count the direct GETs that answered."""
+    answered: list[int] = []
+    direct = s3_module.direct_range
+
+    def counted(*args: Any, **kwargs: Any) -> int | None:
+        got = direct(*args, **kwargs)
+        if got is not None:
+            answered.append(got)
+        return got
+
+    def refused(*_args: Any, **_kwargs: Any) -> int:
+        raise AssertionError("a ranged GET went through aiobotocore")
+
+    monkeypatch.setattr(s3_module, "direct_range", counted)
+    monkeypatch.setattr(s3_module, "stream_range", refused)
+    return answered
+
+
+def test_ranges_land_in_place_through_the_direct_path(blob: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    transport, path, _, _ = blob
+    answered = _no_aiobotocore_gets(monkeypatch)
+    rng = random.Random(3)
+    spans = sorted({(a, a + rng.randint(1, 200_000)) for a in (rng.randrange(SIZE - 200_000) for _ in range(40))})
+    got = transport.read_ranges([RangeRequest(path, a, b) for a, b in spans])  # coalesced, gaps dropped
+    assert [bytes(g) for g in got] == [BLOB[a:b] for a, b in spans]  # type: ignore[arg-type]
+    assert bytes(transport.read_range(path, 0, SIZE)) == BLOB
+    assert answered and transport.counters.retries == 0
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_errors_are_the_ones_the_aiobotocore_path_raises(
+    s3_url: Any, monkeypatch: pytest.MonkeyPatch, direct: str
+) -> None:
+    """The same error, message and request count either way: a missing object (permanent, one request), an
+    object replaced after its version was pinned (a refused ``If-Match``, never retried)."""
+    monkeypatch.setenv(s3_module.DIRECT_ENV, direct)
+    url, options = s3_url
+    transport, root = FsspecTransport.from_url(url, options, CONFIG)
+    with transport:
+        missing = transport.join(root, "missing")
+        with pytest.raises(CheckpointNotFoundError, match="missing") as info:
+            transport.read_range(missing, 0, 10)
+        assert transport.counters.requests == 1 and transport.counters.retries == 0, transport.counters
+        assert isinstance(info.value.__cause__ or info.value, Exception)
+        path = transport.join(root, "blob")
+        transport.write_file(path, BLOB)
+        transport.begin_load()
+        assert bytes(transport.read_range(path, 0, 100)) == BLOB[:100]  # pins the version
+        writer, _ = FsspecTransport.from_url(url, options, CONFIG)
+        with writer:
+            writer.write_file(path, BLOB[::-1])  # another process replaces it
+        with pytest.raises(ObjectChangedError, match="changed during the load"):
+            transport.read_range(path, 100, 200)
+        assert transport.counters.retries == 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"requester_pays": True},
+        {"s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256"}},
+        {"config_kwargs": {"proxies": {"http": "http://127.0.0.1:9", "https": "http://127.0.0.1:9"}}},
+        {"config_kwargs": {"retries": {"max_attempts": 4}}},
+    ],
+    ids=["requester_pays", "sse_c", "proxy", "client_retries"],
+)
+def test_requests_that_would_differ_keep_the_aiobotocore_path(s3_url: Any, extra: dict[str, Any]) -> None:
+    url, options = s3_url
+    config_kwargs = {**options.get("config_kwargs", {}), **extra.pop("config_kwargs", {})}
+    transport, _ = FsspecTransport.from_url(url, {**options, **extra, "config_kwargs": config_kwargs}, CONFIG)
+    with transport:
+        client_ready(transport.fs)
+        assert s3_module._state(transport.fs).usable is False
+
+
+def test_a_forked_child_gets_a_connection_of_its_own(blob: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's kept-alive socket is not a forked child's to use (each would read the other's answers):
+    a connection is this process's only."""
+    transport, path, _, _ = blob
+    assert bytes(transport.read_range(path, 0, 1000)) == BLOB[:1000]
+    parts = s3_module.urllib.parse.urlsplit(transport.fs._s3._endpoint.host)
+    state = s3_module._state(transport.fs)
+    parent, _ = s3_module._connection(state, parts)
+    assert s3_module._connection(state, parts) == (parent, True)  # kept for this thread's next request
+    monkeypatch.setattr(s3_module.os, "getpid", lambda: -1)  # as in a child after fork
+    child, reused = s3_module._connection(state, parts)
+    assert child is not parent and not reused
+    monkeypatch.undo()
+    assert bytes(transport.read_range(path, 1000, 2000)) == BLOB[1000:2000]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_scatter_sink_fill_reads_into_the_segments(seed: int) -> None:
+    """``fill`` puts each byte of a body read in random short reads where ``write`` would, from any start,
+    reports every position reached, and stops where a short body ends."""
+    rng = random.Random(seed)
+    total = rng.randint(1, 300_000)
+    source = rng.randbytes(total)
+    cuts = sorted(rng.sample(range(total + 1), k=min(total + 1, 2 * rng.randint(1, 8))))
+    segments = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2) if cuts[i] < cuts[i + 1]]
+    buffers = [bytearray(hi - lo) for lo, hi in segments]
+    sink = ScatterSink([(lo, hi, memoryview(buf)) for (lo, hi), buf in zip(segments, buffers)])
+    start = rng.randrange(total)
+    body_end = total if rng.random() < 0.7 else rng.randint(start, total)
+    pos = start
+    reached: list[int] = []
+
+    def readinto(view: memoryview) -> int:
+        nonlocal pos
+        n = min(view.nbytes, rng.randint(1, 90_000), body_end - pos)
+        view[:n] = source[pos : pos + n]
+        pos += n
+        return n
+
+    assert sink.fill(start, total, readinto, reached.append) == body_end
+    assert reached == sorted(reached) and (not reached or reached[-1] == body_end)
+    for (lo, hi), buf in zip(segments, buffers):
+        a, b = max(lo, start), min(hi, body_end)
+        if a < b:
+            assert bytes(buf[a - lo : b - lo]) == source[a:b]
