@@ -67,7 +67,7 @@ from dcp_storage.inspection.summary import resolve_spec
 from dcp_storage.text import printable
 from dcp_storage.transports import MultipartUploads
 from dcp_storage.transports.factory import open_transport
-from dcp_storage.transports.s3_stream import PendingUpload
+from dcp_storage.transports.s3_upload import PendingUpload
 
 __all__ = [
     "Cleanup",

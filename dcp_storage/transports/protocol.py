@@ -48,7 +48,7 @@ from typing import IO, Any, Protocol, runtime_checkable
 from dcp_storage.transports.local_io import LocalFiles
 from dcp_storage.transports.ranges import RangeRequest, Region, RunsRead
 from dcp_storage.transports.retry import RetryPolicy
-from dcp_storage.transports.s3_stream import PendingUpload
+from dcp_storage.transports.s3_upload import PendingUpload
 
 __all__ = [
     "AtomicWriter",

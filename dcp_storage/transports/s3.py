@@ -5,8 +5,9 @@ any deadline), under ours. Calling the botocore client directly leaves the trans
 only one, so a permanent fault costs exactly ``max_attempts`` requests and the final error's attempt count
 is true. A key is a file, a key prefix followed by ``/`` is a directory, as in s3fs.
 
-Ranged reads go straight into the destination buffers, by the thread that fetches them (:func:`direct_range`,
-below), or else streamed by aiobotocore (:class:`~.s3_stream.ScatterSink`); either checks the answer's status
+Reads (ranges, whole small objects, sizes) are sent directly by the thread that needs them, ranges read
+straight into the destination buffers (:func:`direct_range`, :func:`direct_object`, :func:`direct_head`,
+below), or else through aiobotocore (:mod:`.s3_stream`); either checks the answer's status
 and ``Content-Range`` (:func:`~.guards.check_range_answer`) and resumes a cut-off body from the first byte
 still missing. Whole-file reads learn the size first, so a file over ``max_bytes`` is refused unread. Writes
 are one ``PutObject`` or a multipart upload whose every request is retried on its own and which is aborted if
@@ -27,7 +28,8 @@ a URL presigned with s3fs's own client (credentials, endpoint, addressing style,
 would send: an ``http``/``https`` endpoint reached without a proxy, no client certificate, and no per-request
 options (``requester_pays``, ``s3_additional_kwargs`` such as SSE-C keys, which are signed headers); TLS is
 verified with the context aiobotocore builds for the client (its ``verify`` and CA bundle).
-``DCP_STORAGE_S3_DIRECT=0`` turns it off. Any answer but the range asked for (an error status, a refused
+A load then never starts aiobotocore's HTTP session: its first request cost 50-100 ms more than a direct
+one here (the session, its connector and CA bundle). ``DCP_STORAGE_S3_DIRECT=0`` turns it off. Any answer but the range asked for (an error status, a refused
 condition, no answer at all) is not interpreted there: the request is sent again through
 :func:`~.s3_stream.stream_range`, which maps every answer to the same errors as before and retries as before.
 """
@@ -37,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
-import posixpath
 import threading
 import time
 import urllib.parse
@@ -46,36 +47,39 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_storage.errors import FileTooLargeError
 from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_backend
 from dcp_storage.transports.guards import (
-    ListingBound,
     RangeMismatchError,
     check_range_answer,
     describe_answer,
+    is_encoded,
     range_mismatch,
 )
 from dcp_storage.transports.protocol import CountingWriter
 from dcp_storage.transports.ranges import FetchGroup
 from dcp_storage.transports.retry import remaining
 from dcp_storage.transports.s3_stream import (
-    PendingUpload,
     ScatterSink,
-    abort_pending,
     can_stream,
     client_ready,
-    list_pending,
-    read_object,
     read_object_version,
-    s3_call,
+    s3_delete,
+    s3_exists,
+    s3_list_names,
     s3_put_if_absent,
+    s3_size,
+    s3_size_version,
     stream_range,
     translate_client_error,
 )
-from dcp_storage.transports.s3_upload import S3AtomicUpload, put_object
+from dcp_storage.transports.s3_upload import PendingUpload, S3AtomicUpload, abort_pending, list_pending, put_object
 
 __all__ = [
     "DIRECT_ENV",
     "S3Transport",
+    "direct_head",
+    "direct_object",
     "direct_range",
     "s3_delete",
     "s3_exists",
@@ -83,80 +87,6 @@ __all__ = [
     "s3_size",
     "s3_size_version",
 ]
-
-
-def _split(fs: Any, path: str) -> tuple[str, str]:
-    bucket, key, _ = fs.split_path(path)
-    return bucket, key
-
-
-def s3_size(fs: Any, path: str) -> int:
-    """Size of the object at ``path`` (``HeadObject``); ``FileNotFoundError`` if there is none."""
-    return s3_size_version(fs, path)[0]
-
-
-def s3_size_version(fs: Any, path: str) -> tuple[int, str | None]:
-    """Size and ETag of the object at ``path`` (one ``HeadObject``)."""
-    bucket, key = _split(fs, path)
-    head = s3_call(fs, "head_object", Bucket=bucket, Key=key)
-    return int(head["ContentLength"]), head.get("ETag")
-
-
-def s3_exists(fs: Any, path: str) -> bool:
-    """Whether ``path`` is an object, or a prefix with objects under it (a directory), or a bucket."""
-    bucket, key = _split(fs, path)
-    if key:
-        try:
-            s3_call(fs, "head_object", Bucket=bucket, Key=key)
-            return True
-        except FileNotFoundError:
-            pass
-        prefix = key.rstrip("/") + "/"
-        try:
-            listed = s3_call(fs, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
-        except FileNotFoundError:  # NoSuchBucket
-            return False
-        return bool(listed.get("KeyCount") or listed.get("Contents") or listed.get("CommonPrefixes"))
-    try:
-        s3_call(fs, "head_bucket", Bucket=bucket)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def s3_list_names(fs: Any, path: str) -> list[str]:
-    """Names of the objects and prefixes directly under ``path`` (sorted); empty if there are none."""
-    bucket, key = _split(fs, path)
-    prefix = key.rstrip("/") + "/" if key else ""
-    names: set[str] = set()
-    token: str | None = None
-    bound = ListingBound(fs.unstrip_protocol(path))  # a listing that never ends is cut off (:mod:`.listing`)
-    while True:
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
-        if token:
-            kwargs["ContinuationToken"] = token
-        try:
-            page = s3_call(fs, "list_objects_v2", **kwargs)
-        except FileNotFoundError:  # NoSuchBucket
-            return []
-        for entry in page.get("Contents", ()):
-            names.add(entry["Key"][len(prefix) :])
-        for entry in page.get("CommonPrefixes", ()):
-            names.add(posixpath.basename(entry["Prefix"].rstrip("/")))
-        token = page.get("NextContinuationToken")
-        done = not page.get("IsTruncated") or not token
-        bound.page(len(page.get("Contents", ())) + len(page.get("CommonPrefixes", ())), None if done else token)
-        if done:
-            break
-    names.discard("")  # a zero-byte "directory marker" object named like the prefix
-    return sorted(names)
-
-
-def s3_delete(fs: Any, path: str) -> None:
-    """Delete the object at ``path``; deleting a missing key succeeds (S3 semantics), so retries are safe."""
-    bucket, key = _split(fs, path)
-    s3_call(fs, "delete_object", Bucket=bucket, Key=key)
-    fs.invalidate_cache(path)
 
 
 @builtin_backend
@@ -184,7 +114,7 @@ class S3Transport(FsspecTransport):
         return s3_exists(self.fs, path)
 
     def _size(self, path: str) -> int:
-        return s3_size(self.fs, path)
+        return self._size_version(path)[0]
 
     def _delete(self, path: str) -> None:
         s3_delete(self.fs, path)
@@ -193,13 +123,13 @@ class S3Transport(FsspecTransport):
         return s3_list_names(self.fs, path)
 
     def _size_version(self, path: str) -> tuple[int, str | None]:
-        return s3_size_version(self.fs, path)
+        return direct_head(self.fs, path) or s3_size_version(self.fs, path)
 
     def _read_whole(self, path: str, max_bytes: int | None) -> bytes:
-        return read_object(self.fs, path, max_bytes)
+        return self._read_whole_version(path, max_bytes)[0]
 
     def _read_whole_version(self, path: str, max_bytes: int | None) -> tuple[bytes, str | None]:
-        return read_object_version(self.fs, path, max_bytes)
+        return direct_object(self.fs, path, max_bytes) or read_object_version(self.fs, path, max_bytes)
 
     def _put_if_absent(self, path: str, data: bytes) -> None:
         s3_put_if_absent(self.fs, path, data, self.url(path))
@@ -290,7 +220,7 @@ class _Direct:
     ssl_context: Any = None
     connect_timeout: float = _DEFAULT_TIMEOUT
     read_timeout: float = _DEFAULT_TIMEOUT
-    urls: dict[tuple[str, str, str | None], tuple[str, float]] = field(default_factory=dict)
+    urls: dict[tuple[str, str, str, str | None], tuple[str, float]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -313,26 +243,12 @@ def direct_range(
     short), or ``None`` when this path does not apply (the caller uses :func:`~.s3_stream.stream_range`).
     Raises what that path raises: a range that is not what was asked (before any byte lands), an error
     answer as botocore parses it and s3fs translates it, a failed connection."""
-    if os.environ.get(DIRECT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    client_ready(fs, fs.unstrip_protocol(path))
-    state = _state(fs)
-    left = remaining()
-    if not state.usable or (left is not None and left <= 0):
-        return None  # the other path reports a passed deadline
-    bucket, key, version = fs.split_path(path)
-    try:
-        url = _presigned(fs, state, bucket, key, version)
-    except Exception:  # noqa: BLE001 - signing is local: the other path makes the same client call and reports it
-        return None
-    parts = urllib.parse.urlsplit(url)
     headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
     if if_match:
         headers["If-Match"] = if_match
-    conn, resp = _send(state, parts, parts.path + ("?" + parts.query if parts.query else ""), headers, left)
-    try:
-        if resp.status >= 300:
-            raise _error_answer(fs, resp, bucket, key, if_match)
+    with _answer(fs, "GetObject", path, headers, if_match) as resp:
+        if resp is None:
+            return None
         header, content_range = resp.getheader("Content-Length"), resp.getheader("Content-Range")
         length = int(header) if header is not None and header.isdigit() else None
         check_range_answer(start, end, resp.status, content_range, length, resp.getheader("Content-Encoding"))
@@ -343,12 +259,74 @@ def direct_range(
             # no Content-Length (chunked), and more than the range came
             raise range_mismatch(start, end, f"a longer body ({describe_answer(resp.status, content_range, None)})")
         return got
+
+
+def direct_object(fs: Any, path: str, max_bytes: int | None) -> tuple[bytes, str | None] | None:
+    """A whole (small) object and its ETag, as :func:`~.s3_stream.read_object_version` (``None``: that path):
+    none of its bytes when the answer says it is over ``max_bytes``."""
+    with _answer(fs, "GetObject", path, {"Accept-Encoding": "identity"}) as resp:
+        if resp is None or is_encoded(resp.getheader("Content-Encoding")):
+            return None  # (a store that encodes anyway: aiobotocore's path reads it as before)
+        header = resp.getheader("Content-Length")
+        size = int(header) if header is not None and header.isdigit() else None
+        if max_bytes is not None and size is not None and size > max_bytes:
+            raise FileTooLargeError(fs.unstrip_protocol(path), size, max_bytes)  # the body is never read
+        try:
+            data = resp.read(max_bytes + 1) if max_bytes is not None and size is None else resp.read()
+        except http.client.HTTPException as exc:  # a body cut short (IncompleteRead): transient, as there
+            raise ConnectionError(f"GET {fs.unstrip_protocol(path)}: {type(exc).__name__}: {exc}") from exc
+        return data, resp.getheader("ETag")
+
+
+def direct_head(fs: Any, path: str) -> tuple[int, str | None] | None:
+    """The size and ETag of the object at ``path`` (one ``HeadObject``), as :func:`s3_size_version` (``None``:
+    that path)."""
+    with _answer(fs, "HeadObject", path, {}) as resp:
+        if resp is None:
+            return None
+        resp.read()  # nothing: the answer is done and its connection reusable
+        header = resp.getheader("Content-Length")
+        return (int(header), resp.getheader("ETag")) if header is not None and header.isdigit() else None
+
+
+@contextlib.contextmanager
+def _answer(
+    fs: Any, operation: str, path: str, headers: dict[str, str], if_match: str | None = None
+) -> Iterator[http.client.HTTPResponse | None]:
+    """The answer to ``operation`` on ``path`` sent directly, its body unread; ``None`` where this path does not
+    apply. An error answer is raised as the client would raise it. The connection stays for this thread's next
+    request only if the answer was read to its end."""
+    left = remaining()
+    if os.environ.get(DIRECT_ENV, "1").strip().lower() in ("0", "false", "no", "off") or (
+        left is not None and left <= 0  # the other path reports a passed deadline
+    ):
+        yield None
+        return
+    client_ready(fs, fs.unstrip_protocol(path))
+    state = _state(fs)
+    bucket, key, version = fs.split_path(path)
+    try:
+        url = _presigned(fs, state, operation, bucket, key, version) if state.usable else None
+    except Exception:  # noqa: BLE001 - signing is local: the other path makes the same client call and reports it
+        url = None
+    if url is None:
+        yield None
+        return
+    parts = urllib.parse.urlsplit(url)
+    target = parts.path + ("?" + parts.query if parts.query else "")
+    conn, resp = _send(state, parts, "HEAD" if operation == "HeadObject" else "GET", target, headers, left)
+    try:
+        if resp.status >= 300:
+            raise _error_answer(fs, resp, operation, bucket, key, if_match)
+        yield resp
     finally:
         if not resp.isclosed():  # an answer not read to its end: the connection cannot be reused
             _drop(parts, conn)
 
 
-def _error_answer(fs: Any, resp: http.client.HTTPResponse, bucket: str, key: str, if_match: str | None) -> Exception:
+def _error_answer(
+    fs: Any, resp: http.client.HTTPResponse, operation: str, bucket: str, key: str, if_match: str | None
+) -> Exception:
     """The error an error answer is: parsed by botocore's own parser into its modelled ``ClientError``, then
     translated as :func:`~.s3_stream.s3_call` does (``NoSuchKey`` -> ``FileNotFoundError``, ...)."""
     from botocore.parsers import create_parser
@@ -356,15 +334,21 @@ def _error_answer(fs: Any, resp: http.client.HTTPResponse, bucket: str, key: str
     body = resp.read(_ERROR_BODY_BYTES)
     client = fs._s3
     answer = {"status_code": resp.status, "headers": dict(resp.getheaders()), "body": body}
-    shape = client.meta.service_model.operation_model("GetObject").output_shape
+    shape = client.meta.service_model.operation_model(operation).output_shape
     parsed = create_parser("rest-xml").parse(answer, shape)
     code = parsed.get("Error", {}).get("Code") or str(resp.status)
-    exc = client.exceptions.from_code(code)(parsed, "GetObject")
-    return translate_client_error(exc, "get_object", {"Bucket": bucket, "Key": key, "IfMatch": if_match})
+    exc = client.exceptions.from_code(code)(parsed, operation)
+    method = "get_object" if operation == "GetObject" else "head_object"
+    return translate_client_error(exc, method, {"Bucket": bucket, "Key": key, "IfMatch": if_match})
 
 
 def _send(
-    state: _Direct, parts: urllib.parse.SplitResult, target: str, headers: dict[str, str], left: float | None
+    state: _Direct,
+    parts: urllib.parse.SplitResult,
+    method: str,
+    target: str,
+    headers: dict[str, str],
+    left: float | None,
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     """The request on this thread's connection to the endpoint, and its answer's headers. A kept-alive
     connection the server closed meanwhile (reset before any answer) is replaced once, as aiohttp does; any
@@ -375,7 +359,7 @@ def _send(
         try:
             if conn.sock is None:
                 conn.timeout = min(state.connect_timeout, timeout)
-            conn.request("GET", target, headers=headers)
+            conn.request(method, target, headers=headers)
             if conn.sock is not None:
                 conn.sock.settimeout(timeout)
             return conn, conn.getresponse()
@@ -419,13 +403,13 @@ def _drop(parts: urllib.parse.SplitResult, conn: http.client.HTTPConnection) -> 
     conn.close()
 
 
-def _presigned(fs: Any, state: _Direct, bucket: str, key: str, version: str | None) -> str:
-    """A presigned ``GetObject`` URL of the object (and version), signed at most :data:`REUSE_SECONDS` ago."""
+def _presigned(fs: Any, state: _Direct, operation: str, bucket: str, key: str, version: str | None) -> str:
+    """A presigned URL of ``operation`` on the object (and version), signed at most :data:`REUSE_SECONDS` ago."""
     from fsspec.asyn import sync
 
     now = time.monotonic()
     with state.lock:
-        held = state.urls.get((bucket, key, version))
+        held = state.urls.get((operation, bucket, key, version))
     if held is not None and now - held[1] < REUSE_SECONDS:
         return held[0]
     params: dict[str, Any] = {"Bucket": bucket, "Key": key}
@@ -434,11 +418,12 @@ def _presigned(fs: Any, state: _Direct, bucket: str, key: str, version: str | No
 
     async def sign() -> str:
         client = await fs.get_s3(bucket)
-        return await client.generate_presigned_url("get_object", Params=params, ExpiresIn=PRESIGN_SECONDS)  # type: ignore[no-any-return]
+        method = "get_object" if operation == "GetObject" else "head_object"
+        return await client.generate_presigned_url(method, Params=params, ExpiresIn=PRESIGN_SECONDS)  # type: ignore[no-any-return]
 
     url = str(sync(fs.loop, sign))
     with state.lock:
-        state.urls[(bucket, key, version)] = (url, now)
+        state.urls[(operation, bucket, key, version)] = (url, now)
     return url
 
 

@@ -1,6 +1,7 @@
-"""S3 reads and conditional writes: ranged GETs straight into buffers, create-if-absent, pending multipart uploads.
+"""S3 requests on s3fs's client: ranged GETs streamed into buffers, whole objects, metadata, create-if-absent.
 
-Streaming S3 ranged GETs straight into destination buffers (s3fs + aiobotocore).
+Streaming S3 ranged GETs straight into destination buffers (s3fs + aiobotocore), where the transport's
+direct GETs (:func:`~.s3.direct_range`) do not apply or are switched off.
 
 ``s3fs.cat_file`` collects the response body into a fresh ``bytes`` (touching twice the data in new
 pages) and the caller copies it again; on a 2-core machine that client CPU is most of the cost
@@ -15,13 +16,8 @@ Every call here goes to the botocore client directly, past s3fs's ``_error_wrapp
 retry layer (:mod:`dcp_storage.transports.retry`) is the one that retries these calls, under its attempt
 count and deadline (see that module for which layer retries what). Client errors are still translated
 the way s3fs does it (``NoSuchKey`` -> ``FileNotFoundError``, ...), with the botocore error as the cause.
-
-In-progress S3 multipart uploads under a prefix: list them, abort one (s3fs's client).
-
-A writer that is killed cannot abort its multipart upload; its parts stay in the bucket, billed, until
-someone aborts it. :class:`~.s3_transport.S3Transport` offers these as the optional
-:class:`~.protocol.MultipartUploads` protocol, which ``verify`` (:mod:`dcp_storage.inspection.checks`)
-uses; other transports have no multipart uploads to list.
+Metadata requests (exists, size, list, delete) are one API call each; a key is a file, a key prefix
+followed by ``/`` is a directory, as in s3fs.
 
 Create-if-absent writes: the one primitive that lets exactly one of two writers win.
 
@@ -52,17 +48,16 @@ into a loser.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import os
+import posixpath
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fsspec.asyn import sync
 from fsspec.implementations.memory import MemoryFileSystem
 
-from dcp_storage.errors import DcpStorageError, FileTooLargeError, StorageOptionsError
+from dcp_storage.errors import FileTooLargeError, StorageOptionsError
 from dcp_storage.transports.guards import (
     ListingBound,
     RangeMismatchError,
@@ -74,17 +69,20 @@ from dcp_storage.transports.guards import (
 from dcp_storage.transports.retry import bounded_sync, error_code, http_status
 
 __all__ = [
-    "PendingUpload",
     "ScatterSink",
-    "abort_pending",
     "client_ready",
     "can_stream",
     "create_local",
     "fsspec_put_if_absent",
     "holds",
-    "list_pending",
     "read_object",
     "read_object_version",
+    "s3_delete",
+    "s3_exists",
+    "s3_list_names",
+    "s3_size",
+    "s3_size_version",
+    "translate_client_error",
     "s3_call",
     "s3_put_if_absent",
     "stream_range",
@@ -326,78 +324,6 @@ def read_object_version(fs: Any, path: str, max_bytes: int | None = None) -> tup
     return bytes(data), etag
 
 
-@dataclass(frozen=True)
-class PendingUpload:
-    """An in-progress (never completed, never aborted) multipart upload."""
-
-    url: str  # the object it would create
-    key: str
-    upload_id: str
-    initiated: _dt.datetime | None  # timezone-aware (UTC) when the store reports it
-
-    def age(self, now: _dt.datetime | None = None) -> _dt.timedelta | None:
-        if self.initiated is None:
-            return None
-        return (now or _dt.datetime.now(_dt.timezone.utc)) - self.initiated
-
-    def describe(self) -> str:
-        when = f", started {self.initiated.isoformat(timespec='seconds')}" if self.initiated else ""
-        return f"{self.url} (upload {self.upload_id[:16]}{'...' if len(self.upload_id) > 16 else ''}{when})"
-
-
-def list_pending(fs: Any, path: str) -> list[PendingUpload]:
-    """Every in-progress multipart upload for ``path`` or for objects under it (``path/...``), sorted.
-
-    Raises :class:`DcpStorageError` naming the bucket if the store refuses the listing (e.g. no
-    ``s3:ListBucketMultipartUploads``), :class:`~dcp_storage.errors.ListingTooLongError` if the listing passes
-    its bound (:mod:`.listing`). Each page is one request on s3fs's client (no retries of s3fs's own), under
-    the caller's deadline.
-    """
-    bucket, key, _version = fs.split_path(path)
-    key = key.rstrip("/")
-    found: list[PendingUpload] = []
-    markers: dict[str, str] = {}
-    bound = ListingBound(f"s3://{bucket}/{key}", "in-progress multipart uploads")
-    while True:
-        try:
-            page = s3_call(fs, "list_multipart_uploads", Bucket=bucket, Prefix=key, **markers)
-        except Exception as exc:
-            raise DcpStorageError(
-                f"s3://{bucket}/{key}: cannot list in-progress multipart uploads ({type(exc).__name__}: {exc})"
-            ) from exc
-        for upload in page.get("Uploads", []) or []:
-            name = upload.get("Key", "")
-            if key and name != key and not name.startswith(key + "/"):
-                continue  # "ckpt" must not match "ckpt2/..."
-            initiated = upload.get("Initiated")
-            if isinstance(initiated, _dt.datetime) and initiated.tzinfo is None:
-                initiated = initiated.replace(tzinfo=_dt.timezone.utc)
-            found.append(
-                PendingUpload(f"s3://{bucket}/{name}", name, upload["UploadId"], initiated if initiated else None)
-            )
-        truncated = bool(page.get("IsTruncated"))
-        markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
-        bound.page(
-            len(page.get("Uploads", []) or []),
-            f"{markers['KeyMarker']}\0{markers['UploadIdMarker']}" if truncated else None,
-        )
-        if not truncated:
-            break
-    return sorted(found, key=lambda u: (u.key, u.initiated or _dt.datetime.min.replace(tzinfo=_dt.timezone.utc)))
-
-
-def abort_pending(fs: Any, path: str, upload: PendingUpload) -> bool:
-    """Abort ``upload`` (one found under ``path``); ``False`` if it is gone (completed or aborted meanwhile)."""
-    bucket, _key, _version = fs.split_path(path)
-    try:
-        fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload.key, UploadId=upload.upload_id)
-    except FileNotFoundError:  # s3fs maps NoSuchUpload to FileNotFoundError: it finished meanwhile
-        return False
-    except Exception as exc:
-        raise DcpStorageError(f"{upload.describe()}: cannot abort ({type(exc).__name__}: {exc})") from exc
-    return True
-
-
 _MEMORY_LOCK = threading.Lock()
 
 _OWN_CHECK_LIMIT = 64 * 1024  # a claim is a few hundred bytes: a larger object is not ours, and is not read
@@ -468,3 +394,78 @@ def holds(transport: Any, path: str, data: bytes) -> bool:
         return bytes(transport.read_file(path)) == bytes(data)
     except FileNotFoundError:  # removed meanwhile: still not ours
         return False
+
+
+# ------------------------------------------------------------------------------ metadata requests
+def _split(fs: Any, path: str) -> tuple[str, str]:
+    bucket, key, _ = fs.split_path(path)
+    return bucket, key
+
+
+def s3_size(fs: Any, path: str) -> int:
+    """Size of the object at ``path`` (``HeadObject``); ``FileNotFoundError`` if there is none."""
+    return s3_size_version(fs, path)[0]
+
+
+def s3_size_version(fs: Any, path: str) -> tuple[int, str | None]:
+    """Size and ETag of the object at ``path`` (one ``HeadObject``)."""
+    bucket, key = _split(fs, path)
+    head = s3_call(fs, "head_object", Bucket=bucket, Key=key)
+    return int(head["ContentLength"]), head.get("ETag")
+
+
+def s3_exists(fs: Any, path: str) -> bool:
+    """Whether ``path`` is an object, or a prefix with objects under it (a directory), or a bucket."""
+    bucket, key = _split(fs, path)
+    if key:
+        try:
+            s3_call(fs, "head_object", Bucket=bucket, Key=key)
+            return True
+        except FileNotFoundError:
+            pass
+        prefix = key.rstrip("/") + "/"
+        try:
+            listed = s3_call(fs, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
+        except FileNotFoundError:  # NoSuchBucket
+            return False
+        return bool(listed.get("KeyCount") or listed.get("Contents") or listed.get("CommonPrefixes"))
+    try:
+        s3_call(fs, "head_bucket", Bucket=bucket)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def s3_list_names(fs: Any, path: str) -> list[str]:
+    """Names of the objects and prefixes directly under ``path`` (sorted); empty if there are none."""
+    bucket, key = _split(fs, path)
+    prefix = key.rstrip("/") + "/" if key else ""
+    names: set[str] = set()
+    token: str | None = None
+    bound = ListingBound(fs.unstrip_protocol(path))  # a listing that never ends is cut off (:mod:`.listing`)
+    while True:
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+        if token:
+            kwargs["ContinuationToken"] = token
+        try:
+            page = s3_call(fs, "list_objects_v2", **kwargs)
+        except FileNotFoundError:  # NoSuchBucket
+            return []
+        for entry in page.get("Contents", ()):
+            names.add(entry["Key"][len(prefix) :])
+        for entry in page.get("CommonPrefixes", ()):
+            names.add(posixpath.basename(entry["Prefix"].rstrip("/")))
+        token = page.get("NextContinuationToken")
+        done = not page.get("IsTruncated") or not token
+        bound.page(len(page.get("Contents", ())) + len(page.get("CommonPrefixes", ())), None if done else token)
+        if done:
+            break
+    names.discard("")  # a zero-byte "directory marker" object named like the prefix
+    return sorted(names)
+
+
+def s3_delete(fs: Any, path: str) -> None:
+    """Delete the object at ``path``; deleting a missing key succeeds (S3 semantics), so retries are safe."""
+    bucket, key = _split(fs, path)
+    s3_call(fs, "delete_object", Bucket=bucket, Key=key)
+    fs.invalidate_cache(path)

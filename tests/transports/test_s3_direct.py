@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import dcp_storage.transports.s3 as s3_module
-from dcp_storage.errors import CheckpointNotFoundError, ObjectChangedError
+from dcp_storage.errors import CheckpointNotFoundError, FileTooLargeError, ObjectChangedError
 from dcp_storage.transports import FsspecTransport, RangeRequest, RetryPolicy, TransportConfig
 from dcp_storage.transports.s3_stream import ScatterSink, client_ready
 
@@ -33,34 +33,51 @@ def blob(s3_url: Any) -> Iterator[tuple[Any, str, str, dict[str, Any]]]:
         yield transport, path, url, options
 
 
-def _no_aiobotocore_gets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make the aiobotocore ranged GET fail the test; count the direct GETs that answered."""
-    answered: list[int] = []
-    direct = s3_module.direct_range
+def _no_aiobotocore_reads(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Make aiobotocore's reads (ranges, whole objects, sizes) fail the test; list what the direct ones got."""
+    answered: list[object] = []
 
-    def counted(*args: Any, **kwargs: Any) -> int | None:
-        got = direct(*args, **kwargs)
-        if got is not None:
-            answered.append(got)
-        return got
+    def counted(direct: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            got = direct(*args, **kwargs)
+            if got is not None:
+                answered.append(got)
+            return got
 
-    def refused(*_args: Any, **_kwargs: Any) -> int:
-        raise AssertionError("a ranged GET went through aiobotocore")
+        return call
 
-    monkeypatch.setattr(s3_module, "direct_range", counted)
-    monkeypatch.setattr(s3_module, "stream_range", refused)
+    def refused(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("a read went through aiobotocore")
+
+    for name in ("direct_range", "direct_object", "direct_head"):
+        monkeypatch.setattr(s3_module, name, counted(getattr(s3_module, name)))
+    for name in ("stream_range", "read_object_version", "s3_size_version"):
+        monkeypatch.setattr(s3_module, name, refused)
     return answered
 
 
 def test_ranges_land_in_place_through_the_direct_path(blob: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     transport, path, _, _ = blob
-    answered = _no_aiobotocore_gets(monkeypatch)
+    answered = _no_aiobotocore_reads(monkeypatch)
     rng = random.Random(3)
     spans = sorted({(a, a + rng.randint(1, 200_000)) for a in (rng.randrange(SIZE - 200_000) for _ in range(40))})
     got = transport.read_ranges([RangeRequest(path, a, b) for a, b in spans])  # coalesced, gaps dropped
     assert [bytes(g) for g in got] == [BLOB[a:b] for a, b in spans]  # type: ignore[arg-type]
     assert bytes(transport.read_range(path, 0, SIZE)) == BLOB
     assert answered and transport.counters.retries == 0
+
+
+def test_whole_objects_and_sizes_are_read_directly(blob: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    transport, path, _, _ = blob
+    answered = _no_aiobotocore_reads(monkeypatch)
+    small = transport.join(path.rsplit("/", 1)[0], "small")
+    transport.write_file(small, BLOB[:1000])
+    assert bytes(transport.read_file(small)) == BLOB[:1000]
+    assert transport.size(path) == SIZE
+    with pytest.raises(FileTooLargeError) as info:  # refused from the answer's length, the body unread
+        transport.read_file(path, max_bytes=SIZE - 1)
+    assert "blob" in str(info.value)
+    assert len(answered) == 2 and transport.counters.bytes_read < 2000
 
 
 @pytest.mark.parametrize("direct", ["1", "0"])
@@ -74,10 +91,13 @@ def test_errors_are_the_ones_the_aiobotocore_path_raises(
     transport, root = FsspecTransport.from_url(url, options, CONFIG)
     with transport:
         missing = transport.join(root, "missing")
-        with pytest.raises(CheckpointNotFoundError, match="missing") as info:
+        with pytest.raises(CheckpointNotFoundError, match="missing"):
             transport.read_range(missing, 0, 10)
-        assert transport.counters.requests == 1 and transport.counters.retries == 0, transport.counters
-        assert isinstance(info.value.__cause__ or info.value, Exception)
+        with pytest.raises(CheckpointNotFoundError, match="missing"):
+            transport.read_file(missing)
+        with pytest.raises(CheckpointNotFoundError, match="missing"):
+            transport.size(missing)
+        assert transport.counters.retries == 0, transport.counters  # permanent: one attempt each
         path = transport.join(root, "blob")
         transport.write_file(path, BLOB)
         transport.begin_load()
