@@ -14,37 +14,35 @@ are one ``PutObject`` or a multipart upload whose every request is retried on it
 it finally fails (:mod:`.s3_upload`); create-if-absent is a ``PutObject`` with ``If-None-Match: *``. Multipart
 uploads a killed writer left can be listed and aborted (the optional :class:`~.protocol.MultipartUploads`).
 
-Direct ranged GETs. Through aiobotocore, every body chunk of every connection is read by the event loop's one
-thread into a new ``bytes`` object, which is then copied into place: each byte is copied twice, and all
-connections share one thread and the GIL with the load's own work. Measured here (s3rver, 512 MiB from
-torch's writer, one process): our client used 0.8-0.9 CPU-seconds per load against 0.20-0.29 for plain
-``http.client`` GETs into buffers, and on two cores that is taken from the server. :func:`direct_range` sends
-the same ``GetObject`` from the fetching worker thread on a keep-alive connection of its own and ``readinto``s
-the body straight into the destination (the gaps between coalesced pieces into a scratch buffer): one copy,
-the kernel's, with the GIL released while it waits. The request is the one botocore would send, by botocore:
-a URL presigned with s3fs's own client (credentials, endpoint, addressing style, region), valid for
-:data:`PRESIGN_SECONDS` and reused for one object and version for :data:`REUSE_SECONDS`; ``Range`` and
-``If-Match`` go as plain headers (unsigned, as S3 allows). Only where that request is exactly what the client
-would send: an ``http``/``https`` endpoint reached without a proxy, no client certificate, and no per-request
-options (``requester_pays``, ``s3_additional_kwargs`` such as SSE-C keys, which are signed headers); TLS is
-verified with the context aiobotocore builds for the client (its ``verify`` and CA bundle).
-A load then never starts aiobotocore's HTTP session: its first request cost 50-100 ms more than a direct
-one here (the session, its connector and CA bundle). ``DCP_STORAGE_S3_DIRECT=0`` turns it off. Any answer but the range asked for (an error status, a refused
-condition, no answer at all) is not interpreted there: the request is sent again through
-:func:`~.s3_stream.stream_range`, which maps every answer to the same errors as before and retries as before.
+Direct reads. Through aiobotocore, every body chunk of every connection is read by the event loop's one thread
+into a new ``bytes`` object, which is then copied into place: each byte is copied twice, and all connections
+share one thread and the GIL with the load's own work. Measured here (s3rver, 512 MiB from torch's writer,
+one process): our client used 0.8-0.9 CPU-seconds per load against 0.20-0.29 for plain ``http.client`` GETs
+into buffers, and on two cores that is taken from the server. :func:`direct_range` sends the request from the
+fetching worker thread on a keep-alive connection of its own and ``readinto``s the body straight into the
+destination (the gaps between coalesced pieces into a scratch buffer): one copy, the kernel's, with the GIL
+released while it waits. The request is the one s3fs's client sends, made by it: the same call goes through
+botocore (parameters with s3fs's own per-request options, endpoint rules, addressing style, credentials,
+signature) and leaves it at its ``before-send`` event, unsent (:func:`_prepared`). Only where that client would
+send it alone: an ``http``/``https`` endpoint reached without a proxy, no client certificate, one attempt per
+call; TLS is verified with the context aiobotocore builds for the client (its ``verify`` and CA bundle). An
+error answer is parsed by botocore's parser and translated as s3fs does, so errors, attempts and retries are
+as on the other path. A load then never starts aiobotocore's HTTP session either: its first request cost
+50-100 ms more than a direct one here (the session, its connector and CA bundle). ``DCP_STORAGE_S3_DIRECT=0``
+turns this off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import http.client
 import os
 import threading
-import time
 import urllib.parse
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dcp_storage.errors import FileTooLargeError
@@ -58,10 +56,11 @@ from dcp_storage.transports.guards import (
 )
 from dcp_storage.transports.protocol import CountingWriter
 from dcp_storage.transports.ranges import FetchGroup
-from dcp_storage.transports.retry import remaining
+from dcp_storage.transports.retry import bounded_sync, error_code, remaining
 from dcp_storage.transports.s3_stream import (
     ScatterSink,
     can_stream,
+    client_call,
     client_ready,
     read_object_version,
     s3_delete,
@@ -202,26 +201,20 @@ class S3Transport(FsspecTransport):
             self.counters.add(requests=upload.requests)
 
 
-# ------------------------------------------------------------------------------ direct ranged GETs
+# ------------------------------------------------------------------------------ direct reads
 DIRECT_ENV = "DCP_STORAGE_S3_DIRECT"
-PRESIGN_SECONDS = 3600
-REUSE_SECONDS = 600  # a URL is re-signed well before it expires (and with refreshed credentials)
-_DEFAULT_TIMEOUT = 60.0
-_ERROR_BODY_BYTES = (
-    64 * 1024
-)  # an error answer's XML is read up to this much  # botocore's default connect and read timeouts
+_DEFAULT_TIMEOUT = 60.0  # botocore's default connect and read timeouts
+_ERROR_BODY_BYTES = 64 * 1024  # an error answer's XML is read up to this much
 
 
 @dataclass
 class _Direct:
-    """What one s3fs filesystem's direct GETs need: whether they apply, TLS, timeouts, the presigned URLs."""
+    """What one s3fs filesystem's direct reads need: whether they apply, its TLS context and timeouts."""
 
     usable: bool
     ssl_context: Any = None
     connect_timeout: float = _DEFAULT_TIMEOUT
     read_timeout: float = _DEFAULT_TIMEOUT
-    urls: dict[tuple[str, str, str, str | None], tuple[str, float]] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _STATE: weakref.WeakKeyDictionary[Any, _Direct] = weakref.WeakKeyDictionary()
@@ -243,10 +236,8 @@ def direct_range(
     short), or ``None`` when this path does not apply (the caller uses :func:`~.s3_stream.stream_range`).
     Raises what that path raises: a range that is not what was asked (before any byte lands), an error
     answer as botocore parses it and s3fs translates it, a failed connection."""
-    headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-    if if_match:
-        headers["If-Match"] = if_match
-    with _answer(fs, "GetObject", path, headers, if_match) as resp:
+    params = {"Range": f"bytes={start}-{end - 1}", **({"IfMatch": if_match} if if_match else {})}
+    with _answer(fs, "GetObject", path, params) as resp:
         if resp is None:
             return None
         header, content_range = resp.getheader("Content-Length"), resp.getheader("Content-Range")
@@ -264,7 +255,7 @@ def direct_range(
 def direct_object(fs: Any, path: str, max_bytes: int | None) -> tuple[bytes, str | None] | None:
     """A whole (small) object and its ETag, as :func:`~.s3_stream.read_object_version` (``None``: that path):
     none of its bytes when the answer says it is over ``max_bytes``."""
-    with _answer(fs, "GetObject", path, {"Accept-Encoding": "identity"}) as resp:
+    with _answer(fs, "GetObject", path, {}) as resp:
         if resp is None or is_encoded(resp.getheader("Content-Encoding")):
             return None  # (a store that encodes anyway: aiobotocore's path reads it as before)
         header = resp.getheader("Content-Length")
@@ -275,7 +266,32 @@ def direct_object(fs: Any, path: str, max_bytes: int | None) -> tuple[bytes, str
             data = resp.read(max_bytes + 1) if max_bytes is not None and size is None else resp.read()
         except http.client.HTTPException as exc:  # a body cut short (IncompleteRead): transient, as there
             raise ConnectionError(f"GET {fs.unstrip_protocol(path)}: {type(exc).__name__}: {exc}") from exc
+        _check_object_checksum(resp, data)
         return data, resp.getheader("ETag")
+
+
+def _check_object_checksum(resp: http.client.HTTPResponse, body: bytes) -> None:
+    """Check a whole object's body against the ``x-amz-checksum-*`` its answer carries, as botocore does for the
+    requests it sends with ``x-amz-checksum-mode`` (its default): the first algorithm in botocore's order that
+    it can compute here and the answer names (a composite ``...-N`` multipart checksum is not checked)."""
+    from botocore import httpchecksum
+    from botocore.exceptions import FlexibleChecksumError
+
+    usable = {"crc32": "Crc32Checksum", "sha1": "Sha1Checksum", "sha256": "Sha256Checksum", "sha512": "Sha512Checksum"}
+    if getattr(httpchecksum, "HAS_CRT", False):
+        usable.update(crc32c="CrtCrc32cChecksum", crc64nvme="CrtCrc64NvmeChecksum")
+    for algorithm in ("crc64nvme", "crc32c", "crc32", "sha1", "sha256", "sha512"):
+        expected = resp.getheader(f"x-amz-checksum-{algorithm}")
+        cls = getattr(httpchecksum, usable.get(algorithm, ""), None)
+        if expected is None or cls is None or "-" in expected:
+            continue
+        checksum = cls()
+        checksum.update(body)
+        if checksum.b64digest() != expected:
+            raise FlexibleChecksumError(
+                error_msg=f"Expected checksum {expected} did not match calculated checksum: {checksum.b64digest()}"
+            )
+        return
 
 
 def direct_head(fs: Any, path: str) -> tuple[int, str | None] | None:
@@ -290,12 +306,10 @@ def direct_head(fs: Any, path: str) -> tuple[int, str | None] | None:
 
 
 @contextlib.contextmanager
-def _answer(
-    fs: Any, operation: str, path: str, headers: dict[str, str], if_match: str | None = None
-) -> Iterator[http.client.HTTPResponse | None]:
-    """The answer to ``operation`` on ``path`` sent directly, its body unread; ``None`` where this path does not
-    apply. An error answer is raised as the client would raise it. The connection stays for this thread's next
-    request only if the answer was read to its end."""
+def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Iterator[http.client.HTTPResponse | None]:
+    """The answer to ``operation`` (with API ``params`` such as ``Range``) on ``path`` sent directly, its body
+    unread; ``None`` where this path does not apply. An error answer is raised as the client would raise it.
+    The connection stays for this thread's next request only if the answer was read to its end."""
     left = remaining()
     if os.environ.get(DIRECT_ENV, "1").strip().lower() in ("0", "false", "no", "off") or (
         left is not None and left <= 0  # the other path reports a passed deadline
@@ -303,32 +317,68 @@ def _answer(
         yield None
         return
     client_ready(fs, fs.unstrip_protocol(path))
-    state = _state(fs)
     bucket, key, version = fs.split_path(path)
+    kwargs = {"Bucket": bucket, "Key": key, **({"VersionId": version} if version else {}), **params}
+    method = "get_object" if operation == "GetObject" else "head_object"
     try:
-        url = _presigned(fs, state, operation, bucket, key, version) if state.usable else None
-    except Exception:  # noqa: BLE001 - signing is local: the other path makes the same client call and reports it
-        url = None
-    if url is None:
+        request = bounded_sync(fs.loop, _prepared, fs, method, kwargs) if _state(fs).usable else None
+    except Exception:  # noqa: BLE001 - the other path makes the same client call and reports what it raises
+        request = None
+    if request is None:
         yield None
         return
-    parts = urllib.parse.urlsplit(url)
+    parts = urllib.parse.urlsplit(request.url)
+    headers = {str(k): v for k, v in request.headers.items()}
+    if request.method == "GET":
+        headers.setdefault("Accept-Encoding", "identity")  # not signed (nor need it be): bytes as stored
+    state = _state(fs)
     target = parts.path + ("?" + parts.query if parts.query else "")
-    conn, resp = _send(state, parts, "HEAD" if operation == "HeadObject" else "GET", target, headers, left)
+    conn, resp = _send(state, parts, request.method, target, headers, left)
     try:
         if resp.status >= 300:
-            raise _error_answer(fs, resp, operation, bucket, key, if_match)
+            raise _error_answer(fs, resp, operation, method, kwargs)
         yield resp
     finally:
         if not resp.isclosed():  # an answer not read to its end: the connection cannot be reused
             _drop(parts, conn)
 
 
+class _Prepared(Exception):  # noqa: N818 - not an error: how the signed request leaves botocore unsent
+    def __init__(self, request: Any) -> None:
+        super().__init__("prepared")
+        self.request = request
+
+
+_PREPARING: contextvars.ContextVar[bool] = contextvars.ContextVar("dcp_storage_s3_preparing", default=False)
+
+
+def _hand_over(request: Any, **_kwargs: Any) -> None:
+    """``before-send`` handler: a request being prepared for a direct send leaves the client here, unsent."""
+    if _PREPARING.get():
+        raise _Prepared(request)
+
+
+async def _prepared(fs: Any, method: str, kwargs: dict[str, Any]) -> Any:
+    """The request ``method`` with ``kwargs`` as s3fs's client sends it (serialised, endpoint resolved, signed),
+    taken at botocore's ``before-send`` event instead of being sent."""
+    client = await fs.get_s3(kwargs.get("Bucket"))
+    client.meta.events.register_first("before-send.s3", _hand_over, unique_id="dcp-storage-direct-send")
+    token = _PREPARING.set(True)
+    try:
+        await client_call(fs, method, **kwargs)
+    except _Prepared as prepared:
+        return prepared.request
+    finally:
+        _PREPARING.reset(token)
+    return None  # another handler answered it: not this path
+
+
 def _error_answer(
-    fs: Any, resp: http.client.HTTPResponse, operation: str, bucket: str, key: str, if_match: str | None
+    fs: Any, resp: http.client.HTTPResponse, operation: str, method: str, kwargs: dict[str, Any]
 ) -> Exception:
     """The error an error answer is: parsed by botocore's own parser into its modelled ``ClientError``, then
     translated as :func:`~.s3_stream.s3_call` does (``NoSuchKey`` -> ``FileNotFoundError``, ...)."""
+    from botocore.exceptions import ClientError
     from botocore.parsers import create_parser
 
     body = resp.read(_ERROR_BODY_BYTES)
@@ -336,10 +386,9 @@ def _error_answer(
     answer = {"status_code": resp.status, "headers": dict(resp.getheaders()), "body": body}
     shape = client.meta.service_model.operation_model(operation).output_shape
     parsed = create_parser("rest-xml").parse(answer, shape)
-    code = parsed.get("Error", {}).get("Code") or str(resp.status)
-    exc = client.exceptions.from_code(code)(parsed, operation)
-    method = "get_object" if operation == "GetObject" else "head_object"
-    return translate_client_error(exc, method, {"Bucket": bucket, "Key": key, "IfMatch": if_match})
+    exc = ClientError(parsed, operation)
+    exc = client.exceptions.from_code(error_code(exc) or str(resp.status))(parsed, operation)  # the modelled class
+    return translate_client_error(exc, method, kwargs)
 
 
 def _send(
@@ -403,30 +452,6 @@ def _drop(parts: urllib.parse.SplitResult, conn: http.client.HTTPConnection) -> 
     conn.close()
 
 
-def _presigned(fs: Any, state: _Direct, operation: str, bucket: str, key: str, version: str | None) -> str:
-    """A presigned URL of ``operation`` on the object (and version), signed at most :data:`REUSE_SECONDS` ago."""
-    from fsspec.asyn import sync
-
-    now = time.monotonic()
-    with state.lock:
-        held = state.urls.get((operation, bucket, key, version))
-    if held is not None and now - held[1] < REUSE_SECONDS:
-        return held[0]
-    params: dict[str, Any] = {"Bucket": bucket, "Key": key}
-    if version:
-        params["VersionId"] = version
-
-    async def sign() -> str:
-        client = await fs.get_s3(bucket)
-        method = "get_object" if operation == "GetObject" else "head_object"
-        return await client.generate_presigned_url(method, Params=params, ExpiresIn=PRESIGN_SECONDS)  # type: ignore[no-any-return]
-
-    url = str(sync(fs.loop, sign))
-    with state.lock:
-        state.urls[(operation, bucket, key, version)] = (url, now)
-    return url
-
-
 def _state(fs: Any) -> _Direct:
     with _STATE_LOCK:
         state = _STATE.get(fs)
@@ -439,13 +464,11 @@ def _state(fs: Any) -> _Direct:
 
 def _judge(fs: Any) -> _Direct:
     """Whether direct GETs send what the client would (module docstring), and the client's TLS and timeouts."""
-    if getattr(fs, "req_kw", None) or getattr(fs, "s3_additional_kwargs", None):
-        return _Direct(False)
     client = getattr(fs, "_s3", None)
     endpoint = getattr(client, "_endpoint", None)
     session = getattr(endpoint, "http_session", None)
     host = getattr(endpoint, "host", None)
-    if session is None or not isinstance(host, str) or not hasattr(client, "generate_presigned_url"):
+    if session is None or not isinstance(host, str) or not hasattr(client, "meta"):
         return _Direct(False)
     retries = getattr(getattr(client, "meta", None), "config", None)
     retries = getattr(retries, "retries", None) or {}

@@ -72,6 +72,7 @@ __all__ = [
     "ScatterSink",
     "client_ready",
     "can_stream",
+    "client_call",
     "create_local",
     "fsspec_put_if_absent",
     "holds",
@@ -97,7 +98,7 @@ def can_stream(fs: Any) -> bool:
     return type(fs).__name__ == "S3FileSystem" and all(hasattr(fs, name) for name in _CLIENT_HOOKS)
 
 
-async def _call(fs: Any, method: str, **kwargs: Any) -> Any:
+async def client_call(fs: Any, method: str, **kwargs: Any) -> Any:
     """One S3 API call on s3fs's client, with s3fs's per-request options, without s3fs's retry wrapper."""
     from botocore.exceptions import ClientError, EndpointResolutionError  # s3fs depends on botocore
 
@@ -160,9 +161,9 @@ def options_error(fs: Any, url: str, exc: BaseException) -> StorageOptionsError:
 
 
 def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
-    """Blocking :func:`_call`: ``s3_call(fs, "put_object", Bucket=..., Key=..., Body=...)``."""
+    """Blocking :func:`client_call`: ``s3_call(fs, "put_object", Bucket=..., Key=..., Body=...)``."""
     client_ready(fs, _call_url(kwargs))
-    return bounded_sync(fs.loop, _call, fs, method, **kwargs)
+    return bounded_sync(fs.loop, client_call, fs, method, **kwargs)
 
 
 _SCRATCH_BYTES = 1 << 16  # the bytes between coalesced pieces, read and dropped (ScatterSink.fill)
@@ -236,7 +237,7 @@ async def _get_range(
         kwargs["VersionId"] = version
     if if_match:
         kwargs["IfMatch"] = if_match  # the version this load saw first (:mod:`.versions`)
-    response = await _call(fs, "get_object", **kwargs)
+    response = await client_call(fs, "get_object", **kwargs)
     body = response["Body"]
     got = 0
     want = end - start
@@ -298,7 +299,7 @@ async def _get_object(fs: Any, path: str, max_bytes: int | None) -> tuple[bytes,
     kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
     if version:
         kwargs["VersionId"] = version
-    response = await _call(fs, "get_object", **kwargs)
+    response = await client_call(fs, "get_object", **kwargs)
     body = response["Body"]
     try:
         size = response.get("ContentLength")

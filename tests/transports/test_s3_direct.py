@@ -1,7 +1,7 @@
 """Direct S3 ranged GETs (:func:`dcp_storage.transports.s3.direct_range`), on moto: the bytes land in place
 through the worker thread's own connection, every error is the one the aiobotocore path raises, and the path
-is left to aiobotocore wherever the request would differ (options that are signed headers, a proxy, the
-client's own retries, the switch)."""
+is left to aiobotocore where its client would not send the request alone (a proxy, the client's own retries)
+or the switch is off."""
 
 from __future__ import annotations
 
@@ -113,20 +113,39 @@ def test_errors_are_the_ones_the_aiobotocore_path_raises(
 @pytest.mark.parametrize(
     "extra",
     [
-        {"requester_pays": True},
-        {"s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256"}},
         {"config_kwargs": {"proxies": {"http": "http://127.0.0.1:9", "https": "http://127.0.0.1:9"}}},
         {"config_kwargs": {"retries": {"max_attempts": 4}}},
     ],
-    ids=["requester_pays", "sse_c", "proxy", "client_retries"],
+    ids=["proxy", "client_retries"],
 )
-def test_requests_that_would_differ_keep_the_aiobotocore_path(s3_url: Any, extra: dict[str, Any]) -> None:
+def test_a_client_that_would_not_send_alone_keeps_the_aiobotocore_path(s3_url: Any, extra: dict[str, Any]) -> None:
     url, options = s3_url
-    config_kwargs = {**options.get("config_kwargs", {}), **extra.pop("config_kwargs", {})}
-    transport, _ = FsspecTransport.from_url(url, {**options, **extra, "config_kwargs": config_kwargs}, CONFIG)
+    config_kwargs = {**options.get("config_kwargs", {}), **extra["config_kwargs"]}
+    transport, _ = FsspecTransport.from_url(url, {**options, "config_kwargs": config_kwargs}, CONFIG)
     with transport:
         client_ready(transport.fs)
         assert s3_module._state(transport.fs).usable is False
+
+
+def test_per_request_options_are_in_the_direct_request(s3_url: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request is the client's own: s3fs's per-request options (``requester_pays`` here) are serialised
+    and signed into it by botocore, as on the other path."""
+    url, options = s3_url
+    sent: list[dict[str, Any]] = []
+    send = s3_module._send
+
+    def recorded(state: Any, parts: Any, method: str, target: str, headers: dict[str, Any], left: Any) -> Any:
+        sent.append(headers)
+        return send(state, parts, method, target, headers, left)
+
+    monkeypatch.setattr(s3_module, "_send", recorded)
+    transport, root = FsspecTransport.from_url(url, {**options, "requester_pays": True}, CONFIG)
+    with transport:
+        path = transport.join(root, "blob")
+        transport.write_file(path, BLOB[:5000])
+        assert bytes(transport.read_range(path, 10, 20)) == BLOB[10:20]
+    assert sent and all(h.get("x-amz-request-payer") == b"requester" for h in sent), sent
+    assert all(h.get("Authorization", b"").startswith(b"AWS4-HMAC-SHA256") for h in sent)  # the client's SigV4
 
 
 def test_a_forked_child_gets_a_connection_of_its_own(blob: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,3 +193,27 @@ def test_scatter_sink_fill_reads_into_the_segments(seed: int) -> None:
         a, b = max(lo, start), min(hi, body_end)
         if a < b:
             assert bytes(buf[a - lo : b - lo]) == source[a:b]
+
+
+class _Answer:
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.headers = headers
+
+    def getheader(self, name: str) -> str | None:
+        return self.headers.get(name)
+
+
+def test_a_whole_object_is_checked_against_the_checksum_its_answer_names() -> None:
+    """As botocore checks the bodies of the GETs it sends with ``x-amz-checksum-mode``."""
+    import base64
+    import zlib
+
+    from botocore.exceptions import FlexibleChecksumError
+
+    body = BLOB[:5000]
+    right = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+    s3_module._check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body)  # type: ignore[arg-type]
+    s3_module._check_object_checksum(_Answer({"x-amz-checksum-crc32": "AAAAAA==-3"}), body)  # type: ignore[arg-type]
+    s3_module._check_object_checksum(_Answer({}), body)  # type: ignore[arg-type]
+    with pytest.raises(FlexibleChecksumError):
+        s3_module._check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body[:-1] + b"?")  # type: ignore[arg-type]
