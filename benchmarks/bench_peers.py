@@ -183,6 +183,10 @@ def s3_load(run: Run, server: Any, dcp_info: dict[str, Any], st_info: dict[str, 
             for who in contestants:
                 note = "each rank streams whole tensors, copies its rows" if who == "runai" and world > 1 else ""
                 entries.append((_label(who), "load", load_job, world, {**common, "who": who, "note": note}))
+            # The same load with the direct reads switched off (aiobotocore's path), to tell their share apart.
+            ours = contestants[0]
+            aio = {**common, "who": ours, "env": {**env, "DCP_STORAGE_S3_DIRECT": "0"}}
+            entries.append((f"{_label(ours)}{AIO}", "load", load_job, world, aio))
             case = f"s3 load {fmt} {'1p' if world == 1 else f'{world}r S0'}"
             run.group(case, entries)
 
@@ -275,7 +279,16 @@ def _s3_env(server: Any) -> dict[str, str]:
 # ============================================================================================ report
 
 NO_SETTLE = "dcp_storage FsspecWriter, lock settle 0"
-OURS = {"dcp_storage FsspecReader", "dcp_storage SafetensorsReader", "dcp_storage FsspecWriter", NO_SETTLE}
+AIO = ", aiobotocore reads"  # DCP_STORAGE_S3_DIRECT=0
+OURS = {
+    "dcp_storage FsspecReader",
+    "dcp_storage SafetensorsReader",
+    "dcp_storage FsspecWriter",
+    NO_SETTLE,
+    "dcp_storage FsspecReader" + AIO,
+    "dcp_storage SafetensorsReader" + AIO,
+    "dcp_storage SafetensorsWriter",
+}
 
 
 def finish(rows: list[dict[str, Any]]) -> None:
