@@ -63,6 +63,7 @@ import concurrent.futures
 import contextlib
 import errno
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -404,3 +405,30 @@ def single_layer_client_options(url: str, storage_options: Mapping[str, Any]) ->
             sock_connect=GCS_CONNECT_TIMEOUT, sock_read=GCS_READ_TIMEOUT
         )
     return options
+
+
+def cut_at_deadline(left: float | None, used: list[socket.socket]) -> threading.Timer | None:
+    """Shut the sockets in ``used`` down when the ``left`` seconds of the operation's deadline pass: a socket
+    timeout bounds each wait for bytes, not a server that sends one byte now and then."""
+    if left is None:
+        return None
+
+    def cut() -> None:
+        for sock in used:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(left, cut)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def raise_if_past_deadline(left: float | None, cause: BaseException | None = None) -> None:
+    """The deadline's own error (as :func:`bounded_sync` raises it) once the operation's time is up."""
+    now = remaining()
+    if left is not None and now is not None and now <= 0:
+        raise AttemptTimeoutError(
+            f"no complete answer within the {left:.1f}s left to the operation's deadline (a stalled server or "
+            "connection; RetryPolicy(deadline=...) sets it)"
+        ) from cause

@@ -14,22 +14,17 @@ are one ``PutObject`` or a multipart upload whose every request is retried on it
 it finally fails (:mod:`.s3_upload`); create-if-absent is a ``PutObject`` with ``If-None-Match: *``. Multipart
 uploads a killed writer left can be listed and aborted (the optional :class:`~.protocol.MultipartUploads`).
 
-Direct reads. Through aiobotocore, every body chunk of every connection is read by the event loop's one thread
-into a new ``bytes`` object, which is then copied into place: each byte is copied twice, and all connections
-share one thread and the GIL with the load's own work. Measured here (s3rver, 512 MiB from torch's writer,
-one process): our client used 0.8-0.9 CPU-seconds per load against 0.20-0.29 for plain ``http.client`` GETs
-into buffers, and on two cores that is taken from the server. :func:`direct_range` sends the request from the
-fetching worker thread on a keep-alive connection of its own and ``readinto``s the body straight into the
-destination (the gaps between coalesced pieces into a scratch buffer): one copy, the kernel's, with the GIL
-released while it waits. The request is the one s3fs's client sends, made by it: the same call goes through
-botocore (parameters with s3fs's own per-request options, endpoint rules, addressing style, credentials,
-signature) and leaves it at its ``before-send`` event, unsent (:func:`_prepared`). Only where that client would
-send it alone: an ``http``/``https`` endpoint reached without a proxy, no client certificate, one attempt per
-call; TLS is verified with the context aiobotocore builds for the client (its ``verify`` and CA bundle). An
-error answer is parsed by botocore's parser and translated as s3fs does, so errors, attempts and retries are
-as on the other path. A load then never starts aiobotocore's HTTP session either: its first request cost
-50-100 ms more than a direct one here (the session, its connector and CA bundle). ``DCP_STORAGE_S3_DIRECT=0``
-turns this off.
+Direct reads (:func:`direct_range` and below). Through aiobotocore, the event loop's one thread read every body
+chunk of every connection into a new ``bytes``, then copied into place, sharing the GIL with the load's own
+work; on s3rver (512 MiB, one process) our client used 0.8-0.9 CPU-seconds per load against 0.20-0.29 for plain
+``http.client`` GETs, taken from the server on two cores. Here the fetching worker thread sends the request on
+a keep-alive connection of its own and ``readinto``s the body into the destination: one copy, the kernel's. The
+request is s3fs's client's own: the same call goes through botocore (s3fs's per-request options, endpoint
+rules, credentials, signature) and leaves it at its ``before-send`` event, unsent (:func:`_prepared`); only
+where that client sends alone (http/https, no proxy, no client certificate, one attempt per call; TLS with the
+context aiobotocore builds for it). Error answers go through botocore's parser and s3fs's translation; a
+bucket in another region is left to botocore's redirector. A load never starts aiobotocore's HTTP session:
+its first request cost 50-100 ms more. ``DCP_STORAGE_S3_DIRECT=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -38,6 +33,8 @@ import contextlib
 import contextvars
 import http.client
 import os
+import socket
+import ssl
 import threading
 import urllib.parse
 import weakref
@@ -56,10 +53,11 @@ from dcp_storage.transports.guards import (
 )
 from dcp_storage.transports.protocol import CountingWriter
 from dcp_storage.transports.ranges import FetchGroup
-from dcp_storage.transports.retry import bounded_sync, error_code, remaining
+from dcp_storage.transports.retry import bounded_sync, cut_at_deadline, error_code, raise_if_past_deadline, remaining
 from dcp_storage.transports.s3_stream import (
     ScatterSink,
     can_stream,
+    check_object_checksum,
     client_call,
     client_ready,
     read_object_version,
@@ -237,6 +235,7 @@ def direct_range(
     Raises what that path raises: a range that is not what was asked (before any byte lands), an error
     answer as botocore parses it and s3fs translates it, a failed connection."""
     params = {"Range": f"bytes={start}-{end - 1}", **({"IfMatch": if_match} if if_match else {})}
+    left = remaining()
     with _answer(fs, "GetObject", path, params) as resp:
         if resp is None:
             return None
@@ -246,6 +245,8 @@ def direct_range(
         if saw is not None:
             saw(resp.getheader("ETag"))  # before any byte lands
         got = fill(resp.readinto, end - start)
+        if got < end - start:
+            raise_if_past_deadline(left)  # the deadline cut the body short
         if got == end - start and not resp.isclosed() and resp.read(1) and length is None:
             # no Content-Length (chunked), and more than the range came
             raise range_mismatch(start, end, f"a longer body ({describe_answer(resp.status, content_range, None)})")
@@ -266,32 +267,8 @@ def direct_object(fs: Any, path: str, max_bytes: int | None) -> tuple[bytes, str
             data = resp.read(max_bytes + 1) if max_bytes is not None and size is None else resp.read()
         except http.client.HTTPException as exc:  # a body cut short (IncompleteRead): transient, as there
             raise ConnectionError(f"GET {fs.unstrip_protocol(path)}: {type(exc).__name__}: {exc}") from exc
-        _check_object_checksum(resp, data)
+        check_object_checksum(resp, data)
         return data, resp.getheader("ETag")
-
-
-def _check_object_checksum(resp: http.client.HTTPResponse, body: bytes) -> None:
-    """Check a whole object's body against the ``x-amz-checksum-*`` its answer carries, as botocore does for the
-    requests it sends with ``x-amz-checksum-mode`` (its default): the first algorithm in botocore's order that
-    it can compute here and the answer names (a composite ``...-N`` multipart checksum is not checked)."""
-    from botocore import httpchecksum
-    from botocore.exceptions import FlexibleChecksumError
-
-    usable = {"crc32": "Crc32Checksum", "sha1": "Sha1Checksum", "sha256": "Sha256Checksum", "sha512": "Sha512Checksum"}
-    if getattr(httpchecksum, "HAS_CRT", False):
-        usable.update(crc32c="CrtCrc32cChecksum", crc64nvme="CrtCrc64NvmeChecksum")
-    for algorithm in ("crc64nvme", "crc32c", "crc32", "sha1", "sha256", "sha512"):
-        expected = resp.getheader(f"x-amz-checksum-{algorithm}")
-        cls = getattr(httpchecksum, usable.get(algorithm, ""), None)
-        if expected is None or cls is None or "-" in expected:
-            continue
-        checksum = cls()
-        checksum.update(body)
-        if checksum.b64digest() != expected:
-            raise FlexibleChecksumError(
-                error_msg=f"Expected checksum {expected} did not match calculated checksum: {checksum.b64digest()}"
-            )
-        return
 
 
 def direct_head(fs: Any, path: str) -> tuple[int, str | None] | None:
@@ -308,8 +285,11 @@ def direct_head(fs: Any, path: str) -> tuple[int, str | None] | None:
 @contextlib.contextmanager
 def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Iterator[http.client.HTTPResponse | None]:
     """The answer to ``operation`` (with API ``params`` such as ``Range``) on ``path`` sent directly, its body
-    unread; ``None`` where this path does not apply. An error answer is raised as the client would raise it.
-    The connection stays for this thread's next request only if the answer was read to its end."""
+    unread; ``None`` where this path does not apply, or for an answer that botocore would follow itself (a
+    bucket in another region: its redirector re-signs the request there). An error answer is raised as the
+    client would raise it. The operation's deadline bounds the whole exchange, a server trickling bytes too
+    (:func:`_cut_at`). The connection stays for this thread's next request only if the answer was read to its
+    end."""
     left = remaining()
     if os.environ.get(DIRECT_ENV, "1").strip().lower() in ("0", "false", "no", "off") or (
         left is not None and left <= 0  # the other path reports a passed deadline
@@ -333,14 +313,36 @@ def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Itera
         headers.setdefault("Accept-Encoding", "identity")  # not signed (nor need it be): bytes as stored
     state = _state(fs)
     target = parts.path + ("?" + parts.query if parts.query else "")
-    conn, resp = _send(state, parts, request.method, target, headers, left)
+    used: list[socket.socket] = []
+    timer = cut_at_deadline(left, used)
     try:
-        if resp.status >= 300:
-            raise _error_answer(fs, resp, operation, method, kwargs)
-        yield resp
+        conn, resp = _send(state, parts, request.method, target, headers, left, used)
+        try:
+            if resp.getheader("Transfer-Encoding") is not None and resp.getheader("Content-Length") is not None:
+                raise ConnectionError(  # HTTP/1.1 refuses such a message (as aiohttp does): transient
+                    f"{request.method} {fs.unstrip_protocol(path)}: an answer with both Content-Length and "
+                    "Transfer-Encoding"
+                )
+            if resp.status >= 300:
+                failure, translated = _error_answer(fs, resp, operation, method, kwargs)
+                if resp.status in (301, 307) or error_code(failure) in _REDIRECTS or resp.getheader(_REGION):
+                    yield None  # another region: botocore's own path follows it (and remembers the region)
+                    return
+                raise translated
+            yield resp
+        finally:
+            if not resp.isclosed():  # an answer not read to its end: the connection cannot be reused
+                _drop(conn)
+    except (OSError, http.client.HTTPException) as exc:
+        raise_if_past_deadline(left, exc)
+        raise
     finally:
-        if not resp.isclosed():  # an answer not read to its end: the connection cannot be reused
-            _drop(parts, conn)
+        if timer is not None:
+            timer.cancel()
+
+
+_REDIRECTS = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"})
+_REGION = "x-amz-bucket-region"
 
 
 class _Prepared(Exception):  # noqa: N818 - not an error: how the signed request leaves botocore unsent
@@ -375,8 +377,8 @@ async def _prepared(fs: Any, method: str, kwargs: dict[str, Any]) -> Any:
 
 def _error_answer(
     fs: Any, resp: http.client.HTTPResponse, operation: str, method: str, kwargs: dict[str, Any]
-) -> Exception:
-    """The error an error answer is: parsed by botocore's own parser into its modelled ``ClientError``, then
+) -> tuple[Exception, Exception]:
+    """The error an error answer is: parsed by botocore's own parser into its modelled ``ClientError``, and that
     translated as :func:`~.s3_stream.s3_call` does (``NoSuchKey`` -> ``FileNotFoundError``, ...)."""
     from botocore.exceptions import ClientError
     from botocore.parsers import create_parser
@@ -388,7 +390,7 @@ def _error_answer(
     parsed = create_parser("rest-xml").parse(answer, shape)
     exc = ClientError(parsed, operation)
     exc = client.exceptions.from_code(error_code(exc) or str(resp.status))(parsed, operation)  # the modelled class
-    return translate_client_error(exc, method, kwargs)
+    return exc, translate_client_error(exc, method, kwargs)
 
 
 def _send(
@@ -398,10 +400,12 @@ def _send(
     target: str,
     headers: dict[str, str],
     left: float | None,
+    used: list[socket.socket],
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    """The request on this thread's connection to the endpoint, and its answer's headers. A kept-alive
-    connection the server closed meanwhile (reset before any answer) is replaced once, as aiohttp does; any
-    other failure is raised (an ``http.client`` error as a ``ConnectionError``: transient, for the retry layer)."""
+    """The request on this thread's connection to the endpoint (its socket added to ``used``), and its answer's headers. A
+    kept-alive connection the server closed meanwhile (reset before any answer) is replaced once, as aiohttp
+    does; any other failure is raised (an ``http.client`` or TLS error as a ``ConnectionError``: transient, for
+    the retry layer, as botocore's ``HTTPClientError`` is)."""
     for attempt in range(2):
         conn, reused = _connection(state, parts)
         timeout = state.read_timeout if left is None else min(state.read_timeout, left)
@@ -411,28 +415,30 @@ def _send(
             conn.request(method, target, headers=headers)
             if conn.sock is not None:
                 conn.sock.settimeout(timeout)
+                used.append(conn.sock)  # the answer reads this socket even where the connection lets it go
             return conn, conn.getresponse()
         except (OSError, http.client.HTTPException) as exc:
-            _drop(parts, conn)
+            _drop(conn)
             stale = isinstance(exc, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError))
             if not (reused and stale) or attempt:  # a timeout, or a new connection's failure: the caller's
-                if isinstance(exc, OSError):
+                if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):
                     raise
-                raise ConnectionError(f"GET {parts.hostname}:{parts.port}: {type(exc).__name__}: {exc}") from exc
+                raise ConnectionError(f"{method} {parts.hostname}:{parts.port}: {type(exc).__name__}: {exc}") from exc
     raise AssertionError("unreachable")
 
 
 def _connection(state: _Direct, parts: urllib.parse.SplitResult) -> tuple[http.client.HTTPConnection, bool]:
-    """This thread's keep-alive connection to the endpoint (a new one after ``fork``: the parent's socket is
-    not this process's to use), and whether it was made for an earlier request."""
-    pool: dict[tuple[str, str, int | None], tuple[int, http.client.HTTPConnection]] = (
+    """This thread's keep-alive connection to the endpoint for filesystems judged as ``state`` (a connection made
+    with one TLS context is never another's), a new one after ``fork`` (the parent's socket is not this
+    process's to use), and whether it was made for an earlier request."""
+    pool: dict[tuple[str, str, int | None, int], tuple[int, _Direct, http.client.HTTPConnection]] = (
         getattr(_CONNECTIONS, "pool", None) or {}
     )
     _CONNECTIONS.pool = pool
-    where = (parts.scheme, parts.hostname or "", parts.port)
+    where = (parts.scheme, parts.hostname or "", parts.port, id(state))
     held = pool.get(where)
-    if held is not None and held[0] == os.getpid():
-        return held[1], True
+    if held is not None and held[0] == os.getpid() and held[1] is state:
+        return held[2], True
     conn: http.client.HTTPConnection
     if parts.scheme == "https":
         conn = http.client.HTTPSConnection(
@@ -440,14 +446,13 @@ def _connection(state: _Direct, parts: urllib.parse.SplitResult) -> tuple[http.c
         )
     else:
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=state.connect_timeout)
-    pool[where] = (os.getpid(), conn)
+    pool[where] = (os.getpid(), state, conn)
     return conn, False
 
 
-def _drop(parts: urllib.parse.SplitResult, conn: http.client.HTTPConnection) -> None:
+def _drop(conn: http.client.HTTPConnection) -> None:
     pool = getattr(_CONNECTIONS, "pool", None) or {}
-    where = (parts.scheme, parts.hostname or "", parts.port)
-    if where in pool and pool[where][1] is conn:
+    for where in [w for w, held in pool.items() if held[2] is conn]:
         del pool[where]
     conn.close()
 
@@ -457,7 +462,10 @@ def _state(fs: Any) -> _Direct:
         state = _STATE.get(fs)
     if state is None:
         state = _judge(fs)
-        with _STATE_LOCK, _suppress_type_error():
+        with (
+            _STATE_LOCK,
+            contextlib.suppress(TypeError),
+        ):  # a filesystem that cannot be weakly referenced: judged each time
             _STATE[fs] = state
     return state
 
@@ -487,11 +495,3 @@ def _judge(fs: Any) -> _Direct:
     connect = getattr(timeout, "sock_connect", None) or _DEFAULT_TIMEOUT
     read = getattr(timeout, "sock_read", None) or _DEFAULT_TIMEOUT
     return _Direct(True, context, float(connect), float(read))
-
-
-class _suppress_type_error:  # noqa: N801 - a filesystem that cannot be weakly referenced is judged each time
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
-        return kind is TypeError

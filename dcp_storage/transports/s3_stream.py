@@ -72,6 +72,7 @@ __all__ = [
     "ScatterSink",
     "client_ready",
     "can_stream",
+    "check_object_checksum",
     "client_call",
     "create_local",
     "fsspec_put_if_absent",
@@ -470,3 +471,27 @@ def s3_delete(fs: Any, path: str) -> None:
     bucket, key = _split(fs, path)
     s3_call(fs, "delete_object", Bucket=bucket, Key=key)
     fs.invalidate_cache(path)
+
+
+def check_object_checksum(resp: Any, body: bytes) -> None:
+    """Check a whole object's body against the ``x-amz-checksum-*`` its answer carries, as botocore does for the
+    requests it sends with ``x-amz-checksum-mode`` (its default): the first algorithm in botocore's order that
+    it can compute here and the answer names (a composite ``...-N`` multipart checksum is not checked)."""
+    from botocore import httpchecksum
+    from botocore.exceptions import FlexibleChecksumError
+
+    usable = {"crc32": "Crc32Checksum", "sha1": "Sha1Checksum", "sha256": "Sha256Checksum", "sha512": "Sha512Checksum"}
+    if getattr(httpchecksum, "HAS_CRT", False):
+        usable.update(crc32c="CrtCrc32cChecksum", crc64nvme="CrtCrc64NvmeChecksum")
+    for algorithm in ("crc64nvme", "crc32c", "crc32", "sha1", "sha256", "sha512"):
+        expected = resp.getheader(f"x-amz-checksum-{algorithm}")
+        cls = getattr(httpchecksum, usable.get(algorithm, ""), None)
+        if expected is None or cls is None or "-" in expected:
+            continue
+        checksum = cls()
+        checksum.update(body)
+        if checksum.b64digest() != expected:
+            raise FlexibleChecksumError(
+                error_msg=f"Expected checksum {expected} did not match calculated checksum: {checksum.b64digest()}"
+            )
+        return

@@ -25,6 +25,10 @@ and one that only a deadline ends (:data:`STALL_MODES`):
     Forwarded; the client gets the upstream's headers and half of the body, then nothing for ``delay``
     seconds on a connection that stays open (then a reset). No socket error comes in the meantime.
 
+``trickle_body``
+    Forwarded; the client gets the headers and half of the body, then one byte every ``delay`` seconds until
+    the body ends: each wait is short, the whole is not.
+
 and one refusal no retry gets past (:data:`PERMANENT_MODES`):
 
 ``forbidden_403``

@@ -297,6 +297,9 @@ class FaultProxy(StartStop):
             stall = rule.delay if rule is not None and mode == "stall_body" else 0.0
             await self._truncate(up_reader, writer, response, has_body, stall=stall)
             return False
+        if mode == "trickle_body" and has_body:
+            await self._trickle(up_reader, writer, response, rule.delay)  # type: ignore[union-attr]
+            return False
         self._count(down=len(response.raw))
         writer.write(response.raw)
         await writer.drain()
@@ -352,6 +355,26 @@ class FaultProxy(StartStop):
     def _pacer(self) -> Callable[[int], Awaitable[None]] | None:
         """A fresh pacer for one body under :attr:`link`, or ``None`` (no link, or no bandwidth cap)."""
         return None if self.link is None else self.link.pacer()
+
+    async def _trickle(
+        self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: Head, delay: float
+    ) -> None:
+        """Headers and half the body at once, then one byte every ``delay`` seconds until the body ends (or
+        the client goes): each wait is shorter than any socket timeout, the whole far longer."""
+        length = int(response.get("content-length") or 0)
+        writer.write(response.raw)
+        sent = 0
+        while sent < length:
+            data = await up_reader.read(min(CHUNK, max(1, length // 2 - sent)) if sent < length // 2 else 1)
+            if not data:
+                break
+            writer.write(data)
+            sent += len(data)
+            await writer.drain()
+            if sent >= length // 2:
+                await asyncio.sleep(delay)
+        self._count(down=len(response.raw) + sent)
+        reset(writer)
 
     async def _truncate(
         self,

@@ -38,6 +38,7 @@ FaultMode = Literal[
     "short_range",
     "forbidden_403",
     "stall_body",
+    "trickle_body",
     "encoded_range",
     "long_range",
     "ignore_conditions",
@@ -55,9 +56,10 @@ BODY_FAULT_MODES: tuple[FaultMode, ...] = ("encoded_range", "long_range")
 CORRUPT_BODY_MODES: tuple[FaultMode, ...] = ("flip_body",)
 # Refusals no retry can get past (a 403 for credentials without the permission); every request can meet them.
 PERMANENT_MODES: tuple[FaultMode, ...] = ("forbidden_403",)
-# A server that sends its headers and part of a body, then nothing more on a connection it keeps open: no
-# socket error ever comes, and only a deadline on the request ends it.
-STALL_MODES: tuple[FaultMode, ...] = ("stall_body",)
+# A server that sends its headers and part of a body, then nothing more on a connection it keeps open, or
+# the rest one byte every ``delay`` seconds (``trickle_body``): no socket timeout ever fires, and only a
+# deadline on the request ends it.
+STALL_MODES: tuple[FaultMode, ...] = ("stall_body", "trickle_body")
 # A server that ignores conditional-write headers (If-None-Match, If-Match): the proxy drops them, so a
 # create-if-absent PUT over an existing object succeeds, as on S3-compatible stores without the feature.
 CONDITION_FAULT_MODES: tuple[FaultMode, ...] = ("ignore_conditions",)

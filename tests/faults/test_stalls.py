@@ -111,6 +111,30 @@ def test_a_stalled_read_fails_at_the_deadline_naming_the_url(stalled: Stalled, m
     assert took < limit, f"{mode} on {target}: failed after {took:.1f}s, deadline {DEADLINE}s"
 
 
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_trickling_s3_body_fails_at_the_deadline(
+    moto_server: Any, saved: Any, monkeypatch: pytest.MonkeyPatch, direct: str
+) -> None:
+    """Half the body, then a byte every 0.3 s: every wait is well within the socket timeouts, the whole is not.
+    Both S3 read paths end at the deadline (the direct one bounded the first wait only, and took minutes)."""
+    monkeypatch.setenv("DCP_STORAGE_S3_DIRECT", direct)
+    _, url, state = saved
+    like = {k: v.clone().zero_() for k, v in state.items()}
+    with FaultProxy(moto_server.endpoint_url) as proxy:
+        timeouts = {"connect_timeout": STALL, "read_timeout": STALL}
+        options = moto_server.storage_options(
+            client_kwargs={"endpoint_url": proxy.url}, config_kwargs=timeouts, skip_instance_cache=True
+        )
+        proxy.set_rules([FaultRule("trickle_body", method="GET", path=r"\.distcp$", delay=0.3)])
+        began = time.monotonic()
+        with pytest.raises(CheckpointException) as info:
+            dcp.load(like, storage_reader=FsspecReader(url, options, transport_config=CONFIG))
+        took = time.monotonic() - began
+    text = str(unwrap(info.value))
+    assert f"deadline, {DEADLINE:g}s" in text and url.split("://", 1)[1] in text, text
+    assert took < DEADLINE + SLACK, f"failed after {took:.1f}s, deadline {DEADLINE}s"
+
+
 @pytest.mark.parametrize("kind", ["dcp", "safetensors"])
 def test_a_stall_on_one_rank_fails_every_rank_at_the_deadline(kind: str, moto_server: Any, saved: Any) -> None:
     """Two gloo ranks; only rank 1's requests go through the stalling proxy. Both raise, naming the URL."""

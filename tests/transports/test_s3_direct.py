@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import dcp_storage.transports.s3 as s3_module
+import dcp_storage.transports.s3_stream as s3_stream
 from dcp_storage.errors import CheckpointNotFoundError, FileTooLargeError, ObjectChangedError
 from dcp_storage.transports import FsspecTransport, RangeRequest, RetryPolicy, TransportConfig
 from dcp_storage.transports.s3_stream import ScatterSink, client_ready
@@ -134,9 +135,9 @@ def test_per_request_options_are_in_the_direct_request(s3_url: Any, monkeypatch:
     sent: list[dict[str, Any]] = []
     send = s3_module._send
 
-    def recorded(state: Any, parts: Any, method: str, target: str, headers: dict[str, Any], left: Any) -> Any:
-        sent.append(headers)
-        return send(state, parts, method, target, headers, left)
+    def recorded(*args: Any) -> Any:
+        sent.append(args[4])  # the headers
+        return send(*args)
 
     monkeypatch.setattr(s3_module, "_send", recorded)
     transport, root = FsspecTransport.from_url(url, {**options, "requester_pays": True}, CONFIG)
@@ -212,8 +213,20 @@ def test_a_whole_object_is_checked_against_the_checksum_its_answer_names() -> No
 
     body = BLOB[:5000]
     right = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
-    s3_module._check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body)  # type: ignore[arg-type]
-    s3_module._check_object_checksum(_Answer({"x-amz-checksum-crc32": "AAAAAA==-3"}), body)  # type: ignore[arg-type]
-    s3_module._check_object_checksum(_Answer({}), body)  # type: ignore[arg-type]
+    s3_stream.check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body)  # type: ignore[arg-type]
+    s3_stream.check_object_checksum(_Answer({"x-amz-checksum-crc32": "AAAAAA==-3"}), body)  # type: ignore[arg-type]
+    s3_stream.check_object_checksum(_Answer({}), body)  # type: ignore[arg-type]
     with pytest.raises(FlexibleChecksumError):
-        s3_module._check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body[:-1] + b"?")  # type: ignore[arg-type]
+        s3_stream.check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body[:-1] + b"?")  # type: ignore[arg-type]
+
+
+def test_a_connection_serves_only_filesystems_judged_alike(blob: Any) -> None:
+    """A connection made under one TLS context (``verify=False``, say) is never another filesystem's."""
+    transport, _, _, _ = blob
+    parts = s3_module.urllib.parse.urlsplit(transport.fs._s3._endpoint.host)
+    state = s3_module._state(transport.fs)
+    other = s3_module._Direct(True, state.ssl_context, state.connect_timeout, state.read_timeout)
+    mine, _ = s3_module._connection(state, parts)
+    theirs, reused = s3_module._connection(other, parts)
+    assert theirs is not mine and not reused
+    assert s3_module._connection(state, parts) == (mine, True)
