@@ -288,7 +288,7 @@ def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Itera
     unread; ``None`` where this path does not apply, or for an answer that botocore would follow itself (a
     bucket in another region: its redirector re-signs the request there). An error answer is raised as the
     client would raise it. The operation's deadline bounds the whole exchange, a server trickling bytes too
-    (:func:`_cut_at`). The connection stays for this thread's next request only if the answer was read to its
+    (:func:`~.retry.cut_at_deadline`). The connection stays for this thread's next request only if the answer was read to its
     end."""
     left = remaining()
     if os.environ.get(DIRECT_ENV, "1").strip().lower() in ("0", "false", "no", "off") or (
