@@ -38,6 +38,8 @@ SIGNALS = {
     "raises ObjectChangedError naming the URL in its place (transports/guards.py)",
     "AttemptTimeoutError": "a request still running at its operation's deadline, cancelled; the retry layer "
     "gives up with a TransportError naming the URL (raised only inside an operation's deadline)",
+    "_Prepared": "carries a request botocore built and signed out of its before-send event, unsent; caught at "
+    "once by the caller that asked for it (transports/s3.py, direct reads)",
     "DecodesTooLarge": "a seek table claims more decoded bytes than allowed: the extension resolver raises "
     "CorruptCheckpointError naming the item (framed_items.decode_whole to extensions.untransform)",
     "_NotCanonical": "a record pickle that is not torch's canonical layout: the generic unpickler takes it",
