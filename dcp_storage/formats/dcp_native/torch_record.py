@@ -57,6 +57,7 @@ __all__ = [
     "parse_tensor_record",
     "predicted_record",
     "relayout_whole",
+    "tensor_of_record",
     "tensor_over_record",
 ]
 
@@ -467,3 +468,17 @@ def load_tensor_record(data: bytes | memoryview, path: str) -> Any:
         stored = loaded.untyped_storage().nbytes()
         check_view(tuple(loaded.shape), loaded.stride(), loaded.storage_offset(), loaded.element_size(), stored, path)
     return loaded
+
+
+def tensor_of_record(data: bytes | memoryview, where: str, check_zip: bool) -> torch.Tensor:
+    """The tensor a whole record holds: a view of ``data`` where our parser reads the record, else
+    :func:`load_tensor_record`'s; its zip (layout, CRC-32s) checked first when ``check_zip``."""
+    if check_zip:
+        check_record_zip(data, where)
+    try:
+        return tensor_over_record(memoryview(data), parse_tensor_record(memoryview(data), len(data), where))
+    except (UnsupportedRecord, NeedMoreBytes):
+        value = load_tensor_record(data, where)
+    if not isinstance(value, torch.Tensor):
+        raise CorruptCheckpointError(f"{where}: record holds a {type(value).__name__}, not a tensor")
+    return value

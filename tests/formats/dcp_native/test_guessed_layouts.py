@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,40 @@ def test_a_damaged_guessed_header_fails_as_usual(tmp_path: Path) -> None:
         messages += [line for line in text.splitlines() if line.startswith("dcp_storage.errors.CorruptCheckpointError")]
         assert info.relative_path in messages[-1] and "data.pkl" in messages[-1], text
     assert messages[0] == messages[1]  # the same error either way
+
+
+def test_a_record_fetched_with_the_data_is_checked_as_it_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small record fetched whole in the one round is checked (zip CRC-32) and decoded by the thread that
+    fetched it, while other reads go on; a damaged one fails with the same error as when probed first."""
+    import dcp_storage.formats.dcp_native.item_loader as item_loader
+
+    state = _state("f8", "t")
+    _save(tmp_path / "ckpt", state)
+    threads: list[str] = []
+    real = item_loader.tensor_of_record
+
+    def noting(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(item_loader, "tensor_of_record", noting)
+    _load(str(tmp_path / "ckpt"), GUESS, state)
+    assert threads and threading.main_thread().name not in threads, threads
+    info = next(
+        v for k, v in FsspecReader(str(tmp_path / "ckpt")).read_metadata().storage_data.items() if k.fqn == "norm"
+    )
+    path = tmp_path / "ckpt" / info.relative_path
+    raw = bytearray(path.read_bytes())
+    raw[info.offset + info.length // 2] ^= 0x55  # inside the tensor's bytes
+    path.write_bytes(bytes(raw))
+    messages = []
+    for config in (GUESS, PROBE):
+        with pytest.raises(BaseException) as caught:  # dcp.load wraps our error in a CheckpointException
+            _load(str(tmp_path / "ckpt"), config, state)
+        text = str(caught.value)
+        messages += [line for line in text.splitlines() if line.startswith("dcp_storage.errors.CorruptCheckpointError")]
+        assert messages and info.relative_path in messages[-1] and "CRC" in messages[-1], text
+    assert messages[0] == messages[1]
 
 
 def test_on_an_object_store_guessing_is_the_default(s3_url: S3Location, tmp_path: Path) -> None:
