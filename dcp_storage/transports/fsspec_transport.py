@@ -33,6 +33,7 @@ import functools
 import io
 import os
 import posixpath
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -61,7 +62,7 @@ from dcp_storage.transports.protocol import (
 )
 from dcp_storage.transports.ranges import FetchGroup, RangeRequest, RangeRun, plan_fetches
 from dcp_storage.transports.retry import TruncatedReadError, bounded_call, call_with_retry, single_layer_client_options
-from dcp_storage.transports.s3_stream import fsspec_put_if_absent, holds
+from dcp_storage.transports.s3_stream import holds
 
 __all__ = [
     "FsspecTransport",
@@ -77,6 +78,7 @@ __all__ = [
 # Classes are typed ``type`` here: this module imports nothing of the base (which imports it).
 _BACKENDS: list[type] = []
 _T = TypeVar("_T", bound=type)
+_MEMORY_LOCK = threading.Lock()  # conditional writes to memory:// (process-wide, as its store is)
 
 
 def builtin_backend(cls: _T) -> _T:
@@ -283,7 +285,8 @@ class FsspecTransport(PinnedReads):
     def _put_if_absent(self, path: str, data: bytes) -> None:
         """One conditional write; ``FileExistsError`` if an object is at ``path`` (see :mod:`.exclusive`)."""
         if isinstance(self.fs, MemoryFileSystem):
-            fsspec_put_if_absent(self.fs, path, data)
+            with _MEMORY_LOCK:  # memory:// looks, then creates: one such write at a time in the process
+                self.fs.pipe_file(path, data, mode="create")
         else:
             bounded_call(self.fs, "pipe_file", path, data, mode="create")
 

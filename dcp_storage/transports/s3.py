@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_storage.errors import FileTooLargeError
+from dcp_storage.transports import s3_upload
 from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_backend
 from dcp_storage.transports.guards import (
     RangeMismatchError,
@@ -64,7 +65,6 @@ from dcp_storage.transports.s3_stream import (
     s3_delete,
     s3_exists,
     s3_list_names,
-    s3_put_if_absent,
     s3_size,
     s3_size_version,
     stream_range,
@@ -129,7 +129,7 @@ class S3Transport(FsspecTransport):
         return direct_object(self.fs, path, max_bytes) or read_object_version(self.fs, path, max_bytes)
 
     def _put_if_absent(self, path: str, data: bytes) -> None:
-        s3_put_if_absent(self.fs, path, data, self.url(path))
+        s3_upload.s3_put_if_absent(self.fs, path, data, self.url(path))
 
     def _group_fetch(self, group: FetchGroup, pieces: list[tuple[int, int, memoryview]]) -> Callable[[], None]:
         """One attempt at a fetch group, streamed into ``pieces``; a retry resumes after the bytes in place, on

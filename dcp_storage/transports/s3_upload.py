@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 from dcp_storage.errors import DcpStorageError, TransportError
 from dcp_storage.transports.guards import ListingBound
+from dcp_storage.transports.retry import error_code, http_status
 from dcp_storage.transports.s3_stream import client_ready, s3_call
 
 try:  # ISA-L's CRC-32 (zip's and S3's polynomial); zlib's where no wheel exists
@@ -61,6 +62,7 @@ __all__ = [
     "list_pending",
     "part_size_at",
     "put_object",
+    "s3_put_if_absent",
     "upload_memory",
 ]
 
@@ -425,3 +427,27 @@ def abort_pending(fs: Any, path: str, upload: PendingUpload) -> bool:
     except Exception as exc:
         raise DcpStorageError(f"{upload.describe()}: cannot abort ({type(exc).__name__}: {exc})") from exc
     return True
+
+
+def s3_put_if_absent(fs: Any, path: str, data: bytes, url: str) -> None:
+    """One conditional ``PutObject``; ``FileExistsError`` if an object is at ``path``."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        s3_call(fs, "put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+    except OSError as exc:
+        if _precondition_failed(exc):
+            raise FileExistsError(f"{url} exists") from exc
+        raise
+    fs.invalidate_cache(path)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether S3 refused the write because the key exists (412 ``PreconditionFailed``)."""
+    current: BaseException | None = exc
+    while current is not None:  # along ``raise ... from`` only: a 412 handled earlier is not this answer
+        if isinstance(getattr(current, "response", None), dict) and (
+            error_code(current) == "PreconditionFailed" or http_status(current) == 412
+        ):
+            return True
+        current = current.__cause__
+    return False
