@@ -55,7 +55,7 @@ from dcp_storage.transports.ranges import (
 )
 from dcp_storage.transports.s3_stream import create_local
 
-__all__ = ["LocalTransport", "StageBuffer", "directory_in_the_way", "disk_thread"]
+__all__ = ["LocalTransport", "directory_in_the_way"]
 
 # Reads feeding checks (block digests, RangeRequest.on_piece) land in pieces of this size, each hashed by the
 # thread that read it before it reads the next: xxh3_64 hashes a 256 KiB piece just read at ~40 GB/s here, a
@@ -71,7 +71,7 @@ class LocalWriter(CountingWriter):
     writes it back; the copy, the page-cache bookkeeping and the reclaim of those pages later cost CPU the
     serialiser needs, and the fsync waits for writeback that started late. Here each ``STAGE_BYTES`` buffer
     goes to the disk with ``O_DIRECT`` as soon as it is full, written by the process's disk thread
-    (:func:`disk_thread`) while the caller fills the other buffer, and nothing is left dirty for ``fsync``,
+    (:func:`_disk_thread`) while the caller fills the other buffer, and nothing is left dirty for ``fsync``,
     which is still made: durability is unchanged. A save's data then does not sit in the page cache either
     (a save does not read it back). Measured here (a 527 MiB model, one process, a fresh process per save,
     medians of 6): 0.38 s and 0.38 s of CPU, against 0.54 s and 0.65 s buffered and 0.24 s for the same bytes
@@ -98,8 +98,8 @@ class LocalWriter(CountingWriter):
     def __init__(self, raw: Any, counters: Any) -> None:
         super().__init__(raw, counters)
         self._fd: int = raw.fileno()
-        self._stages: list[StageBuffer | None] = [StageBuffer(self.STAGE_BYTES), None]
-        self._stage: StageBuffer = self._stages[0]  # type: ignore[assignment]
+        self._stages: list[_StageBuffer | None] = [_StageBuffer(self.STAGE_BYTES), None]
+        self._stage: _StageBuffer = self._stages[0]  # type: ignore[assignment]
         self._filled = 0
         self._on_disk = 0  # bytes handed to the disk (written or being written)
         self._pending: Future[None] | None = None
@@ -169,7 +169,7 @@ class LocalWriter(CountingWriter):
             self.direct = self._set_direct(True)
         self._wait()
         if self._stages[1] is None:
-            self._stages[1] = StageBuffer(self.STAGE_BYTES)
+            self._stages[1] = _StageBuffer(self.STAGE_BYTES)
         full, offset = self._stage, self._on_disk
         out = self._filled - self._filled % self.ALIGN
         self._stage = self._stages[1] if full is self._stages[0] else self._stages[0]  # type: ignore[assignment]
@@ -178,7 +178,7 @@ class LocalWriter(CountingWriter):
         self._on_disk += out
         _DISK_WRITES.started()
         try:
-            self._pending = disk_thread().submit(self._write_counted, full.view[:out], offset)
+            self._pending = _disk_thread().submit(self._write_counted, full.view[:out], offset)
         except RuntimeError:  # the interpreter is shutting down (its thread pools take no more work): write here
             _DISK_WRITES.ended()
             self._write(full.view[:out], offset)
@@ -222,7 +222,7 @@ class LocalWriter(CountingWriter):
         return on
 
 
-class StageBuffer:
+class _StageBuffer:
     """An anonymous mapping (page-aligned, as ``O_DIRECT`` needs) and a view of it."""
 
     def __init__(self, nbytes: int) -> None:
@@ -270,7 +270,7 @@ _DISK: tuple[int, ThreadPoolExecutor] | None = None
 _DISK_LOCK = threading.Lock()
 
 
-def disk_thread() -> ThreadPoolExecutor:
+def _disk_thread() -> ThreadPoolExecutor:
     """The process's one thread that writes stage buffers, in the order they are handed over.
 
     One write at a time: measured here, 8 MiB ``O_DIRECT`` writes alternating between two files reach the

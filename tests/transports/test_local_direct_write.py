@@ -188,7 +188,7 @@ def test_a_write_when_the_disk_thread_takes_no_more_work_is_made_in_the_caller(
 
     closed = ThreadPoolExecutor(1)
     closed.shutdown()
-    monkeypatch.setattr(local, "disk_thread", lambda: closed)
+    monkeypatch.setattr(local, "_disk_thread", lambda: closed)
     _assert_round_trip(tmp_path, random.Random(5).randbytes(2 * STAGE + 4097))
     assert local._DISK_WRITES.idle()
 

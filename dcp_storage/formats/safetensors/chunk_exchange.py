@@ -1,7 +1,7 @@
 """The chunk exchange of a streamed safetensors save: every rank's chunks reach the coordinator, in order.
 
 An object store cannot be written at offsets, so :class:`~dcp_storage.SafetensorsWriter` streams each file
-front to back through one atomic upload on the coordinator (:func:`stream_files`, below).
+front to back through one atomic upload on the coordinator (see :mod:`dcp_storage.formats.safetensors.reader`).
 The other ranks hold the chunks; this module moves them, over the save's process group, on the group's
 device (:class:`~.group.GroupView`: CPU for gloo, the current CUDA device for NCCL):
 
@@ -15,21 +15,11 @@ device (:class:`~.group.GroupView`: CPU for gloo, the current CUDA device for NC
 No rank waits for the process-group timeout when one fails: a sender that cannot produce a chunk announces
 it (status ``FAILED``, no bytes) for it and every later one, and the coordinator, after any failure of its
 own, :meth:`ChunkSource.drain`\\ s what is still due before it raises.
-
-The coordinator's uploads of a streamed safetensors save (``stream`` mode: object stores).
-
-Objects cannot be written at offsets, so the coordinator writes each file in order through one atomic
-upload (single PUT or multipart upload), tensor by tensor, taking chunks from a
-:class:`ChunkSource` (its own, and the other ranks' as they
-arrive). ``Shard(0)`` chunks are written straight through; other shardings are assembled one tensor at a
-time, so the coordinator's memory is bounded by the largest tensor. Files are committed one by one (the
-index, written last by the writer's ``finish``, commits the checkpoint). On any failure the current upload
-is aborted and the source drained, so no other rank waits for the process-group timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,19 +27,11 @@ import torch.distributed as dist
 
 from dcp_storage.errors import DcpStorageError
 from dcp_storage.formats.safetensors.encode import as_memoryview
-from dcp_storage.formats.safetensors.write_plan import (
-    ChunkWrite,
-    PieceKey,
-    RankWrites,
-    SavePlanResult,
-    TensorSchedule,
-    fill_header,
-)
+from dcp_storage.formats.safetensors.write_plan import ChunkWrite, PieceKey, RankWrites
 from dcp_storage.integrity.checksums import checksum
 from dcp_storage.strategies.collectives import GroupView
-from dcp_storage.transports import Transport
 
-__all__ = ["ChunkBytes", "ChunkSource", "RemoteChunkError", "exchange_digests", "send_chunks", "stream_files"]
+__all__ = ["ChunkBytes", "ChunkSource", "RemoteChunkError", "exchange_digests", "send_chunks"]
 
 #: The bytes of one planned chunk on this rank, as a 1-d ``uint8`` tensor (raises if it cannot be made).
 ChunkBytes = Callable[[ChunkWrite], torch.Tensor]
@@ -163,54 +145,3 @@ class ChunkSource:
         status = torch.empty(1, dtype=torch.uint8, device=self.view.device)
         dist.recv(status, group=self.view.group, group_src=cw.rank)
         return int(status.item()) == _STATUS_OK
-
-
-def stream_files(
-    transport: Transport,
-    root: str,
-    rw: RankWrites,
-    planned: SavePlanResult | None,
-    source: ChunkSource,
-    failure: BaseException | None,
-    digests: Mapping[PieceKey, str] | None = None,
-) -> None:
-    """Upload every file of ``rw.schedule`` (headers with ``digests``, when given); raises ``failure`` first."""
-    if rw.schedule is None:
-        raise DcpStorageError("stream-mode plan for the coordinator carries no schedule")
-    try:
-        if failure is not None:
-            raise failure
-        specs = {f.name: f for f in planned.files} if planned is not None else {}
-        for fs in rw.schedule:
-            header = fs.header if digests is None else fill_header(specs[fs.name], digests)
-            with transport.open_atomic(transport.join(root, fs.name)) as out:
-                out.write(header)
-                for ts in fs.tensors:
-                    _write_tensor(out, ts, source)
-    except BaseException as exc:
-        source.drain(exc)  # let the other ranks finish sending, so none waits for the timeout
-        raise
-
-
-def _write_tensor(out: Any, ts: TensorSchedule, source: ChunkSource) -> None:
-    """Write one tensor's bytes: chunk by chunk if they are consecutive single runs, else assembled first."""
-    if ts.nbytes == 0:
-        return
-    position, straight = 0, True
-    for c in ts.chunks:
-        if c.runs.count != 1 or c.runs.start != position:
-            straight = False
-            break
-        position += c.runs.length
-    if straight and position == ts.nbytes:
-        for c in ts.chunks:
-            out.write(as_memoryview(source.next(c)))
-        return
-    full = torch.empty(ts.nbytes, dtype=torch.uint8)
-    for c in ts.chunks:
-        data = source.next(c)
-        r = c.runs
-        # The runs are a strided view of the full tensor's bytes; the chunk's bytes fill it in order.
-        dest = full.as_strided((*r.counts, r.length), (*r.strides, 1), r.start)
-        dest.copy_(data.view(*r.counts, r.length))
-    out.write(as_memoryview(full))

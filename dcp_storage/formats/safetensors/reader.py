@@ -18,6 +18,16 @@ every byte is written once, by the rank that holds it, with nothing sent between
 
 Paths are local paths; the transport only counts requests and bytes (and removes temp files on failure).
 
+The coordinator's uploads of a streamed safetensors save (``stream`` mode: object stores).
+
+Objects cannot be written at offsets, so the coordinator writes each file in order through one atomic
+upload (single PUT or multipart upload), tensor by tensor, taking chunks from a
+:class:`~dcp_storage.formats.safetensors.chunk_exchange.ChunkSource` (its own, and the other ranks' as they
+arrive). ``Shard(0)`` chunks are written straight through; other shardings are assembled one tensor at a
+time, so the coordinator's memory is bounded by the largest tensor. Files are committed one by one (the
+index, written last by the writer's ``finish``, commits the checkpoint). On any failure the current upload
+is aborted and the source drained, so no other rank waits for the process-group timeout.
+
 ``SafetensorsReader``: a drop-in DCP ``StorageReader`` for safetensors checkpoints on any fsspec URL.
 
 Reads a single ``.safetensors`` file, a directory of them, a Hugging Face ``model.safetensors.index.json``
@@ -45,9 +55,6 @@ Call order (torch's ``dcp.load`` drives it; every rank calls every step unless n
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -60,11 +67,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_storage import errors
-from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError
+from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError, DcpStorageError
 from dcp_storage.formats.dcp_native.reader import MetadataFailure
 from dcp_storage.formats.location import LoadingLocation, raise_explained
 from dcp_storage.formats.paths import temp_name
 from dcp_storage.formats.safetensors.checksums import FileSums
+from dcp_storage.formats.safetensors.chunk_exchange import ChunkSource
 from dcp_storage.formats.safetensors.encode import as_memoryview, pwrite_all
 from dcp_storage.formats.safetensors.loader import (
     SafetensorsItemLoader,
@@ -78,6 +86,7 @@ from dcp_storage.formats.safetensors.write_plan import (
     PieceKey,
     RankWrites,
     SavePlanResult,
+    TensorSchedule,
     fill_header,
 )
 from dcp_storage.integrity.checksums import checksum
@@ -86,8 +95,7 @@ from dcp_storage.runtime import gc_paused
 from dcp_storage.strategies.collectives import reader_location, running_planner, share_object
 from dcp_storage.strategies.read_strategy import MetadataItems, ReadStrategy, StrategyReading
 from dcp_storage.transports import ClientSetUp, Transport, TransportConfig
-from dcp_storage.transports.local import StageBuffer, disk_thread
-from dcp_storage.transports.local_io import buffer_address, fsync_dir
+from dcp_storage.transports.local_io import fsync_dir
 
 __all__ = [
     "SafetensorsReader",
@@ -95,6 +103,7 @@ __all__ = [
     "create_temp_files",
     "fill_headers",
     "pwrite_chunks",
+    "stream_files",
     "temp_path",
 ]
 
@@ -151,7 +160,7 @@ def pwrite_chunks(
 
     Returns each chunk's digest under ``algorithm`` (hashed from the bytes written; none when ``None``).
     """
-    files: dict[int, DirectRuns] = {}
+    fds: dict[int, int] = {}
     digests: dict[MetadataIndex, str] = {}
     try:
         for index in indexes:
@@ -161,118 +170,20 @@ def pwrite_chunks(
             src = as_memoryview(chunk_bytes(cw).cpu())
             if algorithm is not None:
                 digests[index] = checksum(src, algorithm)
-            out = files.get(cw.file)
-            if out is None:
-                out = files[cw.file] = DirectRuns(transport, temp_path(transport, root, rw.files[cw.file], rw.save_id))
+            fd = fds.get(cw.file)
+            if fd is None:
+                fd = fds[cw.file] = _open_temp(transport, temp_path(transport, root, rw.files[cw.file], rw.save_id))
             n, length = 0, cw.runs.length
             for j, offset in enumerate(cw.runs.offsets()):
-                out.write_at(src[j * length : (j + 1) * length], cw.begin + offset)
+                pwrite_all(fd, src[j * length : (j + 1) * length], cw.begin + offset)
                 n += 1
             transport.counters.add(requests=n, bytes_written=cw.nbytes)
-        for out in files.values():
-            out.finish()
+        for fd in fds.values():
+            os.fsync(fd)
     finally:
-        for out in files.values():
-            out.close()
+        for fd in fds.values():
+            os.close(fd)
     return digests
-
-
-class DirectRuns:
-    """Positioned writes into one temp file of a save: the whole 4 KiB blocks of a long run go to the disk with
-    ``O_DIRECT`` from page-aligned stage buffers (written by the process's disk thread while the caller fills
-    the next buffer), the partial blocks at its two ends, and short runs, with plain ``pwrite``.
-
-    Why: a buffered save copies every byte into the page cache, then waits in ``fsync`` for writeback that
-    started late (:class:`~dcp_storage.transports.local.LocalWriter`, DCP's writer, measured it). Only whole
-    blocks inside one run go direct: a block at a run's end may hold another rank's bytes, which that rank
-    writes through the page cache, so no page is written both ways. ``finish`` waits and ``fsync``\\ s, as
-    before: durability is unchanged. Where the file system refuses ``O_DIRECT`` (tmpfs), every write is plain.
-    """
-
-    ALIGN = 4096
-    STAGE_BYTES = 8 * 1024 * 1024
-    DIRECT_FROM = 1024 * 1024  # a shorter run is written plain: a direct write of a few blocks gains nothing
-
-    def __init__(self, transport: Transport, path: str) -> None:
-        self.fd = _open_temp(transport, path)
-        try:
-            self._direct: int | None = os.open(path, os.O_WRONLY | os.O_DIRECT) if hasattr(os, "O_DIRECT") else None
-        except OSError:  # EINVAL: no O_DIRECT on this file system
-            self._direct = None
-        self._stages: list[Any] = []
-        self._pending: list[Any] = []  # per stage: its write in flight (a concurrent.futures.Future) or None
-        self._turn = 0
-
-    def write_at(self, data: memoryview, offset: int) -> None:
-        """``data`` at ``offset``: its whole blocks (of a run at least ``DIRECT_FROM`` long) direct, the rest plain."""
-        head = (-offset) % self.ALIGN
-        middle = (data.nbytes - head) // self.ALIGN * self.ALIGN if data.nbytes >= self.DIRECT_FROM else 0
-        if self._direct is None or middle <= 0:
-            pwrite_all(self.fd, data, offset)
-            return
-        if head:
-            pwrite_all(self.fd, data[:head], offset)
-        for at in range(head, head + middle, self.STAGE_BYTES):
-            take = min(self.STAGE_BYTES, head + middle - at)
-            stage = self._next_stage()
-            _copy_into(stage, data[at : at + take])
-            self._pending[self._turn] = disk_thread().submit(self._write_direct, stage.view[:take], offset + at)
-        if data.nbytes > head + middle:
-            pwrite_all(self.fd, data[head + middle :], offset + head + middle)
-
-    def _write_direct(self, view: memoryview, offset: int) -> None:
-        try:
-            pwrite_all(self._direct, view, offset)  # type: ignore[arg-type]
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            pwrite_all(self.fd, view, offset)  # the file system refused the alignment: this buffer plain
-
-    def _next_stage(self) -> Any:
-        """The other stage buffer, once the disk is done with it (its write's error raised here)."""
-        if len(self._stages) < 2:
-            self._stages.append(StageBuffer(self.STAGE_BYTES))
-            self._pending.append(None)
-            self._turn = len(self._stages) - 1
-            return self._stages[-1]
-        self._turn ^= 1
-        pending, self._pending[self._turn] = self._pending[self._turn], None
-        if pending is not None:
-            pending.result()
-        return self._stages[self._turn]
-
-    def _wait(self) -> None:
-        pending, self._pending = self._pending, [None] * len(self._pending)
-        for p in pending:
-            if p is not None:
-                p.result()
-
-    def finish(self) -> None:
-        """Wait for the writes in flight, then ``fsync`` the file (one ``fsync`` covers both descriptors)."""
-        self._wait()
-        os.fsync(self.fd)
-
-    def close(self) -> None:
-        """Wait (errors are the caller's already), close both descriptors, unmap the buffers. Idempotent."""
-        with contextlib.suppress(OSError):
-            self._wait()
-        for fd in (self.fd, self._direct):
-            if fd is not None and fd >= 0:
-                os.close(fd)
-        self.fd, self._direct = -1, None
-        for stage in self._stages:
-            stage.close()
-        self._stages = []
-
-
-def _copy_into(stage: Any, data: memoryview) -> None:
-    """``data`` to the start of a stage buffer: by ``memmove``, which releases the GIL (the disk thread's next
-    ``pwrite`` need not wait for the copy), where ``data`` has an address."""
-    source = buffer_address(data)
-    if source is None:
-        stage.view[: data.nbytes] = data
-    else:
-        ctypes.memmove(stage.address, source, data.nbytes)
 
 
 def fill_headers(
@@ -296,6 +207,57 @@ def commit_files(transport: Transport, root: str, planned: SavePlanResult, save_
         os.replace(temp_path(transport, root, f.name, save_id), transport.join(root, f.name))
         transport.counters.add(requests=1)
     fsync_dir(root)
+
+
+def stream_files(
+    transport: Transport,
+    root: str,
+    rw: RankWrites,
+    planned: SavePlanResult | None,
+    source: ChunkSource,
+    failure: BaseException | None,
+    digests: Mapping[PieceKey, str] | None = None,
+) -> None:
+    """Upload every file of ``rw.schedule`` (headers with ``digests``, when given); raises ``failure`` first."""
+    if rw.schedule is None:
+        raise DcpStorageError("stream-mode plan for the coordinator carries no schedule")
+    try:
+        if failure is not None:
+            raise failure
+        specs = {f.name: f for f in planned.files} if planned is not None else {}
+        for fs in rw.schedule:
+            header = fs.header if digests is None else fill_header(specs[fs.name], digests)
+            with transport.open_atomic(transport.join(root, fs.name)) as out:
+                out.write(header)
+                for ts in fs.tensors:
+                    _write_tensor(out, ts, source)
+    except BaseException as exc:
+        source.drain(exc)  # let the other ranks finish sending, so none waits for the timeout
+        raise
+
+
+def _write_tensor(out: Any, ts: TensorSchedule, source: ChunkSource) -> None:
+    """Write one tensor's bytes: chunk by chunk if they are consecutive single runs, else assembled first."""
+    if ts.nbytes == 0:
+        return
+    position, straight = 0, True
+    for c in ts.chunks:
+        if c.runs.count != 1 or c.runs.start != position:
+            straight = False
+            break
+        position += c.runs.length
+    if straight and position == ts.nbytes:
+        for c in ts.chunks:
+            out.write(as_memoryview(source.next(c)))
+        return
+    full = torch.empty(ts.nbytes, dtype=torch.uint8)
+    for c in ts.chunks:
+        data = source.next(c)
+        r = c.runs
+        # The runs are a strided view of the full tensor's bytes; the chunk's bytes fill it in order.
+        dest = full.as_strided((*r.counts, r.length), (*r.strides, 1), r.start)
+        dest.copy_(data.view(*r.counts, r.length))
+    out.write(as_memoryview(full))
 
 
 class SafetensorsReader(LoadingLocation, StorageReader):

@@ -41,13 +41,14 @@ from dcp_storage.formats.commit_claim import ClaimingWriter, refuse_existing, re
 from dcp_storage.formats.dcp_native.reader import _is_fsspec_url
 from dcp_storage.formats.location import SavingLocation, remove_stale_temp_files
 from dcp_storage.formats.paths import EXTRA_STATE_FILE, LOCK_FILE, check_prefix, index_name, single_name
-from dcp_storage.formats.safetensors.chunk_exchange import ChunkSource, exchange_digests, send_chunks, stream_files
+from dcp_storage.formats.safetensors.chunk_exchange import ChunkSource, exchange_digests, send_chunks
 from dcp_storage.formats.safetensors.encode import header_metadata, tensor_bytes
 from dcp_storage.formats.safetensors.reader import (
     commit_files,
     create_temp_files,
     fill_headers,
     pwrite_chunks,
+    stream_files,
     temp_path,
 )
 from dcp_storage.formats.safetensors.write_plan import (

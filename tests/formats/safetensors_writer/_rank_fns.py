@@ -132,20 +132,3 @@ def save_all(
         fsdp2_sd, url, opts, FailingPlanner(0, crash_key), max_shard_size=MAX_SHARD
     )
     return report
-
-
-def direct_runs_roundtrip(rank: int, world: int, root: str) -> bool:
-    """``Shard(0)`` chunks of over 1 MiB (written with ``O_DIRECT`` where whole blocks allow), saved and loaded back."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-
-    from dcp_storage import SafetensorsReader, SafetensorsWriter
-
-    torch.manual_seed(0)
-    full = {"w": torch.randn(1031, 517), "b": torch.randn(3001), "e": torch.randn(613, 2049).to(torch.bfloat16)}
-    mesh = init_device_mesh("cpu", (world,))
-    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
-    dcp.save(sd, storage_writer=SafetensorsWriter(root))
-    back = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
-    dcp.load(back, storage_reader=SafetensorsReader(root))
-    return all(torch.equal(back[k].full_tensor(), v) for k, v in full.items())
