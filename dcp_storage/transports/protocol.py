@@ -63,6 +63,7 @@ __all__ = [
     "WorkerPool",
     "abandon",
     "client_identity",
+    "local_workers",
     "resolve_config",
 ]
 
@@ -116,7 +117,7 @@ class TransportConfig:
 
 def resolve_config(config: TransportConfig, is_local: bool) -> TransportConfig:
     """Fill the ``None`` (auto) fields of ``config`` for a local or a remote filesystem."""
-    workers = config.max_workers or (max(2, os.cpu_count() or 2) if is_local else 16)
+    workers = config.max_workers or (local_workers() if is_local else 16)
     gap = config.coalesce_gap if config.coalesce_gap is not None else (4096 if is_local else 256 * 1024)
     return dataclasses.replace(config, max_workers=workers, coalesce_gap=gap)
 
@@ -453,3 +454,18 @@ class MultipartUploads(Protocol):
     def abort_upload(self, path: str, upload: PendingUpload) -> bool:
         """Abort ``upload`` (found under ``path``); ``False`` if it is gone meanwhile."""
         ...
+
+
+def local_workers() -> int:
+    """Threads for local requests: the CPUs this process may use, shared by the ranks of its host
+    (``LOCAL_WORLD_SIZE``, as torchrun sets it), at least one; a process alone gets at least two.
+
+    Local reads are copies out of the page cache, bound by CPU: two ranks of two threads each on two cores
+    loaded a 2 GiB safetensors checkpoint (``Shard(0)``) at 6.5 GB/s, one thread each at 7.3 GB/s (best of 7).
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    try:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        ranks = 1
+    return max(1, cpus // ranks) if ranks > 1 else max(2, cpus)
