@@ -460,8 +460,9 @@ def local_workers() -> int:
     """Threads for local requests: the CPUs this process may use, shared by the ranks of its host
     (``LOCAL_WORLD_SIZE``, as torchrun sets it), at least one; a process alone gets at least two.
 
-    Local reads are copies out of the page cache, bound by CPU: two ranks of two threads each on two cores
-    loaded a 2 GiB safetensors checkpoint (``Shard(0)``) at 6.5 GB/s, one thread each at 7.3 GB/s (best of 7).
+    Local reads are copies out of the page cache, bound by CPU: more threads than cores only contend. Two
+    ranks on two cores loading a 2 GiB safetensors checkpoint (``Shard(0)``), one run of 7 rounds: 6.5 GB/s
+    best with two threads each, 7.3 with one (medians 6.1 and 5.7: within that machine's noise).
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     try:
