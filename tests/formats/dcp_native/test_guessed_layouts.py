@@ -242,6 +242,18 @@ def test_conjugate_and_negative_views_load_their_values(tmp_path: Path, config: 
     _load(str(tmp_path / "ckpt"), config, resolved)
 
 
+def _fails_alike(url: str, state: dict[str, torch.Tensor], *words: str) -> None:
+    """Guessed and probed loads of ``url`` raise the same ``CorruptCheckpointError``, naming every word."""
+    messages = []
+    for config in (GUESS, PROBE):
+        with pytest.raises(BaseException) as caught:  # dcp.load wraps our error in a CheckpointException
+            _load(url, config, state)
+        text = str(caught.value)
+        messages += [line for line in text.splitlines() if line.startswith("dcp_storage.errors.CorruptCheckpointError")]
+        assert messages and all(word in messages[-1] for word in words), text
+    assert messages[0] == messages[1]  # the same error either way
+
+
 def test_a_damaged_guessed_header_fails_as_usual(tmp_path: Path) -> None:
     state = _state("f8", "t")
     _save(tmp_path / "ckpt", state)
@@ -251,14 +263,7 @@ def test_a_damaged_guessed_header_fails_as_usual(tmp_path: Path) -> None:
     at = raw.index(b"data.pkl", info.offset) + len(b"data.pkl")  # the pickle follows the entry's name
     raw[at : at + 40] = b"\xff" * 40
     path.write_bytes(bytes(raw))
-    messages = []
-    for config in (GUESS, PROBE):
-        with pytest.raises(BaseException) as caught:  # dcp.load wraps our error in a CheckpointException
-            _load(str(tmp_path / "ckpt"), config, state)
-        text = str(caught.value)
-        messages += [line for line in text.splitlines() if line.startswith("dcp_storage.errors.CorruptCheckpointError")]
-        assert info.relative_path in messages[-1] and "data.pkl" in messages[-1], text
-    assert messages[0] == messages[1]  # the same error either way
+    _fails_alike(str(tmp_path / "ckpt"), state, info.relative_path, "data.pkl")
 
 
 def test_a_record_fetched_with_the_data_is_checked_as_it_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -285,14 +290,7 @@ def test_a_record_fetched_with_the_data_is_checked_as_it_lands(tmp_path: Path, m
     raw = bytearray(path.read_bytes())
     raw[info.offset + info.length // 2] ^= 0x55  # inside the tensor's bytes
     path.write_bytes(bytes(raw))
-    messages = []
-    for config in (GUESS, PROBE):
-        with pytest.raises(BaseException) as caught:  # dcp.load wraps our error in a CheckpointException
-            _load(str(tmp_path / "ckpt"), config, state)
-        text = str(caught.value)
-        messages += [line for line in text.splitlines() if line.startswith("dcp_storage.errors.CorruptCheckpointError")]
-        assert messages and info.relative_path in messages[-1] and "CRC" in messages[-1], text
-    assert messages[0] == messages[1]
+    _fails_alike(str(tmp_path / "ckpt"), state, info.relative_path, "CRC")
 
 
 def test_on_an_object_store_guessing_is_the_default(s3_url: S3Location, tmp_path: Path) -> None:
