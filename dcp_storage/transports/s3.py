@@ -300,8 +300,9 @@ def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Itera
     bucket, key, version = fs.split_path(path)
     kwargs = {"Bucket": bucket, "Key": key, **({"VersionId": version} if version else {}), **params}
     method = "get_object" if operation == "GetObject" else "head_object"
+    state = _state(fs)
     try:
-        request = bounded_sync(fs.loop, _prepared, fs, method, kwargs) if _state(fs).usable else None
+        request = bounded_sync(fs.loop, _prepared, fs, method, kwargs) if state.usable else None
     except Exception:  # noqa: BLE001 - the other path makes the same client call and reports what it raises
         request = None
     if request is None:
@@ -311,7 +312,6 @@ def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Itera
     headers = {str(k): v for k, v in request.headers.items()}
     if request.method == "GET":
         headers.setdefault("Accept-Encoding", "identity")  # not signed (nor need it be): bytes as stored
-    state = _state(fs)
     target = parts.path + ("?" + parts.query if parts.query else "")
     used: list[socket.socket] = []
     timer = cut_at_deadline(left, used)
@@ -462,10 +462,7 @@ def _state(fs: Any) -> _Direct:
         state = _STATE.get(fs)
     if state is None:
         state = _judge(fs)
-        with (
-            _STATE_LOCK,
-            contextlib.suppress(TypeError),
-        ):  # a filesystem that cannot be weakly referenced: judged each time
+        with _STATE_LOCK, contextlib.suppress(TypeError):  # one that cannot be weakly referenced: judged each time
             _STATE[fs] = state
     return state
 
