@@ -101,13 +101,13 @@ from dcp_storage.transports import (
     TransportCounters,
     is_transient,
 )
-from dcp_storage.transports.base import BaseTransport
+from dcp_storage.transports.base import BaseTransport, holds
 from dcp_storage.transports.factory import open_transport
 from dcp_storage.transports.guards import RangeMismatchError, VersionPins, range_mismatch
 from dcp_storage.transports.protocol import WorkerPool, resolve_config
 from dcp_storage.transports.ranges import FetchGroup, LocalRuns, RangeRun, plan_fetches
 from dcp_storage.transports.retry import TruncatedReadError, call_with_retry
-from dcp_storage.transports.s3_stream import ScatterSink, holds
+from dcp_storage.transports.s3_stream import ScatterSink
 
 _LAZY = {
     "FormatSpec": "dcp_storage.formats.spec",

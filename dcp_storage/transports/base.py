@@ -19,7 +19,7 @@ splitting large ones: :func:`~.ranges.plan_fetches`) and runner (:class:`~.range
 :meth:`executor`, ``max_inflight_bytes``, ``on_complete``), ``read_file`` with its size limit checked before
 any byte is read, ``open_atomic`` (spooled in memory up to ``part_size``, then in a temporary file, and sent
 by one ``put`` when the block exits: nothing on an exception), ``create_new`` for the save lock (with the
-lost-response check :func:`~.s3_stream.holds`), ``exists``/``listdir``/``remove_tree`` over listing and
+lost-response check :func:`holds`), ``exists``/``listdir``/``remove_tree`` over listing and
 deleting, retries under ``config.retry`` (counted), counters, errors of the project's hierarchy naming the URL,
 ``reconfigured``, ``close`` and pickling. A store with better ways (streamed multipart uploads, a server-side
 recursive delete) overrides the matching method; the protocol's docstring says what each must keep.
@@ -64,9 +64,8 @@ from dcp_storage.transports.protocol import (
 )
 from dcp_storage.transports.ranges import FetchGroup, RangeRequest, RangeRun, plan_fetches
 from dcp_storage.transports.retry import TruncatedReadError, call_with_retry
-from dcp_storage.transports.s3_stream import holds
 
-__all__ = ["BaseTransport"]
+__all__ = ["BaseTransport", "create_local", "holds"]
 
 T = TypeVar("T")
 _B = TypeVar("_B", bound="BaseTransport")
@@ -275,7 +274,7 @@ class BaseTransport(abc.ABC):
 
     def create_new(self, path: str, data: bytes) -> bool:
         """``put_if_absent``: ``True`` if this call created ``path``, also when a retry after a lost answer
-        finds its own bytes there (:func:`~.s3_stream.holds`). One request; not in ``bytes_written``."""
+        finds its own bytes there (:func:`holds`). One request; not in ``bytes_written``."""
         payload = bytes(data)
         self.counters.add(requests=1)
 
@@ -334,3 +333,41 @@ class BaseTransport(abc.ABC):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._workers = WorkerPool(self.config.max_workers, f"dcp-{self.scheme or 'store'}-io")
+
+
+# ------------------------------------------------------------------------------ create-if-absent helpers
+_OWN_CHECK_LIMIT = 64 * 1024  # a claim is a few hundred bytes: a larger object is not ours, and is not read
+
+
+def create_local(path: str, data: bytes) -> bool:
+    """``O_CREAT | O_EXCL``, then the bytes: ``True`` if this call created ``path``."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
+    finally:
+        os.close(fd)
+    return True
+
+
+def holds(transport: Any, path: str, data: bytes) -> bool:
+    """Whether the object at ``path`` is ``data``: our own write, whose first response was lost.
+
+    For any transport with ``size`` and ``read_file`` (a plugin's ``create_new`` uses it too).
+    """
+    try:
+        if transport.size(path) != len(data) or len(data) > _OWN_CHECK_LIMIT:
+            return False
+        return bytes(transport.read_file(path)) == bytes(data)
+    except FileNotFoundError:  # removed meanwhile: still not ours
+        return False

@@ -44,6 +44,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError, FileTooLargeError
 from dcp_storage.transports.access import access_errors
+from dcp_storage.transports.base import holds
 from dcp_storage.transports.guards import (
     PinnedReads,
     RangeMismatchError,
@@ -62,7 +63,6 @@ from dcp_storage.transports.protocol import (
 )
 from dcp_storage.transports.ranges import FetchGroup, RangeRequest, RangeRun, plan_fetches
 from dcp_storage.transports.retry import TruncatedReadError, bounded_call, call_with_retry, single_layer_client_options
-from dcp_storage.transports.s3_stream import holds
 
 __all__ = [
     "FsspecTransport",

@@ -118,6 +118,7 @@ from dcp_storage.text import redact_urls
 from dcp_storage.transports.retry import bounded_call
 
 __all__ = [
+    "check_object_checksum",
     "IDENTITY",
     "ListingBound",
     "MAX_LIST_ENTRIES_ENV",
@@ -451,3 +452,27 @@ def raise_if_short(fs: Any, path: str, url: str, end: int, cause: BaseException 
         raise CorruptCheckpointError(
             f"{url}: object ends at byte {size} but bytes up to {end} were expected (truncated file?)"
         ) from cause
+
+
+def check_object_checksum(resp: Any, body: bytes) -> None:
+    """Check a whole object's body against the ``x-amz-checksum-*`` its answer carries, as botocore does for the
+    requests it sends with ``x-amz-checksum-mode`` (its default): the first algorithm in botocore's order that
+    it can compute here and the answer names (a composite ``...-N`` multipart checksum is not checked)."""
+    from botocore import httpchecksum
+    from botocore.exceptions import FlexibleChecksumError
+
+    usable = {"crc32": "Crc32Checksum", "sha1": "Sha1Checksum", "sha256": "Sha256Checksum", "sha512": "Sha512Checksum"}
+    if getattr(httpchecksum, "HAS_CRT", False):
+        usable.update(crc32c="CrtCrc32cChecksum", crc64nvme="CrtCrc64NvmeChecksum")
+    for algorithm in ("crc64nvme", "crc32c", "crc32", "sha1", "sha256", "sha512"):
+        expected = resp.getheader(f"x-amz-checksum-{algorithm}")
+        cls = getattr(httpchecksum, usable.get(algorithm, ""), None)
+        if expected is None or cls is None or "-" in expected:
+            continue
+        checksum = cls()
+        checksum.update(body)
+        if checksum.b64digest() != expected:
+            raise FlexibleChecksumError(
+                error_msg=f"Expected checksum {expected} did not match calculated checksum: {checksum.b64digest()}"
+            )
+        return

@@ -29,6 +29,7 @@ from typing import Any
 from fsspec.implementations.local import LocalFileSystem
 
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, WrongPathTypeError
+from dcp_storage.transports.base import create_local
 from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_backend
 from dcp_storage.transports.local_io import (
     MEMMOVE_FROM,
@@ -53,7 +54,6 @@ from dcp_storage.transports.ranges import (
     RunsRead,
     plan_fetches,
 )
-from dcp_storage.transports.s3_stream import create_local
 
 __all__ = ["LocalTransport", "directory_in_the_way"]
 

@@ -357,7 +357,7 @@ class Transport(Protocol):
         Of two concurrent callers exactly one gets ``True``. Use the store's own primitive (``O_CREAT |
         O_EXCL``, S3 ``If-None-Match: *``, a GCS generation-0 precondition, ...); a request retried after a lost
         response finds its own object, so answer "exists" by comparing the stored bytes with ``data``
-        (:func:`~dcp_storage.transports.s3_stream.holds`, exported by the plugin API). Not in ``bytes_written``
+        (:func:`~dcp_storage.transports.base.holds`, exported by the plugin API). Not in ``bytes_written``
         (a lock is removed when its save commits). ``NotImplementedError`` where the store cannot (see above).
         """
         ...

@@ -47,6 +47,7 @@ from dcp_storage.transports import s3_upload
 from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_backend
 from dcp_storage.transports.guards import (
     RangeMismatchError,
+    check_object_checksum,
     check_range_answer,
     describe_answer,
     is_encoded,
@@ -58,7 +59,6 @@ from dcp_storage.transports.retry import bounded_sync, cut_at_deadline, error_co
 from dcp_storage.transports.s3_stream import (
     ScatterSink,
     can_stream,
-    check_object_checksum,
     client_call,
     client_ready,
     read_object_version,

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+import dcp_storage.transports.guards as guards
 import dcp_storage.transports.s3 as s3_module
-import dcp_storage.transports.s3_stream as s3_stream
 from dcp_storage.errors import CheckpointNotFoundError, FileTooLargeError, ObjectChangedError
 from dcp_storage.transports import FsspecTransport, RangeRequest, RetryPolicy, TransportConfig
 from dcp_storage.transports.s3_stream import ScatterSink, client_ready
@@ -213,11 +213,11 @@ def test_a_whole_object_is_checked_against_the_checksum_its_answer_names() -> No
 
     body = BLOB[:5000]
     right = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
-    s3_stream.check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body)  # type: ignore[arg-type]
-    s3_stream.check_object_checksum(_Answer({"x-amz-checksum-crc32": "AAAAAA==-3"}), body)  # type: ignore[arg-type]
-    s3_stream.check_object_checksum(_Answer({}), body)  # type: ignore[arg-type]
+    guards.check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body)  # type: ignore[arg-type]
+    guards.check_object_checksum(_Answer({"x-amz-checksum-crc32": "AAAAAA==-3"}), body)  # type: ignore[arg-type]
+    guards.check_object_checksum(_Answer({}), body)  # type: ignore[arg-type]
     with pytest.raises(FlexibleChecksumError):
-        s3_stream.check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body[:-1] + b"?")  # type: ignore[arg-type]
+        guards.check_object_checksum(_Answer({"x-amz-checksum-crc32": right}), body[:-1] + b"?")  # type: ignore[arg-type]
 
 
 def test_a_connection_serves_only_filesystems_judged_alike(blob: Any) -> None:

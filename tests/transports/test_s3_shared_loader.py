@@ -1,10 +1,12 @@
 """The S3 clients of one process share botocore's data loader (:func:`dcp_storage.transports.s3_stream.share_loader`):
 a client after the first does not read and parse the service model and endpoint rules again. Checked on moto:
 filesystems with different options get sessions with one loader and work; a session the caller gave, and
-options botocore refuses, are left to s3fs as before."""
+options botocore refuses, are left to s3fs as before. The loader is the quicker kind (no listing of every
+service folder, plain-dict JSON): it loads what botocore's own loads, in the same order."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiobotocore.session
@@ -12,7 +14,7 @@ import pytest
 import s3fs
 
 from dcp_storage.transports import FsspecTransport
-from dcp_storage.transports.s3_stream import client_ready, share_loader
+from dcp_storage.transports.s3_stream import client_ready, model_loader, share_loader
 
 
 def _fs(options: dict[str, Any], **more: Any) -> Any:
@@ -67,3 +69,61 @@ def test_a_profile_botocore_cannot_find_fails_as_without_sharing(s3_url: Any) ->
             client_ready(fs)
         errors.append((type(caught.value), str(caught.value)))
     assert errors[0] == errors[1]
+
+
+# ------------------------------------------------------------------ the quicker loader (s3_stream.model_loader)
+def _as_botocore(loader: Any, call: str, *args: str) -> tuple[str, str]:
+    from botocore.loaders import create_loader
+
+    plain = create_loader()
+    return json.dumps(getattr(loader, call)(*args)), json.dumps(getattr(plain, call)(*args))
+
+
+@pytest.mark.parametrize(
+    ("call", "args"),
+    [
+        ("load_service_model", ("s3", "service-2")),
+        ("load_service_model", ("s3", "endpoint-rule-set-1")),
+        ("load_data", ("endpoints",)),
+        ("load_data", ("partitions",)),
+    ],
+)
+def test_the_quick_loader_loads_what_botocore_loads_in_its_order(call: str, args: tuple[str, ...]) -> None:
+    loader = model_loader(None)
+    assert type(loader).__name__ == "_ModelLoader", "this botocore is the one the quick loader was written for"
+    ours, botocores = _as_botocore(loader, call, *args)
+    assert ours == botocores
+
+
+def test_an_unknown_service_raises_botocores_own_error() -> None:
+    from botocore.exceptions import UnknownServiceError
+
+    with pytest.raises(UnknownServiceError, match="no-such-service"):
+        model_loader(None).load_service_model("no-such-service", "service-2")
+
+
+def test_a_data_path_is_searched_first_and_its_latest_version_taken(tmp_path: Any) -> None:
+    for version, title in (("2020-01-01", "old"), ("2024-01-01", "new")):
+        folder = tmp_path / "s3" / version
+        folder.mkdir(parents=True)
+        (folder / "service-2.json").write_text(json.dumps({"metadata": {"title": title}, "shapes": {}}))
+    loader = model_loader(str(tmp_path))
+    assert loader.load_service_model("s3", "service-2")["metadata"] == {"title": "new"}
+    assert loader.load_service_model("s3", "service-2", "2020-01-01")["metadata"] == {"title": "old"}
+
+
+def test_a_failing_shortcut_leaves_the_work_to_botocore(monkeypatch: pytest.MonkeyPatch) -> None:
+    loader = model_loader(None)
+    find_extras, failed = loader._find_extras, []
+
+    def broken_once(*args: Any) -> Any:  # the shortcut's call fails; botocore's own call, after it, works
+        if not failed:
+            failed.append(args)
+            raise RuntimeError("a botocore this was not written for")
+        return find_extras(*args)
+
+    monkeypatch.setattr(loader, "_find_extras", broken_once)
+    calls = []
+    monkeypatch.setattr(loader, "list_available_services", lambda t: calls.append(t) or ["s3"])
+    assert loader.load_service_model("s3", "service-2")["metadata"]["serviceId"] == "S3"
+    assert calls == ["service-2"], "botocore's own method ran"

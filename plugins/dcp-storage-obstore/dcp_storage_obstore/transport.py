@@ -362,7 +362,7 @@ class ObstoreTransport:
         """Write the small object ``path`` only if none is there (``PutMode.Create``: ``If-None-Match: *``).
 
         ``True`` if this call created it, also when a retry after a lost answer finds its own bytes
-        (:func:`~dcp_storage.transports.s3_stream.holds`); ``False`` if another writer's object is there.
+        (:func:`~dcp_storage.transports.base.holds`); ``False`` if another writer's object is there.
         Counted as one request, not in ``bytes_written`` (a claim does not stay; see the core's transport).
         """
         payload = bytes(data)
