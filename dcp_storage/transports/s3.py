@@ -1,30 +1,24 @@
 """The S3 transport (s3fs): requests made on s3fs's client one attempt at a time, under our retries.
 
-s3fs runs requests through its own retry wrapper (5 tries on connection errors and ``SlowDown``, unaware of
-any deadline), under ours. Calling the botocore client directly leaves the transport's retry layer as the
-only one, so a permanent fault costs exactly ``max_attempts`` requests and the final error's attempt count
-is true. A key is a file, a key prefix followed by ``/`` is a directory, as in s3fs.
+s3fs retries on its own (5 tries, unaware of any deadline); calling the botocore client directly leaves our
+retry layer as the only one, so a permanent fault costs exactly ``max_attempts`` requests. A key is a file, a
+key prefix followed by ``/`` is a directory, as in s3fs. Writes are one ``PutObject`` or a multipart upload
+whose every request is retried on its own, aborted if it finally fails (:mod:`.s3_upload`); create-if-absent
+is a ``PutObject`` with ``If-None-Match: *``; uploads a killed writer left can be listed and aborted.
 
-Reads (ranges, whole small objects, sizes) are sent directly by the thread that needs them, ranges read
-straight into the destination buffers (:func:`direct_range`, :func:`direct_object`, :func:`direct_head`,
-below), or else through aiobotocore (:mod:`.s3_stream`); either checks the answer's status
-and ``Content-Range`` (:func:`~.guards.check_range_answer`) and resumes a cut-off body from the first byte
-still missing. Whole-file reads learn the size first, so a file over ``max_bytes`` is refused unread. Writes
-are one ``PutObject`` or a multipart upload whose every request is retried on its own and which is aborted if
-it finally fails (:mod:`.s3_upload`); create-if-absent is a ``PutObject`` with ``If-None-Match: *``. Multipart
-uploads a killed writer left can be listed and aborted (the optional :class:`~.protocol.MultipartUploads`).
-
-Direct reads (:func:`direct_range` and below). Through aiobotocore, the event loop's one thread read every body
-chunk of every connection into a new ``bytes``, then copied into place, sharing the GIL with the load's own
-work; on s3rver (512 MiB, one process) our client used 0.8-0.9 CPU-seconds per load against 0.20-0.29 for plain
-``http.client`` GETs, taken from the server on two cores. Here the fetching worker thread sends the request on
-a keep-alive connection of its own and ``readinto``s the body into the destination: one copy, the kernel's. The
-request is s3fs's client's own: the same call goes through botocore (s3fs's per-request options, endpoint
+Reads (ranges, whole small objects, sizes, listing pages) are sent directly by the thread that needs them
+(:func:`direct_range` and below), or else through aiobotocore (:mod:`.s3_stream`); either checks the answer's
+status and ``Content-Range`` (:func:`~.guards.check_range_answer`) and resumes a cut-off body from the first
+byte missing; a whole-file read over ``max_bytes`` is refused unread. Why directly: through aiobotocore the
+event loop's one thread read every body chunk into a new ``bytes``, then copied it into place (on s3rver,
+512 MiB, one process: 0.8-0.9 CPU-seconds per load against 0.20-0.29 for plain ``http.client`` GETs). Here the
+worker thread sends the request on a keep-alive connection of its own and ``readinto``s the body into the
+destination. The request is s3fs's client's own: the call goes through botocore (per-request options, endpoint
 rules, credentials, signature) and leaves it at its ``before-send`` event, unsent (:func:`_prepared`); only
 where that client sends alone (http/https, no proxy, no client certificate, one attempt per call; TLS with the
-context aiobotocore builds for it). Error answers go through botocore's parser and s3fs's translation; a
-bucket in another region is left to botocore's redirector. A load never starts aiobotocore's HTTP session:
-its first request cost 50-100 ms more. ``DCP_STORAGE_S3_DIRECT=0`` turns this off.
+context aiobotocore builds). Answers go through botocore's parser (errors, listings) and s3fs's translation; a
+bucket in another region is left to botocore's redirector. A load never starts aiobotocore's HTTP session (its
+first request: 50-100 ms more). ``DCP_STORAGE_S3_DIRECT=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -65,25 +59,13 @@ from dcp_storage.transports.s3_stream import (
     s3_delete,
     s3_exists,
     s3_list_names,
-    s3_size,
     s3_size_version,
     stream_range,
     translate_client_error,
 )
 from dcp_storage.transports.s3_upload import PendingUpload, S3AtomicUpload, abort_pending, list_pending, put_object
 
-__all__ = [
-    "DIRECT_ENV",
-    "S3Transport",
-    "direct_head",
-    "direct_object",
-    "direct_range",
-    "s3_delete",
-    "s3_exists",
-    "s3_list_names",
-    "s3_size",
-    "s3_size_version",
-]
+__all__ = ["DIRECT_ENV", "S3Transport", "direct_head", "direct_list_page", "direct_object", "direct_range"]
 
 
 @builtin_backend
@@ -117,7 +99,7 @@ class S3Transport(FsspecTransport):
         s3_delete(self.fs, path)
 
     def _list_names(self, path: str) -> list[str]:
-        return s3_list_names(self.fs, path)
+        return s3_list_names(self.fs, path, lambda kwargs: direct_list_page(self.fs, kwargs))
 
     def _size_version(self, path: str) -> tuple[int, str | None]:
         return direct_head(self.fs, path) or s3_size_version(self.fs, path)
@@ -203,6 +185,7 @@ class S3Transport(FsspecTransport):
 DIRECT_ENV = "DCP_STORAGE_S3_DIRECT"
 _DEFAULT_TIMEOUT = 60.0  # botocore's default connect and read timeouts
 _ERROR_BODY_BYTES = 64 * 1024  # an error answer's XML is read up to this much
+_CONNECTIONS = threading.local()  # per thread: {(scheme, host, port): (pid, connection)}
 
 
 @dataclass
@@ -217,7 +200,6 @@ class _Direct:
 
 _STATE: weakref.WeakKeyDictionary[Any, _Direct] = weakref.WeakKeyDictionary()
 _STATE_LOCK = threading.Lock()
-_CONNECTIONS = threading.local()  # per thread: {(scheme, host, port): (pid, connection)}
 
 
 def direct_range(
@@ -282,6 +264,21 @@ def direct_head(fs: Any, path: str) -> tuple[int, str | None] | None:
         return (int(header), resp.getheader("ETag")) if header is not None and header.isdigit() else None
 
 
+def direct_list_page(fs: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """One ``ListObjectsV2`` page (API ``kwargs``) as the client returns it: botocore's parser, keys URL-decoded as
+    botocore does (it asks for ``EncodingType=url``). ``None``: that path (:func:`~.s3_stream.s3_list_names`)."""
+    params = {k: v for k, v in kwargs.items() if k != "Bucket"}
+    with _answer(fs, "ListObjectsV2", kwargs["Bucket"], params) as resp:
+        if resp is None or is_encoded(resp.getheader("Content-Encoding")):
+            return None
+        answer = {"status_code": resp.status, "headers": dict(resp.getheaders()), "body": resp.read()}
+    from botocore.handlers import decode_list_object_v2
+
+    parsed = _parsed(fs, "ListObjectsV2", answer)
+    decode_list_object_v2(parsed, context={"encoding_type_auto_set": "EncodingType" not in params})
+    return parsed
+
+
 @contextlib.contextmanager
 def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Iterator[http.client.HTTPResponse | None]:
     """The answer to ``operation`` (with API ``params`` such as ``Range``) on ``path`` sent directly, its body
@@ -298,8 +295,9 @@ def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Itera
         return
     client_ready(fs, fs.unstrip_protocol(path))
     bucket, key, version = fs.split_path(path)
-    kwargs = {"Bucket": bucket, "Key": key, **({"VersionId": version} if version else {}), **params}
-    method = "get_object" if operation == "GetObject" else "head_object"
+    method = _METHODS[operation]
+    kwargs = {"Bucket": bucket, **params} if method == "list_objects_v2" else {"Bucket": bucket, "Key": key, **params}
+    kwargs.update({"VersionId": version} if version and "Key" in kwargs else {})
     state = _state(fs)
     try:
         request = bounded_sync(fs.loop, _prepared, fs, method, kwargs) if state.usable else None
@@ -341,6 +339,7 @@ def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Itera
             timer.cancel()
 
 
+_METHODS = {"GetObject": "get_object", "HeadObject": "head_object", "ListObjectsV2": "list_objects_v2"}
 _REDIRECTS = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"})
 _REGION = "x-amz-bucket-region"
 
@@ -381,16 +380,19 @@ def _error_answer(
     """The error an error answer is: parsed by botocore's own parser into its modelled ``ClientError``, and that
     translated as :func:`~.s3_stream.s3_call` does (``NoSuchKey`` -> ``FileNotFoundError``, ...)."""
     from botocore.exceptions import ClientError
+
+    answer = {"status_code": resp.status, "headers": dict(resp.getheaders()), "body": resp.read(_ERROR_BODY_BYTES)}
+    parsed = _parsed(fs, operation, answer)
+    exc = ClientError(parsed, operation)
+    exc = fs._s3.exceptions.from_code(error_code(exc) or str(resp.status))(parsed, operation)  # the modelled class
+    return exc, translate_client_error(exc, method, kwargs)
+
+
+def _parsed(fs: Any, operation: str, answer: dict[str, Any]) -> Any:
+    """``answer`` (status, headers, body) as botocore's parser reads it for ``operation``."""
     from botocore.parsers import create_parser
 
-    body = resp.read(_ERROR_BODY_BYTES)
-    client = fs._s3
-    answer = {"status_code": resp.status, "headers": dict(resp.getheaders()), "body": body}
-    shape = client.meta.service_model.operation_model(operation).output_shape
-    parsed = create_parser("rest-xml").parse(answer, shape)
-    exc = ClientError(parsed, operation)
-    exc = client.exceptions.from_code(error_code(exc) or str(resp.status))(parsed, operation)  # the modelled class
-    return exc, translate_client_error(exc, method, kwargs)
+    return create_parser("rest-xml").parse(answer, fs._s3.meta.service_model.operation_model(operation).output_shape)
 
 
 def _send(

@@ -453,8 +453,9 @@ def s3_exists(fs: Any, path: str) -> bool:
         return False
 
 
-def s3_list_names(fs: Any, path: str) -> list[str]:
-    """Names of the objects and prefixes directly under ``path`` (sorted); empty if there are none."""
+def s3_list_names(fs: Any, path: str, direct: Callable[[dict[str, Any]], Any] | None = None) -> list[str]:
+    """Names of the objects and prefixes directly under ``path`` (sorted); empty if there are none. ``direct``
+    sends a page's request instead, if it can (``None``: it cannot; :func:`~.s3.direct_list_page`)."""
     bucket, key = _split(fs, path)
     prefix = key.rstrip("/") + "/" if key else ""
     names: set[str] = set()
@@ -465,7 +466,8 @@ def s3_list_names(fs: Any, path: str) -> list[str]:
         if token:
             kwargs["ContinuationToken"] = token
         try:
-            page = s3_call(fs, "list_objects_v2", **kwargs)
+            page = direct(kwargs) if direct is not None else None
+            page = s3_call(fs, "list_objects_v2", **kwargs) if page is None else page
         except FileNotFoundError:  # NoSuchBucket
             return []
         for entry in page.get("Contents", ()):

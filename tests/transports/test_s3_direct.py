@@ -230,3 +230,56 @@ def test_a_connection_serves_only_filesystems_judged_alike(blob: Any) -> None:
     theirs, reused = s3_module._connection(other, parts)
     assert theirs is not mine and not reused
     assert s3_module._connection(state, parts) == (mine, True)
+
+
+# ------------------------------------------------------------------------------ listings
+ODD_NAMES = ["plain", "with space", "per%cent", "plus+sign", "ünï", "q?uery&amp", "dir/inner"]
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_listings_read_directly_name_what_the_aiobotocore_path_names(
+    s3_url: Any, monkeypatch: pytest.MonkeyPatch, direct: str
+) -> None:
+    """Keys botocore asks the store to URL-encode (spaces, ``%``, ``+``, non-ASCII, ``&``) come back decoded,
+    directories as names, a missing bucket as an empty listing, on both paths; the direct one is the only one
+    sending a page."""
+    monkeypatch.setenv(s3_module.DIRECT_ENV, direct)
+    pages: list[dict[str, Any]] = []
+    direct_page = s3_module.direct_list_page
+    monkeypatch.setattr(s3_module, "direct_list_page", lambda fs, kw: _kept(pages, direct_page(fs, kw)))
+    url, options = s3_url
+    transport, root = FsspecTransport.from_url(url, options, CONFIG)
+    with transport:
+        for name in ODD_NAMES:
+            transport.write_file(transport.join(root, "ckpt", name), b"x")
+        assert transport.listdir(transport.join(root, "ckpt")) == sorted({n.split("/")[0] for n in ODD_NAMES})
+        assert transport.listdir(transport.join(root, "nothing-here")) == []
+        bucket = root.split("/")[0]
+        assert transport.listdir(f"{bucket}-missing/x") == []
+    assert len(pages) == (2 if direct == "1" else 0)  # the missing bucket: an error answer, no page
+
+
+def _kept(pages: list[Any], page: Any) -> Any:
+    if page is not None:
+        pages.append(page)
+    return page
+
+
+def test_a_listing_in_pages_is_read_whole_directly(blob: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page by page (``MaxKeys=2``, continuation tokens): the names are all there, once each."""
+    transport, path, _, _ = blob
+    root = path.rsplit("/", 1)[0]
+    names = [f"k {i:02d}+" for i in range(7)]
+    for name in names:
+        transport.write_file(transport.join(root, "paged", name), b"x")
+    bucket, key, _ = transport.fs.split_path(transport.join(root, "paged"))
+    seen, token = [], None
+    while True:
+        kwargs = {"Bucket": bucket, "Prefix": key + "/", "Delimiter": "/", "MaxKeys": 2}
+        page = s3_module.direct_list_page(transport.fs, {**kwargs, **({"ContinuationToken": token} if token else {})})
+        assert page is not None
+        seen += [entry["Key"].rsplit("/", 1)[1] for entry in page.get("Contents", ())]
+        token = page.get("NextContinuationToken")
+        if not page.get("IsTruncated"):
+            break
+    assert seen == names
