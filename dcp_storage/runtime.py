@@ -80,6 +80,7 @@ __all__ = [
     "FutureTypeError",
     "as_torch_future",
     "count_setting",
+    "distinct_ints",
     "gc_paused",
     "held_interrupts",
     "host_buffer",
@@ -236,6 +237,17 @@ def count_setting(env: str, default: int, unit: str) -> int:
     if value < 0:
         raise ValueError(f"{env}={raw!r} must not be negative")
     return value
+
+
+def distinct_ints(values: Any) -> list[int]:
+    """``np.unique(values).tolist()`` for an integer array, without a first call of ``np.unique`` in the process,
+    which imports ``numpy.ma`` (13-20 ms of a cold load). Small non-negative values (dimension counts, file
+    indices) are tallied with ``np.bincount``; others go to ``np.unique``."""
+    import numpy as np
+
+    if values.dtype.kind not in "iu" or values.size == 0 or int(values.min()) < 0 or int(values.max()) > 1 << 24:
+        return np.unique(values).tolist()  # type: ignore[no-any-return]
+    return np.flatnonzero(np.bincount(values)).tolist()  # type: ignore[no-any-return]
 
 
 def writable_bytes(tensor: torch.Tensor) -> memoryview:

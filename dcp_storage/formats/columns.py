@@ -75,6 +75,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_storage._torch import StorageInfo
 from dcp_storage.formats.reports import ChunkInfo, TensorInfo, TensorRows, TensorSummary, ValueInfo, dtype_name
+from dcp_storage.runtime import distinct_ints
 
 __all__ = [
     "ColumnTensors",
@@ -467,7 +468,7 @@ def _byte_counts(cols: MetadataColumns, rows: np.ndarray) -> tuple[np.ndarray, d
     exact: dict[int, int] = {}
     start = cols.shape_at[rows]
     ndim = cols.shape_at[rows + 1] - start
-    for k in np.unique(ndim).tolist():
+    for k in distinct_ints(ndim):
         at = np.flatnonzero(ndim == k)
         dims = cols.dims[start[at, None] + np.arange(k)]  # (rows, k); k = 0: one element each
         size = itemsize[cols.prop[rows[at]]]

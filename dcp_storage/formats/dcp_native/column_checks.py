@@ -42,6 +42,7 @@ from dcp_storage.formats.reading import tiling_problem
 from dcp_storage.formats.torch_save.zip_index import STORED, data_starts, read_zip_index
 from dcp_storage.integrity.blocks import key_name
 from dcp_storage.integrity.checksums import crc32
+from dcp_storage.runtime import distinct_ints
 from dcp_storage.transports import RangeRequest
 
 __all__ = ["check_record_crcs", "columns_sound"]
@@ -328,7 +329,7 @@ def _chunk_volumes(
         return None  # no chunk: sound only for a tensor of no elements (a scalar has one)
     box_len = np.diff(box_at)
     general = np.flatnonzero(is_tensor & (per_entry > 1) & (np.diff(cols.shape_at) == 0)).tolist()  # scalars
-    for d in np.unique(box_len).tolist():
+    for d in distinct_ints(box_len):
         if d == 0:
             continue
         ch = np.flatnonzero(box_len == d)  # tensor chunks only (a value has no dimensions)

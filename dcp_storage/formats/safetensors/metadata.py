@@ -73,6 +73,7 @@ from dcp_storage.formats.safetensors.header import (
     TensorEntry,
     saved_offsets,
 )
+from dcp_storage.runtime import distinct_ints
 from dcp_storage.transports import Transport
 
 __all__ = [
@@ -215,7 +216,7 @@ def _dcp_layout(transport: Transport, root: str) -> Layout:
         return Layout(
             "dcp",
             root,
-            sorted({cols.files[i] for i in np.unique(cols.file).tolist()}),
+            sorted({cols.files[i] for i in distinct_ints(cols.file)}),
             transport.url(path),
             dcp_metadata=metadata,
         )
