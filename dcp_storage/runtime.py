@@ -245,6 +245,7 @@ def distinct_ints(values: Any) -> list[int]:
     indices) are tallied with ``np.bincount``; others go to ``np.unique``."""
     import numpy as np
 
+    values = np.ravel(values)
     if values.dtype.kind not in "iu" or values.size == 0 or int(values.min()) < 0 or int(values.max()) > 1 << 24:
         return np.unique(values).tolist()  # type: ignore[no-any-return]
     return np.flatnonzero(np.bincount(values)).tolist()  # type: ignore[no-any-return]

@@ -22,6 +22,8 @@ from dcp_storage.runtime import distinct_ints
         np.array([-1, 5, -1]),  # negative: np.unique
         np.array([1 << 40, 2]),  # too large to tally: np.unique
         np.array([1.5, 0.5]),  # not integers: np.unique
+        np.array([[2, 1], [1, 0]]),  # flattened, as np.unique does
+        np.array(4),
     ],
 )
 def test_the_same_answer_as_np_unique(values: np.ndarray) -> None:

@@ -119,6 +119,7 @@ from dcp_storage.transports.retry import bounded_call
 
 __all__ = [
     "check_object_checksum",
+    "error_in_200",
     "IDENTITY",
     "ListingBound",
     "MAX_LIST_ENTRIES_ENV",
@@ -476,3 +477,14 @@ def check_object_checksum(resp: Any, body: bytes) -> None:
                 error_msg=f"Expected checksum {expected} did not match calculated checksum: {checksum.b64digest()}"
             )
         return
+
+
+def error_in_200(body: bytes) -> bool:
+    """Whether an S3 listing's 200 answer is an error (an ``<Error>`` document, or not XML: a body cut short), as
+    botocore's ``before-parse`` handler for S3 judges it, which turns such an answer into a 500."""
+    from xml.etree import ElementTree
+
+    try:
+        return bool(body) and ElementTree.fromstring(body).tag == "Error"
+    except ElementTree.ParseError:
+        return True

@@ -44,6 +44,7 @@ from dcp_storage.transports.guards import (
     check_object_checksum,
     check_range_answer,
     describe_answer,
+    error_in_200,
     is_encoded,
     range_mismatch,
 )
@@ -271,7 +272,9 @@ def direct_list_page(fs: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
     with _answer(fs, "ListObjectsV2", kwargs["Bucket"], params) as resp:
         if resp is None or is_encoded(resp.getheader("Content-Encoding")):
             return None
-        answer = {"status_code": resp.status, "headers": dict(resp.getheaders()), "body": resp.read()}
+        answer = _read(resp, None)
+    if error_in_200(answer["body"]):  # S3 may answer 200 with an error in the body: botocore makes it a 500
+        raise _error_answer(fs, {**answer, "status_code": 500}, "ListObjectsV2", "list_objects_v2", kwargs)[1]
     from botocore.handlers import decode_list_object_v2
 
     parsed = _parsed(fs, "ListObjectsV2", answer)
@@ -295,9 +298,8 @@ def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Itera
         return
     client_ready(fs, fs.unstrip_protocol(path))
     bucket, key, version = fs.split_path(path)
-    method = _METHODS[operation]
-    kwargs = {"Bucket": bucket, **params} if method == "list_objects_v2" else {"Bucket": bucket, "Key": key, **params}
-    kwargs.update({"VersionId": version} if version and "Key" in kwargs else {})
+    keyed = {} if operation == "ListObjectsV2" else {"Key": key, **({"VersionId": version} if version else {})}
+    kwargs, method = {"Bucket": bucket, **keyed, **params}, _METHODS[operation]
     state = _state(fs)
     try:
         request = bounded_sync(fs.loop, _prepared, fs, method, kwargs) if state.usable else None
@@ -322,7 +324,7 @@ def _answer(fs: Any, operation: str, path: str, params: dict[str, str]) -> Itera
                     "Transfer-Encoding"
                 )
             if resp.status >= 300:
-                failure, translated = _error_answer(fs, resp, operation, method, kwargs)
+                failure, translated = _error_answer(fs, _read(resp, _ERROR_BODY_BYTES), operation, method, kwargs)
                 if resp.status in (301, 307) or error_code(failure) in _REDIRECTS or resp.getheader(_REGION):
                     yield None  # another region: botocore's own path follows it (and remembers the region)
                     return
@@ -374,18 +376,20 @@ async def _prepared(fs: Any, method: str, kwargs: dict[str, Any]) -> Any:
     return None  # another handler answered it: not this path
 
 
-def _error_answer(
-    fs: Any, resp: http.client.HTTPResponse, operation: str, method: str, kwargs: dict[str, Any]
-) -> tuple[Exception, Exception]:
+def _error_answer(fs: Any, answer: dict[str, Any], operation: str, method: str, kwargs: Any) -> tuple[Exception, ...]:
     """The error an error answer is: parsed by botocore's own parser into its modelled ``ClientError``, and that
     translated as :func:`~.s3_stream.s3_call` does (``NoSuchKey`` -> ``FileNotFoundError``, ...)."""
     from botocore.exceptions import ClientError
 
-    answer = {"status_code": resp.status, "headers": dict(resp.getheaders()), "body": resp.read(_ERROR_BODY_BYTES)}
     parsed = _parsed(fs, operation, answer)
     exc = ClientError(parsed, operation)
-    exc = fs._s3.exceptions.from_code(error_code(exc) or str(resp.status))(parsed, operation)  # the modelled class
+    exc = fs._s3.exceptions.from_code(error_code(exc) or str(answer["status_code"]))(parsed, operation)
     return exc, translate_client_error(exc, method, kwargs)
+
+
+def _read(resp: http.client.HTTPResponse, limit: int | None) -> dict[str, Any]:
+    """An answer as botocore's parser takes it, its body read up to ``limit`` bytes (``None``: whole)."""
+    return {"status_code": resp.status, "headers": dict(resp.getheaders()), "body": resp.read(limit)}
 
 
 def _parsed(fs: Any, operation: str, answer: dict[str, Any]) -> Any:

@@ -184,7 +184,9 @@ def model_loader(data_path: str | None) -> Any:
 
     if _quick_loader_class() is None:
         return loaders.create_loader(data_path)
-    extra = [os.path.expanduser(os.path.expandvars(p)) for p in data_path.split(os.pathsep)] if data_path else None
+    extra = (
+        None if data_path is None else [os.path.expanduser(os.path.expandvars(p)) for p in data_path.split(os.pathsep)]
+    )
     return _quick_loader_class()(extra_search_paths=extra)
 
 
@@ -223,6 +225,8 @@ def _quick_loader_class() -> Any:
             unknown service, a version not there, or anything else going wrong here goes to botocore's own
             method, which does it all again or raises its own error."""
             try:
+                if "/" in service_name or os.sep in service_name or service_name.startswith("."):
+                    raise ValueError(service_name)  # not a folder's name: botocore's own method refuses it
                 version = api_version or max(self.list_api_versions(service_name, type_name))
                 model = self.load_data(os.path.join(service_name, version, type_name))
                 self._extras_processor.process(model, self._find_extras(service_name, type_name, version))

@@ -6,14 +6,17 @@ or the switch is off."""
 from __future__ import annotations
 
 import random
+import re
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 import dcp_storage.transports.guards as guards
 import dcp_storage.transports.s3 as s3_module
-from dcp_storage.errors import CheckpointNotFoundError, FileTooLargeError, ObjectChangedError
+from dcp_storage.errors import CheckpointNotFoundError, FileTooLargeError, ObjectChangedError, TransportError
 from dcp_storage.transports import FsspecTransport, RangeRequest, RetryPolicy, TransportConfig
 from dcp_storage.transports.s3_stream import ScatterSink, client_ready
 
@@ -283,3 +286,86 @@ def test_a_listing_in_pages_is_read_whole_directly(blob: Any, monkeypatch: pytes
         if not page.get("IsTruncated"):
             break
     assert seen == names
+
+
+class _ScriptedStore(ThreadingHTTPServer):
+    """A loopback S3 endpoint answering every ``GET`` with the next of ``answers`` (``status, body``), the last
+    one again once they run out."""
+
+    daemon_threads = True
+
+    def __init__(self, answers: list[tuple[int, bytes]]) -> None:
+        super().__init__(("127.0.0.1", 0), _Scripted)
+        self.answers, self.served = answers, 0
+
+
+class _Scripted(BaseHTTPRequestHandler):
+    server: _ScriptedStore
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+        pass
+
+    def do_GET(self) -> None:
+        status, body = self.server.answers[min(self.server.served, len(self.server.answers) - 1)]
+        self.server.served += 1
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _page(keys: list[str], token: str | None = None) -> bytes:
+    more = f"<IsTruncated>true</IsTruncated><NextContinuationToken>{token}</NextContinuationToken>" if token else ""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        f"<Name>bkt</Name><Prefix>ckpt/</Prefix><Delimiter>/</Delimiter><EncodingType>url</EncodingType>{more}"
+        + "".join(f"<Contents><Key>ckpt/{k}</Key><Size>1</Size></Contents>" for k in keys)
+        + "</ListBucketResult>"
+    ).encode()
+
+
+_ERROR_200 = b"<Error><Code>InternalError</Code><Message>We encountered an internal error</Message></Error>"
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [
+        [(200, _ERROR_200)],
+        [(200, _page(["a", "b"])[:-40])],  # a body cut short
+        [(200, b"not xml at all")],
+        [(200, _page(["shard-1", "shard-2"], token="t2")), (200, _ERROR_200)],  # the second page fails
+    ],
+    ids=["error-in-200", "cut-short", "not-xml", "second-page"],
+)
+def test_a_listing_answered_200_with_an_error_fails_as_on_the_aiobotocore_path(
+    monkeypatch: pytest.MonkeyPatch, answers: list[tuple[int, bytes]]
+) -> None:
+    """S3 may answer 200 with an error in the body (or a body cut short): botocore reads it as a 500, retried,
+    never as an empty or a complete listing. Both paths raise the same error after the same attempts."""
+    import s3fs
+
+    outcomes = []
+    for direct in ("1", "0"):
+        monkeypatch.setenv(s3_module.DIRECT_ENV, direct)
+        store = _ScriptedStore(answers)
+        threading.Thread(target=store.serve_forever, daemon=True).start()
+        try:
+            s3fs.S3FileSystem.clear_instance_cache()
+            endpoint = f"http://127.0.0.1:{store.server_address[1]}"
+            options = {
+                "key": "k",
+                "secret": "s",
+                "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+            }
+            config = TransportConfig(retry=RetryPolicy(max_attempts=2, initial_backoff=0.01, deadline=20.0))
+            transport, root = FsspecTransport.from_url("s3://bkt/ckpt", options, config)
+            with transport, pytest.raises(TransportError) as caught:
+                transport.listdir(root)
+            message = re.sub(r" in [0-9.]+s ", " ", str(caught.value).replace(endpoint, "<store>"))
+            outcomes.append((message, store.served))
+        finally:
+            store.shutdown()
+            store.server_close()
+    assert outcomes[0] == outcomes[1]
+    assert "failed after 2 attempt(s)" in outcomes[0][0]

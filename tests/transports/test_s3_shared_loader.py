@@ -127,3 +127,17 @@ def test_a_failing_shortcut_leaves_the_work_to_botocore(monkeypatch: pytest.Monk
     monkeypatch.setattr(loader, "list_available_services", lambda t: calls.append(t) or ["s3"])
     assert loader.load_service_model("s3", "service-2")["metadata"]["serviceId"] == "S3"
     assert calls == ["service-2"], "botocore's own method ran"
+
+
+@pytest.mark.parametrize("name", ["s3/", "./s3", "../data/s3"])
+def test_a_service_name_that_is_a_path_is_refused_as_botocore_refuses_it(name: str) -> None:
+    from botocore.exceptions import UnknownServiceError
+
+    with pytest.raises(UnknownServiceError):
+        model_loader(None).load_service_model(name, "service-2")
+
+
+def test_an_empty_data_path_searches_what_botocores_loader_searches() -> None:
+    from botocore.loaders import create_loader
+
+    assert model_loader("").search_paths == create_loader("").search_paths
