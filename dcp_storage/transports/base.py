@@ -31,6 +31,32 @@ present one) and let other failures out as they are: ``config.retry.classify`` d
 A subclass sets ``scheme`` (its URLs are ``scheme://PATH``; paths are what follows ``://``) and takes its
 storage options as keyword arguments of ``__init__`` (``from_url`` passes them), calling
 ``super().__init__(config)``. The ``dcp-storage plugins new NAME`` template is one, over a local directory.
+
+Create-if-absent writes: the one primitive that lets exactly one of two writers win.
+
+A save claims its location by creating a small object that must not exist yet
+(:mod:`dcp_storage.formats.commit_claim`). Checking first and writing second is not enough: two writers both see
+"absent" and both write. Each store has an atomic primitive, which its transport's ``create_new`` uses
+(GCS's is in :mod:`.gcs`, S3's in :mod:`.s3_upload`, ``memory://``'s in :mod:`.fsspec_transport`, the local
+disk's and the lost-response check here):
+
+* local disk: ``open(O_CREAT | O_EXCL)``, then the bytes. No ``fsync``: every process sees the file at
+  once, and a claim only has to outlive its save's process, not the machine (after a power loss no save
+  is running any more);
+* S3: ``PutObject`` with ``If-None-Match: *`` (``412 PreconditionFailed`` when the key exists; a
+  ``409 ConditionalRequestConflict`` while another conditional write to the key is in flight is retried);
+* GCS: an upload with ``ifGenerationMatch=0`` (``412``, which gcsfs maps to ``FileExistsError``);
+* anything else: fsspec's ``pipe_file(path, data, mode="create")``. adlfs sends ``If-None-Match: *``
+  (azurite and Azure answer ``409 BlobAlreadyExists``, adlfs raises ``FileExistsError``); ``memory://``
+  checks its store and then writes, so those calls hold a process-wide lock (the store lives in the
+  process, so the lock makes the pair atomic). A filesystem that does not implement ``mode="create"``
+  inherits fsspec's default, which checks and then writes: not atomic (a third-party filesystem's own
+  limit, stated in the README).
+
+A request retried after a lost response (the store created the object, the answer never arrived) sees its
+own object and would report "exists": ``create_new`` then compares the stored bytes with its own
+(:func:`holds`; the callers' bytes carry a random save id), so a lost response does not turn a winner
+into a loser.
 """
 
 from __future__ import annotations

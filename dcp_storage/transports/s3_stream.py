@@ -1,4 +1,4 @@
-"""S3 requests on s3fs's client: ranged GETs streamed into buffers, whole objects, metadata, create-if-absent.
+"""S3 requests on s3fs's client: its building, ranged GETs streamed into buffers, whole objects, metadata.
 
 Streaming S3 ranged GETs straight into destination buffers (s3fs + aiobotocore), where the transport's
 direct GETs (:func:`~.s3.direct_range`) do not apply or are switched off.
@@ -19,30 +19,8 @@ the way s3fs does it (``NoSuchKey`` -> ``FileNotFoundError``, ...), with the bot
 Metadata requests (exists, size, list, delete) are one API call each; a key is a file, a key prefix
 followed by ``/`` is a directory, as in s3fs.
 
-Create-if-absent writes: the one primitive that lets exactly one of two writers win.
-
-A save claims its location by creating a small object that must not exist yet
-(:mod:`dcp_storage.formats.commit_claim`). Checking first and writing second is not enough: two writers both see
-"absent" and both write. Each store has an atomic primitive, which its transport's ``create_new`` uses
-(GCS's is in :mod:`.gcs_io`, the others here):
-
-* local disk: ``open(O_CREAT | O_EXCL)``, then the bytes. No ``fsync``: every process sees the file at
-  once, and a claim only has to outlive its save's process, not the machine (after a power loss no save
-  is running any more);
-* S3: ``PutObject`` with ``If-None-Match: *`` (``412 PreconditionFailed`` when the key exists; a
-  ``409 ConditionalRequestConflict`` while another conditional write to the key is in flight is retried);
-* GCS: an upload with ``ifGenerationMatch=0`` (``412``, which gcsfs maps to ``FileExistsError``);
-* anything else: fsspec's ``pipe_file(path, data, mode="create")``. adlfs sends ``If-None-Match: *``
-  (azurite and Azure answer ``409 BlobAlreadyExists``, adlfs raises ``FileExistsError``); ``memory://``
-  checks its store and then writes, so those calls hold a process-wide lock (the store lives in the
-  process, so the lock makes the pair atomic). A filesystem that does not implement ``mode="create"``
-  inherits fsspec's default, which checks and then writes: not atomic (a third-party filesystem's own
-  limit, stated in the README).
-
-A request retried after a lost response (the store created the object, the answer never arrived) sees its
-own object and would report "exists": ``create_new`` then compares the stored bytes with its own
-(:func:`holds`; the callers' bytes carry a random save id), so a lost response does not turn a winner
-into a loser.
+The client itself is built before a request's deadline starts (:func:`client_ready`), with botocore's data
+loaded once per process and more quickly than botocore's own loader does it (:func:`share_loader`).
 """
 
 from __future__ import annotations
@@ -179,7 +157,7 @@ def model_loader(data_path: str | None) -> Any:
     loading a model, once per model type, only to tell an unknown service (the service's own folder tells as
     much), and it parses JSON into plain dicts, which keep the order, not through ``object_pairs_hook=OrderedDict``
     (a Python call per object: 79 ms for the S3 model, S3 endpoint rules and ``endpoints.json`` against 38 ms).
-    The first client: 140-190 ms -> 70-90 ms."""
+    The first client: 140-195 ms -> 70-100 ms."""
     from botocore import loaders
 
     if _quick_loader_class() is None:
