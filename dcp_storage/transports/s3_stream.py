@@ -160,12 +160,8 @@ def model_loader(data_path: str | None) -> Any:
     The first client: 140-195 ms -> 70-100 ms."""
     from botocore import loaders
 
-    if _quick_loader_class() is None:
-        return loaders.create_loader(data_path)
-    extra = (
-        None if data_path is None else [os.path.expanduser(os.path.expandvars(p)) for p in data_path.split(os.pathsep)]
-    )
-    return _quick_loader_class()(extra_search_paths=extra)
+    botocores, quick = loaders.create_loader(data_path), _quick_loader_class()
+    return botocores if quick is None else quick(botocores.search_paths, include_default_search_paths=False)
 
 
 @functools.cache
