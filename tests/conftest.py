@@ -39,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -59,6 +60,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # test module imports gcsfs; the emulator cannot answer the probe).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+
+# A run started in the background by a shell without job control (`pytest ... &` in a script) inherits
+# SIGINT ignored, Python keeps it so, and every process the tests start inherits it too: the Ctrl-C tests
+# would see no Ctrl-C at all (the save sleeps on, the conversion finishes). They test our handling of it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Where the tests that run CLI commands (through tests/cli/_helpers.py's zygote) live.
 _CLI_DIRS = ("tests/cli", "tests/credentials")
