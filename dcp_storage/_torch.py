@@ -44,6 +44,8 @@ from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_a
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items
 
+from dcp_storage.runtime import gc_paused
+
 __all__ = [
     "PRIVATE_NAMES",
     "DcpCall",
@@ -371,8 +373,18 @@ def save_frame() -> types.FrameType | None:
 
 
 def on_thread_stack(thread_id: int, target: types.FrameType) -> bool:
-    """Whether ``target`` (from :func:`save_frame`) is still on the stack of thread ``thread_id``."""
-    frame = sys._current_frames().get(thread_id)
+    """Whether ``target`` (from :func:`save_frame`) is still on the stack of thread ``thread_id``.
+
+    ``sys._current_frames()`` runs with the cyclic collector paused. On CPython 3.11 before 3.11.9 it holds
+    the runtime's thread-list lock while it makes frame objects; a collection started there runs finalizers,
+    which may hand the GIL over, and a thread that starts or ends meanwhile waits for that lock holding the
+    GIL: the whole process deadlocked (CPython gh-106883, fixed upstream the same way). A lease thread asks
+    this four times a second while the save's thread pools start and end threads; a stress of exactly that
+    deadlocked within 1-4 s every time before (``tests/storage/test_lease_stack_watch.py``)."""
+    with gc_paused():
+        frames = sys._current_frames()
+    frame = frames.get(thread_id)
+    del frames
     while frame is not None:
         if frame is target:
             return True
