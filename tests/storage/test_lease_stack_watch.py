@@ -4,9 +4,9 @@ A lock's renewal thread asks ``sys._current_frames()`` four times a second wheth
 On CPython 3.11 before 3.11.9 that call holds the runtime's thread-list lock while it makes frame objects; a
 collection started there runs finalizers that may hand the GIL over, and a thread starting or ending
 meanwhile waits for that lock holding the GIL (CPython gh-106883): every thread stops for good, and no
-timeout handler runs (the main thread never gets the GIL back). A CI run of the suite hung that way, with no
-timeout report, in a thread-mode manager test (failing saves: pools starting and ending threads while a
-lease watched).
+timeout handler runs (the main thread never gets the GIL back). A CI run of the suite hung with those
+symptoms, no timeout report, in a thread-mode manager test (failing saves: pools starting and ending threads
+while a lease watched).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ def test_frames_are_taken_with_the_collector_paused(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(sys, "_current_frames", recording)
     here = sys._getframe()
-    assert gc.isenabled()
+    was_on = gc.isenabled()
     assert on_thread_stack(threading.get_ident(), here) is True
     assert on_thread_stack(threading.get_ident() + 1, here) is False  # no such thread
     assert seen == [False, False], "sys._current_frames() ran with the cyclic collector on"
-    assert gc.isenabled(), "the collector stayed off"
+    assert gc.isenabled() == was_on, "the collector stayed off"
     gc.disable()  # an application's own choice is kept
     try:
         on_thread_stack(threading.get_ident(), here)
