@@ -214,14 +214,35 @@ def as_torch_future(future: concurrent.futures.Future[Any]) -> Any:
     out: torch.futures.Future[Any] = torch.futures.Future()
 
     def done(f: concurrent.futures.Future[Any]) -> None:
-        error = f.exception()
-        if error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(f.result())
+        # Whatever happens here must complete ``out``: concurrent.futures logs and drops a callback's error,
+        # and the waiter (no timeout of its own) would wait forever. Two cases did that before: a future
+        # cancelled before it ran (``exception()`` raises), and an error that is not an ``Exception``
+        # (torch's ``set_exception`` refuses a ``SystemExit`` or torch's own ``CheckpointException``).
+        try:
+            if f.cancelled():
+                out.set_exception(
+                    concurrent.futures.CancelledError("the read was cancelled before it ran (its pool shut down?)")
+                )
+                return
+            error = f.exception()
+            if error is None:
+                out.set_result(f.result())
+            elif isinstance(error, Exception):
+                out.set_exception(error)
+            else:
+                out.set_exception(_chained(f"{type(error).__name__} in the read: {error}", error))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter instead
+            if not out.done():
+                out.set_exception(_chained(f"the read's outcome could not be handed over: {exc!r}", exc))
 
     future.add_done_callback(done)
     return out
+
+
+def _chained(message: str, cause: BaseException) -> RuntimeError:
+    error = RuntimeError(message)
+    error.__cause__ = cause
+    return error
 
 
 def count_setting(env: str, default: int, unit: str) -> int:

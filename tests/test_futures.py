@@ -4,6 +4,7 @@ the type to return; ``plugin_api.as_torch_future`` gives ``dcp.load`` the torch 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,39 @@ def test_as_torch_future_carries_result_and_error() -> None:
         failing = as_torch_future(pool.submit(lambda: 1 / 0))
         with pytest.raises(ZeroDivisionError):
             failing.wait()
+
+
+def test_as_torch_future_is_completed_whatever_the_read_ended_with() -> None:
+    """Before: a read cancelled before it ran, or ending in an error that is not an ``Exception``, left the
+    torch future pending (the callback's own error was logged and dropped), and ``dcp.load`` waited on it
+    forever. Each is checked right after the inner future ended: no waiting on a possibly endless wait."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    release = threading.Event()
+    pool.submit(release.wait)
+    queued = as_torch_future(pool.submit(lambda: 1))
+    pool.shutdown(wait=False, cancel_futures=True)  # a plugin's pool going away with reads still queued
+    release.set()
+    assert queued.done()
+    with pytest.raises(concurrent.futures.CancelledError, match="cancelled before it ran"):
+        queued.wait()
+
+    def exits() -> None:
+        raise SystemExit(3)
+
+    def checkpoint_error() -> None:
+        raise CheckpointException("load", {0: (ValueError("inner"), None)})
+
+    with concurrent.futures.ThreadPoolExecutor(1) as runner:
+        for job, name in ((exits, "SystemExit"), (checkpoint_error, "CheckpointException")):
+            inner = runner.submit(job)
+            out = as_torch_future(inner)
+            concurrent.futures.wait([inner])
+            assert out.done(), name
+            with pytest.raises(RuntimeError, match=f"{name} in the read") as info:
+                out.wait()
+            assert type(info.value.__cause__).__name__ == name
 
 
 class ThreadedReader(ds.FsspecReader):

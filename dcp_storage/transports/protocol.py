@@ -123,16 +123,22 @@ def resolve_config(config: TransportConfig, is_local: bool) -> TransportConfig:
 
 
 class WorkerPool:
-    """A lazily created ``ThreadPoolExecutor`` of ``max_workers`` threads named ``<prefix>_N``."""
+    """A lazily created ``ThreadPoolExecutor`` of ``max_workers`` threads named ``<prefix>_N``.
+
+    In a forked child (a ``DataLoader`` worker of a process that had read through the transport) the parent's
+    pool is not used: its threads are not there, yet the executor counts them as idle and starts none, so
+    every request waited forever. The child makes a pool (and a lock) of its own on first use."""
 
     def __init__(self, max_workers: int | None, prefix: str) -> None:
         self._max_workers = max_workers
         self._prefix = prefix
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def get(self) -> ThreadPoolExecutor:
-        """The pool, created on the first call (again after :meth:`shutdown`)."""
+        """The pool, created on the first call (again after :meth:`shutdown`, and in a forked child)."""
+        self._leave_the_parents()
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix=self._prefix)
@@ -140,10 +146,17 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         """Wait for running requests, then stop the threads. Idempotent."""
+        self._leave_the_parents()
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+    def _leave_the_parents(self) -> None:
+        """In a forked child: forget the parent's pool (none of its threads is here, and it is not this
+        process's to stop) and its lock (a thread the fork left behind may have held it)."""
+        if self._pid != os.getpid():
+            self._lock, self._pool, self._pid = threading.Lock(), None, os.getpid()
 
 
 @dataclass
