@@ -51,6 +51,13 @@ Byte limits of files read whole (:mod:`dcp_storage.formats.paths`), the lazy-met
 listing bounds (:mod:`dcp_storage.transports.guards`) are read at each use through :func:`count_setting`,
 so a process can change one before a load, and a bad value fails naming the variable.
 
+Locks that a forked child can use (:func:`fork_safe`).
+
+A lock held by one of the parent's threads at the ``fork`` stays held in the child, where that thread does not
+exist to release it: the child's first use waits forever (a ``DataLoader`` worker forked while a transport's
+pool counted a request, or while a save renewed its lease). A lock made through :func:`fork_safe` is made new
+in the child, as CPython does for its own module locks.
+
 Raw byte views of tensor memory, so transports can fill tensors in place.
 
 A memoryview over a CPU tensor's bytes lets ``os.preadv`` or a socket read land directly in the
@@ -67,9 +74,10 @@ import gc
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dcp_storage.errors import DcpStorageError
 
@@ -81,6 +89,7 @@ __all__ = [
     "as_torch_future",
     "count_setting",
     "distinct_ints",
+    "fork_safe",
     "gc_paused",
     "held_interrupts",
     "host_buffer",
@@ -150,6 +159,25 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
+
+
+_L = TypeVar("_L")
+_AFTER_FORK: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def fork_safe(lock: _L) -> _L:
+    """``lock`` (a ``threading.Lock`` or ``RLock``), made new and free in a child after ``fork``."""
+    _AFTER_FORK.add(lock)
+    return lock
+
+
+def _locks_after_fork() -> None:
+    for lock in list(_AFTER_FORK):
+        lock._at_fork_reinit()  # what CPython's threading module calls on its own locks in a child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_locks_after_fork)
 
 
 _lock = threading.Lock()

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dcp_storage._torch import on_thread_stack, save_frame
+from dcp_storage.runtime import fork_safe
 
 __all__ = ["Renewal", "active_claims", "forget", "is_active", "pending"]
 
@@ -39,7 +40,7 @@ _log = logging.getLogger(__name__)
 _POLL_S = 0.25  # how often the thread looks whether the save has ended
 
 _ACTIVE: dict[str, Renewal | None] = {}  # claim id -> its renewal (None: being taken)
-_ACTIVE_LOCK = threading.RLock()  # re-entrant: a signal handler runs on the main thread, maybe inside it
+_ACTIVE_LOCK = fork_safe(threading.RLock())  # re-entrant: a signal handler runs on the main thread, maybe inside it
 
 
 def is_active(claim_id: str) -> bool:

@@ -1,12 +1,11 @@
 """The checkpoint manager: the save/restore loop of a training job over many steps (the pipeline layer).
 
-One module per job: :mod:`.layout` (step folder names), :mod:`.listing` (which steps are complete, from
-their commit markers), :mod:`.index` (the small cache that makes the latest step cost O(1) requests),
-:mod:`.liveness` (whether a live save holds a folder), :mod:`.retention` (:class:`KeepPolicy`),
-:mod:`.cleanup` (deleting steps and torn folders, shared with ``dcp-storage gc``), :mod:`.staging`
-(copying the state off the training loop's tensors), :mod:`.saving` (the one save in flight),
-:mod:`.agreement` (the coordinator decides, every rank gets its answer), :mod:`.train_state`
-(:class:`TrainState`) and :mod:`.manager` (:class:`CheckpointManager`, the facade).
+Modules: :mod:`.folders` (one step folder: its name, whether it is complete, torn or empty, its info
+file), :mod:`.steps` (the root: the index cache that makes the latest step cost O(1) requests, recovery,
+commit, retention and deletion, shared with ``dcp-storage ls`` and ``gc``), :mod:`.retention`
+(:class:`KeepPolicy`, whether a live save holds a folder, staging, :class:`TrainState`, the one save in
+flight) and :mod:`.manager` (:class:`CheckpointManager`, the facade: the coordinator decides, every rank
+gets its answer).
 """
 
 from dcp_storage.manager.manager import CheckpointManager

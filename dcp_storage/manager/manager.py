@@ -20,7 +20,7 @@ Call order (every rank calls every method, in the same order, as with ``dcp.save
    loaded in place by ``dcp.load``: at any world size, resharded.
 3. ``save(step, state)`` every step: saves when ``step % save_interval_steps == 0`` or ``force=True``.
    It first waits for the save before (at most one in flight) and raises that save's error if it failed.
-   Async, the call blocks only while the state is copied to host memory (:mod:`.staging`); the write, the
+   Async, the call blocks only while the state is copied to host memory (:class:`~.retention.ReusingStager`); the write, the
    commit, the index and the retention run in the background. Deletion starts only once the new step is
    durable.
 4. ``wait()`` / ``close()`` at the end: until the last save is durable, raising its error.
@@ -192,6 +192,8 @@ class CheckpointManager:
         prepare_output(store.transport, store.root, coordinator=True, create_bucket=self.create_bucket)
         try:
             self.last_cleanup = store.recover()
+            if self.last_cleanup.unrecorded:  # a save killed between its commit and its retention: finish it
+                self.last_cleanup.deleted = store.apply(self.keep)
         except StorageAccessError as exc:  # read-only credentials (an evaluation job): restore still works
             self.last_cleanup = store.recover(dry_run=True)  # raises if reading is refused too
             warnings.warn(
@@ -218,10 +220,8 @@ class CheckpointManager:
         """Coordinator, once ``step`` is durable: record it, then delete what the policy does not keep."""
         store = self._store()
         try:
-            if not store.commit(step, metrics):
+            if not store.commit(step, metrics, self.keep):
                 warnings.warn(f"{self.root}: step {step} was saved but its commit marker is not there", stacklevel=2)
-                return
-            store.apply(self.keep)
         except Exception as exc:  # noqa: BLE001 - the step is durable; the next save retries (module docstring)
             warnings.warn(f"{self.root}: step {step} is saved, but cleaning up after it failed: {exc}", stacklevel=2)
 

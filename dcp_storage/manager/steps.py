@@ -1,47 +1,38 @@
-"""A manager root's steps: their layout, the index cache and listing them.
+"""A manager root's steps: the index cache, recovery, commit, retention and deletion.
 
-Where each step lives: ``root/step-<N>/``, N zero-padded to ten digits (a larger step gets more); only
-such names are steps. The index: a small JSON object at the root that caches which steps are complete.
+The index: a small JSON object at the root that caches which steps are complete.
 
-Why: the truth (a commit marker in each step folder, :mod:`.listing`) costs one listing per step, so a
+Why: the truth (a commit marker in each step folder, :mod:`.folders`) costs one listing per step, so a
 root with 1,000 steps would cost 1,001 requests to answer "which step is the latest complete one". The
 index makes that three: read the index (1), check the commit marker of the step it names as *pending*
 (1), else that of the newest complete step it names (1).
 
-The coordinator writes it (one atomic PUT) at three moments of a save of step M:
+The coordinator writes it (one atomic PUT) at two moments of a save of step M:
 
-1. before the save starts: ``pending = M`` (so a save killed after its commit but before step 3 is still
-   found: its marker is checked first);
-2. nothing during the save;
-3. after the commit: ``M`` joins ``steps``, ``pending`` is cleared; steps about to be deleted move to
-   ``deleting`` first and leave it once gone.
+1. before the save starts: ``pending = M`` (so a save killed after its commit but before step 2 is still
+   found: its marker is checked first, and the next start runs the retention that commit never got to);
+2. after the commit: ``M`` joins ``steps``, ``pending`` is cleared, and the steps retention no longer keeps
+   move to ``deleting``, all in one write; they leave it once gone (a second write).
 
 It is only a cache. Any answer from it is checked against a commit marker; an index that is absent,
 unreadable, from another tool, or whose newest step has no marker, is ignored and rebuilt from a
 listing, which gives the same answer.
 
-Which steps a root holds and which of them are complete: the commit marker of each step is the truth.
+What a step folder is (complete, torn, empty) and how one is listed: :mod:`.folders`. Listing every folder is
+the slow path (O(steps) requests), taken only where the index is missing or wrong.
 
-A step folder is *complete* when its listing holds the commit marker its format writes last
-(:func:`~dcp_storage.formats.location.commit_marker`: ``.metadata``, a safetensors index, a single
-safetensors file), *torn* when it holds anything else (the leftovers of a killed save, or of a delete
-killed half way: deletion removes the marker first), and *empty* when it holds nothing.
-
-Listing every folder is the slow path (O(steps) requests), taken only where the index is missing or wrong.
-
-The coordinator's view of a root of step folders: latest step, recovery, commit, retention, deletion.
-
-Only the coordinator (rank 0) calls these; :mod:`.agreement` hands every other rank the same answer.
+The coordinator's view of a root (latest step, recovery, commit, retention, deletion): only the coordinator
+(rank 0) calls these; :mod:`.agreement` hands every other rank the same answer.
 ``dcp-storage ls`` and ``gc`` use the same object, so the command line obeys the manager's rules:
 
-* only complete steps count (:mod:`.listing`); the index (:mod:`.index`) is a cache checked against them;
+* only complete steps count (:mod:`.folders`); the index is a cache checked against them;
 * deletion happens only after the new step is durable, and removes the commit marker first, so a delete
   killed half way leaves a torn folder (cleaned up later), never a step that looks complete but is not;
 * the newest complete step is never deleted;
 * a step the index names counts only with its commit marker (checked at recovery for the newest steps, and
   by retention for those it keeps): a marker deleted by hand makes the step torn, never one kept in place
   of the last good steps;
-* a torn folder is removed unless a live save holds it (:mod:`.liveness`), and only if everything in it is
+* a torn folder is removed unless a live save holds it (:func:`~.retention.held_by_live_save`), and only if everything in it is
   what a save leaves (:func:`save_leftovers_only`): a ``step-N`` folder holding anything else is another
   tool's (torchtitan names its folders so too) and is left alone.
 """
@@ -52,16 +43,27 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_storage.formats.commit_holder import MARKER_SUFFIX
 from dcp_storage.formats.location import commit_marker, list_all
-from dcp_storage.formats.paths import DATA_SUFFIX, HF_SHARD_RE, LOCK_RE, MANIFEST_RE, TEMP_RE
+from dcp_storage.formats.paths import TEMP_RE
+from dcp_storage.manager.folders import (
+    STEP_DIGITS,
+    STEP_INFO_FILE,
+    StepFolder,
+    list_steps,
+    parse_step,
+    read_step_info,
+    save_leftovers_only,
+    scan_step,
+    step_info,
+    step_name,
+    step_path,
+)
 from dcp_storage.manager.retention import DEFAULT_STALE_AFTER, KeepPolicy, held_by_live_save
 
 __all__ = [
@@ -86,26 +88,8 @@ __all__ = [
 ]
 
 
-STEP_DIGITS = 10
 VERIFIED_AT_START = 16  # the newest steps whose commit markers recovery checks (the index is a cache)
-STEP_RE = re.compile(r"^step-(?P<n>[0-9]{1,20})$")
 INDEX_FILE = ".dcp_storage_steps.json"  # at the root: the cache of the complete steps (see .index)
-STEP_INFO_FILE = ".dcp_storage_step.json"  # in a step folder, written after its commit: metrics, time saved
-
-
-def step_name(step: int) -> str:
-    """``step-0000000100`` for step 100; ``ValueError`` for a negative or non-integer step."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"a step must be a non-negative int, got {step!r}")
-    return f"step-{step:0{STEP_DIGITS}d}"
-
-
-def parse_step(name: str) -> int | None:
-    """The step of a folder name the manager writes (``step-0000000100``), else ``None``: ``step-100`` (another
-    tool's name, or one made by hand) is not one of its steps, which it opens as ``step_name(step)``."""
-    match = STEP_RE.match(name.rstrip("/"))
-    step = int(match["n"]) if match else None
-    return step if step is not None and step_name(step) == name.rstrip("/") else None
 
 
 KIND = "dcp-storage-steps/1"
@@ -190,83 +174,6 @@ def write_index(transport: Any, root: str, index: StepIndex) -> None:
     transport.write_file(transport.join(root, INDEX_FILE), index.to_json())
 
 
-METRICS_LIMIT = 64 * 1024  # a metrics file holds a few numbers; never read more than this
-
-
-@dataclass(frozen=True)
-class StepFolder:
-    """One ``step-<N>`` folder: its step, name, listing, and the commit marker found in it (``None``: torn)."""
-
-    step: int
-    name: str
-    names: tuple[str, ...] = ()
-    marker: str | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    saved_at: float | None = None  # when its save committed (unix time), if the manager recorded it
-
-    @property
-    def complete(self) -> bool:
-        return self.marker is not None
-
-    @property
-    def empty(self) -> bool:
-        return not self.names
-
-    @property
-    def locks(self) -> tuple[str, ...]:
-        return tuple(n for n in self.names if LOCK_RE.match(n))
-
-
-def step_path(transport: Any, root: str, step: int) -> str:
-    return transport.join(root, step_name(step))
-
-
-def list_steps(transport: Any, root: str) -> dict[int, str]:
-    """``step -> folder name`` for every step folder directly under ``root`` (one listing request), named as
-    the manager names them (:func:`parse_step`)."""
-    found: dict[int, str] = {}
-    for name in transport.listdir(root):
-        step = parse_step(name)
-        if step is not None:
-            found[step] = name
-    return dict(sorted(found.items()))
-
-
-def scan_step(transport: Any, root: str, step: int, name: str | None = None, *, metrics: bool = True) -> StepFolder:
-    """List one step folder (one request; hidden temp files included on a local disk) and classify it."""
-    name = name or step_name(step)
-    names = tuple(list_all(transport, transport.join(root, name)))
-    marker = commit_marker(names)
-    found: dict[str, Any] = {}
-    saved_at = None
-    if metrics and marker is not None and STEP_INFO_FILE in names:
-        found, saved_at = read_step_info(transport, transport.join(root, name, STEP_INFO_FILE))
-    return StepFolder(step, name, names, marker, found, saved_at)
-
-
-def step_info(metrics: dict[str, Any] | None, saved_at: float) -> bytes:
-    """The bytes of a step's info file."""
-    return json.dumps({"metrics": dict(metrics or {}), "saved_at": saved_at}, sort_keys=True).encode()
-
-
-def read_step_info(transport: Any, path: str) -> tuple[dict[str, Any], float | None]:
-    """A step's info file: its metrics (numbers only) and when it was saved; empty if absent or bad."""
-    try:
-        data = json.loads(transport.read_file(path, max_bytes=METRICS_LIMIT))
-    except Exception:  # noqa: BLE001 - the info is a convenience: a bad file only loses it
-        return {}, None
-    if not isinstance(data, dict):
-        return {}, None
-    raw = data.get("metrics")
-    metrics = {str(k): v for k, v in raw.items() if _number(v)} if isinstance(raw, dict) else {}
-    saved_at = data.get("saved_at")
-    return metrics, float(saved_at) if _number(saved_at) else None
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 _log = logging.getLogger(__name__)
 
 
@@ -279,19 +186,9 @@ class Cleanup:
     torn_removed: list[int] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
     foreign: list[int] = field(default_factory=list)  # torn folders holding more than a save leaves: kept
-
-
-def save_leftovers_only(names: Iterable[str]) -> bool:
-    """Whether every entry of a step folder is something a save leaves: data files, temp files, manifests,
-    locks and their takeover markers, the step's info file."""
-    for name in names:
-        lock = name
-        while lock.endswith(MARKER_SUFFIX):  # a takeover's marker, or a marker's marker (commit_holder)
-            lock = lock[: -len(MARKER_SUFFIX)]
-        ours = name.endswith(DATA_SUFFIX) or name == STEP_INFO_FILE or LOCK_RE.match(lock)
-        if not (ours or any(pattern.match(name) for pattern in (HF_SHARD_RE, TEMP_RE, MANIFEST_RE))):
-            return False
-    return True
+    # complete steps the index named as pending: a save killed after its commit and before the index recorded
+    # it, so the retention that follows a commit never ran for it (the manager runs it at start)
+    unrecorded: list[int] = field(default_factory=list)
 
 
 class StepRoot:
@@ -308,7 +205,7 @@ class StepRoot:
 
     # ---------------------------------------------------------------------------------------- questions
     def latest(self) -> int | None:
-        """The newest complete step, in at most 3 requests when the index is right (module :mod:`.index`)."""
+        """The newest complete step, in at most 3 requests when the index is right (see above)."""
         index = read_index(self.transport, self.root)
         if index is not None:
             answer = self._latest_from(index)
@@ -375,6 +272,8 @@ class StepRoot:
                 continue
             folder = scan_step(self.transport, self.root, step, name)
             if folder.complete and not interrupted:
+                if cached is not None and cached.pending == step and known is None:
+                    report.unrecorded.append(step)
                 index.steps[step] = folder.marker  # type: ignore[assignment]
                 if folder.metrics:
                     index.metrics[step] = folder.metrics
@@ -434,13 +333,15 @@ class StepRoot:
 
     # ---------------------------------------------------------------------------------------- a save
     def begin(self, step: int) -> None:
-        """Before a save of ``step`` starts: the index names it pending (see :mod:`.index`)."""
+        """Before a save of ``step`` starts: the index names it pending (see above)."""
         self.index.pending = step
         write_index(self.transport, self.root, self.index)
 
-    def commit(self, step: int, metrics: dict[str, Any] | None) -> bool:
+    def commit(self, step: int, metrics: dict[str, Any] | None, keep: KeepPolicy | None = None) -> bool:
         """After a save of ``step`` returned: record it if its commit marker is there (one listing);
-        ``False`` (nothing recorded) if it is not."""
+        ``False`` (nothing recorded) if it is not. With ``keep``: the steps it no longer keeps are named as being
+        deleted in the same index write that records ``step``, then deleted, so a kill anywhere after the
+        commit leaves the next start a deletion to finish, never an extra step nobody removes."""
         folder = scan_step(self.transport, self.root, step, metrics=False)
         self.index.pending = None
         if not folder.complete:
@@ -451,11 +352,22 @@ class StepRoot:
         if metrics:
             self.index.metrics[step] = dict(metrics)
         self.index.steps[step] = folder.marker  # type: ignore[assignment]
-        write_index(self.transport, self.root, self.index)
+        try:
+            doomed = [] if keep is None else self._doomed(keep)
+        except Exception:
+            write_index(self.transport, self.root, self.index)  # the step is durable: recorded all the same
+            raise
+        self.delete(doomed)
         return True
 
     def apply(self, policy: KeepPolicy, *, dry_run: bool = False) -> list[int]:
         """Delete the complete steps ``policy`` does not keep (never the newest); returns them."""
+        doomed = self._doomed(policy)
+        return doomed if dry_run or not doomed else self.delete(doomed)
+
+    def _doomed(self, policy: KeepPolicy) -> list[int]:
+        """The steps ``policy`` does not keep, once every step it keeps in their place still has its commit
+        marker (one existence check each; a step without it leaves the index and is never kept)."""
         while True:
             doomed = policy.delete(list(self.index.steps), self.index.metrics)
             if not doomed:  # nothing deleted: no step is kept in place of another, nothing to check
@@ -465,19 +377,22 @@ class StepRoot:
                 s for s in kept if not self.transport.exists(self.transport.join(self.folder(s), self.index.steps[s]))
             ]
             if not gone:  # a kept step without its marker would be kept instead of a good one
-                return doomed if dry_run else self.delete(doomed)
+                return doomed
             for step in gone:
                 self.index.steps.pop(step)
                 self.index.metrics.pop(step, None)
 
     def delete(self, doomed: list[int]) -> list[int]:
-        """Delete these complete steps: named in the index as being deleted first, so a delete killed half way
-        is finished by the next recovery; returns them."""
+        """Delete these complete steps: named in the index as being deleted first (in the one write that also
+        records any change made to the index before), so a delete killed half way is finished by the next
+        recovery; returns them."""
         self.index.deleting = list(doomed)
         for step in doomed:
             self.index.steps.pop(step, None)
             self.index.metrics.pop(step, None)
         write_index(self.transport, self.root, self.index)  # before the first byte goes
+        if not doomed:
+            return doomed
         for step in doomed:
             self.remove_step(step)
         self.index.deleting = []

@@ -13,9 +13,12 @@ Follows the :class:`~.read_once_plan.ExchangePlan` the coordinator attached to t
    Payloads are the stored dtype's raw bytes on the group's device (CPU for gloo, the current CUDA device
    for NCCL); receivers land them in their destination directly when they can, else in a staging buffer
    then copied (and cast). Slices below ``pack_below`` travel packed, one message per pair of ranks.
-3. After the first read and in every round a one-element ``all_reduce`` checks that no rank failed (a
-   storage error while reading, a destination of the wrong shape): if one did, every rank raises its
-   error (same class when it is one of ours) instead of waiting for slices that will never come.
+3. After the first read, and in every round once its staged reads are done and every buffer it sends
+   from or receives into is allocated (and every destination checked), a one-element ``all_reduce``
+   checks that no rank failed (a storage error while reading, a destination of the wrong shape, memory
+   that ran out): if one did, every rank raises its error (same class when it is one of ours) before any
+   message of the round is posted, instead of waiting for slices that will never come. A failure while
+   delivering received bytes is reported by the next round's check (or the last one).
 
 Memory per rank and round, beyond the destinations: staging for the slices it sends that round and for
 those it receives that round (each at most ``max_inflight_bytes``, or one larger slice), and packed copies
@@ -81,16 +84,18 @@ def run_exchange(
     _agree(view, failure)
     for number in range(exchange.round_count):
         part = exchange.rounds.get(number)
-        staged = [items[i] for i, _p, _t in part.reads if i not in in_place] if part is not None else []
-        if staged and failure is None:  # slices read for others through staging: one round's worth at a time
+        ready: _Round | None = None
+        if part is not None and failure is None:
             try:
-                read_items(staged, router)
-            except Exception as exc:  # noqa: BLE001 - as above
+                staged = [items[i] for i, _p, _t in part.reads if i not in in_place]
+                if staged:  # slices read for others through staging: one round's worth at a time
+                    read_items(staged, router)
+                ready = _Round(part, router, items, planner, stored, view)
+            except Exception as exc:  # noqa: BLE001 - as above: nothing is posted until every rank is ready
                 failure = exc
         _agree(view, failure)
-        if part is not None:
-            sends = {index: router.payload(items[index]) for index, _p, _t in part.reads}
-            failure = _exchange(part, sends, items, planner, stored, view) or failure
+        if ready is not None and part is not None:
+            failure = ready.run(planner)
             router.release(items[index] for index, _p, _t in part.reads)
     _agree(view, failure)
 
@@ -195,86 +200,89 @@ class _Arrival:
 
     def finish(self, planner: LoadPlanner, packed: torch.Tensor | None) -> None:
         """Deliver: from ``packed`` (this slice's bytes in a packed message), else from staging."""
-        if self.dest is None:
-            return  # its destination failed in prepare (the failure is already recorded)
+        assert self.dest is not None  # prepared before the round's agreement
         raw = packed.clone() if packed is not None else (None if self.direct else self.landing)  # clone: aligned
         if raw is not None and raw.numel():
             self.dest.copy_(raw.view(self.dtype).reshape(self.dest.shape))
         planner.commit_tensor(self.item, self.dest)
 
 
-def _exchange(
-    part: RoundPlan,
-    sends: dict[int, torch.Tensor],
-    items: Sequence[ReadItem],
-    planner: LoadPlanner,
-    stored: _Stored,
-    view: GroupView,
-) -> BaseException | None:
-    """Post this round's sends and receives, wait, deliver; returns the first local failure (not raised:
-    the round must complete on every rank first)."""
-    import torch.distributed as dist
+class _Round:
+    """One round's messages, made ready before the round's agreement: every buffer it sends or receives into
+    is allocated and every destination checked first, so a rank that cannot take part (out of memory, a
+    destination of the wrong shape) fails in the agreement, with every other rank, instead of leaving its
+    peers in point-to-point operations it never posts until the process group's timeout."""
 
-    failure: BaseException | None = None
-    ops: list[Any] = []
-    keep: list[torch.Tensor] = []
+    def __init__(
+        self,
+        part: RoundPlan,
+        router: _Router,
+        items: Sequence[ReadItem],
+        planner: LoadPlanner,
+        stored: _Stored,
+        view: GroupView,
+    ) -> None:
+        import torch.distributed as dist
 
-    def peer(rank: int) -> int:
-        return rank if view.group is None else dist.get_global_rank(view.group, rank)
+        self.ops: list[Any] = []
+        self.pending: list[tuple[_Arrival, torch.Tensor | None, int]] = []  # arrival, packed buffer, offset
+        sends = {index: router.payload(items[index]) for index, _p, _t in part.reads}
 
-    outgoing: dict[int, list[tuple[int, int, bool]]] = collections.defaultdict(list)
-    for index, packed, targets in part.reads:
-        for rank, their_index in targets:
-            outgoing[rank].append((their_index, index, packed))
-    for rank in sorted(outgoing):
-        order = sorted(outgoing[rank])
-        small = [sends[index] for _t, index, packed in order if packed and sends[index].numel()]
-        if small:
-            keep.append(torch.cat(small))
-            ops.append(dist.P2POp(dist.isend, keep[-1], peer(rank), view.group))
-        for _t, index, packed in order:
-            if not packed and sends[index].numel():
-                ops.append(dist.P2POp(dist.isend, sends[index], peer(rank), view.group))
+        def peer(rank: int) -> int:
+            return rank if view.group is None else dist.get_global_rank(view.group, rank)
 
-    incoming: dict[int, list[tuple[int, bool]]] = collections.defaultdict(list)
-    for src, index, packed in part.receives:
-        incoming[src].append((index, packed))
-    pending: list[tuple[_Arrival, torch.Tensor | None, int]] = []  # arrival, packed buffer, offset in it
-    for src in sorted(incoming):
-        arrivals = []
-        for index, packed in sorted(incoming[src]):
-            item = items[index]
-            dtype = stored.dtype(item)
-            arrival = _Arrival(item, nbytes_of(item, dtype), dtype)
-            try:
+        outgoing: dict[int, list[tuple[int, int, bool]]] = collections.defaultdict(list)
+        for index, packed, targets in part.reads:
+            for rank, their_index in targets:
+                outgoing[rank].append((their_index, index, packed))
+        for rank in sorted(outgoing):
+            order = sorted(outgoing[rank])
+            small = [sends[index] for _t, index, packed in order if packed and sends[index].numel()]
+            if small:
+                self.ops.append(dist.P2POp(dist.isend, torch.cat(small), peer(rank), view.group))
+            for _t, index, packed in order:
+                if not packed and sends[index].numel():
+                    self.ops.append(dist.P2POp(dist.isend, sends[index], peer(rank), view.group))
+
+        incoming: dict[int, list[tuple[int, bool]]] = collections.defaultdict(list)
+        for src, index, packed in part.receives:
+            incoming[src].append((index, packed))
+        for src in sorted(incoming):
+            arrivals = []
+            for index, packed in sorted(incoming[src]):
+                item = items[index]
+                dtype = stored.dtype(item)
+                arrival = _Arrival(item, nbytes_of(item, dtype), dtype)
                 arrival.prepare(planner, view.device)
-            except Exception as exc:  # noqa: BLE001 - keep receiving: the sender must not be left blocked
+                arrivals.append((arrival, packed))
+            total = sum(a.nbytes for a, packed in arrivals if packed)
+            box = torch.empty(total, dtype=torch.uint8, device=view.device) if total else None
+            if box is not None:
+                self.ops.append(dist.P2POp(dist.irecv, box, peer(src), view.group))
+            offset = 0
+            for arrival, packed in arrivals:
+                if packed:
+                    self.pending.append((arrival, box, offset))
+                    offset += arrival.nbytes
+            for arrival, packed in arrivals:
+                if not packed:
+                    if arrival.landing is not None:
+                        self.ops.append(dist.P2POp(dist.irecv, arrival.landing, peer(src), view.group))
+                    self.pending.append((arrival, None, 0))
+
+    def run(self, planner: LoadPlanner) -> BaseException | None:
+        """Post the round's sends and receives, wait, deliver; returns the first local failure (not raised:
+        the next agreement reports it on every rank)."""
+        import torch.distributed as dist
+
+        if self.ops:
+            for work in dist.batch_isend_irecv(self.ops):
+                work.wait()
+        failure: BaseException | None = None
+        for arrival, box, offset in self.pending:
+            try:
+                raw = box[offset : offset + arrival.nbytes] if box is not None else None
+                arrival.finish(planner, raw)
+            except Exception as exc:  # noqa: BLE001 - reported once the round is over on every rank
                 failure = failure or exc
-                arrival.dest = None
-                if arrival.nbytes:
-                    arrival.landing = torch.empty(arrival.nbytes, dtype=torch.uint8, device=view.device)
-            arrivals.append((arrival, packed))
-        total = sum(a.nbytes for a, packed in arrivals if packed)
-        box = torch.empty(total, dtype=torch.uint8, device=view.device) if total else None
-        if box is not None:
-            ops.append(dist.P2POp(dist.irecv, box, peer(src), view.group))
-        offset = 0
-        for arrival, packed in arrivals:
-            if packed:
-                pending.append((arrival, box, offset))
-                offset += arrival.nbytes
-        for arrival, packed in arrivals:
-            if not packed:
-                if arrival.landing is not None:
-                    ops.append(dist.P2POp(dist.irecv, arrival.landing, peer(src), view.group))
-                pending.append((arrival, None, 0))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for arrival, box, offset in pending:
-        try:
-            raw = box[offset : offset + arrival.nbytes] if box is not None else None
-            arrival.finish(planner, raw)
-        except Exception as exc:  # noqa: BLE001 - reported once the round is over on every rank
-            failure = failure or exc
-    return failure
+        return failure

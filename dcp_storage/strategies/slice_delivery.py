@@ -388,11 +388,11 @@ def _receive_tensor(
                 f"{item.dest_index.fqn}: received {nbytes} bytes for a slice of {expected} bytes ({dtype}, {list(lengths)})"
             )
         dest = checked_destination(planner, item)
-    except Exception as exc:
+        direct = dest.device == view.device and dest.dtype == dtype and dest.is_contiguous()
+        target = dest if direct or not nbytes else torch.empty(lengths, dtype=dtype, device=view.device)
+    except Exception as exc:  # staging that cannot be allocated included: the payload is still drained
         raise _PayloadPending(exc) from exc
     if nbytes:
-        direct = dest.device == view.device and dest.dtype == dtype and dest.is_contiguous()
-        target = dest if direct else torch.empty(lengths, dtype=dtype, device=view.device)
         _receive(target.reshape(-1).view(torch.uint8), view, src, tag)
         if not direct:
             dest.copy_(target)

@@ -29,6 +29,7 @@ from typing import Any
 from fsspec.implementations.local import LocalFileSystem
 
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, WrongPathTypeError
+from dcp_storage.runtime import fork_safe
 from dcp_storage.transports.base import create_local
 from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_backend
 from dcp_storage.transports.local_io import (
@@ -267,7 +268,7 @@ _DISK_WRITES = _WritesInFlight()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_DISK_WRITES.forget)
 _DISK: tuple[int, ThreadPoolExecutor] | None = None
-_DISK_LOCK = threading.Lock()
+_DISK_LOCK = fork_safe(threading.Lock())
 
 
 def _disk_thread() -> ThreadPoolExecutor:

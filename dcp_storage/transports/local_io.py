@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, FileTooLargeError, TransportError
+from dcp_storage.runtime import fork_safe
 
 __all__ = [
     "MEMMOVE_FROM",
@@ -336,7 +337,7 @@ class LocalFiles:
 
     def __init__(self, confinement: Confinement | None = None) -> None:
         self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = fork_safe(threading.Lock())
         self._confinement = confinement
 
     def fd(self, path: str, where: str | None = None) -> int:

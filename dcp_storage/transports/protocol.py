@@ -45,6 +45,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol, runtime_checkable
 
+from dcp_storage.runtime import fork_safe
 from dcp_storage.transports.local_io import LocalFiles
 from dcp_storage.transports.ranges import RangeRequest, Region, RunsRead
 from dcp_storage.transports.retry import RetryPolicy
@@ -171,7 +172,7 @@ class TransportCounters:
     bytes_read: int = 0
     bytes_written: int = 0
     retries: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=lambda: fork_safe(threading.Lock()), repr=False, compare=False)
 
     def add(self, *, requests: int = 0, bytes_read: int = 0, bytes_written: int = 0, retries: int = 0) -> None:
         with self._lock:

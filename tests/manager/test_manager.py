@@ -263,6 +263,56 @@ def test_a_deletion_killed_half_way_is_finished_on_start(tmp_path: Path) -> None
     assert _steps(root) == [step_name(2)]
 
 
+def test_a_kill_after_a_commit_never_leaves_a_step_retention_would_delete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed right after the index write that records a new step: that same write names the steps retention
+    no longer keeps as being deleted, so the next start deletes them even if the resumed job saves nothing."""
+    from dcp_storage.manager import steps
+
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=None)) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, _state(step))
+    real = steps.write_index
+
+    def killed_after_recording_5(transport: Any, where: str, index: Any) -> None:
+        real(transport, where, index)
+        if 5 in index.steps:
+            raise SystemExit("killed")  # nothing after this write runs
+
+    monkeypatch.setattr(steps, "write_index", killed_after_recording_5)
+    mgr = ds.CheckpointManager(root, keep=ds.KeepPolicy(last=2))
+    with pytest.raises(SystemExit):
+        mgr.save(5, _state(5))
+    monkeypatch.setattr(steps, "write_index", real)
+    written = json.loads((root / INDEX_FILE).read_text())
+    assert sorted(written["steps"]) == ["4", "5"] and written["deleting"] == [1, 2, 3]
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=2)) as again:
+        assert again.all_steps() == [4, 5] and again.last_cleanup.torn_removed == [1, 2, 3]
+    assert _steps(root) == [step_name(4), step_name(5)]
+
+
+def test_a_kill_between_a_commit_and_the_index_write_is_retained_on_start(tmp_path: Path) -> None:
+    """The index still names step 4 pending but step 4 committed (killed before the index recorded it): the
+    next start runs the retention that save never reached. Steps the index recorded are never deleted at start
+    (a stricter policy, a rollback): only the next save's retention deletes."""
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=None)) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, _state(step))
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=2)) as mgr:
+        assert mgr.all_steps() == [1, 2, 3, 4] and mgr.last_cleanup.deleted == []
+        target = _state(0)
+        assert mgr.restore(target, step=1) == 1 and target["step"] == 1
+    body = {"kind": "dcp-storage-steps/1", "steps": {str(s): ".metadata" for s in (1, 2, 3)}, "pending": 4}
+    (root / INDEX_FILE).write_text(json.dumps(body))
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=2)) as mgr:
+        assert mgr.last_cleanup.unrecorded == [4] and mgr.last_cleanup.deleted == [1, 2]
+        assert mgr.all_steps() == [3, 4] and mgr.latest_step() == 4
+    assert _steps(root) == [step_name(3), step_name(4)]
+
+
 def test_retention_never_keeps_an_old_step_whose_marker_is_gone(tmp_path: Path) -> None:
     """Recovery checks the markers of the newest steps only; retention checks those it keeps, so a best step
     whose marker went (older than those) is not kept in place of the best good one."""

@@ -8,9 +8,11 @@ breaks the cases after it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 SEED = 7
 FAIL_TEXT = "simulated finish_plan failure"
 DELIVERY_TEXT = "simulated delivery failure"
+MEMORY_TEXT = "simulated out of memory"
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -86,6 +89,41 @@ class CommitFails(DefaultLoadPlanner):
         super().commit_tensor(read_item, tensor)
 
 
+class _NoMemory:
+    """``torch`` as a delivery module sees it on a rank whose memory ran out: allocating a buffer of
+    ``dtype`` fails, as a CUDA allocation does under NCCL (everything else is torch's)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def empty(self, *size: Any, **kwargs: Any) -> torch.Tensor:
+        flat = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+        if kwargs.get("dtype") is self.dtype and any(int(n) for n in flat):
+            raise torch.OutOfMemoryError(f"{MEMORY_TEXT} on rank {dist.get_rank()}")
+        return torch.empty(*size, **kwargs)
+
+
+@contextlib.contextmanager
+def _memory_runs_out(planner: str | None) -> Iterator[None]:
+    """``alloc-fails``: read_once's receive buffers; ``staging-fails``: slice delivery's cast staging."""
+    from dcp_storage.strategies import read_once_exchange, slice_delivery
+
+    module, dtype = {
+        "alloc-fails": (read_once_exchange, torch.uint8),
+        "staging-fails": (slice_delivery, torch.float32),
+    }.get(planner or "", (None, None))
+    if module is not None:
+        module.torch = _NoMemory(dtype)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if module is not None:
+            module.torch = torch  # type: ignore[attr-defined]
+
+
 def _strategy(name: str) -> Any:
     from dcp_storage import ReadStrategies
 
@@ -121,7 +159,9 @@ def _planner(kind: str | None, rank_arg: int) -> Any:
 
 
 def run_cases(rank: int, world: int, paths: dict[str, str], cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each case: ``readers`` (one spec per rank), ``planner`` (``fails``/``drops``/None) and its ``rank``.
+    """Each case: ``readers`` (one spec per rank), ``planner`` (``fails``/``drops``/``resolve-fails``/
+    ``commit-fails``/``alloc-fails``/``staging-fails``: see :func:`_memory_runs_out`/None), its ``rank``, and
+    ``cast``: destinations of another dtype.
 
     Returns ``{case: {"raised", "text", "seconds", "bad"}}``: ``bad`` lists tensors loaded wrong when it
     did not raise.
@@ -132,16 +172,18 @@ def run_cases(rank: int, world: int, paths: dict[str, str], cases: dict[str, dic
     ref = reference()
     out: dict[str, Any] = {}
     for name, case in cases.items():
-        target = {k: torch.zeros_like(v) for k, v in ref.items()}
+        dtype = torch.float64 if case.get("cast") else None  # destinations the bytes are cast into
+        target = {k: torch.zeros_like(v, dtype=dtype) for k, v in ref.items()}
         reader = _reader(case["readers"][rank], paths)
         planner = _planner(case.get("planner"), case.get("rank", 1))
         began = time.monotonic()
         try:
-            dcp.load(target, storage_reader=reader, planner=planner)
+            with _memory_runs_out(case.get("planner") if rank == case.get("rank", 1) else None):
+                dcp.load(target, storage_reader=reader, planner=planner)
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             out[name] = {"raised": True, "text": f"{type(exc).__name__}: {exc}"[:4000]}
         else:
-            bad = [k for k, v in ref.items() if not torch.equal(target[k], v)]
+            bad = [k for k, v in ref.items() if not torch.equal(target[k], v.to(target[k].dtype))]
             out[name] = {"raised": False, "text": "", "bad": bad}
         out[name]["seconds"] = time.monotonic() - began
     # Last good loads: the group is still in step after every case above (no message of a failed load, and no

@@ -56,6 +56,16 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {  # name: (case, text every rank
         {"readers": ["safetensors:read_once"] * 2, "planner": "commit-fails", "rank": 0},
         DELIVERS,
     ),
+    # Memory running out on the rank that receives the packed slices as it makes a round ready: no rank posts it.
+    "read_once-alloc-fails-on-0": (
+        {"readers": ["read_once"] * 2, "planner": "alloc-fails", "rank": 0},
+        "out of memory",
+    ),
+    # Broadcasting into destinations of another dtype, the cast's staging cannot be allocated on rank 1.
+    "broadcasting-staging-fails-on-1": (
+        {"readers": ["broadcasting"] * 2, "planner": "staging-fails", "rank": 1, "cast": True},
+        "out of memory",
+    ),
     "read_once-vs-default": ({"readers": ["read_once", "default"]}, MISMATCH),
     "default-vs-read_once": ({"readers": ["default", "read_once"]}, MISMATCH),
     "per_host-vs-read_once": ({"readers": ["per_host", "read_once"]}, MISMATCH),

@@ -75,7 +75,7 @@ from dcp_storage.formats.spec import ConvertTarget, Fetch, OutTensor, OutValue, 
 from dcp_storage.formats.writing import save_record
 from dcp_storage.integrity.checksums import BLOCK_SIZE, DEFAULT_ALGORITHM, HashingWriter, block_size_for
 from dcp_storage.integrity.manifest import MANIFEST_FILE, install_hint, manifest_bytes
-from dcp_storage.runtime import held_interrupts
+from dcp_storage.runtime import fork_safe, held_interrupts
 from dcp_storage.transports.access import make_output_root
 
 __all__ = [
@@ -101,7 +101,7 @@ class PluginExtensionRegistry(ExtensionRegistry):
         super().__init__()
         if base is not None:
             self.extensions.update(base.extensions)
-        self._lock = threading.Lock()
+        self._lock = fork_safe(threading.Lock())
         self.plugin_errors: dict[str, str] = {}  # name -> why the plugin that claims it did not load
 
     def lookup(self, name: str) -> type[Extension] | None:

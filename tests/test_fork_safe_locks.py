@@ -1,0 +1,82 @@
+"""A child forked while one of the parent's threads holds a module's lock still takes that lock.
+
+Before: the child's first use waited forever (the thread holding the lock does not exist in the child): a
+``DataLoader`` worker forked while a transport counted a request, while the disk thread was being made, or
+while a save's lease was renewed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FORK_WHILE_HELD = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from dcp_storage.formats import commit_lease
+    from dcp_storage.transports import local
+    from dcp_storage.transports.factory import open_transport
+
+    transport, root = open_transport(sys.argv[1])
+    locks = {
+        "counters": transport.counters._lock,
+        "disk": local._DISK_LOCK,
+        "lease": commit_lease._ACTIVE_LOCK,
+    }
+    uses = {
+        "counters": lambda: transport.counters.add(requests=1),
+        "disk": lambda: local._disk_thread().submit(lambda: 1).result(),
+        "lease": commit_lease.active_claims,
+    }
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        for lock in locks.values():
+            lock.acquire()
+        held.set()
+        release.wait()
+        for lock in locks.values():
+            lock.release()
+
+    threading.Thread(target=hold).start()
+    held.wait()
+    child = os.fork()
+    if child == 0:
+        for name, use in uses.items():
+            use()
+            print("child used", name, flush=True)
+        os._exit(0)
+    release.set()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done:
+            print("child exit", os.waitstatus_to_exitcode(status))
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        print("child hung")
+    for use in uses.values():
+        use()  # the parent's locks are its own still
+    transport.close()
+    """
+)
+
+
+def test_a_child_forked_while_a_lock_is_held_can_take_it(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_WHILE_HELD, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "child exit 0", proc.stdout + proc.stderr[-3000:]
