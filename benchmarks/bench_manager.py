@@ -99,7 +99,8 @@ def blocked_times(mib: int, repeats: int, tmp: str) -> dict[str, Any]:
 
 
 def request_counts(steps: int) -> dict[str, Any]:
-    from dcp_storage.manager.steps import INDEX_FILE, step_name
+    from dcp_storage.manager.folders import step_name
+    from dcp_storage.manager.steps import INDEX_FILE
     from dcp_storage_testing.fault_proxy import FaultProxy
     from dcp_storage_testing.s3_server import MotoS3Server
 

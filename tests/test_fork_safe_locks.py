@@ -7,16 +7,14 @@ while a save's lease was renewed.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from dcp_storage_testing.forking import run_forking_script
 
-FORK_WHILE_HELD = textwrap.dedent(
+SCRIPT = textwrap.dedent(
     """
-    import os, sys, threading, time
+    import os, sys, threading
     from dcp_storage.formats import commit_lease
     from dcp_storage.transports import local
     from dcp_storage.transports.factory import open_transport
@@ -51,17 +49,7 @@ FORK_WHILE_HELD = textwrap.dedent(
             print("child used", name, flush=True)
         os._exit(0)
     release.set()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(child, os.WNOHANG)
-        if done:
-            print("child exit", os.waitstatus_to_exitcode(status))
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(child, 9)
-        os.waitpid(child, 0)
-        print("child hung")
+    wait_for_child(child, 20)
     for use in uses.values():
         use()  # the parent's locks are its own still
     transport.close()
@@ -70,13 +58,4 @@ FORK_WHILE_HELD = textwrap.dedent(
 
 
 def test_a_child_forked_while_a_lock_is_held_can_take_it(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", FORK_WHILE_HELD, str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "child exit 0", proc.stdout + proc.stderr[-3000:]
+    assert run_forking_script(SCRIPT, str(tmp_path)) == "child exit 0"

@@ -52,8 +52,9 @@ from dcp_storage.errors import (
     StorageAccessError,
 )
 from dcp_storage.formats.location import find_leftovers
+from dcp_storage.manager.folders import scan_step, step_name
 from dcp_storage.manager.retention import InFlight, KeepPolicy, ReusingStager, _is_stateful
-from dcp_storage.manager.steps import StepRoot, scan_step, step_name
+from dcp_storage.manager.steps import StepRoot
 from dcp_storage.opening import open_reader, open_writer, raising_ours, writable_format
 from dcp_storage.strategies.collectives import share_object
 from dcp_storage.transports.access import prepare_output

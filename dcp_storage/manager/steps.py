@@ -52,40 +52,17 @@ from typing import Any
 from dcp_storage.formats.location import commit_marker, list_all
 from dcp_storage.formats.paths import TEMP_RE
 from dcp_storage.manager.folders import (
-    STEP_DIGITS,
     STEP_INFO_FILE,
     StepFolder,
     list_steps,
-    parse_step,
-    read_step_info,
     save_leftovers_only,
     scan_step,
     step_info,
     step_name,
-    step_path,
 )
 from dcp_storage.manager.retention import DEFAULT_STALE_AFTER, KeepPolicy, held_by_live_save
 
-__all__ = [
-    "Cleanup",
-    "INDEX_FILE",
-    "INDEX_LIMIT",
-    "STEP_DIGITS",
-    "STEP_INFO_FILE",
-    "StepFolder",
-    "StepIndex",
-    "StepRoot",
-    "list_steps",
-    "parse_step",
-    "read_index",
-    "read_step_info",
-    "save_leftovers_only",
-    "scan_step",
-    "step_info",
-    "step_name",
-    "step_path",
-    "write_index",
-]
+__all__ = ["Cleanup", "INDEX_FILE", "INDEX_LIMIT", "StepIndex", "StepRoot", "read_index", "write_index"]
 
 
 VERIFIED_AT_START = 16  # the newest steps whose commit markers recovery checks (the index is a cache)

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 import dcp_storage as ds
-from dcp_storage.manager.steps import INDEX_FILE, step_name
+from dcp_storage.manager.folders import step_name
+from dcp_storage.manager.steps import INDEX_FILE
 from dcp_storage.transports.factory import open_transport
 from dcp_storage_testing.conformance import Location
 

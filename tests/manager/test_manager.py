@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_storage as ds
 from dcp_storage.cli import main as cli_main
-from dcp_storage.manager.steps import INDEX_FILE, step_name
+from dcp_storage.manager.folders import step_name
+from dcp_storage.manager.steps import INDEX_FILE
 from dcp_storage.planners.key_map import IncompatibleKeysError
 from dcp_storage_testing.distributed import run_ranks
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import dcp_storage as ds
-from dcp_storage.manager.steps import INDEX_FILE, step_name
+from dcp_storage.manager.folders import step_name
+from dcp_storage.manager.steps import INDEX_FILE
 from dcp_storage_testing.fault_proxy import FaultProxy
 
 STEPS = 60  # the benchmark (benchmarks/bench_manager.py) measures 1,000

@@ -6,16 +6,14 @@ idle, so it started none in the child, where those threads do not exist.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from dcp_storage_testing.forking import run_forking_script
 
-CHILD_READS = textwrap.dedent(
+SCRIPT = textwrap.dedent(
     """
-    import os, sys, time
+    import os, sys
     from dcp_storage.transports.factory import open_transport
     from dcp_storage.transports.ranges import RangeRequest
 
@@ -40,17 +38,7 @@ CHILD_READS = textwrap.dedent(
             os._exit(0)
         except BaseException:
             os._exit(3)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(child, os.WNOHANG)
-        if done:
-            print("child exit", os.waitstatus_to_exitcode(status))
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(child, 9)
-        os.waitpid(child, 0)
-        print("child hung")
+    wait_for_child(child, 30)
     read()  # and the parent's pool still works
     transport.close()
     """
@@ -58,13 +46,4 @@ CHILD_READS = textwrap.dedent(
 
 
 def test_a_forked_child_reads_through_the_parents_transport(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD_READS, str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "child exit 0", proc.stdout + proc.stderr[-3000:]
+    assert run_forking_script(SCRIPT, str(tmp_path)) == "child exit 0"
