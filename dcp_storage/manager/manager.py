@@ -193,8 +193,6 @@ class CheckpointManager:
         prepare_output(store.transport, store.root, coordinator=True, create_bucket=self.create_bucket)
         try:
             self.last_cleanup = store.recover()
-            if self.last_cleanup.unrecorded:  # a save killed between its commit and its retention: finish it
-                self.last_cleanup.deleted = store.apply(self.keep)
         except StorageAccessError as exc:  # read-only credentials (an evaluation job): restore still works
             self.last_cleanup = store.recover(dry_run=True)  # raises if reading is refused too
             warnings.warn(
@@ -213,7 +211,7 @@ class CheckpointManager:
             for failed in list(self._inflight.failed):
                 store.remove_step(failed)
                 self._inflight.failed.remove(failed)
-            store.begin(step)
+            store.begin(step, self.keep)
         except Exception as exc:  # noqa: BLE001 - the index is a cache: the save goes on (see module docstring)
             warnings.warn(f"{self.root}: could not prepare the index for step {step}: {exc}", stacklevel=2)
 

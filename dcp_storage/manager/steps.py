@@ -9,8 +9,9 @@ index makes that three: read the index (1), check the commit marker of the step 
 
 The coordinator writes it (one atomic PUT) at two moments of a save of step M:
 
-1. before the save starts: ``pending = M`` (so a save killed after its commit but before step 2 is still
-   found: its marker is checked first, and the next start runs the retention that commit never got to);
+1. before the save starts: ``pending = M`` and the retention it runs once committed (so a save killed after
+   its commit but before step 2 is still found: its marker is checked first, and the next start runs that
+   save's retention, never the policy of whoever starts next);
 2. after the commit: ``M`` joins ``steps``, ``pending`` is cleared, and the steps retention no longer keeps
    move to ``deleting``, all in one write; they leave it once gone (a second write).
 
@@ -40,6 +41,7 @@ The coordinator's view of a root (latest step, recovery, commit, retention, dele
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -75,12 +77,14 @@ INDEX_LIMIT = 8 * 1024 * 1024  # ~40 bytes a step: far more steps than any job k
 
 @dataclass
 class StepIndex:
-    """``steps``: complete step -> its commit marker's name; ``pending``: the step a save is writing;
-    ``deleting``: steps whose deletion started; ``metrics``: step -> its metrics."""
+    """``steps``: complete step -> its commit marker's name; ``pending``: the step a save is writing, and
+    ``pending_keep`` the retention that save runs once committed; ``deleting``: steps whose deletion started;
+    ``metrics``: step -> its metrics."""
 
     steps: dict[int, str] = field(default_factory=dict)
     pending: int | None = None
     pending_marker: str | None = None
+    pending_keep: KeepPolicy | None = None
     deleting: list[int] = field(default_factory=list)
     metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -90,6 +94,7 @@ class StepIndex:
             "steps": {str(s): m for s, m in sorted(self.steps.items())},
             "pending": self.pending,
             "pending_marker": self.pending_marker,
+            "pending_keep": None if self.pending_keep is None else dataclasses.asdict(self.pending_keep),
             "deleting": sorted(self.deleting),
             "metrics": {str(s): m for s, m in sorted(self.metrics.items()) if s in self.steps},
         }
@@ -109,6 +114,7 @@ class StepIndex:
                 steps=steps,
                 pending=None if pending is None else _step(pending),
                 pending_marker=None if marker is None else _name(marker),
+                pending_keep=_policy(body.get("pending_keep")),
                 deleting=[_step(s) for s in body.get("deleting", [])],
                 metrics={
                     _step(s): {str(k): v for k, v in m.items() if isinstance(v, (int, float))}
@@ -129,6 +135,16 @@ def _step(value: Any) -> int:
     if step < 0 or isinstance(value, (bool, float)):
         raise ValueError(value)
     return step
+
+
+def _policy(value: Any) -> KeepPolicy | None:
+    """The retention a pending save runs, or ``None`` if absent or not one (nothing is deleted for it)."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        return KeepPolicy(**{str(k): v for k, v in value.items()})
+    except (TypeError, ValueError):
+        return None
 
 
 def _name(value: Any) -> str:
@@ -164,7 +180,7 @@ class Cleanup:
     held: list[int] = field(default_factory=list)
     foreign: list[int] = field(default_factory=list)  # torn folders holding more than a save leaves: kept
     # complete steps the index named as pending: a save killed after its commit and before the index recorded
-    # it, so the retention that follows a commit never ran for it (the manager runs it at start)
+    # it, so the retention that follows a commit never ran for it (recovery runs that save's own retention)
     unrecorded: list[int] = field(default_factory=list)
 
 
@@ -281,6 +297,9 @@ class StepRoot:
         if not dry_run:
             write_index(self.transport, self.root, index)
             self._remove_stale_index_temps()
+        keep = None if cached is None else cached.pending_keep
+        if report.unrecorded and keep is not None:  # that save's retention, not this caller's (an eval job's)
+            report.deleted = self.apply(keep, dry_run=dry_run)
         return report
 
     def _remove_stale_index_temps(self, older_than: float = 60.0) -> None:
@@ -309,9 +328,11 @@ class StepRoot:
             return dict(zip(asked, pool.map(self.transport.exists, asked.values())))
 
     # ---------------------------------------------------------------------------------------- a save
-    def begin(self, step: int) -> None:
-        """Before a save of ``step`` starts: the index names it pending (see above)."""
+    def begin(self, step: int, keep: KeepPolicy | None = None) -> None:
+        """Before a save of ``step`` starts: the index names it pending, with the retention ``keep`` that
+        follows its commit (see above: a start after a kill runs it)."""
         self.index.pending = step
+        self.index.pending_keep = keep
         write_index(self.transport, self.root, self.index)
 
     def commit(self, step: int, metrics: dict[str, Any] | None, keep: KeepPolicy | None = None) -> bool:
@@ -320,7 +341,7 @@ class StepRoot:
         deleted in the same index write that records ``step``, then deleted, so a kill anywhere after the
         commit leaves the next start a deletion to finish, never an extra step nobody removes."""
         folder = scan_step(self.transport, self.root, step, metrics=False)
-        self.index.pending = None
+        self.index.pending, self.index.pending_keep = None, None
         if not folder.complete:
             write_index(self.transport, self.root, self.index)
             return False

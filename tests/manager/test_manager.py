@@ -296,22 +296,44 @@ def test_a_kill_after_a_commit_never_leaves_a_step_retention_would_delete(
 
 def test_a_kill_between_a_commit_and_the_index_write_is_retained_on_start(tmp_path: Path) -> None:
     """The index still names step 4 pending but step 4 committed (killed before the index recorded it): the
-    next start runs the retention that save never reached. Steps the index recorded are never deleted at start
-    (a stricter policy, a rollback): only the next save's retention deletes."""
+    next start runs the retention that save would have run (the one the index names with it), whatever policy
+    the starting manager has (an evaluation job's). Steps the index recorded are never deleted at start (a
+    stricter policy, a rollback): only the next save's retention deletes."""
     root = tmp_path / "run"
     with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=None)) as mgr:
-        for step in (1, 2, 3, 4):
+        for step in (1, 2, 3, 4, 5):
             mgr.save(step, _state(step))
     with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=2)) as mgr:
-        assert mgr.all_steps() == [1, 2, 3, 4] and mgr.last_cleanup.deleted == []
+        assert mgr.all_steps() == [1, 2, 3, 4, 5] and mgr.last_cleanup.deleted == []
         target = _state(0)
         assert mgr.restore(target, step=1) == 1 and target["step"] == 1
-    body = {"kind": "dcp-storage-steps/1", "steps": {str(s): ".metadata" for s in (1, 2, 3)}, "pending": 4}
-    (root / INDEX_FILE).write_text(json.dumps(body))
-    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=2)) as mgr:
-        assert mgr.last_cleanup.unrecorded == [4] and mgr.last_cleanup.deleted == [1, 2]
-        assert mgr.all_steps() == [3, 4] and mgr.latest_step() == 4
-    assert _steps(root) == [step_name(3), step_name(4)]
+    index = root / INDEX_FILE
+    body = {"kind": "dcp-storage-steps/1", "steps": {str(s): ".metadata" for s in (1, 2, 3, 4)}, "pending": 5}
+    index.write_text(json.dumps(body))  # an index that names no retention with the pending save: none runs
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=1)) as mgr:
+        assert mgr.last_cleanup.unrecorded == [5] and mgr.last_cleanup.deleted == []
+        assert mgr.all_steps() == [1, 2, 3, 4, 5]
+    body["pending_keep"] = {"last": 3}
+    index.write_text(json.dumps(body))
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=1)) as mgr:
+        assert mgr.last_cleanup.unrecorded == [5] and mgr.last_cleanup.deleted == [1, 2]
+        assert mgr.all_steps() == [3, 4, 5] and mgr.latest_step() == 5
+    assert _steps(root) == [step_name(s) for s in (3, 4, 5)]
+
+
+def test_the_index_names_the_pending_saves_retention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the index says while a save of step 2 runs: that step, and the retention to run after it."""
+    from dcp_storage.manager import steps
+
+    seen: list[dict[str, Any]] = []
+    real = steps.write_index
+    monkeypatch.setattr(steps, "write_index", lambda t, w, i: (seen.append(json.loads(i.to_json())), real(t, w, i)))
+    keep = ds.KeepPolicy(last=2, every=10, best=1, metric="loss", mode="max")
+    with ds.CheckpointManager(tmp_path / "run", keep=keep) as mgr:
+        mgr.save(2, _state(2), metrics={"loss": 1.0})
+    begun = [w for w in seen if w["pending"] == 2]
+    assert begun and begun[0]["pending_keep"] == {"last": 2, "every": 10, "best": 1, "metric": "loss", "mode": "max"}
+    assert seen[-1]["pending"] is None and seen[-1]["pending_keep"] is None and seen[-1]["steps"] == {"2": ".metadata"}
 
 
 def test_retention_never_keeps_an_old_step_whose_marker_is_gone(tmp_path: Path) -> None:
