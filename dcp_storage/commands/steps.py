@@ -155,7 +155,8 @@ def run_gc(args: argparse.Namespace) -> int:
     store = _open(args)
     policy = KeepPolicy(last=args.keep_last, every=args.keep_every)
     report = store.recover(dry_run=args.dry_run)
-    deleted = store.apply(policy, dry_run=args.dry_run)
+    ours = store.apply(policy, dry_run=args.dry_run)
+    deleted = sorted({*report.deleted, *ours})  # recover ran the retention of a save killed after its commit
     kept = sorted(store.index.steps) if not args.dry_run else sorted(set(store.index.steps) - set(deleted))
     if args.json:
         _common.emit_json(

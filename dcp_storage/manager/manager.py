@@ -204,14 +204,15 @@ class CheckpointManager:
             _log.info("step folders held by a live save, left in place: %s", self.last_cleanup.held)
         return sorted(store.index.steps), sorted(self.last_cleanup.foreign)
 
-    def _before_save(self, step: int) -> None:
-        """Coordinator, before a save's first byte: remove this manager's failed steps, mark ``step`` pending."""
+    def _before_save(self, step: int, metrics: dict[str, float] | None) -> None:
+        """Coordinator, before a save's first byte: remove this manager's failed steps, mark ``step`` pending
+        with its metrics and the retention that follows its commit (a start after a kill runs it)."""
         store = self._store()
         try:
             for failed in list(self._inflight.failed):
                 store.remove_step(failed)
                 self._inflight.failed.remove(failed)
-            store.begin(step, self.keep)
+            store.begin(step, self.keep, metrics)
         except Exception as exc:  # noqa: BLE001 - the index is a cache: the save goes on (see module docstring)
             warnings.warn(f"{self.root}: could not prepare the index for step {step}: {exc}", stacklevel=2)
 
@@ -299,7 +300,7 @@ class CheckpointManager:
 
     def _run_save(self, step: int, state: dict[str, Any], writer: Any, metrics: dict[str, float] | None) -> int:
         if self._coordinator:
-            self._before_save(step)
+            self._before_save(step, metrics)
         try:
             raising_ours(
                 lambda: dcp.save(
@@ -328,7 +329,7 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
         if self._coordinator:
-            self._before_save(step)
+            self._before_save(step, metrics)
         response = dcp.async_save(
             app,
             storage_writer=writer,

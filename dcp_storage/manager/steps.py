@@ -85,6 +85,7 @@ class StepIndex:
     pending: int | None = None
     pending_marker: str | None = None
     pending_keep: KeepPolicy | None = None
+    pending_metrics: dict[str, Any] = field(default_factory=dict)
     deleting: list[int] = field(default_factory=list)
     metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -95,6 +96,7 @@ class StepIndex:
             "pending": self.pending,
             "pending_marker": self.pending_marker,
             "pending_keep": None if self.pending_keep is None else dataclasses.asdict(self.pending_keep),
+            "pending_metrics": self.pending_metrics,
             "deleting": sorted(self.deleting),
             "metrics": {str(s): m for s, m in sorted(self.metrics.items()) if s in self.steps},
         }
@@ -115,12 +117,9 @@ class StepIndex:
                 pending=None if pending is None else _step(pending),
                 pending_marker=None if marker is None else _name(marker),
                 pending_keep=_policy(body.get("pending_keep")),
+                pending_metrics=_metrics(body.get("pending_metrics")),
                 deleting=[_step(s) for s in body.get("deleting", [])],
-                metrics={
-                    _step(s): {str(k): v for k, v in m.items() if isinstance(v, (int, float))}
-                    for s, m in body.get("metrics", {}).items()
-                    if isinstance(m, dict)
-                },
+                metrics={_step(s): _metrics(m) for s, m in body.get("metrics", {}).items() if isinstance(m, dict)},
             )
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
@@ -135,6 +134,11 @@ def _step(value: Any) -> int:
     if step < 0 or isinstance(value, (bool, float)):
         raise ValueError(value)
     return step
+
+
+def _metrics(value: Any) -> dict[str, Any]:
+    """A step's metrics: numbers by name (anything else is dropped)."""
+    return {str(k): v for k, v in value.items() if isinstance(v, (int, float))} if isinstance(value, dict) else {}
 
 
 def _policy(value: Any) -> KeepPolicy | None:
@@ -266,7 +270,8 @@ class StepRoot:
             folder = scan_step(self.transport, self.root, step, name)
             if folder.complete and not interrupted:
                 if cached is not None and cached.pending == step and known is None:
-                    report.unrecorded.append(step)
+                    report.unrecorded.append(step)  # its info file was never written: the index has its metrics
+                    folder = dataclasses.replace(folder, metrics=folder.metrics or cached.pending_metrics)
                 index.steps[step] = folder.marker  # type: ignore[assignment]
                 if folder.metrics:
                     index.metrics[step] = folder.metrics
@@ -294,12 +299,63 @@ class StepRoot:
             if not dry_run:
                 self._remove(self.transport.join(self.root, name), folder.names)
         self.index = index
-        if not dry_run:
-            write_index(self.transport, self.root, index)
-            self._remove_stale_index_temps()
+        self._finish_killed_save(cached, names, report, dry_run)
+        return report
+
+    def _finish_killed_save(self, cached: StepIndex | None, names: dict[int, str], report: Cleanup, dry: bool) -> None:
+        """Write the reconciled index: with the retention of a save killed between its commit and its index
+        write (the one the cached index names with it, never the caller's: an evaluation job's start deletes
+        nothing of its own accord) named as being deleted in that same write, then delete; and with the
+        pending mark of a save still running (its folder held by a live save, or not made yet), kept for the
+        start that follows if that save is killed after its commit. A failing retention is only logged: the
+        next start finishes what the index names as being deleted."""
+        index = self.index
+        pending = None if cached is None else cached.pending
+        if pending is not None and pending not in index.steps and (pending in report.held or pending not in names):
+            index.pending, index.pending_keep = pending, cached.pending_keep  # type: ignore[union-attr]
+            index.pending_metrics = dict(cached.pending_metrics)  # type: ignore[union-attr]
         keep = None if cached is None else cached.pending_keep
-        if report.unrecorded and keep is not None:  # that save's retention, not this caller's (an eval job's)
-            report.deleted = self.apply(keep, dry_run=dry_run)
+        doomed: list[int] = []
+        if report.unrecorded and keep is not None:
+            try:
+                doomed = self._doomed(keep)
+            except Exception as exc:  # noqa: BLE001 - retention is a clean-up: a start never fails on it
+                _log.warning("%s: could not run the retention of the save killed after its commit: %s", self.root, exc)
+        report.deleted = doomed
+        if dry:
+            return
+        index.deleting = list(doomed)  # one write: the reconciled index and the steps retention no longer keeps
+        for step in doomed:
+            index.steps.pop(step, None)
+            index.metrics.pop(step, None)
+        write_index(self.transport, self.root, index)
+        self._remove_stale_index_temps()
+        if doomed:
+            try:
+                for step in doomed:
+                    self.remove_step(step)
+                index.deleting = []
+                write_index(self.transport, self.root, index)
+            except Exception as exc:  # noqa: BLE001 - named as being deleted: the next start finishes it
+                _log.warning(
+                    "%s: deleting steps %s the killed save's retention drops failed: %s", self.root, doomed, exc
+                )
+        index.deleting = list(doomed)  # one write: the reconciled index and the steps retention no longer keeps
+        for step in doomed:
+            index.steps.pop(step, None)
+            index.metrics.pop(step, None)
+        write_index(self.transport, self.root, index)
+        self._remove_stale_index_temps()
+        if doomed:
+            try:
+                for step in doomed:
+                    self.remove_step(step)
+                index.deleting = []
+                write_index(self.transport, self.root, index)
+            except Exception as exc:  # noqa: BLE001 - named as being deleted: the next start finishes it
+                _log.warning(
+                    "%s: deleting steps %s the killed save's retention drops failed: %s", self.root, doomed, exc
+                )
         return report
 
     def _remove_stale_index_temps(self, older_than: float = 60.0) -> None:
@@ -328,11 +384,13 @@ class StepRoot:
             return dict(zip(asked, pool.map(self.transport.exists, asked.values())))
 
     # ---------------------------------------------------------------------------------------- a save
-    def begin(self, step: int, keep: KeepPolicy | None = None) -> None:
-        """Before a save of ``step`` starts: the index names it pending, with the retention ``keep`` that
-        follows its commit (see above: a start after a kill runs it)."""
+    def begin(self, step: int, keep: KeepPolicy | None = None, metrics: dict[str, Any] | None = None) -> None:
+        """Before a save of ``step`` starts: the index names it pending, with its metrics and the retention
+        ``keep`` that follows its commit (see above: a start after a kill runs it). A subclass of
+        :class:`KeepPolicy` is not named: its fields alone would rebuild the base class's choices."""
         self.index.pending = step
-        self.index.pending_keep = keep
+        self.index.pending_keep = keep if type(keep) is KeepPolicy else None
+        self.index.pending_metrics = dict(metrics or {})
         write_index(self.transport, self.root, self.index)
 
     def commit(self, step: int, metrics: dict[str, Any] | None, keep: KeepPolicy | None = None) -> bool:
@@ -341,7 +399,7 @@ class StepRoot:
         deleted in the same index write that records ``step``, then deleted, so a kill anywhere after the
         commit leaves the next start a deletion to finish, never an extra step nobody removes."""
         folder = scan_step(self.transport, self.root, step, metrics=False)
-        self.index.pending, self.index.pending_keep = None, None
+        self.index.pending, self.index.pending_keep, self.index.pending_metrics = None, None, {}
         if not folder.complete:
             write_index(self.transport, self.root, self.index)
             return False

@@ -341,7 +341,7 @@ def receive_items(
         except _PayloadPending as pending:  # keep draining so the coordinator is never left blocked
             failure = failure or pending.cause
             if nbytes:
-                _receive(torch.empty(nbytes, dtype=torch.uint8, device=view.device), view, src, tag)
+                _receive(_drain_buffer(nbytes, pending.dest, view), view, src, tag)
         except Exception as exc:  # noqa: BLE001 - the payload was taken; remember the first failure
             failure = failure or exc
     if failure is not None:
@@ -365,9 +365,20 @@ def _receive(buffer: torch.Tensor, view: GroupView, src: int, tag: int) -> None:
 class _PayloadPending(Exception):
     """Internal: a failure raised before the payload of the current message was received."""
 
-    def __init__(self, cause: BaseException) -> None:
+    def __init__(self, cause: BaseException, dest: torch.Tensor | None = None) -> None:
         super().__init__(str(cause))
         self.cause = cause
+        self.dest = dest  # the slice's destination, if known: memory that may take the payload to drain it
+
+
+def _drain_buffer(nbytes: int, dest: torch.Tensor | None, view: GroupView) -> torch.Tensor:
+    """Where a payload this rank cannot deliver is received and dropped: the destination's own bytes when it
+    is a contiguous tensor on the transfer device at least as large (a cast's staging that could not be
+    allocated: a buffer of the same size would fail too, and the load fails anyway), else a new buffer. Only
+    the destination's own bytes: the rest of its storage may hold tensors this load does not touch."""
+    if dest is not None and dest.device == view.device and dest.is_contiguous() and dest.nbytes >= nbytes:
+        return dest.reshape(-1).view(torch.uint8)[:nbytes]
+    return torch.empty(nbytes, dtype=torch.uint8, device=view.device)
 
 
 def _receive_tensor(
@@ -380,6 +391,7 @@ def _receive_tensor(
     tag: int,
 ) -> None:
     lengths = tuple(int(n) for n in item.lengths)
+    dest: torch.Tensor | None = None
     try:
         dtype = stored_dtype(item)
         expected = math.prod(lengths) * _dtype_size(dtype)
@@ -391,7 +403,7 @@ def _receive_tensor(
         direct = dest.device == view.device and dest.dtype == dtype and dest.is_contiguous()
         target = dest if direct or not nbytes else torch.empty(lengths, dtype=dtype, device=view.device)
     except Exception as exc:  # staging that cannot be allocated included: the payload is still drained
-        raise _PayloadPending(exc) from exc
+        raise _PayloadPending(exc, dest) from exc
     if nbytes:
         _receive(target.reshape(-1).view(torch.uint8), view, src, tag)
         if not direct:

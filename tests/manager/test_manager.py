@@ -336,6 +336,85 @@ def test_the_index_names_the_pending_saves_retention(tmp_path: Path, monkeypatch
     assert seen[-1]["pending"] is None and seen[-1]["pending_keep"] is None and seen[-1]["steps"] == {"2": ".metadata"}
 
 
+def _killed_after_commit(root: Path, step: int, keep: ds.KeepPolicy, mp: pytest.MonkeyPatch, **kw: Any) -> None:
+    """A save of ``step`` whose process dies after its commit marker, before the index records it."""
+    from dcp_storage.manager import steps
+
+    def killed(*_args: Any, **_kw: Any) -> None:
+        raise SystemExit("killed")
+
+    with mp.context() as patched:
+        patched.setattr(steps.StepRoot, "commit", killed)
+        with pytest.raises(SystemExit):
+            ds.CheckpointManager(root, keep=keep).save(step, _state(step), **kw)
+
+
+def test_the_killed_saves_retention_survives_starts_during_it_and_its_own_failure(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Another manager (an evaluation job) or ``gc`` starting while a save runs keeps the save's pending mark
+    and retention in the index; a start whose deletions fail only logs (the index names them: the next start
+    ends them); ``gc`` reports what that retention deleted."""
+    from dcp_storage.manager import steps
+
+    root = tmp_path / "run"
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=None)) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, _state(step))
+    real_begin = steps.StepRoot.begin
+
+    def begin_then_another_start(self: Any, *args: Any) -> None:
+        real_begin(self, *args)
+        ds.CheckpointManager(root, keep=ds.KeepPolicy(last=None)).close()
+
+    with monkeypatch.context() as patched:
+        patched.setattr(steps.StepRoot, "begin", begin_then_another_start)
+        _killed_after_commit(root, 5, ds.KeepPolicy(last=2), monkeypatch)
+    assert json.loads((root / INDEX_FILE).read_text())["pending"] == 5
+    with monkeypatch.context() as patched:
+        patched.setattr(steps.StepRoot, "remove_step", lambda *_: (_ for _ in ()).throw(OSError("refused")))
+        with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=None)) as mgr:
+            assert mgr.last_cleanup.deleted == [1, 2, 3] and mgr.all_steps() == [4, 5]
+    assert "refused" in caplog.text and json.loads((root / INDEX_FILE).read_text())["deleting"] == [1, 2, 3]
+    assert cli_main(["gc", str(root), "--keep-last", "5"]) == 0
+    assert _steps(root) == [step_name(4), step_name(5)]
+    _killed_after_commit(root, 6, ds.KeepPolicy(last=1), monkeypatch)
+    capsys.readouterr()
+    assert cli_main(["gc", str(root), "--keep-last", "5", "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert (said["deleted"], said["kept"]) == ([4, 5], [6]) and _steps(root) == [step_name(6)]
+
+
+def test_the_killed_saves_metrics_count_and_a_subclassed_policy_deletes_nothing_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The metrics of a save killed before its index write are in the index from its start, so its step
+    counts as best; a ``KeepPolicy`` subclass is not named in the index (its fields alone would rebuild the
+    base class's choices), so nothing is deleted for it at start."""
+    root = tmp_path / "run"
+    keep = ds.KeepPolicy(last=1, best=1, metric="loss", mode="min")
+    with ds.CheckpointManager(root, keep=keep) as mgr:
+        mgr.save(1, _state(1), metrics={"loss": 5.0})
+        mgr.save(2, _state(2), metrics={"loss": 4.0})
+    _killed_after_commit(root, 3, keep, monkeypatch, metrics={"loss": 1.0})
+    with ds.CheckpointManager(root, keep=keep) as mgr:
+        assert mgr.last_cleanup.deleted == [2]
+        mgr.save(4, _state(4), metrics={"loss": 3.0})
+        assert mgr.all_steps() == [3, 4]  # 3: the best loss; 4: the last
+
+    class KeepOdd(ds.KeepPolicy):
+        def keep(self, steps: Any, metrics: Any = None) -> set[int]:
+            return super().keep(steps, metrics) | {s for s in steps if s % 2}
+
+    _killed_after_commit(root, 6, KeepOdd(last=1), monkeypatch)
+    with ds.CheckpointManager(root, keep=ds.KeepPolicy(last=None)) as mgr:
+        assert mgr.last_cleanup.unrecorded == [6] and mgr.last_cleanup.deleted == []
+        assert mgr.all_steps() == [3, 4, 6]
+
+
 def test_retention_never_keeps_an_old_step_whose_marker_is_gone(tmp_path: Path) -> None:
     """Recovery checks the markers of the newest steps only; retention checks those it keeps, so a best step
     whose marker went (older than those) is not kept in place of the best good one."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -90,33 +91,35 @@ class CommitFails(DefaultLoadPlanner):
 
 
 class _NoMemory:
-    """``torch`` as a delivery module sees it on a rank whose memory ran out: allocating a buffer of
-    ``dtype`` fails, as a CUDA allocation does under NCCL (everything else is torch's)."""
+    """``torch`` as a delivery module sees it on a rank whose memory ran out: every allocation of at least
+    ``refused`` bytes fails, as a CUDA allocation does under NCCL (everything else is torch's)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, refused: int) -> None:
+        self.refused = refused
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
     def empty(self, *size: Any, **kwargs: Any) -> torch.Tensor:
         flat = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
-        if kwargs.get("dtype") is self.dtype and any(int(n) for n in flat):
+        itemsize = (kwargs.get("dtype") or torch.get_default_dtype()).itemsize
+        if math.prod(int(n) for n in flat) * itemsize >= self.refused:
             raise torch.OutOfMemoryError(f"{MEMORY_TEXT} on rank {dist.get_rank()}")
         return torch.empty(*size, **kwargs)
 
 
 @contextlib.contextmanager
 def _memory_runs_out(planner: str | None) -> Iterator[None]:
-    """``alloc-fails``: read_once's receive buffers; ``staging-fails``: slice delivery's cast staging."""
+    """``alloc-fails``: read_once's receive buffers (any); ``staging-fails``: slice delivery's buffers of 64 KiB
+    and more (a cast's staging of the 512 KiB tensor, and a buffer to drain its payload into)."""
     from dcp_storage.strategies import read_once_exchange, slice_delivery
 
-    module, dtype = {
-        "alloc-fails": (read_once_exchange, torch.uint8),
-        "staging-fails": (slice_delivery, torch.float32),
-    }.get(planner or "", (None, None))
+    module, refused = {
+        "alloc-fails": (read_once_exchange, 1),
+        "staging-fails": (slice_delivery, 64 << 10),
+    }.get(planner or "", (None, 0))
     if module is not None:
-        module.torch = _NoMemory(dtype)  # type: ignore[attr-defined]
+        module.torch = _NoMemory(refused)  # type: ignore[attr-defined]
     try:
         yield
     finally:
