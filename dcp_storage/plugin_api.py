@@ -100,9 +100,9 @@ from dcp_storage.transports import (
     TransportConfig,
     TransportCounters,
     is_transient,
+    open_transport,
 )
 from dcp_storage.transports.base import BaseTransport, holds
-from dcp_storage.transports.factory import open_transport
 from dcp_storage.transports.guards import RangeMismatchError, VersionPins, range_mismatch
 from dcp_storage.transports.protocol import WorkerPool, resolve_config
 from dcp_storage.transports.ranges import FetchGroup, LocalRuns, RangeRun, plan_fetches

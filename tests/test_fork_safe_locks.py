@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     import os, sys, threading
     from dcp_storage.formats import commit_lease
     from dcp_storage.transports import local
-    from dcp_storage.transports.factory import open_transport
+    from dcp_storage.transports import open_transport
 
     transport, root = open_transport(sys.argv[1])
     locks = {

@@ -123,7 +123,7 @@ def test_one_coordinator_reads_and_sends() -> None:
 def test_one_read_strategy_wiring() -> None:
     """Every format's reader composes the same read-strategy wiring; none chooses a strategy itself."""
     assert _calls("choose_read_strategy") == {"strategies/read_strategy.py"}
-    assert set(_where_named({"READ_STRATEGY_OPTION"})) == {"transports/factory.py", "strategies/read_strategy.py"}
+    assert set(_where_named({"READ_STRATEGY_OPTION"})) == {"transports/__init__.py", "strategies/read_strategy.py"}
     assert _calls("StrategyReading") == {
         "formats/dcp_native/reader.py",
         "formats/safetensors/reader.py",

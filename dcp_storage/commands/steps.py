@@ -69,7 +69,7 @@ def _positive(text: str) -> int:
 
 def _open(args: argparse.Namespace) -> Any:
     from dcp_storage.manager.steps import StepRoot  # imports the manager's layer: only when the command runs
-    from dcp_storage.transports.factory import open_transport
+    from dcp_storage.transports import open_transport
 
     transport, path = open_transport(args.root, _common.storage_options(args))
     return StepRoot(transport, path)

@@ -46,8 +46,8 @@ from dcp_storage.errors import StorageFullError, TargetError  # TargetError's ol
 from dcp_storage.formats.commit_claim import claim_location, lock_name
 from dcp_storage.formats.safetensors.write_plan import parse_size
 from dcp_storage.formats.spec import ConvertTarget, FormatSpec, WriteOptions
+from dcp_storage.transports import open_transport
 from dcp_storage.transports.access import make_output_root
-from dcp_storage.transports.factory import open_transport
 
 __all__ = ["ConvertResult", "TargetError", "convert", "dcp_to_torch_save", "infer_target", "torch_save_to_dcp"]
 

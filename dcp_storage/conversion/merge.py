@@ -27,8 +27,7 @@ from dcp_storage.conversion.source import TensorSource
 from dcp_storage.errors import CheckpointNotFoundError, CorruptCheckpointError, TargetError
 from dcp_storage.formats.dcp_native.native import METADATA_FILE
 from dcp_storage.formats.safetensors.write_plan import parse_size
-from dcp_storage.transports import Transport
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import Transport, open_transport
 
 __all__ = ["FSDP_MODEL_DIR", "merge_fsdp_weights"]
 

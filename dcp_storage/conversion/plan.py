@@ -59,9 +59,8 @@ from dcp_storage.formats.spec import (
     WrittenFile,
     registered_formats,
 )
-from dcp_storage.transports import Transport
+from dcp_storage.transports import Transport, open_transport
 from dcp_storage.transports.access import require_bucket
-from dcp_storage.transports.factory import open_transport
 
 __all__ = [
     "Destination",

@@ -78,9 +78,8 @@ from dcp_storage.formats.paths import (
     TEMP_RE,
 )
 from dcp_storage.formats.spec import Probe, best_formats, registered_formats, score_formats
-from dcp_storage.transports import TransportConfig
+from dcp_storage.transports import TransportConfig, bind_transport, open_transport
 from dcp_storage.transports.access import missing_bucket
-from dcp_storage.transports.factory import bind_transport, open_transport
 from dcp_storage.transports.guards import begin_load
 
 __all__ = [

@@ -46,9 +46,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dcp_storage.errors import CheckpointNotFoundError
-from dcp_storage.transports import Transport
+from dcp_storage.transports import Transport, open_transport
 from dcp_storage.transports.access import missing_bucket
-from dcp_storage.transports.factory import open_transport
 
 if TYPE_CHECKING:
     from dcp_storage.formats.reports import CheckpointInfo, VerifyReport

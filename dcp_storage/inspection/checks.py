@@ -65,8 +65,7 @@ from dcp_storage.formats.reports import VerifyReport, error_text
 from dcp_storage.formats.spec import FormatSpec, registered_formats
 from dcp_storage.inspection.summary import resolve_spec
 from dcp_storage.text import printable
-from dcp_storage.transports import MultipartUploads
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import MultipartUploads, open_transport
 from dcp_storage.transports.s3_upload import PendingUpload
 
 __all__ = [

@@ -57,8 +57,8 @@ from dcp_storage.manager.retention import InFlight, KeepPolicy, ReusingStager, _
 from dcp_storage.manager.steps import StepRoot
 from dcp_storage.opening import open_reader, open_writer, raising_ours, writable_format
 from dcp_storage.strategies.collectives import share_object
+from dcp_storage.transports import open_transport
 from dcp_storage.transports.access import prepare_output
-from dcp_storage.transports.factory import open_transport
 
 __all__ = ["CheckpointManager", "InFlight", "agreed", "is_coordinator"]
 

@@ -60,7 +60,7 @@ from dcp_storage.strategies.rank_agreement import check_tags, guard_finish_plan,
 from dcp_storage.strategies.read_once_exchange import run_exchange
 from dcp_storage.strategies.read_once_plan import ExchangePlan, RankInfo, ReadOnceConfig, plan_read_once
 from dcp_storage.strategies.slice_delivery import DeliveryConfig
-from dcp_storage.transports.factory import READ_STRATEGY_OPTION  # the storage option naming a reader's strategy
+from dcp_storage.transports import READ_STRATEGY_OPTION  # the storage option naming a reader's strategy
 
 __all__ = [
     "HOST_KEY_ENV",

@@ -125,7 +125,7 @@ def transport_class_for(fs: fsspec.AbstractFileSystem) -> type[FsspecTransport]:
 class FsspecTransport(PinnedReads):
     """Bytes-only access to one fsspec filesystem (the :class:`~.protocol.Transport` protocol).
 
-    Build it with :meth:`from_url` (through :func:`~.factory.open_transport`). Paths passed to its methods
+    Build it with :meth:`from_url` (through :func:`~dcp_storage.transports.open_transport`). Paths passed to its methods
     are paths of that filesystem (what ``fsspec.core.url_to_fs`` returns), joined with :meth:`join`.
     """
 

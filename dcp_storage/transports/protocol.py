@@ -25,7 +25,7 @@ The writers an fsspec transport's :meth:`~.protocol.Transport.open_atomic` yield
 The :class:`Transport` protocol: everything the core asks of a transport, and nothing more.
 
 Formats, strategies, storage classes and tools name this protocol, never a concrete transport; the
-factory (:func:`~dcp_storage.transports.factory.open_transport`) picks the implementation (the built-in
+factory (:func:`~dcp_storage.transports.open_transport`) picks the implementation (the built-in
 fsspec one, or a plugin registered under ``dcp_storage.transports``). A plugin transport implements these
 members, plus a ``from_url(url, storage_options, config) -> (transport, path)`` class method for the
 factory; :mod:`dcp_storage_testing.conformance` checks that it keeps the contract. A plugin subclassing

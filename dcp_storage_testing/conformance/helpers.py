@@ -13,7 +13,7 @@ import fsspec
 import torch
 
 from dcp_storage.errors import unwrap  # noqa: F401 - re-exported: the suite has always offered it here
-from dcp_storage.transports.factory import TRANSPORT_OPTION, open_transport
+from dcp_storage.transports import TRANSPORT_OPTION, open_transport
 from dcp_storage_testing.compare import raw_bytes as _raw
 
 

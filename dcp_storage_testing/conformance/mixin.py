@@ -39,8 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_storage import FsspecReader, FsspecWriter, SafetensorsWriter, open_reader
 from dcp_storage._torch import torch_fsspec_classes
 from dcp_storage.errors import CheckpointExistsError, CheckpointNotFoundError, DcpStorageError, FileTooLargeError
-from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig, open_transport
 from dcp_storage_testing.conformance import _rank_fns as R
 from dcp_storage_testing.conformance.helpers import (
     as_location,

@@ -4,8 +4,14 @@ Azure on azurite, and the generic fsspec transport on ``memory://``)."""
 
 from __future__ import annotations
 
-from dcp_storage.transports import AzureTransport, FsspecTransport, GcsTransport, LocalTransport, S3Transport
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import (
+    AzureTransport,
+    FsspecTransport,
+    GcsTransport,
+    LocalTransport,
+    S3Transport,
+    open_transport,
+)
 from dcp_storage_testing.conformance import TEST_CONFIG, Location
 
 EXPECTED = {

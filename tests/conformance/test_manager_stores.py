@@ -12,7 +12,7 @@ import torch
 import dcp_storage as ds
 from dcp_storage.manager.folders import step_name
 from dcp_storage.manager.steps import INDEX_FILE
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 from dcp_storage_testing.conformance import Location
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dcp_storage import registry
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 from dcp_storage_testing.conformance import Location, as_location, fsspec_knows, shown_url, stored
 
 

@@ -26,8 +26,7 @@ from dcp_storage.errors import TransportError
 from dcp_storage.formats.dcp_native.item_loader import DcpLoaderConfig
 from dcp_storage.formats.dcp_native.reader import FsspecReader
 from dcp_storage.formats.dcp_native.writer import FsspecWriter
-from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import RangeRequest, RetryPolicy, TransportConfig, open_transport
 from dcp_storage_testing.fault_proxy import BODY_FAULT_MODES, RANGE_FAULT_MODES, FaultProxy, FaultRule
 
 from .test_gcs_faults import _proxied_bucket as proxied_gs_bucket

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage.formats.dcp_native.reader import FsspecReader
 from dcp_storage.formats.dcp_native.writer import FsspecWriter
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 from dcp_storage_testing.fault_proxy import FaultRule
 
 from .test_gcs_faults import gcs_proxy, gcs_server  # noqa: F401 - fixtures used by name below

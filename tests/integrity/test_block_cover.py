@@ -18,7 +18,7 @@ from dcp_storage.formats.dcp_native.writer import FsspecWriter
 from dcp_storage.formats.reading import StoredTensor, plan_slice_read, read_slices
 from dcp_storage.integrity.blocks import BlockCover
 from dcp_storage.integrity.checksums import digest_width
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

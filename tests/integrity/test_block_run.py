@@ -14,8 +14,7 @@ from dcp_storage.errors import CorruptCheckpointError
 from dcp_storage.formats.reading import _landing
 from dcp_storage.integrity.blocks import BlockCover
 from dcp_storage.integrity.checksums import checksum
-from dcp_storage.transports import local
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import local, open_transport
 from tests.integrity._flips import assert_block_flips_refused
 
 START, FIRST, SIZE = 4096, 1000, 64 * 1024

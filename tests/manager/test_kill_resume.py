@@ -34,7 +34,7 @@ import pytest
 from crash._launcher import Zygote
 
 from dcp_storage.manager.steps import StepRoot
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 from dcp_storage_testing.s3_server import S3Location
 
 HERE = str(Path(__file__).resolve().parent)

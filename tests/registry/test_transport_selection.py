@@ -11,8 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_storage import FsspecReader, FsspecWriter, registry
 from dcp_storage.registry import PluginNotFoundError
-from dcp_storage.transports import FsspecTransport, TransportConfig
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import FsspecTransport, TransportConfig, open_transport
 
 
 class VaultTransport(FsspecTransport):

@@ -133,7 +133,7 @@ def test_strategy_choice_argument_option_and_storage_kind(tmp_path: Any) -> None
 
 def test_object_stores_default_to_read_once(moto_server: Any) -> None:
     from dcp_storage import describe
-    from dcp_storage.transports.factory import open_transport
+    from dcp_storage.transports import open_transport
 
     url, options = moto_server.new_location("ckpt", skip_instance_cache=True)
     assert FsspecReader(url, options).read_strategy.name == "read_once"

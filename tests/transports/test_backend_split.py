@@ -23,8 +23,8 @@ from dcp_storage.transports import (
     RunsRead,
     Transport,
     TransportConfig,
+    open_transport,
 )
-from dcp_storage.transports.factory import open_transport
 from dcp_storage.transports.ranges import LocalRuns, Region
 
 PACKAGE = Path(dcp_storage.__file__).parent

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_storage import FsspecReader, FsspecWriter, registry
 from dcp_storage.errors import CheckpointExistsError, DcpStorageError, TransportError
 from dcp_storage.plugin_api import BaseTransport, RetryPolicy, Transport, TransportConfig
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 from dcp_storage_testing.conformance import Location, StorageConformance, assert_state_equal, unwrap
 
 MAX_ABSTRACT = 8

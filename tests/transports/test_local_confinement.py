@@ -17,7 +17,7 @@ import pytest
 
 from dcp_storage.errors import CorruptCheckpointError
 from dcp_storage.transports import local_io as local_open
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 
 SECRET = b"S" * 4096
 

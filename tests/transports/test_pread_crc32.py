@@ -15,8 +15,7 @@ from dcp_storage.errors import CorruptCheckpointError
 from dcp_storage.formats.reading import _landing
 from dcp_storage.integrity.blocks import BlockCover
 from dcp_storage.integrity.checksums import checksum
-from dcp_storage.transports import local_io
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import local_io, open_transport
 from tests.integrity._flips import assert_block_flips_refused
 
 needs_native = pytest.mark.skipif(not local_io.native_crc32_reads(), reason="_pread_crc32 not built")

@@ -14,7 +14,7 @@ from dcp_storage_testing.forking import run_forking_script
 SCRIPT = textwrap.dedent(
     """
     import os, sys
-    from dcp_storage.transports.factory import open_transport
+    from dcp_storage.transports import open_transport
     from dcp_storage.transports.ranges import RangeRequest
 
     folder = sys.argv[1]

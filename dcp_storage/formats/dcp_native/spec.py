@@ -38,7 +38,7 @@ from dcp_storage.formats.reports import CheckpointInfo, TensorInfo, ValueInfo, f
 from dcp_storage.formats.safetensors.metadata import looks_like_safetensors
 from dcp_storage.formats.spec import HEAD_BYTES, FormatSpec, Probe
 from dcp_storage.integrity.blocks import manifest_provenance
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 
 __all__ = ["FORMAT", "NATIVE", "SAFETENSORS", "dcp_data_kind", "dcp_provenance", "describe_dcp"]
 

@@ -37,7 +37,7 @@ from dcp_storage.integrity.blocks import PIECE_BYTES, key_name, no_checksums_not
 from dcp_storage.integrity.checksums import mismatch, new_hasher
 from dcp_storage.integrity.manifest import Manifest
 from dcp_storage.text import printable
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 
 __all__ = [
     "ChecksumCheck",

@@ -49,7 +49,7 @@ from dcp_storage.formats.safetensors.metadata import (
 )
 from dcp_storage.formats.safetensors.write_plan import report_safetensors_checksums, safetensors_provenance
 from dcp_storage.formats.spec import HEAD_BYTES, FormatSpec, Probe
-from dcp_storage.transports.factory import open_transport
+from dcp_storage.transports import open_transport
 
 __all__ = ["FORMAT", "check_safetensors", "check_shard_set", "deep_check_safetensors", "describe_safetensors"]
 

@@ -58,8 +58,7 @@ from dcp_storage.strategies.coordinator_served import (
     plan_jobs,
 )
 from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats, SliceSender
-from dcp_storage.transports import Transport, TransportConfig
-from dcp_storage.transports.factory import bind_transport
+from dcp_storage.transports import Transport, TransportConfig, bind_transport
 from dcp_storage.transports.guards import begin_load
 
 __all__ = ["BroadcastingTorchSaveReader"]

@@ -72,8 +72,8 @@ from dcp_storage.formats.torch_save.pickle_tree import TensorDescriptor
 from dcp_storage.formats.torch_save.zip_index import STORED, data_starts, read_zip_index
 from dcp_storage.integrity.checksums import crc32, mismatch
 from dcp_storage.runtime import held_interrupts
+from dcp_storage.transports import open_transport
 from dcp_storage.transports.access import make_output_root
-from dcp_storage.transports.factory import open_transport
 
 __all__ = [
     "FORMAT",

@@ -97,7 +97,7 @@ def test_tensors_sharing_a_storage_in_a_value_are_read_once(tmp_path: Path) -> N
     tensor 10,000 times (a few bytes of pickle each) made ``value_bytes`` read and hold 10 GiB, on the
     coordinator of ``BroadcastingTorchSaveReader`` and in ``convert``."""
     from dcp_storage.formats.torch_save import TorchSaveArchive
-    from dcp_storage.transports.factory import bind_transport
+    from dcp_storage.transports import bind_transport
 
     state = _views_of_one_storage()
     path = tmp_path / "views.pt"
