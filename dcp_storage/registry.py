@@ -30,6 +30,7 @@ from importlib import metadata as importlib_metadata
 from typing import Any
 
 from dcp_storage.errors import DcpStorageError
+from dcp_storage.runtime import fork_safe
 
 __all__ = [
     "KINDS",
@@ -88,7 +89,7 @@ class PluginInfo:
 
 class _Registry:
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = fork_safe(threading.RLock())
         self._entries: dict[str, dict[str, PluginInfo]] | None = None
 
     # ------------------------------------------------------------------ discovery

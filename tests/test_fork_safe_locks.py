@@ -15,9 +15,9 @@ from dcp_storage_testing.forking import run_forking_script
 SCRIPT = textwrap.dedent(
     """
     import os, sys, threading
+    from dcp_storage import registry
     from dcp_storage.formats import commit_lease
-    from dcp_storage.transports import local
-    from dcp_storage.transports import open_transport
+    from dcp_storage.transports import fsspec_transport, local, open_transport, s3, s3_stream
 
     transport, root = open_transport(sys.argv[1])
     locks = {
@@ -30,6 +30,20 @@ SCRIPT = textwrap.dedent(
         "disk": lambda: local._disk_thread().submit(lambda: 1).result(),
         "lease": commit_lease.active_claims,
     }
+
+    def taken(lock):
+        if not lock.acquire(timeout=5):
+            os._exit(3)  # still held in the child
+        lock.release()
+
+    for name, lock in {
+        "registry": registry._REGISTRY._lock,
+        "s3 direct state": s3._STATE_LOCK,
+        "botocore loaders": s3_stream._LOADERS_LOCK,
+        "memory:// writes": fsspec_transport._MEMORY_LOCK,
+    }.items():
+        locks[name] = lock
+        uses[name] = lambda lock=lock: taken(lock)
     held, release = threading.Event(), threading.Event()
 
     def hold():

@@ -43,6 +43,7 @@ import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 
 from dcp_storage.errors import CheckpointNotFoundError, DcpStorageError, FileTooLargeError
+from dcp_storage.runtime import fork_safe
 from dcp_storage.transports.access import access_errors
 from dcp_storage.transports.base import holds
 from dcp_storage.transports.guards import (
@@ -78,7 +79,7 @@ __all__ = [
 # Classes are typed ``type`` here: this module imports nothing of the base (which imports it).
 _BACKENDS: list[type] = []
 _T = TypeVar("_T", bound=type)
-_MEMORY_LOCK = threading.Lock()  # conditional writes to memory:// (process-wide, as its store is)
+_MEMORY_LOCK = fork_safe(threading.Lock())  # conditional writes to memory:// (process-wide, as its store is)
 
 
 def builtin_backend(cls: _T) -> _T:

@@ -18,8 +18,7 @@ rules, credentials, signature) and leaves it at its ``before-send`` event, unsen
 where that client sends alone (http/https, no proxy, no client certificate, one attempt per call; TLS with the
 context aiobotocore builds). Answers go through botocore's parser (errors, listings) and s3fs's translation; a
 bucket in another region is left to botocore's redirector. A load never starts aiobotocore's HTTP session (its
-first request: 50-100 ms more). ``DCP_STORAGE_S3_DIRECT=0`` turns this off.
-"""
+first request: 50-100 ms more). ``DCP_STORAGE_S3_DIRECT=0`` turns this off."""
 
 from __future__ import annotations
 
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_storage.errors import FileTooLargeError
+from dcp_storage.runtime import fork_safe
 from dcp_storage.transports import s3_upload
 from dcp_storage.transports.fsspec_transport import FsspecTransport, builtin_backend
 from dcp_storage.transports.guards import (
@@ -200,7 +200,7 @@ class _Direct:
 
 
 _STATE: weakref.WeakKeyDictionary[Any, _Direct] = weakref.WeakKeyDictionary()
-_STATE_LOCK = threading.Lock()
+_STATE_LOCK = fork_safe(threading.Lock())
 
 
 def direct_range(

@@ -37,6 +37,7 @@ from typing import Any
 from fsspec.asyn import sync
 
 from dcp_storage.errors import FileTooLargeError, StorageOptionsError
+from dcp_storage.runtime import fork_safe
 from dcp_storage.transports.guards import (
     ListingBound,
     RangeMismatchError,
@@ -125,7 +126,7 @@ def client_ready(fs: Any, url: str = "") -> None:
 
 
 _LOADERS: dict[Any, Any] = {}  # botocore data loaders by data path, shared by the S3 clients of this process
-_LOADERS_LOCK = threading.Lock()
+_LOADERS_LOCK = fork_safe(threading.Lock())
 
 
 def share_loader(fs: Any) -> None:
