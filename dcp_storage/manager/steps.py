@@ -340,23 +340,6 @@ class StepRoot:
                 _log.warning(
                     "%s: deleting steps %s the killed save's retention drops failed: %s", self.root, doomed, exc
                 )
-        index.deleting = list(doomed)  # one write: the reconciled index and the steps retention no longer keeps
-        for step in doomed:
-            index.steps.pop(step, None)
-            index.metrics.pop(step, None)
-        write_index(self.transport, self.root, index)
-        self._remove_stale_index_temps()
-        if doomed:
-            try:
-                for step in doomed:
-                    self.remove_step(step)
-                index.deleting = []
-                write_index(self.transport, self.root, index)
-            except Exception as exc:  # noqa: BLE001 - named as being deleted: the next start finishes it
-                _log.warning(
-                    "%s: deleting steps %s the killed save's retention drops failed: %s", self.root, doomed, exc
-                )
-        return report
 
     def _remove_stale_index_temps(self, older_than: float = 60.0) -> None:
         """Local disks: the temp files of index writes killed before their rename (one per killed job, never
