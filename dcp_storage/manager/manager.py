@@ -20,9 +20,9 @@ Call order (every rank calls every method, in the same order, as with ``dcp.save
    loaded in place by ``dcp.load``: at any world size, resharded.
 3. ``save(step, state)`` every step: saves when ``step % save_interval_steps == 0`` or ``force=True``.
    It first waits for the save before (at most one in flight) and raises that save's error if it failed.
-   Async, the call blocks only while the state is copied to host memory (:class:`~.retention.ReusingStager`); the write, the
-   commit, the index and the retention run in the background. Deletion starts only once the new step is
-   durable.
+   Async, the call blocks only while the state is copied to host memory
+   (:class:`~.retention.ReusingStager`); the write, the commit, the index and the retention run in the
+   background. Deletion starts only once the new step is durable.
 4. ``wait()`` / ``close()`` at the end: until the last save is durable, raising its error.
 
 Who touches storage: each rank writes its own data (the writer's job); the coordinator alone lists,

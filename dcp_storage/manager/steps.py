@@ -33,9 +33,9 @@ The coordinator's view of a root (latest step, recovery, commit, retention, dele
 * a step the index names counts only with its commit marker (checked at recovery for the newest steps, and
   by retention for those it keeps): a marker deleted by hand makes the step torn, never one kept in place
   of the last good steps;
-* a torn folder is removed unless a live save holds it (:func:`~.retention.held_by_live_save`), and only if everything in it is
-  what a save leaves (:func:`save_leftovers_only`): a ``step-N`` folder holding anything else is another
-  tool's (torchtitan names its folders so too) and is left alone.
+* a torn folder is removed unless a live save holds it (:func:`~.retention.held_by_live_save`), and only if
+  everything in it is what a save leaves (:func:`~.folders.save_leftovers_only`): a ``step-N`` folder holding
+  anything else is another tool's (torchtitan names its folders so too) and is left alone.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ __all__ = ["Cleanup", "INDEX_FILE", "INDEX_LIMIT", "StepIndex", "StepRoot", "rea
 
 
 VERIFIED_AT_START = 16  # the newest steps whose commit markers recovery checks (the index is a cache)
-INDEX_FILE = ".dcp_storage_steps.json"  # at the root: the cache of the complete steps (see .index)
+INDEX_FILE = ".dcp_storage_steps.json"  # at the root: the cache of the complete steps (see above)
 
 
 KIND = "dcp-storage-steps/1"
