@@ -75,7 +75,7 @@ from dcp_storage.fsdp.scatter import agree, scatter_full_state_dict
 from dcp_storage.opening import detect_format, open_reader
 from dcp_storage.planners import DtypePolicy, IncompatibleKeysError, RemappingLoadPlanner
 from dcp_storage.planners.key_map import format_keys
-from dcp_storage.strategies.collectives import GroupView, group_view, share_object
+from dcp_storage.strategies.collectives import RANK_FAILURES, GroupView, group_view, share_object
 from dcp_storage.strategies.slice_delivery import DeliveryConfig, DeliveryStats
 
 __all__ = ["load_full_state_dict", "materialize_meta", "non_persistent_buffers"]
@@ -262,7 +262,7 @@ def load_full_state_dict(
             failure: BaseException | None = None
             try:
                 materialize_meta(model, device)
-            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+            except RANK_FAILURES as exc:  # raised on every rank by agree()
                 failure = exc
             agree(failure, view)
             state_dict, needs_load = stack.enter_context(model_state_dict(model))

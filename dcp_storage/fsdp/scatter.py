@@ -32,7 +32,7 @@ from dcp_storage.errors import DcpStorageError, ShapeMismatchError
 from dcp_storage.fsdp.local_shards import Entry, FullStateDictKeysError, LocalShards, clean_key
 from dcp_storage.planners.column_plan import DtypePolicy
 from dcp_storage.planners.key_map import DtypeMismatchError, ValueTypeMismatchError, format_keys
-from dcp_storage.strategies.collectives import GroupView, decode_error, encode_error, share_object
+from dcp_storage.strategies.collectives import RANK_FAILURES, GroupView, decode_error, encode_error, share_object
 from dcp_storage.strategies.slice_delivery import (
     DeliveryConfig,
     DeliveryStats,
@@ -64,7 +64,7 @@ def scatter_full_state_dict(
     try:
         local = describe()
         report: tuple[str, Any] = ("ok", local.entries)
-    except Exception as exc:  # noqa: BLE001 - reported to rank 0, raised on every rank
+    except RANK_FAILURES as exc:  # reported to rank 0, raised on every rank
         local_error = exc
         report = ("error", encode_error(exc, view.rank))
 
@@ -90,7 +90,7 @@ def scatter_full_state_dict(
             _send(full_sd, pairs, [entries for _kind, entries in reports], local, view, stats, config)
         else:
             _receive(local, view, stats)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+    except RANK_FAILURES as exc:  # every rank must learn of it
         failure = exc
     agree(failure, view)
     return local

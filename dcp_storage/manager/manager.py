@@ -56,7 +56,8 @@ from dcp_storage.manager.folders import scan_step, step_name
 from dcp_storage.manager.retention import InFlight, KeepPolicy, ReusingStager, _is_stateful
 from dcp_storage.manager.steps import StepRoot
 from dcp_storage.opening import open_reader, open_writer, raising_ours, writable_format
-from dcp_storage.strategies.collectives import share_object
+from dcp_storage.strategies.collectives import RANK_FAILURES, group_view, share_object
+from dcp_storage.strategies.rank_agreement import agree
 from dcp_storage.transports import open_transport
 from dcp_storage.transports.access import prepare_output
 
@@ -259,8 +260,12 @@ class CheckpointManager:
             self._complete.add(step)
             return True
         if self.async_mode == "thread":
-            flat = {k: v.state_dict() if _is_stateful(v) else v for k, v in app.items()}
-            staged = self._stager.stage(flat)  # the only part the training loop waits for
+            staged, failure = None, None
+            try:  # the only part the training loop waits for; one rank out of host memory: no rank saves
+                staged = self._stager.stage({k: v.state_dict() if _is_stateful(v) else v for k, v in app.items()})
+            except RANK_FAILURES as exc:
+                failure = exc
+            agree(group_view(self._group), failure)
             self._inflight.submit(step, lambda: self._run_save(step, staged, writer, checked))
             return True
         return self._submit_process_save(step, app, writer, checked)

@@ -56,6 +56,7 @@ bytes of another checkpoint): a silent mix of two checkpoints. DCP gathers that 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import os
@@ -65,12 +66,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_storage._torch import current_call, object_coll_device
 from dcp_storage.errors import DcpStorageError, LocationMismatchError, RankMismatchError
 from dcp_storage.registry import import_target
 
 __all__ = [
+    "RANK_FAILURES",
     "GroupView",
     "SOLO",
     "decode_error",
@@ -85,6 +88,11 @@ __all__ = [
     "working_alone",
     "works_alone",
 ]
+
+#: What a rank reports to its peers before raising, so that none of them is left in a collective it skips:
+#: every ``Exception``, and the ``BaseException``s raised for a failure (torch's ``CheckpointException``,
+#: asyncio's ``CancelledError``). An interrupt or an exit is not caught: the job is ending.
+RANK_FAILURES: tuple[type[BaseException], ...] = (Exception, CheckpointException, asyncio.CancelledError)
 
 
 @dataclass(frozen=True)
@@ -203,7 +211,7 @@ def share_object(
         try:
             value = fn()
             payload = pickle.dumps(("ok", (value, location, kind)), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+        except RANK_FAILURES as exc:  # every failure must reach the other ranks
             error = exc
             payload = pickle.dumps(("error", encode_error(exc, view.rank)), protocol=pickle.HIGHEST_PROTOCOL)
         box: list[Any] = [payload]
@@ -268,7 +276,11 @@ def encode_error(exc: BaseException, rank: int) -> dict[str, Any]:
     """A plain-data description of ``exc`` for :func:`decode_error` on another rank."""
     cls = type(exc)
     attrs = {k: v for k, v in vars(exc).items() if _plain(v) and not k.startswith("_")}
-    return {"module": cls.__module__, "qualname": cls.__qualname__, "message": str(exc), "attrs": attrs, "rank": rank}
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - an error whose __str__ fails must still reach the other ranks
+        message = f"{cls.__qualname__} (its message could not be formed)"
+    return {"module": cls.__module__, "qualname": cls.__qualname__, "message": message, "attrs": attrs, "rank": rank}
 
 
 def _plain(value: Any, depth: int = 0) -> bool:

@@ -40,6 +40,7 @@ import torch
 from dcp_storage._torch import current_call
 from dcp_storage.errors import RankMismatchError
 from dcp_storage.strategies.collectives import (
+    RANK_FAILURES,
     GroupView,
     decode_error,
     encode_error,
@@ -56,8 +57,14 @@ _ABSENT = object()
 
 
 def agree(view: GroupView, failure: BaseException | None) -> None:
-    """Every rank raises if any rank failed: its own error, or the first failed rank's (collective)."""
+    """Every rank raises if any rank failed: its own error, or the first failed rank's (collective; a single
+    process just raises its own)."""
     import torch.distributed as dist
+
+    if not view.distributed or view.world == 1:
+        if failure is not None:
+            raise failure
+        return
 
     flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64, device=view.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=view.group)
@@ -108,7 +115,7 @@ class _FinishPlanGuard:
             final = finish(central_plan)
             if self.check is not None:
                 self.check(central_plan, final, view)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
+        except RANK_FAILURES as exc:  # every rank must hear of it, then it is raised
             failure = exc
         agree(view, failure)
         return final

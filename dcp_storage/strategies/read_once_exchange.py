@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from dcp_storage.errors import DcpStorageError
 from dcp_storage.runtime import host_buffer
-from dcp_storage.strategies.collectives import GroupView
+from dcp_storage.strategies.collectives import RANK_FAILURES, GroupView
 from dcp_storage.strategies.rank_agreement import agree as _agree
 from dcp_storage.strategies.read_once_plan import ExchangePlan, RoundPlan, nbytes_of
 from dcp_storage.strategies.slice_delivery import StandInPlanner, checked_destination
@@ -79,7 +79,7 @@ def run_exchange(
             first = [items[i] for i in exchange.solo] + [items[i] for i in sorted(in_place)]
             if first:
                 read_items(first, router)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it (see _agree)
+        except RANK_FAILURES as exc:  # every rank must hear of it (see _agree)
             failure = exc
     _agree(view, failure)
     for number in range(exchange.round_count):
@@ -91,7 +91,7 @@ def run_exchange(
                 if staged:  # slices read for others through staging: one round's worth at a time
                     read_items(staged, router)
                 ready = _Round(part, router, items, planner, stored, view)
-            except Exception as exc:  # noqa: BLE001 - as above: nothing is posted until every rank is ready
+            except RANK_FAILURES as exc:  # as above: nothing is posted until every rank is ready
                 failure = exc
         _agree(view, failure)
         if ready is not None and part is not None:
@@ -283,6 +283,6 @@ class _Round:
             try:
                 raw = box[offset : offset + arrival.nbytes] if box is not None else None
                 arrival.finish(planner, raw)
-            except Exception as exc:  # noqa: BLE001 - reported once the round is over on every rank
+            except RANK_FAILURES as exc:  # reported once the round is over on every rank
                 failure = failure or exc
         return failure

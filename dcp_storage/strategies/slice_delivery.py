@@ -42,7 +42,7 @@ from dcp_storage._torch import p2p_matches_by_tag
 from dcp_storage.errors import CorruptCheckpointError, DcpStorageError, ShapeMismatchError
 from dcp_storage.formats.byte_items import VettedBytes
 from dcp_storage.runtime import writable_bytes
-from dcp_storage.strategies.collectives import GroupView, decode_error, encode_error
+from dcp_storage.strategies.collectives import RANK_FAILURES, GroupView, decode_error, encode_error
 
 __all__ = [
     "DeliveryConfig",
@@ -330,7 +330,10 @@ def receive_items(
         stats.bytes_received += nbytes
         try:
             if kind == _BYTES:
-                body = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
+                try:
+                    body = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
+                except RANK_FAILURES as exc:  # its payload is still to be drained, as for a tensor's staging
+                    raise _PayloadPending(exc) from exc
                 if nbytes:
                     _receive(body, view, src, tag)
                 if item.type != LoadItemType.BYTE_IO:
@@ -342,7 +345,7 @@ def receive_items(
             failure = failure or pending.cause
             if nbytes:
                 _receive(_drain_buffer(nbytes, pending.dest, view), view, src, tag)
-        except Exception as exc:  # noqa: BLE001 - the payload was taken; remember the first failure
+        except RANK_FAILURES as exc:  # the payload was taken; remember the first failure
             failure = failure or exc
     if failure is not None:
         raise failure

@@ -59,3 +59,29 @@ def mixed_settings(rank: int, world: int, root: str) -> dict[str, Any]:
         except ds.errors.RankMismatchError as exc:
             out[name] = {"text": str(exc), "seconds": time.monotonic() - start}
     return out
+
+
+def staging_fails_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Thread mode: copying the state to host memory fails on rank 1 only (out of memory). Every rank must
+    raise at ``save``; rank 0 used to start the background save and wait in its collectives for rank 1."""
+    import time
+
+    import dcp_storage as ds
+
+    mgr = ds.CheckpointManager(root, async_mode="thread")
+    if rank == 1:
+
+        def no_memory(_state: Any) -> Any:
+            raise torch.OutOfMemoryError("simulated out of memory while staging")
+
+        mgr._stager.stage = no_memory  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        mgr.save(1, {"w": torch.ones(4, 4)})
+        mgr.wait()
+        text = ""
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        text = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - start
+    mgr.close()
+    return {"text": text, "seconds": seconds}

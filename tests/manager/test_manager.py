@@ -640,6 +640,11 @@ def test_ranks_with_other_settings_fail_at_construction(tmp_path: Path) -> None:
         assert max(r["seconds"] for r in report.values()) < 10, report
 
 
+def test_staging_failing_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
+    for report in run_ranks(_manager_fns.staging_fails_on_one_rank, 2, str(tmp_path / "run"), timeout=120):
+        assert "simulated out of memory while staging" in report["text"] and report["seconds"] < 10, report
+
+
 def test_process_mode(tmp_path: Path) -> None:
     results = run_ranks(_manager_fns.process_mode, 2, str(tmp_path / "run"), timeout=300)
     assert results[0] == results[1] == {"all": [2], "restored": 2, "value": 2.0}

@@ -24,6 +24,7 @@ SEED = 7
 FAIL_TEXT = "simulated finish_plan failure"
 DELIVERY_TEXT = "simulated delivery failure"
 MEMORY_TEXT = "simulated out of memory"
+NESTED_TEXT = "simulated nested DCP failure"
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -138,12 +139,22 @@ def _strategy(name: str) -> Any:
 
 
 def _reader(spec: str, paths: dict[str, str]) -> Any:
-    """``"broadcasting"``, ``"safetensors:<strategy>"`` or ``"<strategy>"`` (an FsspecReader)."""
+    """``"broadcasting"``, ``"broadcasting-nested-fails"`` (the wrapped reader's ``read_metadata`` raises torch's
+    ``CheckpointException``, a ``BaseException``), ``"safetensors:<strategy>"`` or ``"<strategy>"`` (an
+    FsspecReader)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from dcp_storage import FsspecReader, SafetensorsReader
     from dcp_storage.strategies import Broadcasting
 
+    class NestedFails(FsspecReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            raise CheckpointException(NESTED_TEXT, {0: (RuntimeError(NESTED_TEXT), [])})  # (error, traceback)
+
     if spec == "broadcasting":
         return Broadcasting(FsspecReader(paths["dcp"]))
+    if spec == "broadcasting-nested-fails":
+        return Broadcasting(NestedFails(paths["dcp"]))
     if spec.startswith("safetensors:"):
         return SafetensorsReader(paths["st"], read_strategy=_strategy(spec.split(":", 1)[1]))
     return FsspecReader(paths["dcp"], read_strategy=_strategy(spec))

@@ -66,6 +66,9 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {  # name: (case, text every rank
         {"readers": ["broadcasting"] * 2, "planner": "staging-fails", "rank": 1, "cast": True},
         "out of memory",
     ),
+    # The coordinator's wrapped reader raises torch's CheckpointException (a BaseException) reading the metadata
+    # it shares: the others waited in the broadcast before.
+    "broadcasting-nested-base-exception": ({"readers": ["broadcasting-nested-fails"] * 2}, F.NESTED_TEXT),
     "read_once-vs-default": ({"readers": ["read_once", "default"]}, MISMATCH),
     "default-vs-read_once": ({"readers": ["default", "read_once"]}, MISMATCH),
     "per_host-vs-read_once": ({"readers": ["per_host", "read_once"]}, MISMATCH),

@@ -29,7 +29,7 @@ from dcp_storage.errors import DcpStorageError
 from dcp_storage.formats.safetensors.encode import as_memoryview
 from dcp_storage.formats.safetensors.write_plan import ChunkWrite, PieceKey, RankWrites
 from dcp_storage.integrity.checksums import checksum
-from dcp_storage.strategies.collectives import GroupView
+from dcp_storage.strategies.collectives import RANK_FAILURES, GroupView
 
 __all__ = ["ChunkBytes", "ChunkSource", "RemoteChunkError", "exchange_digests", "send_chunks"]
 
@@ -56,7 +56,7 @@ def exchange_digests(
         try:
             for cw in rw.chunks.values():
                 mine[(cw.fqn, cw.offsets)] = checksum(as_memoryview(chunk_bytes(cw).cpu()), algorithm)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
+        except RANK_FAILURES as exc:  # every rank must hear of it, then it is re-raised
             failure = exc
     payload: Any = ("error", f"{type(failure).__name__}: {failure}") if failure is not None else ("ok", mine)
     gathered = [payload]
@@ -85,7 +85,7 @@ def send_chunks(view: GroupView, rw: RankWrites, chunk_bytes: ChunkBytes, failur
         if failure is None:
             try:
                 payload = chunk_bytes(rw.chunks[index]).to(device)
-            except Exception as exc:  # noqa: BLE001 - announced to the coordinator, then re-raised
+            except RANK_FAILURES as exc:  # announced to the coordinator, then re-raised
                 failure = exc
         status = _STATUS_OK if payload is not None else _STATUS_FAILED
         dist.send(torch.tensor([status], dtype=torch.uint8, device=device), group=view.group, group_dst=dst)
