@@ -60,6 +60,7 @@ from dcp_storage.formats.spec import (
 from dcp_storage.formats.torch_save.reader import BroadcastingTorchSaveReader
 from dcp_storage.formats.torch_save.spec import FORMAT as TORCH_SAVE_FORMAT
 from dcp_storage.integrity.manifest import missing_format_plugin
+from dcp_storage.strategies.collectives import share_object
 
 __all__ = [
     "DCP",
@@ -259,7 +260,20 @@ def load(state: dict[str, Any], url: str | os.PathLike[str], **options: Any) -> 
     """
     call, reader_options = _split(dict(options))
     fmt = reader_options.pop("format", None)
-    _run(lambda: open_reader(url, fmt, **reader_options), lambda r: dcp.load(state, storage_reader=r, **call), "load")
+
+    def reader() -> Any:
+        _check_format_name("load", fmt)
+        name = fmt or _shared_format(url, reader_options.get("storage_options"), call)
+        return open_reader(url, name, **reader_options)
+
+    _run(reader, lambda r: dcp.load(state, storage_reader=r, **call), "load")
+
+
+def _shared_format(url: str | os.PathLike[str], storage_options: Any, call: dict[str, Any]) -> str:
+    """The format, detected once by the coordinator for every rank of the load: a probe on each rank cost N
+    probes, and a rank whose probe failed raised alone while the others went on into the load's collectives."""
+    detect = lambda: detect_format(url, storage_options).name  # noqa: E731 - one expression, run on one rank
+    return detect() if call.get("no_dist") else share_object(detect, group=call.get("process_group"))
 
 
 def save(state: dict[str, Any], url: str | os.PathLike[str], **options: Any) -> Any:

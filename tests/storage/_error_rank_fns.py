@@ -52,3 +52,30 @@ def save_to_own_url(rank: int, world: int, root: str, writer: str) -> dict[str, 
         inner = ds.errors.unwrap(exc)
         return {"type": type(inner).__name__, "text": str(inner)}
     return {"type": None}
+
+
+def ds_load_probe_failing_on(rank: int, world: int, url: str, bad_rank: int) -> dict[str, Any]:
+    """``ds.load`` without ``format=`` where probing the URL fails on ``bad_rank`` only (a storage error that
+    outlived its retries): the coordinator detects the format for every rank, so only its probe counts."""
+    import time
+
+    from dcp_storage import opening
+    from dcp_storage.errors import TransportError
+
+    real = opening.probe_or_refuse
+
+    def probe(*args: Any, **kwargs: Any) -> Any:
+        if rank == bad_rank:
+            raise TransportError(f"simulated storage error probing on rank {rank}")
+        return real(*args, **kwargs)
+
+    opening.probe_or_refuse = probe  # type: ignore[assignment]
+    start = time.monotonic()
+    try:
+        state = {"w": torch.zeros(8)}
+        ds.load(state, url)
+        return {"error": None, "loaded": state["w"].tolist(), "seconds": time.monotonic() - start}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    finally:
+        opening.probe_or_refuse = real  # type: ignore[assignment]

@@ -97,6 +97,18 @@ def test_a_failure_on_one_rank_is_ours_on_every_rank(tmp_path: Path) -> None:
         assert report == {"outer": "CheckpointException", "inner": "IncompatibleKeysError", "ours": True}, report
 
 
+def test_the_format_is_detected_once_for_every_rank(tmp_path: Path) -> None:
+    """``ds.load`` without ``format=``: a probe failing on the coordinator fails every rank at once (each rank
+    probed before, and one whose probe failed left the others in the load's collectives until the timeout);
+    one failing on another rank is never made."""
+    url = str(tmp_path / "ckpt")
+    ds.save({"w": torch.arange(8.0)}, url)
+    for report in run_ranks(R.ds_load_probe_failing_on, 2, url, 0, timeout=120):
+        assert "simulated storage error probing on rank 0" in report["error"] and report["seconds"] < 10, report
+    for report in run_ranks(R.ds_load_probe_failing_on, 2, url, 1, timeout=120):
+        assert report["error"] is None and report["loaded"] == list(range(8)), report
+
+
 def test_unwrap_leaves_other_exceptions_alone() -> None:
     error = ValueError("x")
     assert ds.errors.unwrap(error) is error
