@@ -263,17 +263,19 @@ def load(state: dict[str, Any], url: str | os.PathLike[str], **options: Any) -> 
 
     def reader() -> Any:
         _check_format_name("load", fmt)
-        name = fmt or _shared_format(url, reader_options.get("storage_options"), call)
+        name = _shared_format(url, fmt, reader_options.get("storage_options"), call)
         return open_reader(url, name, **reader_options)
 
     _run(reader, lambda r: dcp.load(state, storage_reader=r, **call), "load")
 
 
-def _shared_format(url: str | os.PathLike[str], storage_options: Any, call: dict[str, Any]) -> str:
-    """The format, detected once by the coordinator for every rank of the load: a probe on each rank cost N
-    probes, and a rank whose probe failed raised alone while the others went on into the load's collectives."""
-    detect = lambda: detect_format(url, storage_options).name  # noqa: E731 - one expression, run on one rank
-    return detect() if call.get("no_dist") else share_object(detect, group=call.get("process_group"))
+def _shared_format(url: str | os.PathLike[str], fmt: str | None, storage_options: Any, call: dict[str, Any]) -> str:
+    """The format: this rank's ``format=``, else the coordinator's (its own ``format=``, or detected once for every
+    rank of the load). Every rank takes part, whatever it passed: a probe on each rank cost N probes, and a rank
+    whose probe failed raised alone while the others went on into the load's collectives."""
+    shared = lambda: fmt or detect_format(url, storage_options).name  # noqa: E731 - run on the coordinator
+    coordinators = shared() if call.get("no_dist") else share_object(shared, group=call.get("process_group"))
+    return fmt or coordinators
 
 
 def save(state: dict[str, Any], url: str | os.PathLike[str], **options: Any) -> Any:

@@ -248,9 +248,15 @@ class CheckpointManager:
                 f"{step} into it would mix them with the checkpoint, and retention would later delete them with it; "
                 "move that folder away (then make the manager again) or save under another step"
             )
-        app = _app_state(state)
-        url = self._step_url(step)
-        writer = self._make_writer(url)
+        staged, failure = None, None
+        try:  # one rank unable to start this save (its state, out of host memory): no rank starts it
+            app = _app_state(state)
+            writer = self._make_writer(self._step_url(step))
+            if self.async_mode == "thread":  # the only part the training loop waits for
+                staged = self._stager.stage({k: v.state_dict() if _is_stateful(v) else v for k, v in app.items()})
+        except RANK_FAILURES as exc:
+            failure = exc
+        agree(group_view(self._group), failure)  # else the others would wait in the save's collectives
         if self.async_mode is None:
             try:
                 self._run_save(step, app, writer, checked)
@@ -260,12 +266,6 @@ class CheckpointManager:
             self._complete.add(step)
             return True
         if self.async_mode == "thread":
-            staged, failure = None, None
-            try:  # the only part the training loop waits for; one rank out of host memory: no rank saves
-                staged = self._stager.stage({k: v.state_dict() if _is_stateful(v) else v for k, v in app.items()})
-            except RANK_FAILURES as exc:
-                failure = exc
-            agree(group_view(self._group), failure)
             self._inflight.submit(step, lambda: self._run_save(step, staged, writer, checked))
             return True
         return self._submit_process_save(step, app, writer, checked)

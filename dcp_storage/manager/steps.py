@@ -324,22 +324,12 @@ class StepRoot:
         report.deleted = doomed
         if dry:
             return
-        index.deleting = list(doomed)  # one write: the reconciled index and the steps retention no longer keeps
-        for step in doomed:
-            index.steps.pop(step, None)
-            index.metrics.pop(step, None)
-        write_index(self.transport, self.root, index)
+        self._mark_deleting(doomed)  # one write: the reconciled index and the steps retention no longer keeps
         self._remove_stale_index_temps()
-        if doomed:
-            try:
-                for step in doomed:
-                    self.remove_step(step)
-                index.deleting = []
-                write_index(self.transport, self.root, index)
-            except Exception as exc:  # noqa: BLE001 - named as being deleted: the next start finishes it
-                _log.warning(
-                    "%s: deleting steps %s the killed save's retention drops failed: %s", self.root, doomed, exc
-                )
+        try:
+            self._remove_marked(doomed)
+        except Exception as exc:  # noqa: BLE001 - named as being deleted: the next start finishes it
+            _log.warning("%s: deleting steps %s the killed save's retention drops failed: %s", self.root, doomed, exc)
 
     def _remove_stale_index_temps(self, older_than: float = 60.0) -> None:
         """Local disks: the temp files of index writes killed before their rename (one per killed job, never
@@ -425,18 +415,26 @@ class StepRoot:
         """Delete these complete steps: named in the index as being deleted first (in the one write that also
         records any change made to the index before), so a delete killed half way is finished by the next
         recovery; returns them."""
+        self._mark_deleting(doomed)
+        self._remove_marked(doomed)
+        return doomed
+
+    def _mark_deleting(self, doomed: list[int]) -> None:
+        """Write the index with ``doomed`` out of its steps and named as being deleted: before the first byte goes."""
         self.index.deleting = list(doomed)
         for step in doomed:
             self.index.steps.pop(step, None)
             self.index.metrics.pop(step, None)
-        write_index(self.transport, self.root, self.index)  # before the first byte goes
+        write_index(self.transport, self.root, self.index)
+
+    def _remove_marked(self, doomed: list[int]) -> None:
+        """Remove the steps :meth:`_mark_deleting` named, then the mark."""
         if not doomed:
-            return doomed
+            return
         for step in doomed:
             self.remove_step(step)
         self.index.deleting = []
         write_index(self.transport, self.root, self.index)
-        return doomed
 
     def remove_step(self, step: int) -> None:
         """Delete one step folder, its commit marker first."""

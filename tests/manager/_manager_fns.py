@@ -62,22 +62,32 @@ def mixed_settings(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def staging_fails_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Thread mode: copying the state to host memory fails on rank 1 only (out of memory). Every rank must
-    raise at ``save``; rank 0 used to start the background save and wait in its collectives for rank 1."""
-    import time
-
+    """A save that rank 1 alone cannot start: in thread mode copying the state to host memory fails (out of
+    memory), without a thread its state is not one. Every rank must raise at ``save``; rank 0 used to start
+    the save and wait in its collectives for rank 1."""
     import dcp_storage as ds
 
-    mgr = ds.CheckpointManager(root, async_mode="thread")
-    if rank == 1:
+    out = {}
+    for mode in ("thread", None):
+        mgr = ds.CheckpointManager(f"{root}-{mode}", async_mode=mode)
+        if rank == 1:
 
-        def no_memory(_state: Any) -> Any:
-            raise torch.OutOfMemoryError("simulated out of memory while staging")
+            def no_memory(_state: Any) -> Any:
+                raise torch.OutOfMemoryError("simulated out of memory while staging")
 
-        mgr._stager.stage = no_memory  # type: ignore[method-assign]
+            mgr._stager.stage = no_memory  # type: ignore[method-assign]
+        # without a thread, nothing is staged: a state that cannot be saved on rank 1 only fails there first
+        state: Any = {"w": torch.ones(4, 4)} if mode == "thread" or rank == 0 else ["not a state dict"]
+        out[str(mode)] = _save_once(mgr, state)
+    return out
+
+
+def _save_once(mgr: Any, state: Any) -> dict[str, Any]:
+    import time
+
     start = time.monotonic()
     try:
-        mgr.save(1, {"w": torch.ones(4, 4)})
+        mgr.save(1, state)
         mgr.wait()
         text = ""
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

@@ -642,7 +642,9 @@ def test_ranks_with_other_settings_fail_at_construction(tmp_path: Path) -> None:
 
 def test_staging_failing_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
     for report in run_ranks(_manager_fns.staging_fails_on_one_rank, 2, str(tmp_path / "run"), timeout=120):
-        assert "simulated out of memory while staging" in report["text"] and report["seconds"] < 10, report
+        thread, sync = report["thread"], report["None"]
+        assert "simulated out of memory while staging" in thread["text"] and thread["seconds"] < 10, report
+        assert "state must be a state dict" in sync["text"] and sync["seconds"] < 10, report
 
 
 def test_process_mode(tmp_path: Path) -> None:

@@ -79,3 +79,10 @@ def ds_load_probe_failing_on(rank: int, world: int, url: str, bad_rank: int) -> 
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
     finally:
         opening.probe_or_refuse = real  # type: ignore[assignment]
+
+
+def ds_load_format_on_one_rank(rank: int, world: int, url: str) -> list[float]:
+    """``ds.load`` with ``format="dcp"`` on rank 0 only: every rank still takes part in sharing the format."""
+    state = {"w": torch.zeros(8)}
+    ds.load(state, url, **({"format": "dcp"} if rank == 0 else {}))
+    return state["w"].tolist()

@@ -107,6 +107,7 @@ def test_the_format_is_detected_once_for_every_rank(tmp_path: Path) -> None:
         assert "simulated storage error probing on rank 0" in report["error"] and report["seconds"] < 10, report
     for report in run_ranks(R.ds_load_probe_failing_on, 2, url, 1, timeout=120):
         assert report["error"] is None and report["loaded"] == list(range(8)), report
+    assert run_ranks(R.ds_load_format_on_one_rank, 2, url, timeout=120) == [list(map(float, range(8)))] * 2
 
 
 def test_unwrap_leaves_other_exceptions_alone() -> None:
