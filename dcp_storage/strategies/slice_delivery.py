@@ -405,7 +405,7 @@ def _receive_tensor(
         dest = checked_destination(planner, item)
         direct = dest.device == view.device and dest.dtype == dtype and dest.is_contiguous()
         target = dest if direct or not nbytes else torch.empty(lengths, dtype=dtype, device=view.device)
-    except Exception as exc:  # staging that cannot be allocated included: the payload is still drained
+    except RANK_FAILURES as exc:  # staging that cannot be allocated included: the payload is still drained
         raise _PayloadPending(exc, dest) from exc
     if nbytes:
         _receive(target.reshape(-1).view(torch.uint8), view, src, tag)
